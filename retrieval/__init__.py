@@ -1,0 +1,1 @@
+"""chatkv.retrieval: chunking, embeddings, FAISS index, context assembly (later issue)."""
