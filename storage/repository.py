@@ -1,0 +1,550 @@
+"""The conversation store: conversations, their messages and KV-snapshot records.
+
+``Store`` is the only way the rest of chatkv touches the database. Contracts:
+
+- every method returns plain frozen dataclasses (``ConversationInfo``,
+  ``MessageInfo``, ``SnapshotInfo``), never ORM objects, so nothing can hit a
+  detached-instance error; their dict fields are copies;
+- every write is one transaction, committed before the method returns;
+- every conversation id is validated (``[A-Za-z0-9_-]{1,64}``) before use, so an
+  id can never smuggle a path into a file name; a bad id or an unknown one
+  raises ``SessionError`` naming it;
+- timestamps are timezone-aware UTC with microseconds, and strictly increase
+  within a process (see ``_Clock``), so activity order is exact even for two
+  operations in the same microsecond;
+- snapshot files are recorded by bare file name (relative to the snapshot dir,
+  which this module knows nothing of); the caller owns the files.
+
+A ``Store`` is safe to share between threads (one Session per call).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import uuid
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Optional
+
+from sqlalchemy import Engine, func, select
+from sqlalchemy.orm import Session, defer
+
+from chatkv.errors import InvalidRequest, SessionError
+from chatkv.storage import db
+from chatkv.storage.migrations import migrate
+from chatkv.storage.models import Conversation, KVSnapshot, Message
+
+ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
+ROLES = frozenset({"system", "user", "assistant", "tool"})
+STATUSES = frozenset({"complete", "interrupted", "pending"})
+STAT_FIELDS = (
+    "prompt_tokens",
+    "cached_tokens",
+    "restored_tokens",
+    "computed_tokens",
+    "generated_tokens",
+    "ttft_ms",
+    "tokens_per_s",
+)
+_INT_STATS = frozenset(STAT_FIELDS[:5])
+
+
+# ---------------------------------------------------------------- plain data
+
+
+@dataclass(frozen=True)
+class ConversationInfo:
+    id: str
+    tenant: str
+    title: str
+    model: str
+    system_prompt: str
+    params: dict[str, Any]
+    token_count: int
+    # The canonical token history. None only in list_conversations() results,
+    # which skip loading it; get_conversation() always fills it.
+    token_ids: Optional[tuple[int, ...]]
+    created_at: datetime
+    updated_at: datetime
+    archived: bool
+
+
+@dataclass(frozen=True)
+class MessageInfo:
+    id: int
+    conversation_id: str
+    role: str
+    content: str
+    status: str
+    meta: Optional[dict[str, Any]]
+    created_at: datetime
+    prompt_tokens: Optional[int] = None
+    cached_tokens: Optional[int] = None
+    restored_tokens: Optional[int] = None
+    computed_tokens: Optional[int] = None
+    generated_tokens: Optional[int] = None
+    ttft_ms: Optional[float] = None
+    tokens_per_s: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    conversation_id: str
+    file: str
+    model_fingerprint: str
+    kv_dtype: str
+    token_count: int
+    token_hash: str
+    nbytes: int
+    created_at: datetime
+    last_used_at: datetime
+
+
+def _conversation_info(c: Conversation, with_tokens: bool = True) -> ConversationInfo:
+    return ConversationInfo(
+        id=c.id,
+        tenant=c.tenant,
+        title=c.title,
+        model=c.model,
+        system_prompt=c.system_prompt,
+        params=_copy_json(c.params) or {},
+        token_count=c.token_count,
+        token_ids=tuple(c.token_ids) if with_tokens else None,
+        created_at=c.created_at,
+        updated_at=c.updated_at,
+        archived=bool(c.archived),
+    )
+
+
+def _message_info(m: Message) -> MessageInfo:
+    return MessageInfo(
+        id=m.id,
+        conversation_id=m.conversation_id,
+        role=m.role,
+        content=m.content,
+        status=m.status,
+        meta=_copy_json(m.meta),
+        created_at=m.created_at,
+        **{name: getattr(m, name) for name in STAT_FIELDS},
+    )
+
+
+def _snapshot_info(s: KVSnapshot) -> SnapshotInfo:
+    return SnapshotInfo(
+        conversation_id=s.conversation_id,
+        file=s.file,
+        model_fingerprint=s.model_fingerprint,
+        kv_dtype=s.kv_dtype,
+        token_count=s.token_count,
+        token_hash=s.token_hash,
+        nbytes=s.nbytes,
+        created_at=s.created_at,
+        last_used_at=s.last_used_at,
+    )
+
+
+# ---------------------------------------------------------------- validation
+
+
+def check_conversation_id(conv_id: object) -> str:
+    """Return ``conv_id`` if it is 1-64 characters of ``[A-Za-z0-9_-]``, else raise SessionError."""
+    if not isinstance(conv_id, str) or not ID_PATTERN.fullmatch(conv_id):
+        raise SessionError(
+            f"invalid conversation id {conv_id!r}: it must be 1-64 characters of A-Z, a-z, 0-9, '_' or '-'"
+        )
+    return conv_id
+
+
+def _check_str(what: str, value: object, max_len: Optional[int] = None) -> str:
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{what} must be a string, got {type(value).__name__} {value!r}")
+    if max_len is not None and len(value) > max_len:
+        raise InvalidRequest(f"{what} is {len(value)} characters long; at most {max_len} allowed")
+    return value
+
+
+def _check_json(what: str, value: object) -> Any:
+    """Return a JSON round-tripped copy of ``value`` (so later mutation by the caller
+    cannot leak in), raising InvalidRequest if it is not JSON-serialisable."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as e:
+        raise InvalidRequest(f"{what} must be JSON-serialisable: {e}") from None
+
+
+def _copy_json(value: Any) -> Any:
+    return None if value is None else json.loads(json.dumps(value))
+
+
+def _check_file_name(file: object) -> str:
+    name = _check_str("snapshot file name", file, 255)
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise InvalidRequest(f"snapshot file name {file!r} must be a bare file name, not a path")
+    return name
+
+
+def _check_stats(stats: dict[str, Any], caller: str) -> dict[str, Any]:
+    unknown = set(stats) - set(STAT_FIELDS)
+    if unknown:
+        raise TypeError(f"{caller}() got unknown stats {sorted(unknown)}; known: {', '.join(STAT_FIELDS)}")
+    for name, value in stats.items():
+        if value is None:
+            continue
+        ok = isinstance(value, int) if name in _INT_STATS else isinstance(value, (int, float))
+        if not ok or isinstance(value, bool):
+            raise InvalidRequest(f"{name} must be a number, got {value!r}")
+    return stats
+
+
+def _check_tokens(token_ids: object) -> list[int]:
+    try:
+        tokens = list(token_ids)  # type: ignore[call-overload]
+    except TypeError:
+        raise InvalidRequest(f"token_ids must be a list of ints, got {type(token_ids).__name__}") from None
+    for t in tokens:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**32:
+            raise InvalidRequest(f"token_ids must hold ints in [0, 2**32), found {t!r}")
+    return tokens
+
+
+# ---------------------------------------------------------------- clock
+
+
+class _Clock:
+    """UTC now, made strictly increasing (by at least 1 µs per call) within the process.
+
+    Seeded from the database on open, so order also survives a restart whose
+    wall clock stepped back a little.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last = datetime.min.replace(tzinfo=timezone.utc)
+
+    def wall(self) -> datetime:  # separate, so tests can freeze the wall clock
+        return datetime.now(timezone.utc)
+
+    def now(self) -> datetime:
+        with self._lock:
+            t = max(self.wall(), self._last + timedelta(microseconds=1))
+            self._last = t
+            return t
+
+    def seed(self, t: Optional[datetime]) -> None:
+        if t is not None:
+            with self._lock:
+                self._last = max(self._last, t)
+
+
+CLOCK = _Clock()
+
+
+# ---------------------------------------------------------------- the store
+
+
+class Store:
+    """The conversation database. Open with ``Store.open()``; close with ``close()``."""
+
+    def __init__(self, engine: Engine, migrated: bool = False) -> None:
+        self.engine = engine
+        self.migrated = migrated  # whether open() had to run a migration
+        self._read = db.read_sessions(engine)
+        self._write = db.write_sessions(engine)
+        self._closed = False
+        with self._read() as s:
+            CLOCK.seed(s.scalar(select(func.max(Conversation.updated_at))))
+            CLOCK.seed(s.scalar(select(func.max(KVSnapshot.last_used_at))))
+
+    @classmethod
+    def open(cls, url: Optional[str] = None, data_dir: Optional[Path] = None) -> Store:
+        """Open (creating and migrating as needed) the database at ``url``.
+
+        ``url`` defaults to ``sqlite:///<data_dir>/chatkv.db``, ``data_dir`` to
+        ``chatkv.paths.data_dir()``. A SQLite file is created with mode 0600.
+        """
+        if url is None:
+            url = db.default_url(data_dir)
+        engine = db.make_engine(url)
+        try:
+            migrated = migrate(engine)
+            return cls(engine, migrated)
+        except BaseException:
+            engine.dispose()
+            raise
+
+    def close(self) -> None:
+        """Release every connection. The Store is unusable afterwards."""
+        self._closed = True
+        self.engine.dispose()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------- sessions
+
+    def _reading(self) -> Session:
+        if self._closed:
+            raise SessionError("the conversation store is closed")
+        return self._read()
+
+    def _writing(self):
+        """``with``: a write Session in one transaction, committed on success."""
+        if self._closed:
+            raise SessionError("the conversation store is closed")
+        return self._write.begin()
+
+    @staticmethod
+    def _conversation(
+        s: Session, conv_id: str, tenant: Optional[str] = None, tokens: bool = False
+    ) -> Conversation:
+        """The row, or SessionError. Its token history is loaded only if ``tokens``."""
+        options = [] if tokens else [defer(Conversation.token_ids)]
+        conv = s.get(Conversation, check_conversation_id(conv_id), options=options)
+        if conv is None or (tenant is not None and conv.tenant != tenant):
+            raise SessionError(f"unknown conversation id '{conv_id}'")
+        return conv
+
+    # -------------------------------------------------------- conversations
+
+    def create_conversation(
+        self, title: str, model: str, system_prompt: str, params: dict, tenant: str = ""
+    ) -> ConversationInfo:
+        """Create an empty conversation with a fresh id (uuid4 hex)."""
+        _check_str("title", title)
+        _check_str("model", model)
+        _check_str("system_prompt", system_prompt)
+        _check_str("tenant", tenant, 255)
+        if not isinstance(params, dict):
+            raise InvalidRequest(f"params must be a dict, got {type(params).__name__}")
+        params = _check_json("params", params)
+        with self._writing() as s:
+            now = CLOCK.now()  # taken under the write lock, so commit order == time order
+            conv = Conversation(
+                id=uuid.uuid4().hex,
+                tenant=tenant,
+                title=title,
+                model=model,
+                system_prompt=system_prompt,
+                params=params,
+                token_ids=[],
+                token_count=0,
+                created_at=now,
+                updated_at=now,
+                archived=False,
+            )
+            s.add(conv)
+            s.flush()
+            return _conversation_info(conv)
+
+    def get_conversation(self, conv_id: str, tenant: Optional[str] = None) -> ConversationInfo:
+        """The conversation, token history included. With ``tenant``, one of another
+        tenant is reported as unknown."""
+        with self._reading() as s:
+            return _conversation_info(self._conversation(s, conv_id, tenant, tokens=True))
+
+    def list_conversations(
+        self, include_archived: bool = False, tenant: Optional[str] = None
+    ) -> list[ConversationInfo]:
+        """Conversations, most recent activity first (``token_ids`` not loaded: None)."""
+        q = select(Conversation).options(defer(Conversation.token_ids))
+        if not include_archived:
+            q = q.where(Conversation.archived.is_(False))
+        if tenant is not None:
+            q = q.where(Conversation.tenant == tenant)
+        q = q.order_by(Conversation.updated_at.desc(), Conversation.created_at.desc(), Conversation.id.desc())
+        with self._reading() as s:
+            return [_conversation_info(c, with_tokens=False) for c in s.scalars(q)]
+
+    def rename(self, conv_id: str, title: str) -> None:
+        _check_str("title", title)
+        with self._writing() as s:
+            self._conversation(s, conv_id).title = title
+
+    def set_archived(self, conv_id: str, archived: bool) -> None:
+        """Archive (hide from the default listing) or unarchive."""
+        with self._writing() as s:
+            self._conversation(s, conv_id).archived = bool(archived)
+
+    def delete_conversation(self, conv_id: str) -> Optional[str]:
+        """Delete the conversation, its messages and snapshot row. Returns the snapshot
+        file name the caller should now delete, or None."""
+        with self._writing() as s:
+            conv = self._conversation(s, conv_id)
+            file = s.scalar(select(KVSnapshot.file).where(KVSnapshot.conversation_id == conv.id))
+            s.delete(conv)  # messages and snapshot go by ON DELETE CASCADE
+            return file
+
+    def set_token_ids(self, conv_id: str, token_ids: list[int]) -> None:
+        """Replace the conversation's canonical token history."""
+        tokens = _check_tokens(token_ids)
+        with self._writing() as s:
+            conv = self._conversation(s, conv_id)
+            conv.token_ids = tokens
+            conv.token_count = len(tokens)
+
+    def touch(self, conv_id: str) -> None:
+        """Mark activity now (moves the conversation to the top of the list)."""
+        with self._writing() as s:
+            self._conversation(s, conv_id).updated_at = CLOCK.now()
+
+    # -------------------------------------------------------- messages
+
+    def add_message(
+        self,
+        conv_id: str,
+        role: str,
+        content: str,
+        status: str = "complete",
+        meta: Optional[dict] = None,
+        **stats: Any,
+    ) -> MessageInfo:
+        """Append a message (stats: prompt_tokens, cached_tokens, restored_tokens,
+        computed_tokens, generated_tokens, ttft_ms, tokens_per_s) and bump the
+        conversation's activity time."""
+        if role not in ROLES:
+            raise InvalidRequest(f"unknown message role {role!r}; expected one of {sorted(ROLES)}")
+        _check_str("content", content)
+        if status not in STATUSES:
+            raise InvalidRequest(f"unknown message status {status!r}; expected one of {sorted(STATUSES)}")
+        meta = None if meta is None else _check_json("meta", meta)
+        _check_stats(stats, "add_message")
+        with self._writing() as s:
+            conv = self._conversation(s, conv_id)
+            now = CLOCK.now()
+            msg = Message(conversation_id=conv.id, role=role, content=content, status=status,
+                          meta=meta, created_at=now, **stats)
+            s.add(msg)
+            conv.updated_at = now
+            s.flush()
+            return _message_info(msg)
+
+    def update_message(
+        self,
+        message_id: int,
+        *,
+        content: Optional[str] = None,
+        status: Optional[str] = None,
+        meta: Optional[dict] = None,
+        **stats: Any,
+    ) -> MessageInfo:
+        """Change the given fields of a message (None leaves a field as it is) and
+        bump its conversation's activity time."""
+        if content is not None:
+            _check_str("content", content)
+        if status is not None and status not in STATUSES:
+            raise InvalidRequest(f"unknown message status {status!r}; expected one of {sorted(STATUSES)}")
+        if meta is not None:
+            meta = _check_json("meta", meta)
+        _check_stats(stats, "update_message")
+        with self._writing() as s:
+            msg = s.get(Message, message_id) if isinstance(message_id, int) else None
+            if msg is None:
+                raise SessionError(f"unknown message id {message_id!r}")
+            if content is not None:
+                msg.content = content
+            if status is not None:
+                msg.status = status
+            if meta is not None:
+                msg.meta = meta
+            for name, value in stats.items():
+                if value is not None:
+                    setattr(msg, name, value)
+            msg.conversation.updated_at = CLOCK.now()
+            s.flush()
+            return _message_info(msg)
+
+    def messages(self, conv_id: str) -> list[MessageInfo]:
+        """The conversation's messages, oldest first."""
+        with self._reading() as s:
+            conv = self._conversation(s, conv_id)
+            q = select(Message).where(Message.conversation_id == conv.id).order_by(Message.id)
+            return [_message_info(m) for m in s.scalars(q)]
+
+    # -------------------------------------------------------- KV snapshots
+
+    def put_snapshot(
+        self,
+        conv_id: str,
+        file: str,
+        model_fingerprint: str,
+        kv_dtype: str,
+        token_count: int,
+        token_hash: str,
+        nbytes: int,
+    ) -> SnapshotInfo:
+        """Record the conversation's current snapshot, replacing any previous row.
+
+        The caller deletes a replaced file itself (compare with ``get_snapshot``
+        first, or sweep with ``all_snapshot_files``)."""
+        _check_file_name(file)
+        _check_str("model_fingerprint", model_fingerprint, 128)
+        _check_str("kv_dtype", kv_dtype, 32)
+        _check_str("token_hash", token_hash, 128)
+        for what, n in (("token_count", token_count), ("nbytes", nbytes)):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+                raise InvalidRequest(f"{what} must be a non-negative int, got {n!r}")
+        with self._writing() as s:
+            conv = self._conversation(s, conv_id)
+            now = CLOCK.now()
+            snap = s.scalar(select(KVSnapshot).where(KVSnapshot.conversation_id == conv.id))
+            if snap is None:
+                snap = KVSnapshot(conversation_id=conv.id)
+                s.add(snap)
+            snap.file = file
+            snap.model_fingerprint = model_fingerprint
+            snap.kv_dtype = kv_dtype
+            snap.token_count = token_count
+            snap.token_hash = token_hash
+            snap.nbytes = nbytes
+            snap.created_at = now
+            snap.last_used_at = now
+            s.flush()
+            return _snapshot_info(snap)
+
+    def get_snapshot(self, conv_id: str) -> Optional[SnapshotInfo]:
+        """The conversation's snapshot record, or None if it has none."""
+        check_conversation_id(conv_id)
+        with self._reading() as s:
+            snap = s.scalar(select(KVSnapshot).where(KVSnapshot.conversation_id == conv_id))
+            return None if snap is None else _snapshot_info(snap)
+
+    def delete_snapshot(self, conv_id: str) -> Optional[str]:
+        """Forget the conversation's snapshot; returns its file name (for the caller to
+        delete), or None if there was none."""
+        check_conversation_id(conv_id)
+        with self._writing() as s:
+            snap = s.scalar(select(KVSnapshot).where(KVSnapshot.conversation_id == conv_id))
+            if snap is None:
+                return None
+            s.delete(snap)
+            return snap.file
+
+    def touch_snapshot(self, conv_id: str) -> None:
+        """Mark the snapshot used now (LRU). No-op if the conversation has none."""
+        check_conversation_id(conv_id)
+        with self._writing() as s:
+            snap = s.scalar(select(KVSnapshot).where(KVSnapshot.conversation_id == conv_id))
+            if snap is not None:
+                snap.last_used_at = CLOCK.now()
+
+    def snapshots_lru(self) -> list[SnapshotInfo]:
+        """Every snapshot record, least recently used first."""
+        with self._reading() as s:
+            q = select(KVSnapshot).order_by(KVSnapshot.last_used_at, KVSnapshot.id)
+            return [_snapshot_info(x) for x in s.scalars(q)]
+
+    def total_snapshot_bytes(self) -> int:
+        with self._reading() as s:
+            return int(s.scalar(select(func.coalesce(func.sum(KVSnapshot.nbytes), 0))) or 0)
+
+    def all_snapshot_files(self) -> set[str]:
+        """The file names of every recorded snapshot (anything else in the dir is garbage)."""
+        with self._reading() as s:
+            return set(s.scalars(select(KVSnapshot.file)))
+
