@@ -1,0 +1,35 @@
+"""Engine configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from chatkv.errors import InvalidRequest
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_blocks: int | None = None  # None: derive from kv_cache_bytes
+    kv_cache_bytes: int = 512 * 2**20
+    max_batch_tokens: int = 512  # token budget of one step (chunked prefill)
+    max_running: int = 32
+    dtype: str = "auto"  # "auto" = the model's own dtype (bfloat16 for the packaged default), or float32/bfloat16/float16
+    device: str = "cpu"
+    tenant: str = ""  # salt of the prefix-cache namespace: tenants never share KV
+    enable_prefix_caching: bool = True
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise InvalidRequest(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
+        cfg = cls(**kwargs)
+        if cfg.block_size < 1:
+            raise InvalidRequest(f"block_size must be >= 1, got {cfg.block_size}")
+        if cfg.num_blocks is not None and cfg.num_blocks < 1:
+            raise InvalidRequest(f"num_blocks must be >= 1, got {cfg.num_blocks}")
+        if cfg.max_batch_tokens < 1:
+            raise InvalidRequest(f"max_batch_tokens must be >= 1, got {cfg.max_batch_tokens}")
+        return cfg
