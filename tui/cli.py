@@ -1,0 +1,94 @@
+"""The ``chatkv`` command: a one-shot prompt or a terminal chat on the default (or any local) model.
+
+    chatkv                          # chat in the terminal (the Textual TUI comes in a later issue)
+    chatkv "What is the capital of France?"
+    chatkv --model ./my-llama-dir --temperature 0.7 "Tell me a joke"
+
+Only the public SDK is used here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from chatkv import ChatKVError
+from chatkv.engine import Engine, GenerationResult
+from chatkv.sampling import SamplingParams
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="chatkv", description="Local chat whose KV cache survives between turns.")
+    p.add_argument("prompt", nargs="?", help="ask once and exit; without it, chat interactively")
+    p.add_argument("--model", help="a local Hugging Face model directory (default: packaged SmolLM2-135M-Instruct)")
+    p.add_argument("--system", default=None, help="system prompt")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--stats", action="store_true", help="print token counts and timings after each reply")
+    return p
+
+
+def _stats(r: GenerationResult) -> str:
+    return (
+        f"[{r.prompt_tokens} prompt tokens, {r.cached_tokens} cached, {r.computed_tokens} computed, "
+        f"{r.generated_tokens} generated; TTFT {r.ttft_s * 1000:.0f} ms, {r.decode_tokens_per_s:.1f} tok/s]"
+    )
+
+
+def _reply(engine: Engine, messages: list[dict], params: SamplingParams, show_stats: bool) -> str:
+    result = None
+    for piece in engine.stream(engine.encode_chat(messages), params):
+        if isinstance(piece, GenerationResult):
+            result = piece
+        else:
+            print(piece, end="", flush=True)
+    print()
+    if show_stats and result is not None:
+        print(_stats(result), file=sys.stderr)
+    return result.text if result is not None else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        params = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
+        )
+        params.validate()
+        engine = Engine.from_pretrained(args.model, dtype=args.dtype)
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        if args.prompt is not None:
+            _reply(engine, messages + [{"role": "user", "content": args.prompt}], params, args.stats)
+            return 0
+        print("chatkv: type a message, /exit or Ctrl-D to leave.", file=sys.stderr)
+        while True:
+            try:
+                text = input("> ").strip()
+            except EOFError:
+                print()
+                return 0
+            if text in ("/exit", "/quit"):
+                return 0
+            if not text:
+                continue
+            messages.append({"role": "user", "content": text})
+            messages.append({"role": "assistant", "content": _reply(engine, messages, params, args.stats)})
+    except ChatKVError as e:
+        print(f"chatkv: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
