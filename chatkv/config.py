@@ -18,6 +18,11 @@ class EngineConfig:
     device: str = "cpu"
     tenant: str = ""  # salt of the prefix-cache namespace: tenants never share KV
     enable_prefix_caching: bool = True
+    # sessions
+    data_dir: str | None = None  # None: CHATKV_HOME, else the platform's user data dir
+    db_url: str | None = None  # any SQLAlchemy URL; None: SQLite file in data_dir
+    idle_spill_s: float = 300.0  # a session idle this long is spilled to disk on the next engine activity
+    snapshot_budget_bytes: int = 4 * 2**30  # disk budget of KV snapshots, LRU deletion beyond it
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

@@ -26,7 +26,7 @@ from chatkv.model import LlamaModel, load_config
 from chatkv.radix_cache import RadixCache
 from chatkv.sampling import SamplingParams, make_generator, sample
 from chatkv.scheduler import Scheduler
-from chatkv.sequence import Sequence, Status
+from chatkv.sequence import Retained, Sequence, Status
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -49,7 +49,7 @@ class GenerationResult:
     preemptions: int
 
 
-def _result(seq: Sequence) -> GenerationResult:
+def result_of(seq: Sequence) -> GenerationResult:
     first = seq.first_token_time or seq.finish_time or time.perf_counter()
     end = seq.finish_time or time.perf_counter()
     decode_s = end - first
@@ -95,6 +95,7 @@ class Engine:
         self.max_context = int(getattr(hf_config, "max_position_embeddings", 2048))
         self.eos_ids = self._eos_ids()
         self._ids = itertools.count()
+        self._sessions = None
 
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, **config) -> "Engine":
@@ -146,8 +147,20 @@ class Engine:
             raise InvalidRequest(f"token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
         return ids
 
-    def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None, *, retain: bool = False) -> Sequence:
-        """Queue one request; it runs on the next ``step`` calls. Validates before queueing."""
+    def add_request(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        *,
+        retain: bool = False,
+        prefix: Retained | None = None,
+    ) -> Sequence:
+        """Queue one request; it runs on the next ``step`` calls. Validates before queueing.
+
+        ``retain`` keeps the finished sequence's KV locked (``seq.retained``) for a next
+        turn; ``prefix`` hands such retained KV to this request, which releases it once
+        admitted (sessions use both).
+        """
         params = params or SamplingParams()
         params.validate()
         ids = self._to_ids(prompt)
@@ -172,6 +185,7 @@ class Engine:
             stop_ids=frozenset(stop_ids),
             max_total_tokens=min(self.max_context, pool_tokens),
             retain=retain,
+            prefix=prefix,
         )
         self.scheduler.add(seq)
         return seq
@@ -184,6 +198,7 @@ class Engine:
             self.scheduler.finish(seq)
         else:
             self.scheduler.waiting.remove(seq)
+            self.scheduler.drop_prefix(seq)
             seq.status = Status.FINISHED
         seq.finish_reason = "aborted"
         seq.finish_time = time.perf_counter()
@@ -199,6 +214,7 @@ class Engine:
         if not plan:
             if self.scheduler.waiting and not self.scheduler.running:
                 seq = self.scheduler.waiting.popleft()
+                self.scheduler.drop_prefix(seq)
                 seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, "aborted", time.perf_counter()
                 raise OutOfBlocks(
                     f"request {seq.seq_id} ({len(seq.token_ids)} tokens) does not fit in the free KV blocks "
@@ -287,25 +303,79 @@ class Engine:
             for s in seqs:
                 self.abort(s)
             raise
-        results = [_result(s) for s in seqs]
+        results = [result_of(s) for s in seqs]
         return results[0] if single else results
 
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[str | GenerationResult]:
         """Yield text pieces as they are generated, then the GenerationResult."""
         seq = self.add_request(prompt, params)
-        hold = max(map(len, seq.params.stop), default=1) - 1
         try:
-            while not seq.finished:
-                self.step()
-                end = len(seq.text) if seq.finished else len(seq.text) - hold
-                if not seq.finished and seq.text.endswith("\ufffd"):
-                    end = min(end, len(seq.text) - 1)
-                if end > seq.emitted:
-                    yield seq.text[seq.emitted : end]
-                    seq.emitted = end
-            yield _result(seq)
+            yield from self.drive(seq)
+            yield result_of(seq)
         finally:
             self.abort(seq)  # no-op when finished; frees the blocks if the caller stopped early
+
+    def drive(self, seq: Sequence) -> Iterator[str]:
+        """Step the engine until ``seq`` finishes, yielding its new text as it appears.
+
+        Text that may still turn out to be the start of a stop string, or half of a
+        multi-byte character, is held back until it is settled.
+        """
+        hold = max(map(len, seq.params.stop), default=1) - 1
+        while not seq.finished:
+            self.step()
+            end = len(seq.text) if seq.finished else len(seq.text) - hold
+            if not seq.finished and seq.text.endswith("\ufffd"):
+                end = min(end, len(seq.text) - 1)
+            if end > seq.emitted:
+                yield seq.text[seq.emitted : end]
+                seq.emitted = end
+
+    # -- sessions -------------------------------------------------------------
+
+    @property
+    def session_manager(self):
+        """The conversation store and snapshot directory, opened on first use."""
+        if self._sessions is None:
+            from chatkv.paths import data_dir
+            from chatkv.session_manager import SessionManager
+
+            root = Path(self.config.data_dir) if self.config.data_dir else data_dir()
+            root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._sessions = SessionManager(
+                self, root, self.config.db_url, self.config.idle_spill_s, self.config.snapshot_budget_bytes
+            )
+        return self._sessions
+
+    def session(self, system: str | None = None, title: str | None = None, params: dict | None = None):
+        """Start a new saved conversation. ``params``: default SamplingParams fields for its turns."""
+        if params:
+            SamplingParams(**params).validate()
+        return self.session_manager.create(system, title, params)
+
+    def resume(self, conv_id: str):
+        """Reopen a saved conversation; its next turn restores the KV from disk instead of recomputing."""
+        return self.session_manager.resume(conv_id)
+
+    def sessions(self, include_archived: bool = False):
+        """Saved conversations, newest activity first (storage.ConversationInfo)."""
+        return self.session_manager.store.list_conversations(include_archived=include_archived, tenant=self.config.tenant)
+
+    def spill_idle(self) -> int:
+        """Spill sessions idle past ``idle_spill_s`` to disk now; returns how many."""
+        return self.session_manager.spill_idle() if self._sessions is not None else 0
+
+    def close(self) -> None:
+        """Spill and close every open session and the database. The engine is unusable afterwards."""
+        if self._sessions is not None:
+            self._sessions.close()
+            self._sessions = None
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def check_integrity(self) -> None:
         """Assert the pool and cache invariants (call when idle)."""

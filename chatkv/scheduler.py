@@ -11,10 +11,11 @@ references are dropped and it goes back to the front of the queue.
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 from chatkv.block_pool import BlockPool
 from chatkv.radix_cache import RadixCache
-from chatkv.sequence import Sequence, Status
+from chatkv.sequence import Retained, Sequence, Status
 
 
 class Scheduler:
@@ -26,6 +27,7 @@ class Scheduler:
         self.max_running = max_running
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.on_pressure: Callable[[int], None] | None = None  # called with the blocks still missing
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -42,31 +44,48 @@ class Scheduler:
             return True
         if self.pool.num_free < need:
             self.cache.evict(need - self.pool.num_free)
+        if self.pool.num_free < need and self.on_pressure is not None:
+            self.on_pressure(need - self.pool.num_free)  # e.g. spill idle sessions, making their blocks evictable
+            self.cache.evict(need - self.pool.num_free)
         if self.pool.num_free < need:
             return False
         seq.block_table.extend(self.pool.allocate(need))
         return True
 
-    def release(self, seq: Sequence, cache_it: bool = True) -> None:
-        """Drop the sequence's blocks, first offering its computed full blocks to the radix tree."""
-        full = seq.num_computed // self.block_size
-        node = None
-        if cache_it and full:
-            node = self.cache.insert(seq.namespace, seq.token_ids[: full * self.block_size], seq.block_table[:full])
-            if seq.retain:
+    def release(self, seq: Sequence, retain: bool = False) -> None:
+        """Drop the sequence's blocks, first offering its computed full blocks to the radix tree.
+
+        With ``retain`` the inserted path stays locked and the partial last block stays
+        referenced, both recorded in ``seq.retained`` for the session's next turn.
+        """
+        self.drop_prefix(seq)
+        bs = self.block_size
+        full = seq.num_computed // bs
+        node = self.cache.insert(seq.namespace, seq.token_ids[: full * bs], seq.block_table[:full]) if full else None
+        table = seq.block_table
+        if retain:
+            if node is not None:
                 self.cache.lock(node)
+            tail_len = seq.num_computed - full * bs
+            tail = table[full] if tail_len else None
+            seq.retained = Retained(node, tail, tail_len, seq.num_computed)
+            if tail is not None:
+                table = table[:full] + table[full + 1 :]
         if seq.lock_node is not None:
             self.cache.unlock(seq.lock_node)
-        seq.lock_node = node if (seq.retain and node is not None) else None
-        self.pool.decref(seq.block_table)
+            seq.lock_node = None
+        self.pool.decref(table)
         seq.block_table = []
         seq.num_computed = 0
 
+    def drop_prefix(self, seq: Sequence) -> None:
+        """Release the previous turn's retained KV still attached to ``seq`` (if admission did not take it)."""
+        release_retained(self.cache, self.pool, seq.prefix)
+        seq.prefix = None
+
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        retain, seq.retain = seq.retain, False
         self.release(seq)
-        seq.retain = retain
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.waiting.appendleft(seq)
@@ -79,14 +98,19 @@ class Scheduler:
         self.cache.lock(m.node)
         self.pool.incref(m.block_ids)
         seq.lock_node, seq.block_table, seq.num_computed = m.node, list(m.block_ids), m.num_tokens
+        p = seq.prefix
+        if p is not None and p.tail_block is not None and m.num_tokens == p.kv_len - p.tail_len < p.kv_len < len(seq.token_ids):
+            # the session's own partial block continues its history: take it over
+            seq.block_table.append(p.tail_block)
+            seq.num_computed = p.kv_len
+            p.tail_block = None
+        self.drop_prefix(seq)
         chunk = min(len(seq.token_ids) - seq.num_computed, budget)
         if not self._reserve(seq, chunk):
-            self.cache.unlock(m.node)
-            self.pool.decref(seq.block_table)
-            seq.lock_node, seq.block_table, seq.num_computed = None, [], 0
+            self.release(seq)  # its tail block (if it took one) goes into the tree or back to the pool
             return 0
         if seq.num_cached < 0:
-            seq.num_cached = m.num_tokens
+            seq.num_cached = seq.num_computed
         return chunk
 
     # -- the step -----------------------------------------------------------
@@ -129,5 +153,17 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.release(seq)
+        self.release(seq, retain=seq.retain)
         seq.status = Status.FINISHED
+
+
+def release_retained(cache: RadixCache, pool: BlockPool, kept: Retained | None) -> None:
+    """Give back what a session held between turns: unlock its path, drop its tail block."""
+    if kept is None:
+        return
+    if kept.node is not None:
+        cache.unlock(kept.node)
+        kept.node = None
+    if kept.tail_block is not None:
+        pool.decref([kept.tail_block])
+        kept.tail_block = None

@@ -19,6 +19,22 @@ class Status(enum.Enum):
 
 
 @dataclass
+class Retained:
+    """KV a finished sequence leaves behind for the next turn of its session.
+
+    ``node`` is the locked radix node ending at its last full block (None if it
+    had none); ``tail_block`` is its own partial last block (a pool reference the
+    holder owns) with ``tail_len`` tokens in it; ``kv_len`` counts every token
+    with KV: ``full blocks * block_size + tail_len``.
+    """
+
+    node: Any
+    tail_block: int | None
+    tail_len: int
+    kv_len: int
+
+
+@dataclass
 class Sequence:
     seq_id: int
     token_ids: list[int]  # prompt, then every generated token
@@ -28,7 +44,9 @@ class Sequence:
     generator: torch.Generator | None
     stop_ids: frozenset[int]
     max_total_tokens: int  # the model context (or pool) bound on len(token_ids)
-    retain: bool = False  # on finish keep the sequence's cached prefix locked (sessions)
+    retain: bool = False  # on finish keep the sequence's KV locked for the next turn (sessions)
+    prefix: Retained | None = None  # the previous turn's retained KV, handed over at admission
+    retained: Retained | None = None  # what this sequence left behind (set on finish when retain)
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed: int = 0  # leading tokens whose KV is in the pool

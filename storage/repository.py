@@ -402,11 +402,14 @@ class Store:
         content: str,
         status: str = "complete",
         meta: Optional[dict] = None,
+        token_ids: Optional[list[int]] = None,
         **stats: Any,
     ) -> MessageInfo:
         """Append a message (stats: prompt_tokens, cached_tokens, restored_tokens,
         computed_tokens, generated_tokens, ttft_ms, tokens_per_s) and bump the
-        conversation's activity time."""
+        conversation's activity time. ``token_ids``, when given, replaces the
+        conversation's canonical token history in the same transaction, so the
+        messages and the tokens never disagree after a crash."""
         if role not in ROLES:
             raise InvalidRequest(f"unknown message role {role!r}; expected one of {sorted(ROLES)}")
         _check_str("content", content)
@@ -419,6 +422,9 @@ class Store:
             now = CLOCK.now()
             msg = Message(conversation_id=conv.id, role=role, content=content, status=status,
                           meta=meta, created_at=now, **stats)
+            if token_ids is not None:
+                tokens = _check_tokens(token_ids)
+                conv.token_ids, conv.token_count = tokens, len(tokens)
             s.add(msg)
             conv.updated_at = now
             s.flush()

@@ -1,0 +1,151 @@
+"""Sessions: conversations that keep their KV between turns, while idle, and across restarts.
+
+``engine.session(...)`` opens a new conversation, ``engine.resume(id)`` an old one.
+Between turns a session holds its KV in memory: its history's full blocks locked
+in the radix tree and its own partial last block. When idle (or when memory runs
+short) the KV is spilled to a safetensors snapshot and released; the next turn
+loads it back instead of recomputing. Messages live in the database and are
+committed before the turn reports done.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+from chatkv.errors import InvalidRequest, SessionError
+from chatkv.sampling import SamplingParams
+from chatkv.sequence import Retained
+
+if TYPE_CHECKING:
+    from chatkv.session_manager import SessionManager
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int  # the whole prompt of this turn (history + new message)
+    cached_tokens: int  # of which already in memory
+    restored_tokens: int  # of which loaded from a snapshot on disk
+    computed_tokens: int  # of which computed now (the new turn)
+    generated_tokens: int
+    ttft_s: float
+    tokens_per_s: float
+
+
+@dataclass
+class Reply:
+    text: str
+    usage: Usage
+    finish_reason: str  # "stop" | "length" | "aborted"
+    message_id: int
+    sources: list = field(default_factory=list)
+
+
+class Session:
+    """One conversation. Use it from one thread; close it (or use ``with``) to spill and release its KV."""
+
+    def __init__(self, manager: "SessionManager", conv_id: str, title: str, system: str | None, params: dict, tokens: list[int]):
+        self._m = manager
+        self.id = conv_id
+        self.title = title
+        self.system = system
+        self.params = dict(params)
+        self.tokens: list[int] = list(tokens)  # the canonical history
+        self.kept: Retained | None = None  # KV resident in memory between turns
+        self.pinned = None  # the locked radix node of the shared system-prompt prefix
+        self.closed = False
+        self.busy = False
+        self.last_used = time.monotonic()
+
+    # -- turns --------------------------------------------------------------
+
+    def send(self, text: str, params: SamplingParams | None = None) -> Reply:
+        """Ask and wait for the whole reply."""
+        reply = None
+        for piece in self.stream(text, params):
+            if isinstance(piece, Reply):
+                reply = piece
+        assert reply is not None
+        return reply
+
+    def stream(self, text: str, params: SamplingParams | None = None) -> Iterator[str | Reply]:
+        """Yield the reply's text pieces as they are generated, then the Reply.
+
+        Stopping early (closing the generator) keeps what was generated, marked interrupted.
+        """
+        self._check_open()
+        if not isinstance(text, str) or not text.strip():
+            raise InvalidRequest("message is empty")
+        if self.busy:
+            raise SessionError(f"session '{self.id}' is already generating a reply")
+        yield from self._m.turn(self, text, params or self._default_params())
+
+    def _default_params(self) -> SamplingParams:
+        return SamplingParams(**self.params) if self.params else SamplingParams(temperature=0.0)
+
+    # -- housekeeping -------------------------------------------------------
+
+    def messages(self):
+        """The conversation's messages, oldest first (storage.MessageInfo)."""
+        return self._m.store.messages(self.id)
+
+    def rename(self, title: str) -> None:
+        self._check_open()
+        self._m.store.rename(self.id, title)
+        self.title = title
+
+    def archive(self, archived: bool = True) -> None:
+        self._check_open()
+        self._m.store.set_archived(self.id, archived)
+
+    def delete(self) -> None:
+        """Delete the conversation, its messages and its snapshot; the session closes."""
+        self._check_open()
+        self._m.delete(self)
+
+    def spill(self) -> bool:
+        """Write the KV to disk now and release its memory. True if there was KV to spill."""
+        self._check_open()
+        return self._m.spill(self)
+
+    def export(self, fmt: str = "markdown") -> str:
+        msgs = self.messages()
+        if fmt == "json":
+            return json.dumps(
+                {
+                    "id": self.id,
+                    "title": self.title,
+                    "system": self.system,
+                    "messages": [
+                        {k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in asdict(m).items()}
+                        for m in msgs
+                    ],
+                },
+                indent=2,
+            )
+        if fmt == "markdown":
+            out = [f"# {self.title}", ""]
+            if self.system:
+                out += [f"> **System:** {self.system}", ""]
+            for m in msgs:
+                note = " (interrupted)" if m.status == "interrupted" else ""
+                out += [f"### {m.role.capitalize()}{note}", "", m.content, ""]
+            return "\n".join(out)
+        raise InvalidRequest(f"unknown export format '{fmt}'; use 'markdown' or 'json'")
+
+    def close(self) -> None:
+        """Spill the KV to disk (so a later resume restores it) and release every block it held."""
+        if not self.closed:
+            self._m.close_session(self)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise SessionError(f"session '{self.id}' is closed; resume it with engine.resume('{self.id}')")

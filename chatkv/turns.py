@@ -1,0 +1,65 @@
+"""Token deltas of a conversation: render the chat template for new messages only.
+
+A session's history is a list of token ids that only grows. Each turn appends
+the tokens of the new user message (with the assistant's generation prompt),
+the generated tokens verbatim, and the template's end-of-turn tokens. History
+is never re-rendered or re-tokenised, so a template that rewrites earlier turns
+(e.g. strips a thinking section) or a reply that would tokenise differently on
+a second pass cannot break the cached prefix.
+
+Deltas are cut out of renders of a fixed reference conversation: the text a
+template adds for one more user message after a closed assistant turn.
+"""
+
+from __future__ import annotations
+
+from chatkv.errors import InvalidRequest
+
+_MARK = "\u2063chatkv-reply\u2063"
+
+
+class TurnRenderer:
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequest("the model's tokenizer has no chat template; sessions need one")
+        base = [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "U"},
+            {"role": "assistant", "content": _MARK},
+        ]
+        closed = self._render(base, False)
+        at = closed.index(_MARK) + len(_MARK)
+        self._closing = self._encode(closed[at:])
+        self._base = base[:2] + [{"role": "assistant", "content": "A"}]
+        self._base_text = self._render(self._base, False)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def first(self, messages: list[dict]) -> list[int]:
+        """The whole prompt of a conversation's first turn (system prompt included)."""
+        return self._encode(self._render(messages, True))
+
+    def user_turn(self, content: str) -> list[int]:
+        """Tokens to append after a closed assistant turn for a new user message, up to the reply."""
+        text = self._render(self._base + [{"role": "user", "content": content}], True)
+        if not text.startswith(self._base_text):
+            raise InvalidRequest("the chat template rewrites earlier turns when a message is added; cannot take a delta")
+        return self._encode(text[len(self._base_text) :])
+
+    def close_reply(self, generated: list[int]) -> list[int]:
+        """End-of-turn tokens after a reply; a stop token the model already produced is not repeated."""
+        closing = self._closing
+        if generated and closing and generated[-1] == closing[0]:
+            return closing[1:]
+        return list(closing)
+
+    def system_prefix(self, system: str | None) -> list[int]:
+        """Tokens of the system prompt alone, the prefix every session with it shares."""
+        if not system:
+            return []
+        return self._encode(self._render([{"role": "system", "content": system}], False))

@@ -1,0 +1,203 @@
+"""Sessions that persist: restart, idle spill and restore, 100% prefix hits, bad input.
+
+The oracle for every reply is transformers' greedy generate on the session's own prompt tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatkv import InvalidRequest, SessionError
+from chatkv.config import EngineConfig
+from chatkv.engine import Engine
+from chatkv.sampling import SamplingParams
+from tests.tiny import make_model, make_tokenizer
+
+GREEDY = dict(max_tokens=6, temperature=0.0)
+QUESTIONS = [
+    "Hello, how are you today?",
+    "What is the capital of France?",
+    "The quick brown fox jumps over the lazy dog.",
+    "Key-value caches keep attention state.",
+    "You are a helpful assistant.",
+]
+
+THINKING_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] == 'assistant' and not loop.last %}{% set c = m['content'].split('</think>')[-1] %}"
+    "{% else %}{% set c = m['content'] %}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ c }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    d = tmp_path_factory.mktemp("model")
+    return make_model(d, "llama", seed=21), d
+
+
+def engine_at(model_dir, data_dir, **kw) -> Engine:
+    return Engine(model_dir, EngineConfig(data_dir=str(data_dir), **kw))
+
+
+def hf_greedy(ref, ids: list[int], n: int) -> list[int]:
+    out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=2, pad_token_id=0)
+    return out[0, len(ids) :].tolist()
+
+
+def check_against_oracle(ref, session, reply):
+    """The reply's tokens are what transformers generates greedily from the turn's prompt."""
+    prompt = session.tokens[: reply.usage.prompt_tokens]
+    generated = session.tokens[reply.usage.prompt_tokens : reply.usage.prompt_tokens + reply.usage.generated_tokens]
+    assert generated == hf_greedy(ref, prompt, GREEDY["max_tokens"])[: len(generated)]
+
+
+def run_turns(session, questions):
+    return [session.send(q) for q in questions]
+
+
+def test_restart_restores_kv_from_disk_and_continues_exactly(model, tmp_path):
+    ref, d = model
+    # an uninterrupted run for comparison
+    with engine_at(d, tmp_path / "a") as e:
+        s = e.session(system="You are a helpful assistant.", params=GREEDY)
+        straight = run_turns(s, QUESTIONS[:4])
+    # 3 turns, a new Engine on the same data dir, a 4th turn
+    with engine_at(d, tmp_path / "b") as e:
+        s = e.session(system="You are a helpful assistant.", params=GREEDY)
+        first3 = run_turns(s, QUESTIONS[:3])
+        sid = s.id
+        history_kv = first3[-1].usage.prompt_tokens + first3[-1].usage.generated_tokens - 1
+    assert [r.text for r in first3] == [r.text for r in straight[:3]]
+    e2 = engine_at(d, tmp_path / "b")
+    s2 = e2.resume(sid)
+    fourth = s2.send(QUESTIONS[3])
+    assert fourth.text == straight[3].text
+    assert fourth.usage.restored_tokens == history_kv  # the whole history came from disk
+    assert fourth.usage.cached_tokens == 0
+    assert fourth.usage.computed_tokens == fourth.usage.prompt_tokens - history_kv  # only the new turn
+    check_against_oracle(ref, s2, fourth)
+    assert [m.role for m in s2.messages()] == ["user", "assistant"] * 4
+    e2.check_integrity()
+    e2.close()
+
+
+def test_idle_spill_releases_blocks_and_next_turn_restores(model, tmp_path):
+    ref, d = model
+    with engine_at(d, tmp_path / "ref") as e:
+        straight = run_turns(e.session(params=GREEDY), QUESTIONS[:2])
+    e = engine_at(d, tmp_path / "x", idle_spill_s=0.0)
+    s = e.session(params=GREEDY)
+    r1 = s.send(QUESTIONS[0])
+    assert e.spill_idle() == 1
+    e.cache.evict(e.pool.num_blocks)  # nothing of the session is pinned any more
+    assert e.pool.num_free == e.pool.num_blocks
+    e.check_integrity()
+    r2 = s.send(QUESTIONS[1])
+    assert [r1.text, r2.text] == [r.text for r in straight]
+    assert r2.usage.restored_tokens == r1.usage.prompt_tokens + r1.usage.generated_tokens - 1
+    check_against_oracle(ref, s, r2)
+    e.check_integrity()
+    e.close()
+
+
+@pytest.mark.parametrize("template", ["chatml", "thinking"])
+def test_ten_turns_hit_the_whole_history(tmp_path, template):
+    d = tmp_path / "m"
+    ref = make_model(d, "qwen3", seed=5)
+    if template == "thinking":
+        tok = make_tokenizer(d)
+        tok.chat_template = THINKING_TEMPLATE
+        tok.save_pretrained(str(d))
+    e = engine_at(d, tmp_path / "data")
+    s = e.session(system="You are a helpful assistant.", params=dict(max_tokens=5, temperature=0.0))
+    prev = None
+    for i in range(10):
+        r = s.send(QUESTIONS[i % len(QUESTIONS)] + f" ({i})")
+        if prev is not None:
+            history_kv = prev.usage.prompt_tokens + prev.usage.generated_tokens - 1
+            assert r.usage.cached_tokens == history_kv, f"turn {i}: a prefix miss"
+            assert r.usage.computed_tokens == r.usage.prompt_tokens - history_kv
+        prev = r
+    check_against_oracle(ref, s, r)
+    e.check_integrity()
+    e.close()
+
+
+def test_session_api_lists_renames_archives_exports_deletes(model, tmp_path):
+    _, d = model
+    e = engine_at(d, tmp_path)
+    a = e.session(title="first", params=GREEDY)
+    b = e.session(title="second", params=GREEDY)
+    a.send(QUESTIONS[0])
+    assert [c.id for c in e.sessions()][:2] == [a.id, b.id]  # newest activity first
+    a.rename("renamed")
+    b.archive()
+    assert [c.title for c in e.sessions()] == ["renamed"]
+    assert len(e.sessions(include_archived=True)) == 2
+    md = a.export("markdown")
+    assert md.startswith("# renamed") and "### User" in md and QUESTIONS[0] in md
+    assert '"role": "assistant"' in a.export("json")
+    with pytest.raises(InvalidRequest, match="export format"):
+        a.export("pdf")
+    a.spill()
+    key = e.session_manager.key(a.id)
+    assert e.session_manager.kv.path(key).exists()
+    a.delete()
+    assert not e.session_manager.kv.path(key).exists()
+    with pytest.raises(SessionError, match="unknown conversation"):
+        e.resume(a.id)
+    e.close()
+
+
+def test_streaming_and_interrupted_reply_is_kept(model, tmp_path):
+    _, d = model
+    e = engine_at(d, tmp_path)
+    s = e.session(params=dict(max_tokens=40, temperature=0.0, ignore_eos=True))
+    pieces = list(s.stream(QUESTIONS[1]))
+    assert "".join(pieces[:-1]) == pieces[-1].text
+    it = s.stream(QUESTIONS[2])
+    next(it)
+    it.close()  # the user stopped the reply
+    msgs = s.messages()
+    assert msgs[-1].role == "assistant" and msgs[-1].status == "interrupted"
+    r = s.send(QUESTIONS[3])  # the conversation goes on
+    assert r.usage.generated_tokens == 40
+    e.check_integrity()
+    e.close()
+
+
+def test_bad_input_clear_errors_nothing_lost(model, tmp_path):
+    _, d = model
+    e = engine_at(d, tmp_path)
+    s = e.session(params=GREEDY)
+    s.send(QUESTIONS[0])
+    with pytest.raises(InvalidRequest, match="message is empty"):
+        s.send("   ")
+    with pytest.raises(SessionError, match="unknown conversation id"):
+        e.resume("0123456789abcdef")
+    for bad in ["../etc/passwd", "a/b", "..", ""]:
+        with pytest.raises(SessionError):
+            e.resume(bad)
+    with pytest.raises(InvalidRequest, match="temperature"):
+        e.session(params=dict(temperature=-1))
+    s.close()
+    with pytest.raises(SessionError, match="closed"):
+        s.send("hello")
+    assert len(e.resume(s.id).messages()) == 2
+    e.close()
+
+
+def test_files_are_private(model, tmp_path):
+    _, d = model
+    data = tmp_path / "data"
+    with engine_at(d, data) as e:
+        s = e.session(params=GREEDY)
+        s.send(QUESTIONS[0])
+        s.spill()
+        snap = e.session_manager.kv.path(e.session_manager.key(s.id))
+    assert (data.stat().st_mode & 0o777) == 0o700
+    assert (snap.stat().st_mode & 0o777) == 0o600
+    assert ((data / "chatkv.db").stat().st_mode & 0o777) == 0o600
