@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from chatkv.engine import Engine
 
 log = logging.getLogger("chatkv.sessions")
+DEFAULT_TITLE = "New chat"
 
 
 class SessionManager:
@@ -75,7 +76,7 @@ class SessionManager:
 
     def create(self, system: str | None, title: str | None, params: dict | None) -> Session:
         info = self.store.create_conversation(
-            title=title or "New chat",
+            title=title or DEFAULT_TITLE,
             model=self.engine.model_dir.name,
             system_prompt=system or "",
             params=params or {},
@@ -136,6 +137,9 @@ class SessionManager:
         except BaseException:
             self.engine.abort(seq)
             raise
+        if not s.tokens and s.title == DEFAULT_TITLE:  # name a new chat after its first message
+            s.title = " ".join(text.split())[:48]
+            self.store.rename(s.id, s.title)
         s.tokens = prompt
         s.busy = True
         try:

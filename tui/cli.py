@@ -1,7 +1,9 @@
 """The ``chatkv`` command: a one-shot prompt or a terminal chat on the default (or any local) model.
 
-    chatkv                          # chat in the terminal (the Textual TUI comes in a later issue)
+    chatkv                          # chat in the terminal, saved (the Textual TUI comes in a later issue)
     chatkv "What is the capital of France?"
+    chatkv --list                   # saved conversations, newest first
+    chatkv --resume ID              # continue one; its KV comes back from disk
     chatkv --model ./my-llama-dir --temperature 0.7 "Tell me a joke"
 
 Only the public SDK is used here.
@@ -15,6 +17,7 @@ import sys
 from chatkv import ChatKVError
 from chatkv.engine import Engine, GenerationResult
 from chatkv.sampling import SamplingParams
+from chatkv.session import Reply
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -30,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--stats", action="store_true", help="print token counts and timings after each reply")
+    p.add_argument("--list", action="store_true", help="list saved conversations and exit")
+    p.add_argument("--resume", metavar="ID", help="continue a saved conversation")
+    p.add_argument("--title", default=None, help="title of a new saved conversation")
     return p
 
 
@@ -40,7 +46,7 @@ def _stats(r: GenerationResult) -> str:
     )
 
 
-def _reply(engine: Engine, messages: list[dict], params: SamplingParams, show_stats: bool) -> str:
+def _one_shot(engine: Engine, messages: list[dict], params: SamplingParams, show_stats: bool) -> None:
     result = None
     for piece in engine.stream(engine.encode_chat(messages), params):
         if isinstance(piece, GenerationResult):
@@ -50,7 +56,39 @@ def _reply(engine: Engine, messages: list[dict], params: SamplingParams, show_st
     print()
     if show_stats and result is not None:
         print(_stats(result), file=sys.stderr)
-    return result.text if result is not None else ""
+
+
+def _chat(session, params: SamplingParams, show_stats: bool) -> int:
+    print(f"chatkv: conversation {session.id}. Type a message; /exit or Ctrl-D to leave.", file=sys.stderr)
+    while True:
+        try:
+            text = input("> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if text in ("/exit", "/quit"):
+            return 0
+        if not text:
+            continue
+        reply = None
+        try:
+            for piece in session.stream(text, params):
+                if isinstance(piece, Reply):
+                    reply = piece
+                else:
+                    print(piece, end="", flush=True)
+        except KeyboardInterrupt:
+            print("\n[interrupted]", file=sys.stderr)
+            continue
+        print()
+        if show_stats and reply is not None:
+            u = reply.usage
+            print(
+                f"[{u.prompt_tokens} prompt tokens: {u.cached_tokens} cached, {u.restored_tokens} restored, "
+                f"{u.computed_tokens} computed; {u.generated_tokens} generated; TTFT {u.ttft_s * 1000:.0f} ms, "
+                f"{u.tokens_per_s:.1f} tok/s]",
+                file=sys.stderr,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,23 +104,17 @@ def main(argv: list[str] | None = None) -> int:
         )
         params.validate()
         engine = Engine.from_pretrained(args.model, dtype=args.dtype)
-        messages = [{"role": "system", "content": args.system}] if args.system else []
-        if args.prompt is not None:
-            _reply(engine, messages + [{"role": "user", "content": args.prompt}], params, args.stats)
+        if args.list:
+            for c in engine.sessions():
+                print(f"{c.id}  {c.updated_at:%Y-%m-%d %H:%M}  {c.title}")
             return 0
-        print("chatkv: type a message, /exit or Ctrl-D to leave.", file=sys.stderr)
-        while True:
-            try:
-                text = input("> ").strip()
-            except EOFError:
-                print()
-                return 0
-            if text in ("/exit", "/quit"):
-                return 0
-            if not text:
-                continue
-            messages.append({"role": "user", "content": text})
-            messages.append({"role": "assistant", "content": _reply(engine, messages, params, args.stats)})
+        if args.prompt is not None:
+            messages = [{"role": "system", "content": args.system}] if args.system else []
+            _one_shot(engine, messages + [{"role": "user", "content": args.prompt}], params, args.stats)
+            return 0
+        with engine:
+            session = engine.resume(args.resume) if args.resume else engine.session(system=args.system, title=args.title)
+            return _chat(session, params, args.stats)
     except ChatKVError as e:
         print(f"chatkv: {e}", file=sys.stderr)
         return 2
