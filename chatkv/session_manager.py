@@ -302,6 +302,9 @@ class SessionManager:
             need = -(-n // bs) - start // bs
             if e.pool.num_free < need:
                 e.cache.evict(need - e.pool.num_free)
+            if e.pool.num_free < need:
+                self._on_pressure(need - e.pool.num_free)
+                e.cache.evict(need - e.pool.num_free)
             new = e.pool.allocate(need)
         finally:
             e.cache.unlock(m.node)

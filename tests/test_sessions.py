@@ -201,3 +201,79 @@ def test_files_are_private(model, tmp_path):
     assert (data.stat().st_mode & 0o777) == 0o700
     assert (snap.stat().st_mode & 0o777) == 0o600
     assert ((data / "chatkv.db").stat().st_mode & 0o777) == 0o600
+
+
+def test_system_prompt_prefix_is_shared_and_pinned(model, tmp_path):
+    _, d = model
+    e = engine_at(d, tmp_path)
+    system = "You are a helpful assistant. " * 6  # several full blocks
+    a = e.session(system=system, params=GREEDY)
+    a.send(QUESTIONS[0])
+    b = e.session(system=system, params=GREEDY)
+    rb = b.send(QUESTIONS[1])
+    sys_len = len(e.session_manager.renderer.system_prefix(system)) // 16 * 16
+    assert rb.usage.cached_tokens >= sys_len  # b's first turn reused a's system prompt
+    a.spill()
+    b.spill()
+    e.cache.evict(e.pool.num_blocks)  # everything unpinned goes; the system prompt stays
+    assert e.cache.match(e.namespace, a.tokens).num_tokens == sys_len
+    a.close()
+    b.close()
+    e.cache.evict(e.pool.num_blocks)
+    assert e.pool.num_free == e.pool.num_blocks
+    e.check_integrity()
+    e.close()
+
+
+def test_memory_pressure_spills_idle_sessions_instead_of_failing(model, tmp_path):
+    ref, d = model
+    e = engine_at(d, tmp_path, num_blocks=24, block_size=8)  # 192 tokens of KV in all
+    sessions = [e.session(params=GREEDY) for _ in range(4)]
+    texts = [" ".join(QUESTIONS[i:] + QUESTIONS[:i]) * 2 for i in range(4)]  # distinct, ~60 tokens each
+    assert all(len(e.tokenizer(t)["input_ids"]) > 50 for t in texts)
+    first = [s.send(t) for s, t in zip(sessions, texts)]  # they cannot all stay resident
+    assert e.session_manager.kv.keys(), "some idle session was spilled to make room"
+    again = [s.send(QUESTIONS[0]) for s in sessions]
+    for s, r in zip(sessions, again):
+        check_against_oracle(ref, s, r)
+    assert sum(r.usage.restored_tokens for r in again) > 0
+    assert all(r.text for r in first)
+    e.check_integrity()
+    e.close()
+
+
+def test_snapshot_disk_budget_deletes_least_recently_used(model, tmp_path):
+    _, d = model
+    e = engine_at(d, tmp_path)
+    a, b = e.session(params=GREEDY), e.session(params=GREEDY)
+    a.send(QUESTIONS[0])
+    a.spill()
+    one = e.session_manager.store.total_snapshot_bytes()
+    e.session_manager.snapshot_budget = int(one * 1.5)  # room for one snapshot, not two
+    b.send(QUESTIONS[1])
+    b.spill()
+    mgr = e.session_manager
+    assert mgr.store.get_snapshot(a.id) is None and not mgr.kv.path(mgr.key(a.id)).exists()
+    assert mgr.store.get_snapshot(b.id) is not None
+    r = a.send(QUESTIONS[2])  # a's KV is gone from disk: recomputed, still correct
+    assert r.usage.restored_tokens == 0
+    e.close()
+
+
+def test_tenants_never_share_sessions_or_kv(model, tmp_path):
+    _, d = model
+    ea = engine_at(d, tmp_path, tenant="alice")
+    s = ea.session(params=GREEDY)
+    s.send(QUESTIONS[0])
+    ea.close()
+    eb = engine_at(d, tmp_path, tenant="bob")
+    assert eb.sessions() == []
+    with pytest.raises(SessionError):
+        eb.resume(s.id)
+    assert eb.namespace != ea.namespace
+    assert eb.session_manager.key(s.id) != ea.session_manager.key(s.id) if ea._sessions else True
+    eb.close()
+    ea2 = engine_at(d, tmp_path, tenant="alice")
+    assert [c.id for c in ea2.sessions()] == [s.id]
+    assert ea2.resume(s.id).send(QUESTIONS[1]).usage.restored_tokens > 0
+    ea2.close()
