@@ -10,6 +10,7 @@ several requests themselves.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,7 +82,7 @@ class Engine:
             raise InvalidRequest(f"dtype '{self.config.dtype}' unknown; use auto or one of {sorted(_DTYPES)}")
         self.model = LlamaModel.from_pretrained(self.model_dir, dtype=dtype, device=self.config.device)
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.fingerprint = model_fingerprint(self.model_dir)
+        self.fingerprint = model_fingerprint(self.model_dir, self.config.data_dir or os.environ.get("CHATKV_HOME"))
         self.kv_dtype = str(self.model.dtype).removeprefix("torch.")
         self.namespace = (self.fingerprint, self.kv_dtype, self.config.tenant)
         bs = self.config.block_size

@@ -1,33 +1,59 @@
 """A model fingerprint: what must match for cached KV to be reusable.
 
-Covers the config, the tokenizer and chat template files, and every weights
-file (its size plus a hash of its first and last MiB, which include the
-safetensors header with every tensor's name, shape and offset). Hashing the
-whole weights would cost a second per start on this class of machine.
+Covers the config, the tokenizer and chat template files, and the full bytes of
+every weights file. Hashing ~270 MB of weights takes a fraction of a second, so
+each file's digest is remembered in ``<cache_dir>/fingerprints.json`` keyed by
+(path, size, mtime, inode) and recomputed only when one of those changes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from pathlib import Path
 
 _TEXT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-_MIB = 2**20
+_CHUNK = 8 * 2**20
 
 
-def model_fingerprint(model_dir: str | Path) -> str:
+def _file_digest(f: Path, cache: dict) -> str:
+    st = f.stat()
+    key = f"{f.resolve()}:{st.st_size}:{st.st_mtime_ns}:{st.st_ino}"
+    if key not in cache:
+        h = hashlib.sha256()
+        with f.open("rb") as fh:
+            while chunk := fh.read(_CHUNK):
+                h.update(chunk)
+        cache[key] = h.hexdigest()
+    return cache[key]
+
+
+def model_fingerprint(model_dir: str | Path, cache_dir: str | Path | None = None) -> str:
     path = Path(model_dir)
+    cache_file = Path(cache_dir) / "fingerprints.json" if cache_dir else None
+    cache: dict = {}
+    if cache_file is not None and cache_file.is_file():
+        try:
+            cache = json.loads(cache_file.read_text())
+        except (OSError, ValueError):
+            cache = {}
+    before = dict(cache)
     h = hashlib.sha256()
     for name in _TEXT_FILES:
         f = path / name
         if f.is_file():
             h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
     for f in sorted(path.glob("*.safetensors")):
-        size = f.stat().st_size
-        h.update(f"{f.name}:{size}\0".encode())
-        with f.open("rb") as fh:
-            h.update(fh.read(_MIB))
-            if size > 2 * _MIB:
-                fh.seek(size - _MIB)
-                h.update(fh.read(_MIB))
+        h.update(f"{f.name}:{_file_digest(f, cache)}\0".encode())
+    if cache_file is not None and cache != before:
+        try:  # best effort: a cache that cannot be written only costs the next start a re-hash
+            cache_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = cache_file.with_name(f".fingerprints.{os.getpid()}.tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                json.dump(cache, fh)
+            os.replace(tmp, cache_file)
+        except OSError:
+            pass
     return h.hexdigest()[:32]

@@ -91,6 +91,11 @@ class SessionManager:
             return self.live[conv_id]
         info = self.store.get_conversation(conv_id, tenant=self.tenant)
         s = Session(self, info.id, info.title, info.system_prompt or None, info.params, list(info.token_ids or []))
+        msgs = self.store.messages(s.id)
+        if msgs and msgs[-1].role == "user" and s.tokens:
+            # the process died while replying: close the turn as an interrupted, empty reply
+            s.tokens = s.tokens + self.renderer.close_reply([])
+            self.store.add_message(s.id, "assistant", "", status="interrupted", token_ids=s.tokens)
         self.live[s.id] = s
         return s
 
@@ -279,8 +284,9 @@ class SessionManager:
                 num_kv_heads=e.model.num_kv_heads,
                 head_dim=e.model.head_dim,
             )
-        except SnapshotInvalid as err:
-            log.warning("%s; recomputing", err)
+        except (SnapshotInvalid, ValueError) as err:  # ValueError: a layout this engine cannot use (e.g. extra tensors)
+            log.warning("snapshot of %s unusable (%s); recomputing", s.id, err)
+            self.kv.delete(self.key(s.id))
             self.store.delete_snapshot(s.id)
             return 0
         n = min(n, len(prompt) - 1)  # leave at least one token to compute, for the logits
