@@ -35,10 +35,13 @@ THINKING_TEMPLATE = (
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     d = tmp_path_factory.mktemp("model")
-    return make_model(d, "llama", seed=21), d
+    # big enough that the reply depends on the history (a weaker model answers the same whatever the KV)
+    return make_model(d, "llama", seed=7, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096), d
 
 
 def engine_at(model_dir, data_dir, **kw) -> Engine:
+    kw.setdefault("num_blocks", 128)  # 2048 tokens: the default 512 MiB pool costs more to allocate than a turn
     return Engine(model_dir, EngineConfig(data_dir=str(data_dir), **kw))
 
 
