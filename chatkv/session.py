@@ -33,6 +33,12 @@ class Usage:
     ttft_s: float
     tokens_per_s: float
 
+    def message_stats(self) -> dict:
+        """The fields as the database's message columns name them."""
+        stats = asdict(self)
+        stats["ttft_ms"] = stats.pop("ttft_s") * 1000
+        return stats
+
 
 @dataclass
 class Reply:

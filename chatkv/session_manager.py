@@ -156,35 +156,25 @@ class SessionManager:
             s.tokens = seq.token_ids + self.renderer.close_reply(seq.generated_ids)
             s.last_used = time.monotonic()
             r = result_of(seq)
+            usage = Usage(
+                prompt_tokens=r.prompt_tokens,
+                cached_tokens=r.cached_tokens - min(restored, r.cached_tokens),  # restored KV is counted apart
+                restored_tokens=restored,
+                computed_tokens=r.computed_tokens,
+                generated_tokens=r.generated_tokens,
+                ttft_s=r.ttft_s,
+                tokens_per_s=r.decode_tokens_per_s,
+            )
             msg = self.store.add_message(
                 s.id,
                 "assistant",
                 r.text,
                 status="complete" if r.finish_reason != "aborted" else "interrupted",
                 token_ids=s.tokens,
-                prompt_tokens=r.prompt_tokens,
-                cached_tokens=r.cached_tokens - min(restored, r.cached_tokens),
-                restored_tokens=restored,
-                computed_tokens=r.computed_tokens,
-                generated_tokens=r.generated_tokens,
-                ttft_ms=r.ttft_s * 1000,
-                tokens_per_s=r.decode_tokens_per_s,
+                **usage.message_stats(),
             )
             self._pin(s)
-        yield Reply(
-            text=r.text,
-            usage=Usage(
-                prompt_tokens=r.prompt_tokens,
-                cached_tokens=r.cached_tokens - min(restored, r.cached_tokens),
-                restored_tokens=restored,
-                computed_tokens=r.computed_tokens,
-                generated_tokens=r.generated_tokens,
-                ttft_s=r.ttft_s,
-                tokens_per_s=r.decode_tokens_per_s,
-            ),
-            finish_reason=r.finish_reason,
-            message_id=msg.id,
-        )
+        yield Reply(text=r.text, usage=usage, finish_reason=r.finish_reason, message_id=msg.id)
 
     # -- pinning the shared system prompt ------------------------------------
 
