@@ -132,3 +132,20 @@ def test_sliding_window_matches_transformers(tmp_path):
     for i in range(20, 30):
         (out,) = r.step([("a", [ids[i]])])
         assert (out[0] - expected[i]).abs().max().item() <= TOL
+
+
+@pytest.mark.parametrize("block_size", [5, 16])
+def test_sliding_window_batched_decodes_of_unequal_lengths(tmp_path, block_size):
+    """Decodes of different lengths in one step, some past the window: per-row key ranges and padding."""
+    ref = make_model(tmp_path, "mistral", seed=8, sliding_window=8)
+    ref.config._attn_implementation = "eager"
+    model = LlamaModel.from_pretrained(tmp_path, dtype=torch.float32)
+    seqs = {n: tokens(L, 20 + i) for i, (n, L) in enumerate([("a", 26), ("b", 6), ("c", 13)])}
+    expected = {n: ref_logits(ref, ids) for n, ids in seqs.items()}
+    r = Runner(model, block_size)
+    r.step([(n, ids[:-4]) for n, ids in seqs.items()])
+    for back in range(4, 0, -1):
+        outs = r.step([(n, [ids[-back]]) for n, ids in seqs.items()])
+        for (n, ids), out in zip(seqs.items(), outs):
+            err = (out[0] - expected[n][len(ids) - back]).abs().max().item()
+            assert err <= TOL, f"sequence {n}, {back} from the end: max abs err {err}"

@@ -1,0 +1,171 @@
+"""Shared loading and timing helpers for the benchmarks (chatkv, transformers and llama.cpp on the same model).
+
+Every benchmark measures chatkv and its baseline in the same process, with the
+same dtype and the same ``torch.set_num_threads``, after warming both up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# run as `python benchmarks/<name>.py` from the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+ENGINE_DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+
+CHAT = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Explain in a few paragraphs why the sky is blue."},
+]
+
+
+def parser(description: str, default_dtype: str = "bf16") -> argparse.ArgumentParser:
+    """Common flags; ``--dtype both`` runs bf16 then fp32 (see ``dtypes``)."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--dtype", choices=[*sorted(DTYPES), "both"], default=default_dtype,
+                   help="weights/activations dtype for chatkv and transformers (both: bf16, then fp32)")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads (and llama.cpp n_threads)")
+    p.add_argument("--repeats", type=int, default=3, help="timed repetitions; the median is reported")
+    p.add_argument("--model", default=None, help="Hugging Face model directory (default: the packaged SmolLM2-135M-Instruct)")
+    return p
+
+
+def dtypes(args) -> list[str]:
+    return ["bf16", "fp32"] if args.dtype == "both" else [args.dtype]
+
+
+def setup(args) -> Path:
+    """Set threads and return the model directory."""
+    torch.set_num_threads(args.threads)
+    if args.model:
+        return Path(args.model)
+    from chatkv.gguf_convert import ensure_default_model
+
+    return ensure_default_model()
+
+
+def load_engine(model_dir: Path, dtype: str, **config):
+    from chatkv.engine import Engine
+
+    return Engine.from_pretrained(model_dir, dtype=ENGINE_DTYPES[dtype], **config)
+
+
+def load_hf(model_dir: Path, dtype: str):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=DTYPES[dtype])
+    model.eval()
+    return model
+
+
+def load_llama_cpp(threads: int):
+    """llama.cpp on the packaged GGUF (its own quantised weights), or None if llama_cpp is not installed."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    from chatkv.gguf_convert import packaged_gguf_path
+
+    return llama_cpp.Llama(model_path=str(packaged_gguf_path()), n_threads=threads, n_ctx=2048, verbose=False)
+
+
+def hf_generate(model, ids: list[int], n: int):
+    """Greedy ``n`` new tokens with transformers (EOS ignored); returns (new token ids, start time, per-token times).
+
+    The timestamps are taken when each new token is produced (a StoppingCriteria is called
+    once per generated token), so ``(n - 1) / (t[-1] - t[0])`` is the decode rate without the prefill,
+    the same definition as chatkv's ``decode_tokens_per_s``.
+    """
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    stamps: list[float] = []
+
+    class Stamp(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            stopping_criteria=StoppingCriteriaList([Stamp()]),
+        )
+    new = out[0, len(ids) :].tolist()
+    assert len(new) == n, (len(new), n)
+    return new, start, stamps
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def _busy_cpu_seconds() -> float | None:
+    """CPU seconds the whole machine spent busy since boot (Linux /proc/stat), or None."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class OtherLoad:
+    """How much of the machine's CPU other processes used while the benchmark ran.
+
+    ``str()`` gives e.g. "other processes used 0.05 of 2 cores": anything well above 0
+    means the figures were taken on a busy machine (ratios hold better than rates).
+    """
+
+    def __init__(self):
+        self.busy0, self.own0, self.wall0 = _busy_cpu_seconds(), self._own(), time.monotonic()
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def __str__(self) -> str:
+        busy = _busy_cpu_seconds()
+        if busy is None or self.busy0 is None:
+            return "other load: n/a"
+        other = (busy - self.busy0) - (self._own() - self.own0)
+        cores = max(other, 0.0) / (time.monotonic() - self.wall0)
+        return f"other processes used {cores:.2f} of {os.cpu_count()} cores"
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = "  ".join("-" * w for w in widths)
+    print(f"\n{title}")
+    print("  ".join(str(h).ljust(w) for h, w in zip(header, widths)))
+    print(line)
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+
+
+def goal(ratio: float, target: float) -> str:
+    return f">= {target:g}x  {'MET' if ratio >= target else 'not met'}"
