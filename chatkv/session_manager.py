@@ -127,6 +127,7 @@ class SessionManager:
     def turn(self, s: Session, text: str, params) -> Iterator[str | Reply]:
         from chatkv.engine import result_of
 
+        arrival = time.perf_counter()  # TTFT counts the restore from disk too
         self.spill_idle(now=time.monotonic(), keep=s)
         if s.tokens:
             prompt = s.tokens + self.renderer.user_turn(text)
@@ -137,6 +138,7 @@ class SessionManager:
         seq = self.engine.add_request(prompt, params, retain=True, prefix=s.kept)  # validates before anything is saved
         s.kept = None  # handed to the request, which releases it once admitted
         seq.num_restored = restored
+        seq.arrival = arrival
         try:
             self.store.add_message(s.id, "user", text, token_ids=prompt)  # committed before generation
         except BaseException:
@@ -304,12 +306,12 @@ class SessionManager:
             new = e.pool.allocate(need)
         finally:
             e.cache.unlock(m.node)
-        kv = torch.stack([torch.stack(k), torch.stack(v)], dim=1)[:, :, start:n]  # [layers, 2, tokens, kvh, d]
-        shape = list(kv.shape)
-        shape[2] = len(new) * bs
-        buf = torch.zeros(shape, dtype=e.pool.kv.dtype, device=e.pool.kv.device)
-        buf[:, :, : n - start] = kv
-        e.pool.kv[:, :, new] = buf.unflatten(2, (len(new), bs))
+        # copy each layer straight from the loaded tensors into the new blocks' slots
+        slots = (torch.tensor(new)[:, None] * bs + torch.arange(bs)).flatten()[: n - start].to(e.pool.kv.device)
+        flat = e.pool.kv.flatten(2, 3)  # [layers, 2, slots, kv_heads, head_dim], a view
+        for i in range(len(k)):
+            flat[i, 0].index_copy_(0, slots, k[i][start:n].to(flat.dtype))
+            flat[i, 1].index_copy_(0, slots, v[i][start:n].to(flat.dtype))
         full = n // bs
         node = None
         if full:

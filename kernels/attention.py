@@ -157,7 +157,8 @@ def paged_attention(
         qs = qs.reshape(kv_heads, group * p.q_len, head_dim)
         ks = _gather(k_cache, p.blocks, 1, p.kv_len, q.dtype)[0]
         vs = _gather(v_cache, p.blocks, 1, p.kv_len, q.dtype)[0]
-        o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask.repeat(group, 1), scale=scale)
+        # 4-D inputs: with 3-D ones CPU SDPA takes its slow generic path (~3x slower for long prefixes)
+        o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=p.mask.repeat(group, 1), scale=scale)[0]
         out[p.start : p.start + p.q_len] = o.view(kv_heads, group, p.q_len, head_dim).permute(2, 0, 1, 3).reshape(
             p.q_len, heads, head_dim
         )
