@@ -42,15 +42,19 @@ class Scheduler:
         need = -(-(seq.num_computed + num_tokens) // self.block_size) - len(seq.block_table)
         if need <= 0:
             return True
+        if not self.make_room(need):
+            return False
+        seq.block_table.extend(self.pool.allocate(need))
+        return True
+
+    def make_room(self, need: int) -> bool:
+        """Free blocks until ``need`` are free: evict cached blocks, then ask ``on_pressure``. True on success."""
         if self.pool.num_free < need:
             self.cache.evict(need - self.pool.num_free)
         if self.pool.num_free < need and self.on_pressure is not None:
             self.on_pressure(need - self.pool.num_free)  # e.g. spill idle sessions, making their blocks evictable
             self.cache.evict(need - self.pool.num_free)
-        if self.pool.num_free < need:
-            return False
-        seq.block_table.extend(self.pool.allocate(need))
-        return True
+        return self.pool.num_free >= need
 
     def release(self, seq: Sequence, retain: bool = False) -> None:
         """Drop the sequence's blocks, first offering its computed full blocks to the radix tree.

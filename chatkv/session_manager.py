@@ -298,12 +298,8 @@ class SessionManager:
         try:
             start = m.num_tokens
             need = -(-n // bs) - start // bs
-            if e.pool.num_free < need:
-                e.cache.evict(need - e.pool.num_free)
-            if e.pool.num_free < need:
-                self._on_pressure(need - e.pool.num_free)
-                e.cache.evict(need - e.pool.num_free)
-            new = e.pool.allocate(need)
+            e.scheduler.make_room(need)
+            new = e.pool.allocate(need)  # raises OutOfBlocks if there is still no room
         finally:
             e.cache.unlock(m.node)
         # copy each layer straight from the loaded tensors into the new blocks' slots
