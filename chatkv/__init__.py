@@ -7,6 +7,7 @@ from chatkv.errors import (
     OutOfBlocks,
     SessionError,
     SnapshotInvalid,
+    StorageError,
     UnsupportedModel,
 )
 
@@ -17,5 +18,6 @@ __all__ = [
     "OutOfBlocks",
     "SessionError",
     "SnapshotInvalid",
+    "StorageError",
     "UnsupportedModel",
 ]

@@ -27,3 +27,7 @@ class SessionError(ChatKVError):
 
 class SnapshotInvalid(ChatKVError):
     """A KV snapshot on disk is damaged or does not match; it is discarded and recomputed."""
+
+
+class StorageError(ChatKVError):
+    """The conversation database or the data directory cannot be used (damaged file, no permission...)."""
