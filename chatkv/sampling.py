@@ -2,16 +2,48 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+import numbers
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
 
 import torch
 
 from chatkv.errors import InvalidRequest
 
+SEED_LIMIT = 2**63  # seeds are stored with the conversation (SQLite integers are signed 64-bit)
+_F32_MAX = torch.finfo(torch.float32).max
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens and when to stop. ``temperature == 0`` means greedy."""
+    """How to pick tokens and when to stop. ``temperature == 0`` means greedy.
+
+    ``validate()`` accepts exactly these values and raises ``InvalidRequest``, naming the
+    field and the value, for anything else (bool is never taken for a number):
+
+    - ``max_tokens``: an int >= 1 (not a float, not a str, not a bool).
+    - ``temperature``: a finite real >= 0 (an int is fine); 0 = greedy. Any finite value
+      works, however large or small: the sampler never produces nan probabilities.
+    - ``top_k``: an int >= 0; 0 = off.
+    - ``top_p``: a finite real in (0, 1]; 1 = off.
+    - ``repetition_penalty``: a finite real > 0; 1 = off (transformers' semantics).
+    - ``seed``: None (a fresh random seed) or an int in [0, 2**63).
+    - ``stop``: a list (or tuple) of non-empty str, each encodable as UTF-8 (no lone surrogates).
+    - ``stop_token_ids``: a list (or tuple) of ints >= 0 (an id the vocabulary lacks never matches).
+    - ``ignore_eos``: a bool.
+
+    Build from untrusted key/value input with ``SamplingParams.from_dict``, which also names
+    unknown keys instead of raising ``TypeError``.
+    """
 
     max_tokens: int = 256
     temperature: float = 1.0
@@ -23,19 +55,58 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
 
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SamplingParams":
+        """Validated params from a mapping of field names; unknown keys raise ``InvalidRequest``."""
+        if not isinstance(d, Mapping):
+            raise InvalidRequest(f"sampling params must be a mapping of field names, got {type(d).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(repr(k) for k in d if k not in known)
+        if unknown:
+            raise InvalidRequest(
+                f"unknown sampling parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
+                f"(known: {', '.join(sorted(known))})"
+            )
+        params = cls(**d)
+        params.validate()
+        return params
+
     def validate(self) -> None:
-        if self.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise InvalidRequest(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidRequest(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise InvalidRequest(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if any(not s for s in self.stop):
-            raise InvalidRequest("stop strings must be non-empty")
+        def bad(name: str, rule: str) -> InvalidRequest:
+            value = getattr(self, name)
+            shown = repr(value)
+            if len(shown) > 80:
+                shown = shown[:77] + "..."
+            return InvalidRequest(f"{name} must be {rule}, got {shown} ({type(value).__name__})")
+
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise bad("max_tokens", "an int >= 1")
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", "a finite number >= 0 (0 = greedy)")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise bad("top_k", "an int >= 0 (0 = off)")
+        if not _is_real(self.top_p) or not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+            raise bad("top_p", "a number in (0, 1]")
+        rp = self.repetition_penalty
+        if not _is_real(rp) or not math.isfinite(rp) or rp <= 0:
+            raise bad("repetition_penalty", "a finite number > 0 (1 = off)")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
+            raise bad("seed", "None or an int in [0, 2**63)")
+        if not isinstance(self.stop, (list, tuple)):
+            raise bad("stop", "a list of non-empty strings")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise bad("stop", "a list of non-empty strings")
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise bad("stop", "a list of valid Unicode strings (no lone surrogates)") from None
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            _is_int(t) and t >= 0 for t in self.stop_token_ids
+        ):
+            raise bad("stop_token_ids", "a list of ints >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            raise bad("ignore_eos", "a bool")
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -46,29 +117,69 @@ def make_generator(params: SamplingParams) -> torch.Generator | None:
     return g
 
 
+def _penalize(logits: torch.Tensor, history: list[int], penalty: float) -> torch.Tensor:
+    """transformers' ``RepetitionPenaltyLogitsProcessor``: a seen token's logit is divided by
+    ``penalty`` when positive, multiplied when negative, in the logits' dtype. An extreme (finite)
+    penalty can overflow that dtype, or give 0 * inf; such results are kept finite at their limit."""
+    idx = torch.tensor(sorted(set(history)), dtype=torch.long)
+    picked = logits[idx]
+    new = torch.where(picked < 0, picked * penalty, picked / penalty)
+    finite = torch.isfinite(picked)
+    new = torch.where(picked == 0, picked, new)
+    hi = torch.finfo(logits.dtype).max
+    new = torch.where(finite, new.clamp(-hi, hi), new)
+    out = logits.clone()
+    out[idx] = new
+    return out
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams, history: list[int]) -> torch.Tensor:
+    """The distribution ``sample`` draws from when ``temperature > 0`` (float64 ``[vocab]``).
+
+    transformers' order: repetition penalty, temperature, top-k, top-p. Computed as
+    ``softmax((x - max x) / T)`` in float64, so any finite temperature gives finite
+    probabilities: a huge one tends to uniform over the tokens top-k/top-p keep, a tiny one to
+    the argmax. Logits the model made nan never get picked; if some are +inf, the draw is
+    uniform over those; if every token is -inf, uniform over the vocabulary.
+    """
+    if params.repetition_penalty != 1.0 and history:
+        logits = _penalize(logits, history, params.repetition_penalty)
+    x = logits.double()
+    neg_inf = float("-inf")
+    x = torch.where(torch.isnan(x), neg_inf, x)
+    if bool(torch.isposinf(x).any()):
+        x = torch.where(torch.isposinf(x), 0.0, neg_inf)
+    top = x.max()
+    if top == neg_inf:
+        x = torch.zeros_like(x)
+        top = x.max()
+    if 0 < params.top_k < x.shape[-1]:  # on the unscaled logits: the same set, even where x / T underflows
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, neg_inf)
+    z = (x - top) / params.temperature  # every value in [-inf, 0], the best exactly 0: no overflow, no nan
+    if params.top_p < 1.0:
+        order = torch.sort(x, descending=True).indices
+        sorted_z = z[order]
+        p = torch.softmax(sorted_z, dim=-1)
+        drop = p.cumsum(-1) - p >= params.top_p  # keep the token whose mass crosses top_p
+        z = z.scatter(0, order, sorted_z.masked_fill(drop, neg_inf))
+    return torch.softmax(z, dim=-1)
+
+
 def sample(
     logits: torch.Tensor,
     params: SamplingParams,
     history: list[int],
     generator: torch.Generator | None,
 ) -> int:
-    """Pick the next token from float32 ``logits [vocab]`` of one sequence."""
-    if params.repetition_penalty != 1.0 and history:
-        idx = torch.tensor(sorted(set(history)), dtype=torch.long)
-        picked = logits[idx]
-        logits = logits.clone()
-        logits[idx] = torch.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
+    """Pick the next token from float32 ``logits [vocab]`` of one sequence.
+
+    ``temperature == 0``: the argmax after the repetition penalty (what transformers' greedy
+    search picks). Otherwise one draw, with ``generator``, from ``probabilities(...)``.
+    """
     if params.temperature == 0:
+        if params.repetition_penalty != 1.0 and history:
+            logits = _penalize(logits, history, params.repetition_penalty)
         return int(torch.argmax(logits))
-    logits = logits / params.temperature
-    if params.top_k > 0 and params.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, params.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if params.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cum - torch.softmax(sorted_logits, dim=-1) >= params.top_p  # keep the token that crosses top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
-    probs = torch.softmax(logits, dim=-1)
+    probs = probabilities(logits, params, history)
     return int(torch.multinomial(probs, 1, generator=generator))
