@@ -9,13 +9,33 @@ a second pass cannot break the cached prefix.
 
 Deltas are cut out of renders of a fixed reference conversation: the text a
 template adds for one more user message after a closed assistant turn.
+
+Every failure is an ``InvalidRequest``: text that is not valid Unicode (a lone
+surrogate), a template that raises for a conversation (``raise_exception``, e.g.
+a template without a system role), a template that rewrites earlier turns.
 """
 
 from __future__ import annotations
 
+try:  # what a template's raise_exception() raises; transformers needs jinja2 to render templates at all
+    from jinja2 import TemplateError
+except ImportError:  # pragma: no cover
+    TemplateError = ()  # type: ignore[assignment,misc]
+
 from chatkv.errors import InvalidRequest
 
 _MARK = "\u2063chatkv-reply\u2063"
+
+
+def _check_text(text, what: str) -> None:
+    if not isinstance(text, str):
+        raise InvalidRequest(f"{what} must be a str, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(
+            f"{what} is not valid Unicode: {text[e.start:e.end]!r} at index {e.start} (a lone surrogate)"
+        ) from None
 
 
 class TurnRenderer:
@@ -23,29 +43,38 @@ class TurnRenderer:
         self.tokenizer = tokenizer
         if not getattr(tokenizer, "chat_template", None):
             raise InvalidRequest("the model's tokenizer has no chat template; sessions need one")
-        base = [
-            {"role": "system", "content": "S"},
-            {"role": "user", "content": "U"},
-            {"role": "assistant", "content": _MARK},
-        ]
+        system = [{"role": "system", "content": "S"}]
+        try:
+            self._render(system + [{"role": "user", "content": "U"}], True)
+        except InvalidRequest:
+            system = []  # a template without a system role (it raises for one): the reference has none
+        base = system + [{"role": "user", "content": "U"}, {"role": "assistant", "content": _MARK}]
         closed = self._render(base, False)
         at = closed.index(_MARK) + len(_MARK)
         self._closing = self._encode(closed[at:])
-        self._base = base[:2] + [{"role": "assistant", "content": "A"}]
+        self._base = base[:-1] + [{"role": "assistant", "content": "A"}]
         self._base_text = self._render(self._base, False)
 
     def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except TemplateError as e:
+            raise InvalidRequest(f"the model's chat template rejects this conversation: {e}") from None
 
     def _encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def first(self, messages: list[dict]) -> list[int]:
         """The whole prompt of a conversation's first turn (system prompt included)."""
+        for i, m in enumerate(messages):
+            _check_text(m.get("content"), f"message {i} ({m.get('role')})")
         return self._encode(self._render(messages, True))
 
     def user_turn(self, content: str) -> list[int]:
         """Tokens to append after a closed assistant turn for a new user message, up to the reply."""
+        _check_text(content, "the message")
         text = self._render(self._base + [{"role": "user", "content": content}], True)
         if not text.startswith(self._base_text):
             raise InvalidRequest("the chat template rewrites earlier turns when a message is added; cannot take a delta")
@@ -59,7 +88,26 @@ class TurnRenderer:
         return list(closing)
 
     def system_prefix(self, system: str | None) -> list[int]:
-        """Tokens of the system prompt alone, the prefix every session with it shares."""
+        """Tokens of the system prompt alone, the prefix every session with it shares.
+
+        Always a prefix of ``first([system, user])``; empty when the template has no system role.
+        A template that refuses a conversation without a user message (Qwen3: "No user query
+        found") gets the text before the first user message's content instead.
+        """
         if not system:
             return []
-        return self._encode(self._render([{"role": "system", "content": system}], False))
+        _check_text(system, "the system prompt")
+        sys_msg = {"role": "system", "content": system}
+        try:
+            full = self.first([sys_msg, {"role": "user", "content": _MARK}])
+        except InvalidRequest:
+            return []
+        try:
+            alone = self._encode(self._render([sys_msg], False))
+        except InvalidRequest:
+            text = self._render([sys_msg, {"role": "user", "content": _MARK}], False)
+            alone = self._encode(text[: text.index(_MARK)]) if _MARK in text else []
+        n = 0
+        while n < min(len(alone), len(full)) and alone[n] == full[n]:
+            n += 1
+        return alone[:n]
