@@ -1,0 +1,143 @@
+"""kernels/attention.py's paged reference against a naive attention written from the definition.
+
+The naive side reads each sequence's K/V token by token through its block table
+(slot = table[t // block_size] * block_size + t % block_size) and computes, for every
+query, a plain softmax(q . k / sqrt(d)) over the tokens it may see: the causal prefix,
+cut to the last ``window`` positions when there is a sliding window. GQA: query head h
+reads KV head h // (heads / kv_heads).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from chatkv.kernels.attention import build_metadata, paged_attention, store_kv
+
+GARBAGE = 1e4  # unwritten slots hold large finite values: any leak through a mask shows
+
+
+def naive_attention(q, k_cache, v_cache, block_tables, query_lens, context_lens, block_size, window):
+    """q [tokens, heads, d] -> [tokens, heads, d], one query and one key at a time."""
+    tokens, heads, d = q.shape
+    kv_heads = k_cache.shape[2]
+    group = heads // kv_heads
+    k_flat = k_cache.reshape(-1, kv_heads, d)
+    v_flat = v_cache.reshape(-1, kv_heads, d)
+    out = torch.zeros_like(q)
+    row = 0
+    for table, q_len, ctx in zip(block_tables, query_lens, context_lens):
+        for j in range(q_len):
+            pos = ctx - q_len + j
+            visible = [t for t in range(pos + 1) if window is None or t > pos - window]
+            slots = [table[t // block_size] * block_size + t % block_size for t in visible]
+            for h in range(heads):
+                kh = h // group
+                scores = [float(q[row, h] @ k_flat[s, kh]) / math.sqrt(d) for s in slots]
+                m = max(scores)
+                w = [math.exp(x - m) for x in scores]
+                total = sum(w)
+                acc = torch.zeros(d, dtype=q.dtype)
+                for wi, s in zip(w, slots):
+                    acc += (wi / total) * v_flat[s, kh]
+                out[row, h] = acc
+            row += 1
+    return out
+
+
+def make_case(seed, block_size, specs, heads=4, kv_heads=2, d=8, share=False, extra_blocks=2):
+    """specs: (cached prefix length, new tokens) per sequence. Returns everything a step needs.
+
+    Block ids are a shuffled permutation of the pool; with ``share`` the second sequence
+    reuses the first one's leading full blocks (a prefix-cache hit), K/V included.
+    """
+    g = torch.Generator().manual_seed(seed)
+    need = sum(-(-(c + n) // block_size) + extra_blocks for c, n in specs) + 3
+    ids = torch.randperm(need, generator=g).tolist()
+    k_cache = torch.full((need, block_size, kv_heads, d), GARBAGE)
+    v_cache = torch.full((need, block_size, kv_heads, d), -GARBAGE)
+    tables, truth_k, truth_v = [], [], []
+    for i, (c, n) in enumerate(specs):
+        ctx = c + n
+        nb = -(-ctx // block_size) + (i % (extra_blocks + 1))  # some tables longer than needed
+        table = [ids.pop() for _ in range(nb)]
+        k = torch.randn(ctx, kv_heads, d, generator=g)
+        v = torch.randn(ctx, kv_heads, d, generator=g)
+        if share and i == 1:
+            shared = min(specs[0][0], c) // block_size
+            table[:shared] = tables[0][:shared]
+            k[: shared * block_size] = truth_k[0][: shared * block_size]
+            v[: shared * block_size] = truth_v[0][: shared * block_size]
+        tables.append(table)
+        truth_k.append(k)
+        truth_v.append(v)
+        for t in range(c):  # the cached prefix is already in the pool
+            k_cache[table[t // block_size], t % block_size] = k[t]
+            v_cache[table[t // block_size], t % block_size] = v[t]
+    query_lens = [n for _, n in specs]
+    context_lens = [c + n for c, n in specs]
+    new_k = torch.cat([truth_k[i][c:] for i, (c, _) in enumerate(specs)])
+    new_v = torch.cat([truth_v[i][c:] for i, (c, _) in enumerate(specs)])
+    q = torch.randn(sum(query_lens), heads, d, generator=g)
+    return q, k_cache, v_cache, tables, query_lens, context_lens, new_k, new_v, truth_k, truth_v
+
+
+# (cached prefix, new tokens): prefill chunks starting mid-block over a cached prefix, whole
+# fresh prompts, a first token alone, and decodes, in one batch
+MIXED = [(7, 9), (0, 12), (13, 1), (0, 1), (22, 1), (3, 4), (40, 1), (1, 17)]
+DECODES = [(5, 1), (0, 1), (30, 1), (17, 1), (2, 1)]
+PREFILLS = [(11, 6), (0, 19), (4, 2)]
+
+
+@pytest.mark.parametrize("window", [None, 3, 8], ids=["full", "window3", "window8"])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+@pytest.mark.parametrize("batch", [MIXED, DECODES, PREFILLS], ids=["mixed", "decodes", "prefills"])
+def test_paged_reference_equals_naive_attention(batch, block_size, window):
+    heads, kv_heads, d = 4, 2, 8
+    q, k_cache, v_cache, tables, qlens, ctxs, new_k, new_v, truth_k, truth_v = make_case(
+        block_size * 100 + len(batch), block_size, batch, heads, kv_heads, d
+    )
+    meta = build_metadata(tables, qlens, ctxs, block_size, sliding_window=window)
+    store_kv(k_cache, v_cache, meta.slot_mapping, new_k, new_v)
+    # every token of every sequence is now where its block table says
+    for table, ctx, k, v in zip(tables, ctxs, truth_k, truth_v):
+        slots = torch.tensor([table[t // block_size] * block_size + t % block_size for t in range(ctx)])
+        assert torch.equal(k_cache.reshape(-1, kv_heads, d)[slots], k)
+        assert torch.equal(v_cache.reshape(-1, kv_heads, d)[slots], v)
+    got = paged_attention(q, k_cache, v_cache, meta, scale=1 / math.sqrt(d))
+    want = naive_attention(q, k_cache, v_cache, tables, qlens, ctxs, block_size, window)
+    assert got.shape == q.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(3, 3), (6, 2), (8, 1)], ids=["mha", "group3", "mqa"])
+@pytest.mark.parametrize("block_size", [1, 5, 16])
+def test_gqa_groups_and_shared_prefix_blocks(heads, kv_heads, block_size):
+    """Other head groupings, and two sequences that share their leading blocks (a prefix-cache hit)."""
+    d = 16
+    batch = [(20, 1), (18, 5), (0, 3), (9, 1)]
+    q, k_cache, v_cache, tables, qlens, ctxs, new_k, new_v, _, _ = make_case(
+        7 + block_size, block_size, batch, heads, kv_heads, d, share=True
+    )
+    assert tables[1][: 18 // block_size] == tables[0][: 18 // block_size]
+    for window in (None, 4):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        meta = build_metadata(tables, qlens, ctxs, block_size, sliding_window=window)
+        store_kv(kc, vc, meta.slot_mapping, new_k, new_v)
+        got = paged_attention(q, kc, vc, meta, scale=1 / math.sqrt(d))
+        want = naive_attention(q, kc, vc, tables, qlens, ctxs, block_size, window)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_window_wider_than_context_is_full_attention():
+    batch = [(6, 3), (10, 1), (0, 4)]
+    q, k_cache, v_cache, tables, qlens, ctxs, new_k, new_v, _, _ = make_case(3, 5, batch)
+    outs = []
+    for window in (None, 64):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        meta = build_metadata(tables, qlens, ctxs, 5, sliding_window=window)
+        store_kv(kc, vc, meta.slot_mapping, new_k, new_v)
+        outs.append(paged_attention(q, kc, vc, meta, scale=1 / math.sqrt(8)))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
