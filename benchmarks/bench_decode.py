@@ -25,8 +25,8 @@ def chatkv_decode(engine, ids, n):
     from chatkv.sampling import SamplingParams
 
     r = engine.generate(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-    assert r.generated_tokens == n, r.generated_tokens
-    return r.decode_tokens_per_s, r.token_ids
+    assert r.usage.generated_tokens == n, r.usage.generated_tokens
+    return r.usage.tokens_per_s, r.token_ids
 
 
 def hf_decode(model, ids, n):

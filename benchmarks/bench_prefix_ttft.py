@@ -4,7 +4,7 @@ A ~1,000-token document is the shared prefix (think: RAG context or a long chat 
 Warm: one request (document + question A) fills the radix prefix cache; then a second
 request, document + a different ~20-token question, computes only its question.
 Cold: the same second request on an engine with ``enable_prefix_caching=False``, which
-computes all ~1,050 prompt tokens. Figure: ``result.ttft_s`` (queueing, prefill, first
+computes all ~1,050 prompt tokens. Figure: ``result.usage.ttft_s`` (queueing, prefill, first
 sample) of the second request.
 
     .venv/bin/python benchmarks/bench_prefix_ttft.py [--dtype bf16|fp32|both] [--repeats 3]
@@ -78,14 +78,14 @@ def main() -> None:
         for q in QUESTIONS[: args.repeats]:
             ids = request(warm_engine, doc, q)
             r = first_token(warm_engine, ids)
-            warm.append(r.ttft_s)
-            cached.append(r.cached_tokens)
+            warm.append(r.usage.ttft_s)
+            cached.append(r.usage.cached_tokens)
             r = first_token(cold_engine, ids)
-            assert r.cached_tokens == 0
-            cold.append(r.ttft_s)
+            assert r.usage.cached_tokens == 0
+            cold.append(r.usage.ttft_s)
         w, c = median(warm), median(cold)
         rows.append([dtype, f"{len(ids)}", f"{min(cached)}", f"{c * 1e3:.0f}", f"{w * 1e3:.1f}", f"{c / w:.1f}x", goal(c / w, GOAL)])
-        notes.append(f"{dtype}: priming request {primed.prompt_tokens} tokens, TTFT {primed.ttft_s * 1e3:.0f} ms")
+        notes.append(f"{dtype}: priming request {primed.usage.prompt_tokens} tokens, TTFT {primed.usage.ttft_s * 1e3:.0f} ms")
         del warm_engine, cold_engine
     print(f"\nTTFT of a {PREFIX_TOKENS}-token-prefix request + a new question, threads={args.threads}, "
           f"median of {args.repeats}, load average {load_average()}, {other}")

@@ -191,7 +191,7 @@ class Timers:
 
     def __init__(self, mgr):
         self.t: dict[str, float] = {}
-        for obj, name, label in ((mgr, "restore", "restore"), (mgr.kv, "load", "kv.load"), (mgr, "_into_blocks", "_into_blocks")):
+        for obj, name, label in ((mgr.snapshots, "restore", "restore"), (mgr.snapshots.files, "load", "kv.load"), (mgr.kv, "import_kv", "import_kv")):
             self._wrap(obj, name, label)
 
     def _wrap(self, obj, name, label):
@@ -241,7 +241,7 @@ def hf_ttft_cached(model, cache, new_ids):
 
 def llama_open(threads):
     import llama_cpp
-    from chatkv.gguf_convert import packaged_gguf_path
+    from chatkv.weights import packaged_gguf_path
 
     return llama_cpp.Llama(model_path=str(packaged_gguf_path()), n_ctx=4096, n_threads=threads, verbose=False)
 
@@ -364,7 +364,7 @@ def main() -> None:
     load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
     meter = CpuMeter()
 
-    from chatkv.gguf_convert import ensure_default_model
+    from chatkv.weights import ensure_default_model
     from chatkv.sampling import SamplingParams
 
     model_dir = Path(args.model) if args.model else ensure_default_model()
@@ -429,7 +429,7 @@ def main() -> None:
         spill_s = time.perf_counter() - t0
         d_id = sess_d.id
         mgr = eng.session_manager
-        snap_file = mgr.kv.path(mgr.key(d_id))
+        snap_file = mgr.snapshots.path(d_id)
         snap_tokens = mgr.store.get_snapshot(d_id).token_count
         file_bytes, header_bytes = snapshot_layout(snap_file)
         t0 = time.perf_counter()
@@ -489,7 +489,7 @@ def main() -> None:
                 if w is None:
                     w = time.perf_counter() - t0
                 if not isinstance(piece, str):
-                    e_ttft.append(piece.ttft_s)
+                    e_ttft.append(piece.usage.ttft_s)
                     e_tok.append(piece.token_ids[0])
             e_wall.append(w)
         del e3
@@ -578,11 +578,11 @@ def main() -> None:
     print(f"\nsamples ms: (a) {ms(a_wall)} (b) {ms(b_t)} (c) {ms(c_t)} (d) {ms(d_wall)} (e) {ms(e_wall)}"
           + (f" (f) mem {ms(f['mem'])} restore {ms(f['rest'])}" if f else ""))
     print(f"            (d) restore {ms([t.get('restore', 0) for t in d_timers])} "
-          f"kv.load {ms([t.get('kv.load', 0) for t in d_timers])} _into_blocks {ms([t.get('_into_blocks', 0) for t in d_timers])}")
-    rt = {k: med([t.get(k) for t in d_timers]) for k in ("restore", "kv.load", "_into_blocks")}
+          f"kv.load {ms([t.get('kv.load', 0) for t in d_timers])} import_kv {ms([t.get('import_kv', 0) for t in d_timers])}")
+    rt = {k: med([t.get(k) for t in d_timers]) for k in ("restore", "kv.load", "import_kv")}
     print("\nrestart breakdown (medians): "
           f"new Engine {med(d_open) * 1000:.0f} ms (not in TTFT); resume() {fmt_ms(med(d_resume))} ms; "
-          f"restore {fmt_ms(rt['restore'])} ms = kv.load {fmt_ms(rt['kv.load'])} + _into_blocks {fmt_ms(rt['_into_blocks'])} "
+          f"restore {fmt_ms(rt['restore'])} ms = kv.load {fmt_ms(rt['kv.load'])} + import_kv {fmt_ms(rt['import_kv'])} "
           f"+ rest; then prefill of {du.computed_tokens} tokens (usage.ttft) {fmt_ms(med(d_ttft))} ms")
     print(f"spill (snapshot write + fsync) {fmt_ms(spill_s)} ms; engine close {close_s * 1000:.0f} ms")
     if f:

@@ -42,7 +42,7 @@ def run_chatkv(engine, batch) -> tuple[float, int]:
     start = time.perf_counter()
     results = engine.generate(batch, params)
     wall = time.perf_counter() - start
-    return wall, sum(r.generated_tokens for r in results)
+    return wall, sum(r.usage.generated_tokens for r in results)
 
 
 def run_hf(model, batch) -> tuple[float, int]:

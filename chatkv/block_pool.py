@@ -6,6 +6,10 @@ One preallocated tensor holds every block of every layer:
 carry a reference count; a block returns to the free list when its count drops
 to zero. Invariant after every public call (see ``check_integrity``):
 free + referenced == total and no block is both.
+
+Only this module and the attention kernels (which get ``kv`` from the model
+runner) know the tensor's layout: everyone else moves KV in and out with
+``read`` and ``write``, as per-token ``[layers, 2, tokens, kv_heads, head_dim]``.
 """
 
 from __future__ import annotations
@@ -39,6 +43,18 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
 
     @property
+    def num_layers(self) -> int:
+        return self.kv.shape[0]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.kv.shape[4]
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv.shape[5]
+
+    @property
     def num_free(self) -> int:
         return len(self._free)
 
@@ -66,6 +82,27 @@ class BlockPool:
                 self._free.append(b)
                 freed += 1
         return freed
+
+    # -- moving KV in and out (layout independent) ----------------------------
+
+    def read(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
+        """KV of the first ``num_tokens`` tokens held in ``blocks`` (in order), as one new
+        tensor ``[layers, 2, num_tokens, kv_heads, head_dim]`` (one gather copy)."""
+        assert num_tokens <= len(blocks) * self.block_size, "more tokens than the blocks hold"
+        return self.kv[:, :, blocks].flatten(2, 3)[:, :, :num_tokens]
+
+    def write(self, blocks: list[int], first: int, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        """Store per-layer keys and values ``[tokens, kv_heads, head_dim]`` into consecutive slots of
+        ``blocks``, starting at offset ``first`` of ``blocks[0]`` (converted to the pool's dtype)."""
+        n = k[0].shape[0] if k else 0
+        assert len(k) == len(v) == self.kv.shape[0], "one key and one value tensor per layer"
+        assert first + n <= len(blocks) * self.block_size, "more tokens than the blocks hold"
+        bs = self.block_size
+        slots = (torch.tensor(blocks)[:, None] * bs + torch.arange(bs)).flatten()[first : first + n].to(self.kv.device)
+        flat = self.kv.flatten(2, 3)  # [layers, 2, slots, kv_heads, head_dim], a view
+        for i in range(len(k)):
+            flat[i, 0].index_copy_(0, slots, k[i].to(flat.dtype))
+            flat[i, 1].index_copy_(0, slots, v[i].to(flat.dtype))
 
     def check_integrity(self) -> None:
         free = set(self._free)

@@ -1,110 +1,66 @@
-"""Engine: tokenizer + model + paged KV pool + radix prefix cache + continuous-batching scheduler.
+"""Engine: the SDK's entry point, and the wiring of model runner, KV manager and scheduler.
 
-``Engine.from_pretrained(model=None, **config)`` loads a Hugging Face directory of
-the Llama family (None = the packaged SmolLM2-135M-Instruct). ``generate`` runs
-prompts to completion, batched together; ``stream`` yields text pieces and then
-the ``GenerationResult``; ``step`` is the loop body for callers that drive
-several requests themselves.
+``Engine.from_pretrained(model=None, **config)`` loads a Hugging Face directory of the
+Llama family (None = the packaged SmolLM2-135M-Instruct). ``generate`` runs prompts to
+completion, batched together; ``stream`` yields text pieces and then the
+``GenerationResult``; ``session``/``resume`` open saved conversations. ``step`` is the
+loop body: schedule, run, postprocess.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import operator
 import os
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence as Seq
 
 import torch
 
-from chatkv.block_pool import BlockPool
 from chatkv.config import EngineConfig
-from chatkv.errors import InvalidRequest, ModelNotFound, OutOfBlocks
-from chatkv.fingerprint import model_fingerprint
-from chatkv.kernels import build_metadata
-from chatkv.model import LlamaModel, load_config
-from chatkv.radix_cache import RadixCache
-from chatkv.sampling import SamplingParams, make_generator, sample
+from chatkv.detokenize import TextStream
+from chatkv.errors import InvalidRequest, ModelNotFound, check_text
+from chatkv.kv_manager import KVManager, RetainedKV
+from chatkv.model import LlamaModel
+from chatkv.model_runner import ModelRunner
+from chatkv.outputs import GenerationResult
+from chatkv.sampling import SamplingParams, make_generator
 from chatkv.scheduler import Scheduler
-from chatkv.sequence import Retained, Sequence, Status
+from chatkv.sequence import Sequence
+from chatkv.session_manager import SessionManager
+from chatkv.weights import ensure_default_model, load_config, load_tokenizer, model_fingerprint
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass
-class GenerationResult:
-    """A finished request and what it cost."""
-
-    request_id: int
-    text: str
-    token_ids: list[int]  # generated tokens (the stop token included when generation ended on one)
-    finish_reason: str  # "stop" | "length" | "aborted"
-    prompt_tokens: int
-    cached_tokens: int  # prompt tokens whose KV was already in memory (prefix hit)
-    restored_tokens: int  # prompt tokens whose KV was loaded from disk for this request
-    computed_tokens: int  # prompt tokens computed before the first generated token
-    generated_tokens: int
-    ttft_s: float  # time to first token
-    decode_tokens_per_s: float  # generated tokens after the first, per second
-    preemptions: int
-
-
-def result_of(seq: Sequence) -> GenerationResult:
-    first = seq.first_token_time or seq.finish_time or time.perf_counter()
-    end = seq.finish_time or time.perf_counter()
-    decode_s = end - first
-    return GenerationResult(
-        request_id=seq.seq_id,
-        text=seq.text,
-        token_ids=seq.generated_ids,
-        finish_reason=seq.finish_reason or "aborted",
-        prompt_tokens=seq.num_prompt_tokens,
-        cached_tokens=max(seq.num_cached, 0),
-        restored_tokens=seq.num_restored,
-        computed_tokens=seq.num_prefilled,
-        generated_tokens=seq.num_generated,
-        ttft_s=first - seq.arrival,
-        decode_tokens_per_s=(seq.num_generated - 1) / decode_s if seq.num_generated > 1 and decode_s > 0 else 0.0,
-        preemptions=seq.preemptions,
-    )
-
-
 class Engine:
     def __init__(self, model_dir: str | Path, config: EngineConfig | None = None):
-        from transformers import AutoTokenizer
-
         self.config = config or EngineConfig()
         self.model_dir = Path(model_dir)
         hf_config = load_config(self.model_dir)  # raises ModelNotFound / UnsupportedModel first
         dtype = None if self.config.dtype == "auto" else _DTYPES.get(self.config.dtype)
         if self.config.dtype != "auto" and dtype is None:
             raise InvalidRequest(f"dtype '{self.config.dtype}' unknown; use auto or one of {sorted(_DTYPES)}")
+        self.tokenizer = load_tokenizer(self.model_dir)
         self.model = LlamaModel.from_pretrained(self.model_dir, dtype=dtype, device=self.config.device)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.fingerprint = model_fingerprint(self.model_dir, self.config.data_dir or os.environ.get("CHATKV_HOME"))
         self.kv_dtype = str(self.model.dtype).removeprefix("torch.")
-        self.namespace = (self.fingerprint, self.kv_dtype, self.config.tenant)
-        bs = self.config.block_size
-        num_blocks = self.config.num_blocks or max(2, self.config.kv_cache_bytes // (self.model.kv_bytes_per_token * bs))
-        self.pool = BlockPool(
-            num_blocks, bs, self.model.num_layers, self.model.num_kv_heads, self.model.head_dim,
-            dtype=self.model.dtype, device=self.config.device,
+        self.runner = ModelRunner(self.model, self.config)
+        self.kv = KVManager(
+            self.runner.pool, (self.fingerprint, self.kv_dtype, self.config.tenant), self.config.enable_prefix_caching
         )
-        self.cache = RadixCache(self.pool)
-        self.scheduler = Scheduler(self.pool, self.cache, self.config.max_batch_tokens, self.config.max_running)
+        self.scheduler = Scheduler(self.kv, self.config.max_batch_tokens, self.config.max_running)
         self.max_context = int(getattr(hf_config, "max_position_embeddings", 2048))
         self.eos_ids = self._eos_ids()
         self._ids = itertools.count()
-        self._sessions = None
+        self._sessions: SessionManager | None = None
 
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, **config) -> "Engine":
         """Load ``model`` (a local Hugging Face directory; None = the packaged default chat model)."""
         cfg = EngineConfig.from_kwargs(**config)
         if model is None:
-            from chatkv.gguf_convert import ensure_default_model
-
             model = ensure_default_model()
         elif not Path(model).exists():
             raise ModelNotFound(f"model path '{model}' does not exist (chatkv never downloads weights)")
@@ -116,18 +72,24 @@ class Engine:
             ids.add(self.tokenizer.eos_token_id)
         gen = self.model_dir / "generation_config.json"
         if gen.is_file():
-            import json
-
-            eos = json.loads(gen.read_text()).get("eos_token_id")
+            try:
+                eos = json.loads(gen.read_text()).get("eos_token_id")
+            except (ValueError, AttributeError, OSError):
+                raise ModelNotFound(f"'{gen}' is not a JSON object; fix or remove it") from None
             ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-        return frozenset(ids)
+        return frozenset(i for i in ids if isinstance(i, int))
 
     # -- requests -----------------------------------------------------------
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of ``messages`` rendered with the model's chat template."""
-        if not messages:
-            raise InvalidRequest("messages is empty")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequest("messages must be a non-empty list of {'role': ..., 'content': ...}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or set(m) - {"role", "content"} or "content" not in m:
+                raise InvalidRequest(f"message {i} must be a dict with 'role' and 'content'")
+            check_text(f"message {i} role", m.get("role"))
+            check_text(f"message {i} content", m["content"])
         out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
             out = out["input_ids"]
@@ -135,11 +97,21 @@ class Engine:
 
     def _to_ids(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
+            check_text("prompt", prompt)
             if not prompt.strip():
                 raise InvalidRequest("prompt is empty")
             ids = self.tokenizer(prompt)["input_ids"]
+        elif isinstance(prompt, (list, tuple)):
+            ids = []
+            for t in prompt:
+                try:
+                    if isinstance(t, bool):
+                        raise TypeError
+                    ids.append(operator.index(t))
+                except TypeError:
+                    raise InvalidRequest(f"a token-id prompt must hold only integers, got {t!r}") from None
         else:
-            ids = [int(t) for t in prompt]
+            raise InvalidRequest(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not ids:
             raise InvalidRequest("prompt is empty")
         vocab = self.model.embed.shape[0]
@@ -154,24 +126,27 @@ class Engine:
         params: SamplingParams | None = None,
         *,
         retain: bool = False,
-        prefix: Retained | None = None,
+        prefix: RetainedKV | None = None,
     ) -> Sequence:
         """Queue one request; it runs on the next ``step`` calls. Validates before queueing.
 
-        ``retain`` keeps the finished sequence's KV locked (``seq.retained``) for a next
-        turn; ``prefix`` hands such retained KV to this request, which releases it once
-        admitted (sessions use both).
+        ``retain`` keeps the finished sequence's KV (``seq.retained``) for a next turn;
+        ``prefix`` hands such retained KV to this request, which ends it once admitted
+        (sessions use both). On an error nothing is queued and ``prefix`` is left to the caller.
         """
-        params = params or SamplingParams()
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         ids = self._to_ids(prompt)
         if len(ids) >= self.max_context:
             raise InvalidRequest(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
-        pool_tokens = self.pool.num_blocks * self.pool.block_size
+        pool = self.runner.pool
+        pool_tokens = pool.num_blocks * pool.block_size
         if len(ids) + 1 > pool_tokens:
             raise InvalidRequest(
                 f"prompt has {len(ids)} tokens; the KV pool can hold at most {pool_tokens} "
-                f"({self.pool.num_blocks} blocks of {self.pool.block_size}); raise kv_cache_bytes or num_blocks"
+                f"({pool.num_blocks} blocks of {pool.block_size}); raise kv_cache_bytes or num_blocks"
             )
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
@@ -181,10 +156,10 @@ class Engine:
             token_ids=ids,
             num_prompt_tokens=len(ids),
             params=params,
-            namespace=self.namespace if self.config.enable_prefix_caching else (self.namespace, "private", next(self._ids)),
             generator=make_generator(params),
             stop_ids=frozenset(stop_ids),
             max_total_tokens=min(self.max_context, pool_tokens),
+            out=TextStream(self.tokenizer, params.stop),
             retain=retain,
             prefix=prefix,
         )
@@ -193,16 +168,7 @@ class Engine:
 
     def abort(self, seq: Sequence) -> None:
         """Stop a request now; what it generated so far stays in its result."""
-        if seq.finished:
-            return
-        if seq.status is Status.RUNNING:
-            self.scheduler.finish(seq)
-        else:
-            self.scheduler.waiting.remove(seq)
-            self.scheduler.drop_prefix(seq)
-            seq.status = Status.FINISHED
-        seq.finish_reason = "aborted"
-        seq.finish_time = time.perf_counter()
+        self.scheduler.abort(seq)
 
     # -- the loop -----------------------------------------------------------
 
@@ -213,71 +179,8 @@ class Engine:
         """Run one batched forward over everything scheduled; return the sequences that finished."""
         plan = self.scheduler.schedule()
         if not plan:
-            if self.scheduler.waiting and not self.scheduler.running:
-                seq = self.scheduler.waiting.popleft()
-                self.scheduler.drop_prefix(seq)
-                seq.status, seq.finish_reason, seq.finish_time = Status.FINISHED, "aborted", time.perf_counter()
-                raise OutOfBlocks(
-                    f"request {seq.seq_id} ({len(seq.token_ids)} tokens) does not fit in the free KV blocks "
-                    f"({self.pool.num_free} free, {self.cache.cached_blocks} held by the prefix cache, locked)"
-                )
             return []
-        ids, pos, tables, qlens, ctx, rows, samplers = [], [], [], [], [], [], []
-        for seq, n in plan:
-            start = seq.num_computed
-            ids.extend(seq.token_ids[start : start + n])
-            pos.extend(range(start, start + n))
-            tables.append(seq.block_table)
-            qlens.append(n)
-            ctx.append(start + n)
-            if start + n == len(seq.token_ids):
-                rows.append(len(ids) - 1)
-                samplers.append(seq)
-        dev = self.model.device
-        metas = {
-            w: build_metadata(tables, qlens, ctx, self.pool.block_size, w, device=dev) for w in self.model.windows
-        }
-        logits = self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(pos, dtype=torch.long, device=dev),
-            self.pool.kv,
-            metas,
-            torch.tensor(rows, dtype=torch.long, device=dev),
-        ).cpu()
-        for seq, n in plan:
-            seq.num_computed += n
-            if seq.first_token_time is None:
-                seq.num_prefilled += n
-        finished = []
-        for row, seq in enumerate(samplers):
-            token = sample(logits[row], seq.params, seq.token_ids, seq.generator)
-            if self._append(seq, token):
-                self.scheduler.finish(seq)
-                seq.finish_time = time.perf_counter()
-                finished.append(seq)
-        return finished
-
-    def _append(self, seq: Sequence, token: int) -> bool:
-        """Add a sampled token; return True when the sequence is done."""
-        if seq.first_token_time is None:
-            seq.first_token_time = time.perf_counter()
-        seq.token_ids.append(token)
-        visible = seq.generated_ids
-        if token in seq.stop_ids:
-            visible = visible[:-1]
-            seq.finish_reason = "stop"
-        seq.text = self.tokenizer.decode(visible, skip_special_tokens=True)
-        if seq.params.stop and seq.finish_reason is None:
-            window = len(seq.text) - max(map(len, seq.params.stop)) - 8
-            hits = [i for s in seq.params.stop if (i := seq.text.find(s, max(window, 0))) >= 0]
-            if hits:
-                seq.text = seq.text[: min(hits)]
-                seq.finish_reason = "stop"
-        if seq.finish_reason is None and (
-            seq.num_generated >= seq.params.max_tokens or len(seq.token_ids) >= seq.max_total_tokens
-        ):
-            seq.finish_reason = "length"
-        return seq.finish_reason is not None
+        return self.scheduler.postprocess(plan, self.runner.run(plan))
 
     # -- convenience --------------------------------------------------------
 
@@ -287,7 +190,9 @@ class Engine:
         params: SamplingParams | Seq[SamplingParams] | None = None,
     ) -> GenerationResult | list[GenerationResult]:
         """Run prompts to completion, all batched together. One prompt in, one result out; a list in, a list out."""
-        single = isinstance(prompts, str) or (len(prompts) > 0 and isinstance(prompts[0], int))
+        if not isinstance(prompts, (str, list, tuple)):
+            raise InvalidRequest(f"prompts must be a string, token ids or a list of them, got {type(prompts).__name__}")
+        single = isinstance(prompts, str) or (len(prompts) > 0 and not isinstance(prompts[0], (str, list, tuple)))
         batch = [prompts] if single else list(prompts)
         if not batch:
             raise InvalidRequest("prompt list is empty: no prompts given")
@@ -304,7 +209,10 @@ class Engine:
             for s in seqs:
                 self.abort(s)
             raise
-        results = [result_of(s) for s in seqs]
+        for s in seqs:
+            if s.error is not None:
+                raise s.error
+        results = [s.result() for s in seqs]
         return results[0] if single else results
 
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[str | GenerationResult]:
@@ -312,46 +220,42 @@ class Engine:
         seq = self.add_request(prompt, params)
         try:
             yield from self.drive(seq)
-            yield result_of(seq)
+            yield seq.result()
         finally:
             self.abort(seq)  # no-op when finished; frees the blocks if the caller stopped early
 
     def drive(self, seq: Sequence) -> Iterator[str]:
-        """Step the engine until ``seq`` finishes, yielding its new text as it appears.
-
-        Text that may still turn out to be the start of a stop string, or half of a
-        multi-byte character, is held back until it is settled.
-        """
-        hold = max(map(len, seq.params.stop), default=1) - 1
+        """Step the engine until ``seq`` finishes, yielding its settled new text as it appears.
+        Raises the request's own error if it ended with one."""
         while not seq.finished:
             self.step()
-            end = len(seq.text) if seq.finished else len(seq.text) - hold
-            if not seq.finished and seq.text.endswith("\ufffd"):
-                end = min(end, len(seq.text) - 1)
-            if end > seq.emitted:
-                yield seq.text[seq.emitted : end]
-                seq.emitted = end
+            piece = seq.out.take()
+            if piece:
+                yield piece
+        piece = seq.out.take()
+        if piece:
+            yield piece
+        if seq.error is not None:
+            raise seq.error
 
     # -- sessions -------------------------------------------------------------
 
     @property
-    def session_manager(self):
+    def session_manager(self) -> SessionManager:
         """The conversation store and snapshot directory, opened on first use."""
         if self._sessions is None:
             from chatkv.paths import data_dir
-            from chatkv.session_manager import SessionManager
 
-            root = Path(self.config.data_dir) if self.config.data_dir else data_dir()
-            root.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self._sessions = SessionManager(
-                self, root, self.config.db_url, self.config.idle_spill_s, self.config.snapshot_budget_bytes
-            )
+            if self.config.data_dir:
+                root = Path(self.config.data_dir)
+                root.mkdir(parents=True, exist_ok=True, mode=0o700)  # the mode applies only if created here
+            else:
+                root = data_dir()
+            self._sessions = SessionManager(self, root)
         return self._sessions
 
     def session(self, system: str | None = None, title: str | None = None, params: dict | None = None):
         """Start a new saved conversation. ``params``: default SamplingParams fields for its turns."""
-        if params:
-            SamplingParams(**params).validate()
         return self.session_manager.create(system, title, params)
 
     def resume(self, conv_id: str):
@@ -367,10 +271,12 @@ class Engine:
         return self.session_manager.spill_idle() if self._sessions is not None else 0
 
     def close(self) -> None:
-        """Spill and close every open session and the database. The engine is unusable afterwards."""
+        """Spill and close every open session and the database, then release the prefix cache.
+        The engine is unusable afterwards."""
         if self._sessions is not None:
             self._sessions.close()
             self._sessions = None
+        self.kv.clear()
 
     def __enter__(self) -> "Engine":
         return self
@@ -378,7 +284,15 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # -- state ----------------------------------------------------------------
+
+    def kv_stats(self) -> dict[str, int]:
+        """KV pool and prefix-cache counts (blocks total/free/cached/evictable, tree nodes, pins, retained)."""
+        return self.kv.stats()
+
     def check_integrity(self) -> None:
-        """Assert the pool and cache invariants (call when idle)."""
-        self.pool.check_integrity()
-        self.cache.check_integrity()
+        """Assert the pool and cache invariants, and that every block reference and radix lock is
+        owned by a live request, open session or pin (call when idle)."""
+        seqs = self.scheduler.sequences()
+        handles = [s.prefix for s in seqs] + (self._sessions.held_kv() if self._sessions is not None else [])
+        self.kv.check_integrity(seqs, handles)

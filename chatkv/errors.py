@@ -31,3 +31,16 @@ class SnapshotInvalid(ChatKVError):
 
 class StorageError(ChatKVError):
     """The conversation database or the data directory cannot be used (damaged file, no permission...)."""
+
+
+def check_text(what: str, value: object) -> str:
+    """``value`` if it is a str that can be encoded as UTF-8, else InvalidRequest naming ``what``."""
+    if not isinstance(value, str):
+        raise InvalidRequest(f"{what} must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequest(
+            f"{what} is not valid Unicode: a lone surrogate {value[e.start]!r} at character {e.start}"
+        ) from None
+    return value

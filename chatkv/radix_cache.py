@@ -134,6 +134,16 @@ class RadixCache:
         """Release every unlocked node (shutdown). Locked paths stay."""
         self._evict(None)
 
+    def nodes(self) -> list[Node]:
+        """Every node below the namespace roots (roots excluded), parents before children."""
+        out: list[Node] = []
+        stack = [c for root in self._roots.values() for c in root.children.values()]
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(node.children.values())
+        return out
+
     # ---------------------------------------------------------------- internals
     def _root(self, namespace: Hashable) -> Node:
         root = self._roots.get(namespace)
@@ -239,3 +249,43 @@ class RadixCache:
                     stack.append(child)
         assert len(seen) == self._cached, f"cached_blocks {self._cached} != {len(seen)} blocks in the tree"
         assert evictable == self._evictable, f"evictable_blocks {self._evictable} != {evictable}"
+
+
+class NoPrefixCache:
+    """The cache of an engine with prefix caching off: it never shares and never holds a block.
+
+    Same interface as ``RadixCache``: ``match`` finds nothing, ``insert`` adopts nothing
+    (the caller's references are the only ones, so blocks go back to the pool when it
+    drops them), locks are no-ops on one root that is never evicted.
+    """
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self._root = Node((), [], is_root=True)
+        self.cached_blocks = 0
+        self.evictable_blocks = 0
+
+    def match(self, namespace: Hashable, token_ids: Sequence[int], max_tokens: int | None = None) -> MatchResult:
+        return MatchResult(self._root, [], 0)
+
+    def insert(self, namespace: Hashable, token_ids: Sequence[int], block_ids: Sequence[int]) -> Node:
+        return self._root
+
+    def lock(self, node: Node) -> None:
+        pass
+
+    def unlock(self, node: Node) -> None:
+        pass
+
+    def evict(self, num_blocks: int) -> int:
+        return 0
+
+    def clear(self) -> None:
+        pass
+
+    def nodes(self) -> list[Node]:
+        return []
+
+    def check_integrity(self) -> None:
+        assert not self._root.children and not self._root.lock_ref, "the no-sharing cache grew a node"

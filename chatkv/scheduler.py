@@ -1,33 +1,38 @@
-"""Continuous batching: which sequences compute how many tokens in the next step.
+"""Continuous batching and request state: which sequences compute how many tokens next,
+and what happens to them after each step.
 
-Each step: every running sequence gets its share first (1 token for a decode,
-a chunk for an unfinished prefill), then waiting sequences are admitted,
-longest cached prefix first, while the token budget and free blocks allow.
-When blocks run out the newest running sequence is preempted: its computed
-full blocks go into the radix tree (so its re-admission hits them), its own
-references are dropped and it goes back to the front of the queue.
+Each step: every running sequence gets its share first (1 token for a decode, a
+chunk for an unfinished prefill), then waiting sequences are admitted, longest
+cached prefix first, while the token budget and free blocks allow. When blocks run
+out the newest running sequence is preempted: its computed full blocks go into the
+radix tree (so its re-admission hits them), its references are dropped and it goes
+back to the front of the queue. A request that cannot fit even alone is finished
+with an ``OutOfBlocks`` error of its own.
+
+``postprocess`` takes the sampled tokens: it appends them, feeds the text stream,
+checks stop tokens, stop strings and length, and finishes sequences. ``abort``
+ends a request in any state. All KV is held and released through the KVManager;
+whatever raises in here leaves every sequence either holding its KV (running) or
+holding none (waiting, finished).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
-from typing import Callable
 
-from chatkv.block_pool import BlockPool
-from chatkv.radix_cache import RadixCache
-from chatkv.sequence import Retained, Sequence, Status
+from chatkv.errors import OutOfBlocks
+from chatkv.kv_manager import KVManager
+from chatkv.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, cache: RadixCache, max_batch_tokens: int, max_running: int):
-        self.pool = pool
-        self.cache = cache
-        self.block_size = pool.block_size
+    def __init__(self, kv: KVManager, max_batch_tokens: int, max_running: int):
+        self.kv = kv
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.on_pressure: Callable[[int], None] | None = None  # called with the blocks still missing
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -35,89 +40,58 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    # -- blocks -------------------------------------------------------------
+    def sequences(self) -> list[Sequence]:
+        """Every sequence that may hold KV (for integrity checks)."""
+        return list(self.waiting) + self.running
 
-    def _reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        """Make ``seq.block_table`` cover ``num_computed + num_tokens`` tokens; False if blocks lack."""
-        need = -(-(seq.num_computed + num_tokens) // self.block_size) - len(seq.block_table)
-        if need <= 0:
-            return True
-        if not self.make_room(need):
-            return False
-        seq.block_table.extend(self.pool.allocate(need))
-        return True
+    # -- ending requests ------------------------------------------------------------
 
-    def make_room(self, need: int) -> bool:
-        """Free blocks until ``need`` are free: evict cached blocks, then ask ``on_pressure``. True on success."""
-        if self.pool.num_free < need:
-            self.cache.evict(need - self.pool.num_free)
-        if self.pool.num_free < need and self.on_pressure is not None:
-            self.on_pressure(need - self.pool.num_free)  # e.g. spill idle sessions, making their blocks evictable
-            self.cache.evict(need - self.pool.num_free)
-        return self.pool.num_free >= need
+    def _finish(self, seq: Sequence, reason: str, error: Exception | None = None) -> None:
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED  # first: a failure below must not leave it queued
+        seq.finish_reason = seq.finish_reason or reason
+        seq.error = error
+        seq.finish_time = time.perf_counter()
+        seq.out.finish()
+        seq.retained = self.kv.release(seq, retain=seq.retain and reason != "error")
 
-    def release(self, seq: Sequence, retain: bool = False) -> None:
-        """Drop the sequence's blocks, first offering its computed full blocks to the radix tree.
+    def abort(self, seq: Sequence) -> None:
+        """End a request now, waiting or running; what it generated so far stays in its result."""
+        if not seq.finished:
+            self._finish(seq, "aborted")
 
-        With ``retain`` the inserted path stays locked and the partial last block stays
-        referenced, both recorded in ``seq.retained`` for the session's next turn.
-        """
-        self.drop_prefix(seq)
-        bs = self.block_size
-        full = seq.num_computed // bs
-        node = self.cache.insert(seq.namespace, seq.token_ids[: full * bs], seq.block_table[:full]) if full else None
-        table = seq.block_table
-        if retain:
-            if node is not None:
-                self.cache.lock(node)
-            tail_len = seq.num_computed - full * bs
-            tail = table[full] if tail_len else None
-            seq.retained = Retained(node, tail, tail_len, seq.num_computed)
-            if tail is not None:
-                table = table[:full] + table[full + 1 :]
-        if seq.lock_node is not None:
-            self.cache.unlock(seq.lock_node)
-            seq.lock_node = None
-        self.pool.decref(table)
-        seq.block_table = []
-        seq.num_computed = 0
+    def fail(self, seq: Sequence, error: Exception) -> None:
+        """End a request with an error of its own (it is raised to whoever drives it)."""
+        if not seq.finished:
+            self._finish(seq, "error", error)
 
-    def drop_prefix(self, seq: Sequence) -> None:
-        """Release the previous turn's retained KV still attached to ``seq`` (if admission did not take it)."""
-        release_retained(self.cache, self.pool, seq.prefix)
-        seq.prefix = None
+    # -- admission --------------------------------------------------------------------
 
-    def preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.release(seq)
+        self.kv.release(seq)
         seq.status = Status.WAITING
         seq.preemptions += 1
         self.waiting.appendleft(seq)
 
-    # -- admission ----------------------------------------------------------
-
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Attach the cached prefix and reserve blocks for a first chunk; 0 if it cannot start now."""
-        m = self.cache.match(seq.namespace, seq.token_ids, max_tokens=len(seq.token_ids) - 1)
-        self.cache.lock(m.node)
-        self.pool.incref(m.block_ids)
-        seq.lock_node, seq.block_table, seq.num_computed = m.node, list(m.block_ids), m.num_tokens
-        p = seq.prefix
-        if p is not None and p.tail_block is not None and m.num_tokens == p.kv_len - p.tail_len < p.kv_len < len(seq.token_ids):
-            # the session's own partial block continues its history: take it over
-            seq.block_table.append(p.tail_block)
-            seq.num_computed = p.kv_len
-            p.tail_block = None
-        self.drop_prefix(seq)
+        self.kv.attach(seq)
         chunk = min(len(seq.token_ids) - seq.num_computed, budget)
-        if not self._reserve(seq, chunk):
-            self.release(seq)  # its tail block (if it took one) goes into the tree or back to the pool
+        try:
+            ok = self.kv.reserve(seq, chunk)
+        except BaseException:
+            self.kv.release(seq)  # it waits on, holding nothing
+            raise
+        if not ok:
+            self.kv.release(seq)  # its tail block (if it took one) goes into the tree or back to the pool
             return 0
         if seq.num_cached < 0:
             seq.num_cached = seq.num_computed
         return chunk
-
-    # -- the step -----------------------------------------------------------
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """Return ``(sequence, tokens to compute)`` pairs for the next step, in batch order."""
@@ -127,9 +101,9 @@ class Scheduler:
             if seq not in self.running:  # preempted below on behalf of an older sequence
                 continue
             want = min(len(seq.token_ids) - seq.num_computed, max(budget, 1))
-            while not self._reserve(seq, want):
+            while not self.kv.reserve(seq, want):
                 victim = self.running[-1]
-                self.preempt(victim)
+                self._preempt(victim)
                 plan = [(s, n) for s, n in plan if s is not victim]
                 if victim is seq:
                     break
@@ -138,10 +112,7 @@ class Scheduler:
                 budget -= want
         if self.waiting and budget > 0 and len(self.running) < self.max_running:
             # longest cached prefix first: those cost the least to start
-            ranked = sorted(
-                self.waiting,
-                key=lambda s: -self.cache.match(s.namespace, s.token_ids, max_tokens=len(s.token_ids) - 1).num_tokens,
-            )
+            ranked = sorted(self.waiting, key=lambda s: -self.kv.cached_len(s.token_ids))
             for seq in ranked:
                 if budget <= 0 or len(self.running) >= self.max_running:
                     break
@@ -153,21 +124,45 @@ class Scheduler:
                 self.running.append(seq)
                 plan.append((seq, chunk))
                 budget -= chunk
+        if not plan and self.waiting and not self.running:
+            seq = self.waiting[0]  # nothing runs and the first in line cannot start: it never will
+            pool = self.kv.pool
+            self.fail(seq, OutOfBlocks(
+                f"request {seq.seq_id} ({len(seq.token_ids)} tokens) does not fit in the free KV blocks "
+                f"({pool.num_free} free of {pool.num_blocks}, {self.kv.cache.cached_blocks} held by the prefix "
+                "cache and locked by open sessions or pins)"
+            ))
         return plan
 
-    def finish(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.release(seq, retain=seq.retain)
-        seq.status = Status.FINISHED
+    # -- after the forward --------------------------------------------------------------
 
+    def postprocess(self, plan: list[tuple[Sequence, int]], sampled: dict[Sequence, int | Exception]) -> list[Sequence]:
+        """Account the computed tokens, append each sampled token (or fail its sequence), and
+        finish the sequences that are done. Returns the sequences that finished."""
+        for seq, n in plan:
+            seq.num_computed += n
+            if seq.first_token_time is None:
+                seq.num_prefilled += n
+        finished = []
+        for seq, token in sampled.items():
+            if isinstance(token, Exception):
+                self.fail(seq, token)
+            elif self._append(seq, token):
+                self._finish(seq, seq.finish_reason)
+            else:
+                continue
+            finished.append(seq)
+        return finished
 
-def release_retained(cache: RadixCache, pool: BlockPool, kept: Retained | None) -> None:
-    """Give back what a session held between turns: unlock its path, drop its tail block."""
-    if kept is None:
-        return
-    if kept.node is not None:
-        cache.unlock(kept.node)
-        kept.node = None
-    if kept.tail_block is not None:
-        pool.decref([kept.tail_block])
-        kept.tail_block = None
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """Add a sampled token; return True when the sequence is done (finish_reason set)."""
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        seq.token_ids.append(token)
+        if token in seq.stop_ids:
+            seq.finish_reason = "stop"
+        elif seq.out.add(token):
+            seq.finish_reason = "stop"  # a stop string
+        elif seq.num_generated >= seq.params.max_tokens or len(seq.token_ids) >= seq.max_total_tokens:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None

@@ -5,11 +5,17 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import TYPE_CHECKING
 
 import torch
 
+from chatkv.detokenize import TextStream
+from chatkv.outputs import GenerationResult, Usage
 from chatkv.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from chatkv.kv_manager import RetainedKV
+    from chatkv.radix_cache import Node
 
 
 class Status(enum.Enum):
@@ -18,45 +24,28 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
-class Retained:
-    """KV a finished sequence leaves behind for the next turn of its session.
-
-    ``node`` is the locked radix node ending at its last full block (None if it
-    had none); ``tail_block`` is its own partial last block (a pool reference the
-    holder owns) with ``tail_len`` tokens in it; ``kv_len`` counts every token
-    with KV: ``full blocks * block_size + tail_len``.
-    """
-
-    node: Any
-    tail_block: int | None
-    tail_len: int
-    kv_len: int
-
-
-@dataclass
+@dataclass(eq=False)
 class Sequence:
     seq_id: int
     token_ids: list[int]  # prompt, then every generated token
     num_prompt_tokens: int
     params: SamplingParams
-    namespace: Hashable
     generator: torch.Generator | None
     stop_ids: frozenset[int]
     max_total_tokens: int  # the model context (or pool) bound on len(token_ids)
-    retain: bool = False  # on finish keep the sequence's KV locked for the next turn (sessions)
-    prefix: Retained | None = None  # the previous turn's retained KV, handed over at admission
-    retained: Retained | None = None  # what this sequence left behind (set on finish when retain)
+    out: TextStream  # the generated text, incrementally
+    retain: bool = False  # on finish keep the sequence's KV for the conversation's next turn
+    prefix: RetainedKV | None = None  # the previous turn's retained KV, handed over at admission
+    retained: RetainedKV | None = None  # what this sequence left behind (set on finish when retain)
     status: Status = Status.WAITING
-    block_table: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)  # owned by the KV manager's contract
+    lock_node: Node | None = None  # radix node locked while the sequence holds its cached prefix
     num_computed: int = 0  # leading tokens whose KV is in the pool
     num_cached: int = -1  # prefix-hit tokens at first admission (-1: not admitted yet)
     num_restored: int = 0  # tokens brought back from disk before admission (sessions)
     num_prefilled: int = 0  # tokens this request actually computed before its first sample
-    lock_node: Any = None  # radix node locked while the sequence holds its prefix
-    finish_reason: str | None = None
-    text: str = ""
-    emitted: int = 0  # characters of text already streamed
+    finish_reason: str | None = None  # "stop" | "length" | "aborted" | "error"
+    error: Exception | None = None  # why it ended with finish_reason "error"
     preemptions: int = 0
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
@@ -73,3 +62,33 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def text(self) -> str:
+        return self.out.text
+
+    def usage(self) -> Usage:
+        first = self.first_token_time or self.finish_time or time.perf_counter()
+        end = self.finish_time or time.perf_counter()
+        decode_s = end - first
+        cached = max(self.num_cached, 0)
+        restored = min(self.num_restored, cached)  # restored KV was put in the tree before admission
+        return Usage(
+            prompt_tokens=self.num_prompt_tokens,
+            cached_tokens=cached - restored,
+            restored_tokens=restored,
+            computed_tokens=self.num_prefilled,
+            generated_tokens=self.num_generated,
+            ttft_s=first - self.arrival,
+            tokens_per_s=(self.num_generated - 1) / decode_s if self.num_generated > 1 and decode_s > 0 else 0.0,
+        )
+
+    def result(self) -> GenerationResult:
+        return GenerationResult(
+            request_id=self.seq_id,
+            text=self.text,
+            token_ids=self.generated_ids,
+            finish_reason=self.finish_reason or "aborted",
+            usage=self.usage(),
+            preemptions=self.preemptions,
+        )

@@ -12,41 +12,16 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Iterator
 
-from chatkv.errors import InvalidRequest, SessionError
+from chatkv.errors import InvalidRequest, SessionError, check_text
+from chatkv.outputs import Reply
 from chatkv.sampling import SamplingParams
-from chatkv.sequence import Retained
 
 if TYPE_CHECKING:
+    from chatkv.kv_manager import RetainedKV
     from chatkv.session_manager import SessionManager
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int  # the whole prompt of this turn (history + new message)
-    cached_tokens: int  # of which already in memory
-    restored_tokens: int  # of which loaded from a snapshot on disk
-    computed_tokens: int  # of which computed now (the new turn)
-    generated_tokens: int
-    ttft_s: float
-    tokens_per_s: float
-
-    def message_stats(self) -> dict:
-        """The fields as the database's message columns name them."""
-        stats = asdict(self)
-        stats["ttft_ms"] = stats.pop("ttft_s") * 1000
-        return stats
-
-
-@dataclass
-class Reply:
-    text: str
-    usage: Usage
-    finish_reason: str  # "stop" | "length" | "aborted"
-    message_id: int
-    sources: list = field(default_factory=list)
 
 
 class Session:
@@ -59,8 +34,8 @@ class Session:
         self.system = system
         self.params = dict(params)
         self.tokens: list[int] = list(tokens)  # the canonical history
-        self.kept: Retained | None = None  # KV resident in memory between turns
-        self.pinned = None  # the locked radix node of the shared system-prompt prefix
+        self.kept: RetainedKV | None = None  # KV resident in memory between turns
+        self.pinned: tuple[int, ...] | None = None  # the KV manager's pin of the shared system-prompt prefix
         self.closed = False
         self.busy = False
         self.last_used = time.monotonic()
@@ -82,14 +57,17 @@ class Session:
         Stopping early (closing the generator) keeps what was generated, marked interrupted.
         """
         self._check_open()
-        if not isinstance(text, str) or not text.strip():
+        check_text("message", text)
+        if not text.strip():
             raise InvalidRequest("message is empty")
+        if params is not None and not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
         if self.busy:
             raise SessionError(f"session '{self.id}' is already generating a reply")
         yield from self._m.turn(self, text, params or self._default_params())
 
     def _default_params(self) -> SamplingParams:
-        return SamplingParams(**self.params) if self.params else SamplingParams(temperature=0.0)
+        return SamplingParams.from_dict(self.params) if self.params else SamplingParams(temperature=0.0)
 
     # -- housekeeping -------------------------------------------------------
 
@@ -99,6 +77,7 @@ class Session:
 
     def rename(self, title: str) -> None:
         self._check_open()
+        check_text("title", title)
         self._m.store.rename(self.id, title)
         self.title = title
 

@@ -34,5 +34,5 @@ def test_multi_turn_prefix_is_reused(engine):
     second = first + [{"role": "assistant", "content": reply.text}, {"role": "user", "content": "And Italy's?"}]
     again = engine.generate(engine.encode_chat(second), SamplingParams(max_tokens=8, temperature=0))
     # the first turn's full blocks are reused: only the tail of the history and the new message are computed
-    assert again.cached_tokens >= (reply.prompt_tokens // 16) * 16
+    assert again.usage.cached_tokens >= (reply.usage.prompt_tokens // 16) * 16
     engine.check_integrity()

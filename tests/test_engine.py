@@ -38,7 +38,7 @@ def test_greedy_32_tokens_identical_to_transformers_generate(tmp_path, model_typ
     ids = engine.tokenizer(text)["input_ids"]
     result = engine.generate(text, GREEDY)
     assert result.token_ids == hf_greedy(ref, ids, 32)
-    assert result.generated_tokens == 32 and result.finish_reason == "length"
+    assert result.usage.generated_tokens == 32 and result.finish_reason == "length"
     engine.check_integrity()
 
 
@@ -77,9 +77,9 @@ def test_prefix_reuse_second_request_computes_only_new_tokens(llama):
     first = engine.generate(prefix + prompt_ids(10, 6), GREEDY)
     second_prompt = prefix + prompt_ids(12, 7)
     second = engine.generate(second_prompt, GREEDY)
-    assert first.cached_tokens == 0
-    assert second.cached_tokens >= 192
-    assert second.computed_tokens == second.prompt_tokens - second.cached_tokens
+    assert first.usage.cached_tokens == 0
+    assert second.usage.cached_tokens >= 192
+    assert second.usage.computed_tokens == second.usage.prompt_tokens - second.usage.cached_tokens
     assert second.token_ids == hf_greedy(ref, second_prompt, 32)
     engine.check_integrity()
 
@@ -90,7 +90,7 @@ def test_identical_prompt_leaves_last_token_to_compute(llama):
     p = prompt_ids(48, 8)  # exactly 3 blocks
     engine.generate(p, GREEDY)
     again = engine.generate(p, GREEDY)
-    assert again.cached_tokens == 32 and again.computed_tokens == 16
+    assert again.usage.cached_tokens == 32 and again.usage.computed_tokens == 16
     assert again.token_ids == hf_greedy(ref, p, 32)
 
 

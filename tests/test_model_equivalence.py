@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
-from chatkv.block_pool import BlockPool
-from chatkv.kernels import build_metadata
+from chatkv.config import EngineConfig
 from chatkv.model import LlamaModel
+from chatkv.model_runner import BatchItem, ModelRunner
 from tests.tiny import VOCAB, make_model
 
 TOL = 1e-4
@@ -24,11 +24,11 @@ def pair(request, tmp_path_factory):
 
 
 class Runner:
-    """Drives LlamaModel.forward with hand-made block tables taken from a shuffled pool."""
+    """Drives chatkv's ModelRunner with hand-made block tables taken from a shuffled pool."""
 
     def __init__(self, model: LlamaModel, block_size: int, num_blocks: int = 256, seed: int = 0):
-        self.model = model
-        self.pool = BlockPool(num_blocks, block_size, model.num_layers, model.num_kv_heads, model.head_dim)
+        self.runner = ModelRunner(model, EngineConfig(block_size=block_size, num_blocks=num_blocks))
+        self.pool = self.runner.pool
         # take blocks out of order so block tables are never contiguous by accident
         random.Random(seed).shuffle(self.pool._free)
         self.tables: dict[str, list[int]] = {}
@@ -36,23 +36,17 @@ class Runner:
 
     def step(self, work: list[tuple[str, list[int]]]) -> list[torch.Tensor]:
         """Compute each (sequence, new tokens) in ONE forward; return each one's logits for all its new tokens."""
-        ids, pos, tables, qlens, ctx, rows = [], [], [], [], [], []
+        items = []
         bs = self.pool.block_size
         for name, toks in work:
             start = self.done.get(name, 0)
             table = self.tables.setdefault(name, [])
             need = -(-(start + len(toks)) // bs) - len(table)
             table.extend(self.pool.allocate(max(need, 0)))
-            ids += toks
-            pos += range(start, start + len(toks))
-            tables.append(table)
-            qlens.append(len(toks))
-            ctx.append(start + len(toks))
+            items.append(BatchItem(toks, start, table, logits="all"))
             self.done[name] = start + len(toks)
-        rows = torch.arange(len(ids))
-        metas = {w: build_metadata(tables, qlens, ctx, bs, w) for w in self.model.windows}
-        logits = self.model.forward(torch.tensor(ids), torch.tensor(pos), self.pool.kv, metas, rows)
-        return list(torch.split(logits, qlens))
+        logits = self.runner.forward(self.runner.build_batch(items))
+        return list(torch.split(logits, [len(t) for _, t in work]))
 
 
 def ref_logits(ref, ids: list[int]) -> torch.Tensor:

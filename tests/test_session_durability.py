@@ -35,7 +35,7 @@ from safetensors.torch import load_file, save_file
 
 from chatkv.config import EngineConfig
 from chatkv.engine import Engine
-from chatkv.fingerprint import model_fingerprint
+from chatkv.weights import model_fingerprint
 from chatkv.sampling import SamplingParams
 from chatkv.storage import kv_store
 from chatkv.storage.repository import Store
@@ -72,7 +72,7 @@ def turn_tokens(session, reply) -> tuple[list[int], list[int]]:
 
 def snap_path(engine, conv_id) -> Path:
     m = engine.session_manager
-    return m.kv.path(m.key(conv_id))
+    return m.snapshots.path(conv_id)
 
 
 def header_end(blob: bytes) -> int:
@@ -127,7 +127,7 @@ def world(model, tmp_path_factory):
     # an uncached run of turn 4's prompt: one request, nothing in memory or on disk
     with engine_at(model_dir, root / "uncached") as e:
         uncached = e.generate(prompt4, SamplingParams(**GREEDY))
-    assert uncached.cached_tokens == 0
+    assert uncached.usage.cached_tokens == 0
     assert uncached.token_ids[: len(gen4)] == gen4 and uncached.text == straight[3].text
     assert gen4 == hf_greedy(ref, prompt4, GREEDY["max_tokens"])[: len(gen4)]
 
@@ -298,7 +298,7 @@ def uncached(model_dir: Path, kw: dict, prompt: list[int], data: Path):
     """The reply of a fresh engine to ``prompt``: nothing in memory, nothing on disk."""
     with engine_at(model_dir, data, **kw) as e:
         want = e.generate(prompt, SamplingParams(**GREEDY))
-    assert want.cached_tokens == 0
+    assert want.usage.cached_tokens == 0
     return want
 
 
@@ -314,7 +314,7 @@ def test_damaged_snapshot_is_recomputed_never_wrong(world, request, tmp_path, ca
     caplog.set_level(logging.WARNING, logger="chatkv")
     e = engine_at(model_dir, data, **kw)
     m = e.session_manager  # opening the manager sweeps orphan files and rows
-    a_path = m.kv.path(m.key(w["a"]))
+    a_path = m.snapshots.path(w["a"])
     if case == "file_without_row":
         assert not a_path.exists(), "a snapshot file without a database row must be removed on open"
     if case == "missing_file":
@@ -348,7 +348,7 @@ def test_damaged_snapshot_is_recomputed_never_wrong(world, request, tmp_path, ca
     assert [x.role for x in s.messages()] == ["user", "assistant"] * 4
     assert [x.content for x in s.messages()[::2]] == QUESTIONS_A[:4]
     assert len(e.resume(w["b"]).messages()) == 4
-    assert m.kv.path(m.key(w["b"])).read_bytes() == w["b_blob"]
+    assert m.snapshots.path(w["b"]).read_bytes() == w["b_blob"]
     e.check_integrity()
     e.close()  # spills A again
 
@@ -505,7 +505,7 @@ def test_kill_9_during_spill_loses_nothing_and_never_loads_garbage(model, fork_s
         # a new engine: nothing committed is lost, the next turn is exactly right
         e = engine_at(model_dir, data, num_blocks=KILL_BLOCKS)
         m = e.session_manager
-        assert not [p.name for p in m.kv.root.iterdir() if p.name.endswith(".tmp")], "temp files left"
+        assert not [p.name for p in m.snapshots.files.root.iterdir() if p.name.endswith(".tmp")], "temp files left"
         s = e.resume(conv)
         msgs = s.messages()
         for ev in events:

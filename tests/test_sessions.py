@@ -95,8 +95,8 @@ def test_idle_spill_releases_blocks_and_next_turn_restores(model, tmp_path):
     s = e.session(params=GREEDY)
     r1 = s.send(QUESTIONS[0])
     assert e.spill_idle() == 1
-    e.cache.evict(e.pool.num_blocks)  # nothing of the session is pinned any more
-    assert e.pool.num_free == e.pool.num_blocks
+    e.kv.cache.evict(e.kv.pool.num_blocks)  # nothing of the session is pinned any more
+    assert e.kv.pool.num_free == e.kv.pool.num_blocks
     e.check_integrity()
     r2 = s.send(QUESTIONS[1])
     assert [r1.text, r2.text] == [r.text for r in straight]
@@ -146,10 +146,9 @@ def test_session_api_lists_renames_archives_exports_deletes(model, tmp_path):
     with pytest.raises(InvalidRequest, match="export format"):
         a.export("pdf")
     a.spill()
-    key = e.session_manager.key(a.id)
-    assert e.session_manager.kv.path(key).exists()
+    assert e.session_manager.snapshots.path(a.id).exists()
     a.delete()
-    assert not e.session_manager.kv.path(key).exists()
+    assert not e.session_manager.snapshots.path(a.id).exists()
     with pytest.raises(SessionError, match="unknown conversation"):
         e.resume(a.id)
     e.close()
@@ -200,7 +199,7 @@ def test_files_are_private(model, tmp_path):
         s = e.session(params=GREEDY)
         s.send(QUESTIONS[0])
         s.spill()
-        snap = e.session_manager.kv.path(e.session_manager.key(s.id))
+        snap = e.session_manager.snapshots.path(s.id)
     assert (data.stat().st_mode & 0o777) == 0o700
     assert (snap.stat().st_mode & 0o777) == 0o600
     assert ((data / "chatkv.db").stat().st_mode & 0o777) == 0o600
@@ -218,12 +217,12 @@ def test_system_prompt_prefix_is_shared_and_pinned(model, tmp_path):
     assert rb.usage.cached_tokens >= sys_len  # b's first turn reused a's system prompt
     a.spill()
     b.spill()
-    e.cache.evict(e.pool.num_blocks)  # everything unpinned goes; the system prompt stays
-    assert e.cache.match(e.namespace, a.tokens).num_tokens == sys_len
+    e.kv.cache.evict(e.kv.pool.num_blocks)  # everything unpinned goes; the system prompt stays
+    assert e.kv.cache.match(e.kv.namespace, a.tokens).num_tokens == sys_len
     a.close()
     b.close()
-    e.cache.evict(e.pool.num_blocks)
-    assert e.pool.num_free == e.pool.num_blocks
+    e.kv.cache.evict(e.kv.pool.num_blocks)
+    assert e.kv.pool.num_free == e.kv.pool.num_blocks
     e.check_integrity()
     e.close()
 
@@ -235,7 +234,7 @@ def test_memory_pressure_spills_idle_sessions_instead_of_failing(model, tmp_path
     texts = [" ".join(QUESTIONS[i:] + QUESTIONS[:i]) * 2 for i in range(4)]  # distinct, ~60 tokens each
     assert all(len(e.tokenizer(t)["input_ids"]) > 50 for t in texts)
     first = [s.send(t) for s, t in zip(sessions, texts)]  # they cannot all stay resident
-    assert e.session_manager.kv.keys(), "some idle session was spilled to make room"
+    assert e.session_manager.snapshots.files.keys(), "some idle session was spilled to make room"
     again = [s.send(QUESTIONS[0]) for s in sessions]
     for s, r in zip(sessions, again):
         check_against_oracle(ref, s, r)
@@ -252,11 +251,11 @@ def test_snapshot_disk_budget_deletes_least_recently_used(model, tmp_path):
     a.send(QUESTIONS[0])
     a.spill()
     one = e.session_manager.store.total_snapshot_bytes()
-    e.session_manager.snapshot_budget = int(one * 1.5)  # room for one snapshot, not two
+    e.session_manager.snapshots.budget = int(one * 1.5)  # room for one snapshot, not two
     b.send(QUESTIONS[1])
     b.spill()
     mgr = e.session_manager
-    assert mgr.store.get_snapshot(a.id) is None and not mgr.kv.path(mgr.key(a.id)).exists()
+    assert mgr.store.get_snapshot(a.id) is None and not mgr.snapshots.path(a.id).exists()
     assert mgr.store.get_snapshot(b.id) is not None
     r = a.send(QUESTIONS[2])  # a's KV is gone from disk: recomputed, still correct
     assert r.usage.restored_tokens == 0
@@ -273,8 +272,8 @@ def test_tenants_never_share_sessions_or_kv(model, tmp_path):
     assert eb.sessions() == []
     with pytest.raises(SessionError):
         eb.resume(s.id)
-    assert eb.namespace != ea.namespace
-    assert eb.session_manager.key(s.id) != ea.session_manager.key(s.id) if ea._sessions else True
+    assert eb.kv.namespace != ea.kv.namespace
+    assert eb.session_manager.snapshots.key(s.id) != ea.session_manager.snapshots.key(s.id)
     eb.close()
     ea2 = engine_at(d, tmp_path, tenant="alice")
     assert [c.id for c in ea2.sessions()] == [s.id]

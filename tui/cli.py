@@ -15,9 +15,9 @@ import argparse
 import sys
 
 from chatkv import ChatKVError
-from chatkv.engine import Engine, GenerationResult
+from chatkv.engine import Engine
+from chatkv.outputs import GenerationResult, Reply
 from chatkv.sampling import SamplingParams
-from chatkv.session import Reply
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,13 +39,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _stats(r: GenerationResult) -> str:
-    return (
-        f"[{r.prompt_tokens} prompt tokens, {r.cached_tokens} cached, {r.computed_tokens} computed, "
-        f"{r.generated_tokens} generated; TTFT {r.ttft_s * 1000:.0f} ms, {r.decode_tokens_per_s:.1f} tok/s]"
-    )
-
-
 def _one_shot(engine: Engine, messages: list[dict], params: SamplingParams, show_stats: bool) -> None:
     result = None
     for piece in engine.stream(engine.encode_chat(messages), params):
@@ -55,7 +48,7 @@ def _one_shot(engine: Engine, messages: list[dict], params: SamplingParams, show
             print(piece, end="", flush=True)
     print()
     if show_stats and result is not None:
-        print(_stats(result), file=sys.stderr)
+        print(f"[{result.usage.summary()}]", file=sys.stderr)
 
 
 def _chat(session, params: SamplingParams, show_stats: bool) -> int:
@@ -82,13 +75,7 @@ def _chat(session, params: SamplingParams, show_stats: bool) -> int:
             continue
         print()
         if show_stats and reply is not None:
-            u = reply.usage
-            print(
-                f"[{u.prompt_tokens} prompt tokens: {u.cached_tokens} cached, {u.restored_tokens} restored, "
-                f"{u.computed_tokens} computed; {u.generated_tokens} generated; TTFT {u.ttft_s * 1000:.0f} ms, "
-                f"{u.tokens_per_s:.1f} tok/s]",
-                file=sys.stderr,
-            )
+            print(f"[{reply.usage.summary()}]", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,98 @@
+"""ModelRunner: the KV pool's size, one flattened batch per step, the forward pass, sampling.
+
+A step's batch is a list of ``BatchItem``: for each sequence, the new tokens it
+computes (a prefill chunk or one decode token), their first position, its block
+table, and whether its last new token's logits are wanted. ``build_batch`` turns
+them into the model's flat inputs and the attention metadata (one per sliding
+window size); ``forward`` runs the model; ``run`` does both for a scheduler plan
+and samples the next token of every sequence whose prompt is complete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from chatkv.block_pool import BlockPool
+from chatkv.config import EngineConfig
+from chatkv.kernels import AttentionMetadata, build_metadata
+from chatkv.model import LlamaModel
+from chatkv.sampling import sample
+from chatkv.sequence import Sequence
+
+
+@dataclass
+class BatchItem:
+    token_ids: list[int]  # the new tokens
+    start: int  # position of the first one (= tokens of the sequence already in the pool)
+    block_table: list[int]  # covers start + len(token_ids) tokens
+    logits: str = "last"  # "last": the last new token's logits, "all": every new token's, "none"
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    metas: dict[int | None, AttentionMetadata]
+    logits_rows: torch.Tensor  # rows of the T tokens whose logits are computed
+
+
+def pool_blocks(model: LlamaModel, config: EngineConfig) -> int:
+    """Blocks in the pool: ``num_blocks`` if given, else what ``kv_cache_bytes`` holds."""
+    return config.num_blocks or max(2, config.kv_cache_bytes // (model.kv_bytes_per_token * config.block_size))
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, config: EngineConfig):
+        self.model = model
+        self.pool = BlockPool(
+            pool_blocks(model, config), config.block_size, model.num_layers, model.num_kv_heads, model.head_dim,
+            dtype=model.dtype, device=config.device,
+        )
+
+    def build_batch(self, items: list[BatchItem]) -> Batch:
+        ids, pos, tables, qlens, ctx, rows = [], [], [], [], [], []
+        for it in items:
+            n = len(it.token_ids)
+            first_row = len(ids)
+            ids.extend(it.token_ids)
+            pos.extend(range(it.start, it.start + n))
+            tables.append(it.block_table)
+            qlens.append(n)
+            ctx.append(it.start + n)
+            if it.logits == "last":
+                rows.append(first_row + n - 1)
+            elif it.logits == "all":
+                rows.extend(range(first_row, first_row + n))
+        dev = self.model.device
+        bs = self.pool.block_size
+        return Batch(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(pos, dtype=torch.long, device=dev),
+            {w: build_metadata(tables, qlens, ctx, bs, w, device=dev) for w in self.model.windows},
+            torch.tensor(rows, dtype=torch.long, device=dev),
+        )
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Float32 logits ``[len(logits_rows), vocab]`` on the CPU; stores the new tokens' KV."""
+        return self.model.forward(batch.input_ids, batch.positions, self.pool.kv, batch.metas, batch.logits_rows).cpu()
+
+    def run(self, plan: list[tuple[Sequence, int]]) -> dict[Sequence, int | Exception]:
+        """Compute a scheduler plan; return the next token of every sequence whose prompt is now
+        complete, or the error its sampling raised (it is that request's alone)."""
+        items, samplers = [], []
+        for seq, n in plan:
+            start = seq.num_computed
+            done = start + n == len(seq.token_ids)
+            items.append(BatchItem(seq.token_ids[start : start + n], start, seq.block_table, "last" if done else "none"))
+            if done:
+                samplers.append(seq)
+        logits = self.forward(self.build_batch(items))
+        out: dict[Sequence, int | Exception] = {}
+        for row, seq in enumerate(samplers):
+            try:
+                out[seq] = sample(logits[row], seq.params, seq.token_ids, seq.generator)
+            except (RuntimeError, ValueError) as err:  # e.g. non-finite logits from broken weights
+                out[seq] = err
+        return out

@@ -1,0 +1,66 @@
+"""What a request or a turn returns, and what it cost: declared once, used by the engine's
+results, a session's replies, the stored messages and the CLI."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass
+class Usage:
+    """The statistics of one request or turn. ``prompt_tokens = cached + restored + computed``
+    (plus any tokens recomputed after a preemption)."""
+
+    prompt_tokens: int = 0  # the whole prompt (for a turn: history + new message)
+    cached_tokens: int = 0  # of which already in memory (a prefix-cache hit)
+    restored_tokens: int = 0  # of which loaded from a snapshot on disk
+    computed_tokens: int = 0  # of which computed before the first generated token
+    generated_tokens: int = 0
+    ttft_s: float = 0.0  # time to first token
+    tokens_per_s: float = 0.0  # generated tokens after the first, per second
+
+    def message_columns(self) -> dict:
+        """The fields as the database's message columns name them (``ttft_ms``)."""
+        stats = asdict(self)
+        stats["ttft_ms"] = stats.pop("ttft_s") * 1000
+        return stats
+
+    @classmethod
+    def from_message(cls, message) -> "Usage | None":
+        """The usage stored with a message (storage.MessageInfo); None if it has none."""
+        if message.prompt_tokens is None:
+            return None
+        values = {f.name: getattr(message, f.name, None) for f in fields(cls) if f.name != "ttft_s"}
+        values["ttft_s"] = (message.ttft_ms or 0.0) / 1000
+        return cls(**{k: (v if v is not None else 0) for k, v in values.items()})
+
+    def summary(self) -> str:
+        """One line for people: ``12 prompt tokens (8 cached, 0 restored, 4 computed), ...``."""
+        return (
+            f"{self.prompt_tokens} prompt tokens ({self.cached_tokens} cached, {self.restored_tokens} restored, "
+            f"{self.computed_tokens} computed), {self.generated_tokens} generated, "
+            f"TTFT {self.ttft_s * 1000:.0f} ms, {self.tokens_per_s:.1f} tok/s"
+        )
+
+
+@dataclass
+class GenerationResult:
+    """A finished request."""
+
+    request_id: int
+    text: str
+    token_ids: list[int]  # generated tokens (the stop token included when generation ended on one)
+    finish_reason: str  # "stop" | "length" | "aborted"
+    usage: Usage
+    preemptions: int = 0
+
+
+@dataclass
+class Reply:
+    """A finished turn of a session."""
+
+    text: str
+    usage: Usage
+    finish_reason: str  # "stop" | "length" | "aborted"
+    message_id: int
+    sources: list = field(default_factory=list)
