@@ -5,9 +5,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from chatkv.storage.files import make_private_dir
+
 
 def data_dir() -> Path:
-    """Return the data directory, created private to the user (mode 0700)."""
+    """Return the data directory, creating it (and missing parents) with mode 0700.
+
+    An existing directory is used as it is: a shared one (e.g. mode 1777) is not
+    chmod-ed; what chatkv creates inside it is private (directories 0700, files
+    0600). Raises OSError if it cannot be created.
+    """
     env = os.environ.get("CHATKV_HOME")
     if env:
         path = Path(env).expanduser()
@@ -15,6 +22,5 @@ def data_dir() -> Path:
         from platformdirs import user_data_dir
 
         path = Path(user_data_dir("chatkv", appauthor=False))
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
+    make_private_dir(path)
     return path
