@@ -47,7 +47,7 @@ def setup(args) -> Path:
     torch.set_num_threads(args.threads)
     if args.model:
         return Path(args.model)
-    from chatkv.gguf_convert import ensure_default_model
+    from chatkv.weights import ensure_default_model
 
     return ensure_default_model()
 
@@ -74,7 +74,7 @@ def load_llama_cpp(threads: int):
         import llama_cpp
     except ImportError:
         return None
-    from chatkv.gguf_convert import packaged_gguf_path
+    from chatkv.weights import packaged_gguf_path
 
     return llama_cpp.Llama(model_path=str(packaged_gguf_path()), n_threads=threads, n_ctx=2048, verbose=False)
 

@@ -1,24 +1,21 @@
 """The Llama-family forward pass over paged KV (llama, qwen2, qwen3, mistral).
 
-Weights come from a Hugging Face directory (safetensors); config from transformers.
+Weights and config come from a Hugging Face directory (read by chatkv.weights).
 One call computes a flattened batch of sequences in mixed phases (prefill chunks
 and single-token decodes); attention reads K/V through block tables.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 
 from chatkv.errors import ModelNotFound, UnsupportedModel
 from chatkv.kernels import AttentionMetadata, attention_backend
-
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+from chatkv.weights.loading import load_config, read_weights
 
 
 # oneDNN prepacked linear (CPU). Batch-1 decode is bound by streaming the weights, and
@@ -90,33 +87,6 @@ class Layer:
     gate_up: Linear  # gate and up fused: [2 * intermediate, hidden]
     down: Linear
     window: int | None  # sliding window of this layer, None for full attention
-
-
-def load_config(model_dir: str | Path):
-    """Read and validate a model directory's config; raises ModelNotFound/UnsupportedModel."""
-    from transformers import AutoConfig
-
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise ModelNotFound(f"no model at '{model_dir}': expected a Hugging Face directory with config.json")
-    model_type = json.loads((path / "config.json").read_text()).get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModel(
-            f"model_type '{model_type}' is not supported; chatkv runs {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    return AutoConfig.from_pretrained(str(path))
-
-
-def _read_weights(model_dir: Path) -> dict[str, torch.Tensor]:
-    files = sorted(model_dir.glob("*.safetensors"))
-    if not files:
-        raise ModelNotFound(f"no *.safetensors weights in '{model_dir}'")
-    weights: dict[str, torch.Tensor] = {}
-    for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for name in st.keys():
-                weights[name.removeprefix("model.")] = st.get_tensor(name)
-    return weights
 
 
 def _layer_windows(config) -> list[int | None]:
@@ -220,7 +190,7 @@ class LlamaModel:
             dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
             if isinstance(dtype, str):
                 dtype = getattr(torch, dtype)
-        return cls(config, _read_weights(Path(model_dir)), dtype, device)
+        return cls(config, read_weights(model_dir), dtype, device)
 
     @property
     def kv_bytes_per_token(self) -> int:

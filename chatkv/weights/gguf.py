@@ -8,8 +8,9 @@ GGUF is dequantised once, with our own code (``gguf.GGUFReader`` and
 dir. Later starts only check the completion marker and return.
 
 The directory is built in a temporary sibling and renamed into place, so a
-crash never leaves a half-written directory that looks complete. Files are
-0600 and directories 0700: models live beside private chat data.
+crash never leaves a half-written directory that looks complete. Its files are
+0600 and the directories chatkv creates 0700: models live beside private chat
+data.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from chatkv.errors import ModelNotFound, UnsupportedModel
+from chatkv.storage.files import chmod_tree_private, fsync_dir, fsync_tree, make_private_dir
 
 __all__ = ["packaged_gguf_path", "convert_gguf", "ensure_default_model", "default_model_dir", "MARKER"]
 
@@ -236,39 +238,6 @@ def _dequantize(tensor: Any) -> np.ndarray:
 # --------------------------------------------------------------------------- writing
 
 
-def _private_tree(root: Path) -> None:
-    os.chmod(root, 0o700)
-    for dirpath, dirnames, filenames in os.walk(root):
-        for d in dirnames:
-            os.chmod(os.path.join(dirpath, d), 0o700)
-        for f in filenames:
-            os.chmod(os.path.join(dirpath, f), 0o600)
-
-
-def _fsync_tree(root: Path) -> None:
-    for dirpath, _dirnames, filenames in os.walk(root):
-        for f in filenames:
-            fd = os.open(os.path.join(dirpath, f), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    _fsync_dir(root)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
@@ -339,7 +308,7 @@ def convert_gguf(
     tied = "output.weight" not in names
     config = _build_config(meta, tied, dtype)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    make_private_dir(out_dir.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         os.chmod(tmp, 0o700)
@@ -379,13 +348,16 @@ def convert_gguf(
                 "file_type": meta.get("general.file_type"),
             },
         )
-        _private_tree(tmp)
-        _fsync_tree(tmp)
+        chmod_tree_private(tmp)
+        fsync_tree(tmp)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(out_dir.parent)
+    try:
+        fsync_dir(out_dir.parent)
+    except OSError:  # the directory is complete; at worst a crash now means converting again
+        pass
     return out_dir
 
 
@@ -442,7 +414,4 @@ def ensure_default_model(home: Path | None = None, dtype: torch.dtype = torch.bf
     out_dir = default_model_dir(home, dtype, gguf_path.stem)
     if (out_dir / MARKER).is_file():
         return out_dir
-    models = out_dir.parent
-    models.mkdir(parents=True, exist_ok=True)
-    os.chmod(models, 0o700)
     return convert_gguf(gguf_path, out_dir, dtype=dtype)

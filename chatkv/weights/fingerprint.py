@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
+
+from chatkv.storage.files import atomic_write, make_private_dir
 
 _TEXT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 _CHUNK = 8 * 2**20
@@ -30,6 +31,12 @@ def _file_digest(f: Path, cache: dict) -> str:
 
 
 def model_fingerprint(model_dir: str | Path, cache_dir: str | Path | None = None) -> str:
+    """A 32-hex-digit digest of everything in ``model_dir`` that decides the KV it computes.
+
+    ``cache_dir``, when given, keeps the per-file digests of the weights between
+    calls (best effort: an unwritable cache is ignored). Never raises for the cache;
+    an unreadable model file raises OSError.
+    """
     path = Path(model_dir)
     cache_file = Path(cache_dir) / "fingerprints.json" if cache_dir else None
     cache: dict = {}
@@ -37,6 +44,8 @@ def model_fingerprint(model_dir: str | Path, cache_dir: str | Path | None = None
         try:
             cache = json.loads(cache_file.read_text())
         except (OSError, ValueError):
+            cache = {}
+        if not isinstance(cache, dict):  # damaged: start over
             cache = {}
     before = dict(cache)
     h = hashlib.sha256()
@@ -48,12 +57,9 @@ def model_fingerprint(model_dir: str | Path, cache_dir: str | Path | None = None
         h.update(f"{f.name}:{_file_digest(f, cache)}\0".encode())
     if cache_file is not None and cache != before:
         try:  # best effort: a cache that cannot be written only costs the next start a re-hash
-            cache_file.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            tmp = cache_file.with_name(f".fingerprints.{os.getpid()}.tmp")
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as fh:
-                json.dump(cache, fh)
-            os.replace(tmp, cache_file)
+            make_private_dir(cache_file.parent)
+            data = json.dumps(cache)
+            atomic_write(cache_file, lambda tmp: tmp.write_text(data), durable=False)
         except OSError:
             pass
     return h.hexdigest()[:32]

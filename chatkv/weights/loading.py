@@ -1,0 +1,125 @@
+"""Reading a Hugging Face model directory: config, safetensors weights, tokenizer.
+
+Contracts: every function takes the directory, reads only local files (chatkv
+never downloads) and turns anything unusable into a chatkv error naming the
+directory, the file and what is wrong:
+
+- :class:`ModelNotFound`: the directory, ``config.json``, the weights or the
+  tokenizer are missing, unreadable or malformed;
+- :class:`UnsupportedModel`: the files are fine but the architecture is not one
+  chatkv's runner implements.
+
+The cause (a JSON, safetensors or transformers error) is chained, never shown
+raw.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from chatkv.errors import ModelNotFound, UnsupportedModel
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "load_config", "read_weights", "load_tokenizer"]
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+# What a tokenizer is made of, for the message when none loads: any one of these, plus
+# tokenizer_config.json (special tokens, chat template).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def _why(e: BaseException) -> str:
+    """An exception as one short line (transformers' messages span several)."""
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}{'...' if len(text) > 300 else ''}"
+
+
+def _model_dir(model_dir: str | Path) -> Path:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ModelNotFound(f"model path '{model_dir}' is not a directory (chatkv never downloads weights)")
+    return path
+
+
+def load_config(model_dir: str | Path):
+    """The directory's transformers config, validated.
+
+    Raises ModelNotFound when ``config.json`` is missing, unreadable, not a JSON
+    object, or rejected by transformers; UnsupportedModel when its
+    ``model_type`` is missing or not one of :data:`SUPPORTED_MODEL_TYPES`.
+    """
+    path = _model_dir(model_dir)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelNotFound(f"no model at '{model_dir}': expected a Hugging Face directory with config.json")
+    try:
+        raw = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelNotFound(
+            f"'{cfg_file}' is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
+        ) from e
+    except (OSError, UnicodeDecodeError) as e:
+        raise ModelNotFound(f"cannot read '{cfg_file}': {e}") from e
+    if not isinstance(raw, dict):
+        raise ModelNotFound(f"'{cfg_file}' holds a JSON {type(raw).__name__}, not an object of config fields")
+    supported = ", ".join(SUPPORTED_MODEL_TYPES)
+    if "model_type" not in raw:
+        raise UnsupportedModel(f"'{cfg_file}' has no model_type, so its architecture is unknown; chatkv runs {supported}")
+    model_type = raw["model_type"]
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModel(f"model_type '{model_type}' is not supported; chatkv runs {supported}")
+
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # transformers' own validation: wrong field types, bad values
+        raise ModelNotFound(f"'{cfg_file}' is not a usable {model_type} config: {_why(e)}") from e
+
+
+def read_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the directory's ``*.safetensors`` files, names without the ``model.`` prefix.
+
+    Raises ModelNotFound when there is no such file or one cannot be read.
+    """
+    from safetensors import safe_open
+
+    path = _model_dir(model_dir)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFound(f"no *.safetensors weights in '{model_dir}'")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                for name in st.keys():
+                    weights[name.removeprefix("model.")] = st.get_tensor(name)
+        except Exception as e:  # SafetensorError, OSError: truncated, not safetensors, unreadable
+            raise ModelNotFound(f"weights file '{f}' is unreadable: {_why(e)}") from e
+    return weights
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The directory's tokenizer (``AutoTokenizer.from_pretrained`` of the local directory).
+
+    Raises ModelNotFound naming the directory and what is missing (no tokenizer
+    file at all) or broken (files present that transformers cannot load).
+    """
+    path = _model_dir(model_dir)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # OSError, ValueError, JSONDecodeError, ...: the files, not the caller
+        present = [n for n in _TOKENIZER_FILES if (path / n).is_file()]
+        if not present:
+            raise ModelNotFound(
+                f"no tokenizer in '{model_dir}': it has none of {', '.join(_TOKENIZER_FILES)}; "
+                f"copy the model's tokenizer files (e.g. tokenizer.json and tokenizer_config.json) into it"
+            ) from e
+        raise ModelNotFound(
+            f"the tokenizer in '{model_dir}' ({', '.join(present)}) cannot be loaded: {_why(e)}"
+        ) from e
