@@ -3,8 +3,8 @@
 A snapshot holds, for every layer ``i``, the keys ``k.i`` and values ``v.i`` of
 the first ``T`` tokens of a conversation, laid out by token (shape
 ``[T, num_kv_heads, head_dim]``, independent of the engine's block size), plus
-the tensor ``token_ids`` (int64 ``[T]``) and optional extra tensors (e.g. int8
-scales ``k_scale.i``). The safetensors header metadata (str -> str) records:
+the tensor ``token_ids`` (int64 ``[T]``). The safetensors header metadata
+(str -> str) records:
 
     format_version, model_fingerprint, kv_dtype, token_count, token_hash,
     num_layers, num_kv_heads, head_dim, extra_tensors, checksum
@@ -19,19 +19,29 @@ where SHA extensions are missing, and it is certain to catch any burst of up to
 
 Contracts:
 
+- Snapshots are a cache. ``KVStore(root)`` never raises: a directory that
+  cannot be created or read (read-only, full disk) is logged once and every
+  ``save`` then raises ``OSError``, which the caller logs and survives.
 - ``save`` writes a temporary file in the same directory, fsyncs it, renames
   it over ``<key>.safetensors`` and fsyncs the directory: a reader (or a crash
-  at any moment) sees either the old complete snapshot or the new one.
+  at any moment) sees either the old complete snapshot or the new one. Any
+  I/O failure (ENOSPC, EROFS, EIO, including those inside safetensors) is an
+  ``OSError``, and the previous snapshot is left intact.
 - ``load`` checks every field and the data checksum. Any mismatch or damage is
   logged, the file is deleted and :class:`SnapshotInvalid` is raised naming
   what was wrong; the caller recomputes the tokens. Returned tensors are
   backed by a private (copy-on-write) mmap of the file.
 - Keys are ``[A-Za-z0-9_-]{1,128}``; anything else is a ``ValueError``.
-- The directory is mode 0700, snapshot files 0600. Nothing is pickled.
+- ``extra_tensors`` is always written empty; a snapshot declaring some (a
+  layout another build may write) is refused by ``load`` with ``ValueError``
+  and kept.
+- A directory the store creates is mode 0700 (an existing one is left as it
+  is); snapshot files are 0600. Nothing is pickled.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -47,10 +57,11 @@ from typing import Mapping, Sequence
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from chatkv.errors import SnapshotInvalid
+from chatkv.storage.files import atomic_write, make_private_dir
 
 __all__ = ["FORMAT_VERSION", "SnapshotMeta", "KVStore", "token_hash"]
 
@@ -60,10 +71,12 @@ SUFFIX = ".safetensors"
 log = logging.getLogger("chatkv.storage")
 
 _KEY_RE = re.compile(r"[A-Za-z0-9_-]{1,128}")
-_EXTRA_RE = re.compile(r"[A-Za-z0-9_.]{1,128}")
-_RESERVED_RE = re.compile(r"(k|v)\.\d+|token_ids")
 # ".<key>.<pid>.<process nonce>.<write nonce>.tmp": never matches *.safetensors
 _TEMP_RE = re.compile(r"\.([A-Za-z0-9_-]{1,128})\.(\d+)\.([0-9a-f]{16})\.([0-9a-f]{8})\.tmp")
+# safetensors' save_file writes its own ".tmpXXXXXX" beside the target and renames it over
+# ours; a writer killed meanwhile leaves it (no pid to tell whose: removed once stale)
+_LIB_TEMP_RE = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+_OS_ERROR_RE = re.compile(r"os error (\d+)")
 _PROCESS_NONCE = secrets.token_hex(8)
 _STALE_TEMP_S = 3600.0  # a temp file this old is left over whoever wrote it
 _PARALLEL_MIN_BYTES = 4 << 20
@@ -144,12 +157,14 @@ def _independent(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
+def _save_file(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """safetensors' save_file, its I/O failures (a SafetensorError) turned into OSError."""
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        save_file(tensors, path, metadata=metadata)
+    except SafetensorError as e:
+        m = _OS_ERROR_RE.search(str(e))
+        code = int(m.group(1)) if m else errno.EIO
+        raise OSError(code, f"writing {path} failed: {os.strerror(code)} ({e})") from e
 
 
 def _pid_alive(pid: int) -> bool:
@@ -166,10 +181,15 @@ class KVStore:
     """Snapshots of conversations' KV caches under one directory."""
 
     def __init__(self, root: Path):
+        """Use ``root`` (created 0700 if missing). Never raises for the directory: a
+        problem is logged, and ``save`` raises it again later."""
         self.root = Path(root)
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self.root, 0o700)
-        removed = self.cleanup_temp()
+        try:
+            make_private_dir(self.root)
+            removed = self.cleanup_temp()
+        except OSError as e:
+            log.warning("kv store %s is unusable (%s); conversations will not keep their KV on disk", self.root, e)
+            return
         if removed:
             log.warning("kv store %s: removed %d temp file(s) left by interrupted writes", self.root, removed)
 
@@ -178,53 +198,55 @@ class KVStore:
         return self.root / (_check_key(key) + SUFFIX)
 
     def keys(self) -> set[str]:
+        """The keys of every snapshot file (none if the directory does not exist)."""
         out = set()
-        for entry in os.scandir(self.root):
+        for entry in self._scan():
             if entry.name.endswith(SUFFIX) and entry.is_file():
                 stem = entry.name[: -len(SUFFIX)]
                 if _KEY_RE.fullmatch(stem):
                     out.add(stem)
         return out
 
-    def total_bytes(self) -> int:
-        total = 0
-        for key in self.keys():
-            try:
-                total += self.path(key).stat().st_size
-            except FileNotFoundError:
-                pass
-        return total
-
     def delete(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)
+
+    def _scan(self) -> list[os.DirEntry]:
+        try:
+            with os.scandir(self.root) as it:
+                return list(it)
+        except (FileNotFoundError, NotADirectoryError):
+            return []
 
     def cleanup_temp(self) -> int:
         """Remove temp files of interrupted writes; return how many were removed.
 
         A temp file is left over when its writer process is gone, when it is
         this pid's but from an earlier process (pid reuse), or when it is older
-        than an hour. Temp files of live writers are kept.
+        than an hour; safetensors' own temp files (``.tmpXXXXXX``, no pid)
+        once they are an hour old. Temp files of live writers are kept. Never
+        raises for a missing or read-only directory.
         """
         removed = 0
         now = time.time()
-        for entry in os.scandir(self.root):
+        for entry in self._scan():
             m = _TEMP_RE.fullmatch(entry.name)
-            if not m:
+            if m is None and not _LIB_TEMP_RE.fullmatch(entry.name):
                 continue
-            pid, nonce = int(m.group(2)), m.group(3)
             try:
                 age = now - entry.stat().st_mtime
             except FileNotFoundError:
                 continue
-            if pid == os.getpid():
-                stale = nonce != _PROCESS_NONCE
+            if m is None:  # safetensors' own: only its age tells
+                stale = False
+            elif int(m.group(2)) == os.getpid():
+                stale = m.group(3) != _PROCESS_NONCE
             else:
-                stale = not _pid_alive(pid)
+                stale = not _pid_alive(int(m.group(2)))
             if stale or age > _STALE_TEMP_S:
                 try:
                     os.unlink(entry.path)
                     removed += 1
-                except FileNotFoundError:
+                except OSError:  # gone meanwhile, or a read-only directory: nothing to do
                     pass
         return removed
 
@@ -238,14 +260,13 @@ class KVStore:
         *,
         model_fingerprint: str,
         kv_dtype: str,
-        extra: Mapping[str, torch.Tensor] | None = None,
     ) -> SnapshotMeta:
         """Write the snapshot of ``key`` atomically, replacing any older one.
 
         ``k[i]``/``v[i]``: layer i, shape ``[len(token_ids), num_kv_heads,
-        head_dim]``, dtype ``kv_dtype``. ``extra``: further tensors stored and
-        checksummed as they are (names ``[A-Za-z0-9_.]``, not ``k.N``/``v.N``/
-        ``token_ids``). Bad arguments raise ``ValueError``.
+        head_dim]``, dtype ``kv_dtype``. Bad arguments raise ``ValueError``; a
+        write that fails (full disk, read-only or missing directory) raises
+        ``OSError`` and leaves any older snapshot of ``key`` as it was.
         """
         path = self.path(key)
         dtype = _torch_dtype(kv_dtype)
@@ -268,11 +289,6 @@ class KVStore:
                         f"snapshot {key}: {name}.{i} is {t.dtype} {tuple(t.shape)}, expected {dtype} {shape}"
                     )
                 tensors[f"{name}.{i}"] = t
-        extra_names = sorted(extra or {})
-        for name in extra_names:
-            if not _EXTRA_RE.fullmatch(name) or _RESERVED_RE.fullmatch(name):
-                raise ValueError(f"snapshot {key}: invalid extra tensor name {name!r}")
-            tensors[name] = extra[name]
         tensors = _independent(tensors)
         metadata = {
             "format_version": str(FORMAT_VERSION),
@@ -283,42 +299,16 @@ class KVStore:
             "num_layers": str(len(k)),
             "num_kv_heads": str(shape[1]),
             "head_dim": str(shape[2]),
-            "extra_tensors": ",".join(extra_names),
+            "extra_tensors": "",
             "checksum": _checksum(tensors),
         }
 
+        make_private_dir(self.root)  # it may have been removed, or unwritable at start
         tmp = self.root / f".{key}.{os.getpid()}.{_PROCESS_NONCE}.{secrets.token_hex(4)}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            try:
-                os.fchmod(fd, 0o600)
-                save_file(tensors, tmp, metadata=metadata)  # truncates and rewrites; mode kept
-                os.fsync(fd)  # flushes the inode's data, whichever handle wrote it
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        _fsync_dir(self.root)
+        atomic_write(path, lambda p: _save_file(tensors, p, metadata), tmp=tmp)
         return self._meta_from(metadata, path, path.stat().st_size)
 
     # ----------------------------------------------------------------- read
-    def read_meta(self, key: str) -> SnapshotMeta:
-        """The snapshot's header (no tensor data is read). Raises SnapshotInvalid
-        if the file is missing or its header unreadable; deletes nothing."""
-        path = self.path(key)
-        try:
-            with safe_open(path, framework="pt") as f:
-                metadata = f.metadata()
-            return self._meta_from(metadata, path, path.stat().st_size)
-        except SnapshotInvalid:
-            raise
-        except FileNotFoundError:
-            raise SnapshotInvalid(f"snapshot {key}: no file {path}") from None
-        except Exception as e:
-            raise SnapshotInvalid(f"snapshot {key}: unreadable header ({type(e).__name__}: {e})") from e
-
     @staticmethod
     def _meta_from(metadata: Mapping[str, str] | None, path: Path, nbytes: int) -> SnapshotMeta:
         key = path.name[: -len(SUFFIX)]
@@ -364,39 +354,15 @@ class KVStore:
         """Load and verify the snapshot of ``key``; return ``(k_layers, v_layers, n)``.
 
         The stored tokens must be a prefix of ``token_ids`` (the conversation
-        may have grown since); ``n`` is their count. Snapshots holding extra
-        tensors must be read with :meth:`load_with_extra` (``ValueError``
-        here, the file is kept). See :meth:`load_with_extra` for failures.
+        may have grown since); ``n`` is their count. Any mismatch (fingerprint,
+        kv dtype, geometry, format version, tokens not a prefix of
+        ``token_ids``) or damage (missing, truncated, not safetensors, wrong
+        shapes, checksum) logs a warning, deletes the file and raises
+        :class:`SnapshotInvalid`. A valid snapshot of fewer than ``min_tokens``
+        tokens raises :class:`SnapshotInvalid` too, but is kept. A snapshot
+        declaring extra tensors (a layout this build does not read) raises
+        ``ValueError`` and is kept.
         """
-        k, v, n, extra = self._load(key, token_ids, model_fingerprint, kv_dtype,
-                                    num_layers, num_kv_heads, head_dim, min_tokens, allow_extra=False)
-        return k, v, n
-
-    def load_with_extra(
-        self,
-        key: str,
-        *,
-        token_ids: Sequence[int],
-        model_fingerprint: str,
-        kv_dtype: str,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        min_tokens: int = 0,
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor], int, dict[str, torch.Tensor]]:
-        """Like :meth:`load`, also returning the extra tensors saved with it.
-
-        Any mismatch (fingerprint, kv dtype, geometry, format version, tokens
-        not a prefix of ``token_ids``) or damage (missing, truncated, not
-        safetensors, wrong shapes, checksum) logs a warning, deletes the file
-        and raises :class:`SnapshotInvalid`. A valid snapshot of fewer than
-        ``min_tokens`` tokens raises :class:`SnapshotInvalid` too, but is kept.
-        """
-        return self._load(key, token_ids, model_fingerprint, kv_dtype,
-                          num_layers, num_kv_heads, head_dim, min_tokens, allow_extra=True)
-
-    def _load(self, key, token_ids, model_fingerprint, kv_dtype, num_layers, num_kv_heads,
-              head_dim, min_tokens, *, allow_extra):
         path = self.path(key)
         _torch_dtype(kv_dtype)  # a bad argument is the caller's error, not the file's
         try:
@@ -407,11 +373,11 @@ class KVStore:
             raise SnapshotInvalid(msg) from None
         try:
             return self._read_verified(path, key, token_ids, model_fingerprint, kv_dtype, num_layers,
-                                       num_kv_heads, head_dim, min_tokens, allow_extra)
+                                       num_kv_heads, head_dim, min_tokens)
         except _TooShort as e:
             log.info(str(e))
             raise SnapshotInvalid(str(e)) from None
-        except _CallerError as e:
+        except _OtherLayout as e:
             raise ValueError(str(e)) from None
         except SnapshotInvalid as e:
             reason, cause = str(e), None
@@ -421,12 +387,12 @@ class KVStore:
         try:
             if path.stat().st_ino == inode:  # not a newer snapshot written meanwhile
                 path.unlink()
-        except FileNotFoundError:
+        except OSError:  # gone meanwhile, or a read-only directory: it stays refused either way
             pass
         raise SnapshotInvalid(reason) from cause
 
     def _read_verified(self, path, key, token_ids, model_fingerprint, kv_dtype, num_layers,
-                       num_kv_heads, head_dim, min_tokens, allow_extra):
+                       num_kv_heads, head_dim, min_tokens):
         want_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         with safe_open(path, framework="pt") as f:
             meta = self._meta_from(f.metadata(), path, 0)
@@ -457,9 +423,9 @@ class KVStore:
             if names != expected:
                 diff = sorted(names ^ expected)[:4]
                 raise bad(f"tensor names differ from the header's ({', '.join(diff)})")
-            if meta.extra_tensors and not allow_extra:
-                raise _CallerError(f"snapshot {key} holds extra tensors {meta.extra_tensors}; "
-                                   f"read it with load_with_extra")
+            if meta.extra_tensors:
+                raise _OtherLayout(f"snapshot {key} holds extra tensors {', '.join(meta.extra_tensors)}, "
+                                   f"a layout this build does not read")
             tensors = {name: f.get_tensor(name) for name in names}
         dtype = _torch_dtype(kv_dtype)
         shape = (n, num_kv_heads, head_dim)
@@ -477,13 +443,12 @@ class KVStore:
             raise bad("stored token_ids do not match the header's token hash")
         k_layers = [tensors[f"k.{i}"] for i in range(num_layers)]
         v_layers = [tensors[f"v.{i}"] for i in range(num_layers)]
-        extra = {name: tensors[name] for name in meta.extra_tensors}
-        return k_layers, v_layers, n, extra
+        return k_layers, v_layers, n
 
 
 class _TooShort(Exception):
     """A valid snapshot shorter than min_tokens: not used, but not deleted."""
 
 
-class _CallerError(ValueError):
-    """The caller asked for the wrong thing; the snapshot itself is fine."""
+class _OtherLayout(ValueError):
+    """Not damage: a well-formed snapshot in a layout this build does not read (kept)."""
