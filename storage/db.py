@@ -3,8 +3,9 @@
 ``make_engine(url)`` returns an engine for any SQLAlchemy URL. For SQLite it
 also:
 
-- creates the database file (and its folder) private to the user, mode 0600,
-  before SQLite first opens it (SQLite gives its -wal/-shm files the same mode);
+- creates the database file private to the user, mode 0600 (and its missing
+  folders, 0700; an existing folder is left as it is), before SQLite first
+  opens it (SQLite gives its -wal/-shm files the same mode);
 - sets, on every new connection: ``journal_mode=WAL``, ``foreign_keys=ON``
   (needed for ``ON DELETE CASCADE``), ``synchronous=NORMAL`` and a busy timeout;
 - takes transaction control away from the sqlite3 module (whose legacy mode
@@ -18,12 +19,15 @@ also:
 
 from __future__ import annotations
 
-import os
+import errno
 from pathlib import Path
 from typing import Optional
 
-from sqlalchemy import Engine, create_engine, event, make_url
+from sqlalchemy import Engine, create_engine, event, make_url, text
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session, sessionmaker
+
+from chatkv.storage.files import create_private_file
 
 DB_FILENAME = "chatkv.db"
 BUSY_TIMEOUT_MS = 10_000
@@ -50,13 +54,65 @@ def sqlite_file(url: str) -> Optional[Path]:
     return Path(db)
 
 
-def create_private_file(path: Path) -> None:
-    """Create ``path`` (and missing parent folders, 0700) as an empty 0600 file, or
-    tighten an existing one to 0600."""
-    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
-    os.close(fd)
-    os.chmod(path, 0o600)
+def describe(url: str) -> str:
+    """How messages name a database: its file path, or its URL without the password."""
+    try:
+        u = make_url(url)
+        if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:":
+            return u.database.removeprefix("file:").split("?")[0]  # a path, or a sqlite "file:" URI
+        return u.render_as_string(hide_password=True)
+    except Exception:  # an unparsable URL: it holds no password we could hide
+        return url
+
+
+_SQLITE_PROBLEMS = {
+    "SQLITE_NOTADB": "the file is damaged or is not a SQLite database; move it aside to start a new one",
+    "SQLITE_CORRUPT": "the file is damaged; move it aside to start a new one (sqlite3's .recover may rescue it)",
+    "SQLITE_READONLY": "it is read-only (chatkv writes it, and its -wal and -shm files beside it)",
+    "SQLITE_CANTOPEN": "SQLite cannot open it: check that its directory exists and is writable",
+    "SQLITE_PERM": "permission denied",
+    "SQLITE_FULL": "the disk is full",
+    "SQLITE_BUSY": "another process holds it locked",
+}
+_OS_PROBLEMS = {
+    errno.EROFS: "it is on a read-only file system",
+    errno.EACCES: "permission denied: the file or its directory is not writable by this user",
+    errno.EPERM: "permission denied: the file or its directory is not writable by this user",
+    errno.ENOSPC: "the disk is full",
+    errno.EISDIR: "it is a directory, not a file",
+    errno.ENOTDIR: "a file is in the way of its directory",
+    errno.EEXIST: "a file is in the way of its directory",
+}
+
+
+def explain(exc: BaseException, where: str = "") -> str:
+    """What is wrong, in words, for an OSError, ImportError or SQLAlchemy error met
+    opening the database ``where`` (a file it names other than ``where`` is shown)."""
+    if isinstance(exc, ImportError):
+        return f"its database driver is not installed ({exc})"
+    if isinstance(exc, OSError):
+        what = _OS_PROBLEMS.get(exc.errno, exc.strerror or str(exc))
+        return f"{what} ({exc.filename})" if exc.filename and str(exc.filename) != where else what
+    orig = exc.orig if isinstance(exc, DBAPIError) else None
+    said = str(orig if orig is not None else exc).strip()
+    name = getattr(orig, "sqlite_errorname", "") or ""
+    for code, what in _SQLITE_PROBLEMS.items():
+        if name.startswith(code):
+            return f"{what} (SQLite: {said})"
+    return said
+
+
+def check_writable(engine: Engine) -> None:
+    """Raise the driver's error now if SQLite cannot write the database (a read-only
+    file, directory or medium), rather than at the first write. Writes nothing."""
+    if engine.dialect.name != "sqlite":
+        return
+    with write_engine(engine).connect() as conn:
+        trans = conn.begin()
+        try:
+            conn.execute(text("UPDATE alembic_version SET version_num = version_num"))
+        finally:
+            trans.rollback()
 
 
 def make_engine(url: str, **engine_kwargs) -> Engine:

@@ -30,9 +30,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 from sqlalchemy import Engine, func, select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, defer
 
-from chatkv.errors import InvalidRequest, SessionError
+from chatkv.errors import InvalidRequest, SessionError, StorageError
 from chatkv.storage import db
 from chatkv.storage.migrations import migrate
 from chatkv.storage.models import Conversation, KVSnapshot, Message
@@ -264,13 +265,29 @@ class Store:
 
         ``url`` defaults to ``sqlite:///<data_dir>/chatkv.db``, ``data_dir`` to
         ``chatkv.paths.data_dir()``. A SQLite file is created with mode 0600.
+        A database that cannot be used (damaged or not a database, read-only,
+        unreachable, its directory not creatable) raises StorageError naming
+        the file (or URL) and what is wrong, the driver's error chained.
         """
-        if url is None:
-            url = db.default_url(data_dir)
-        engine = db.make_engine(url)
+        where = db.describe(url) if url is not None else ""
+        try:
+            if url is None:
+                url = db.default_url(data_dir)
+                where = db.describe(url)
+            engine = db.make_engine(url)
+        except (OSError, ImportError, SQLAlchemyError) as e:
+            if where:
+                place = f"the conversation database {where}"
+            else:
+                place = f"the data directory {data_dir}" if data_dir is not None else "the chatkv data directory"
+            raise StorageError(f"cannot use {place}: {db.explain(e, where)}") from e
         try:
             migrated = migrate(engine)
+            db.check_writable(engine)
             return cls(engine, migrated)
+        except (OSError, SQLAlchemyError) as e:
+            engine.dispose()
+            raise StorageError(f"cannot use the conversation database {where}: {db.explain(e, where)}") from e
         except BaseException:
             engine.dispose()
             raise
@@ -380,19 +397,6 @@ class Store:
             s.delete(conv)  # messages and snapshot go by ON DELETE CASCADE
             return file
 
-    def set_token_ids(self, conv_id: str, token_ids: list[int]) -> None:
-        """Replace the conversation's canonical token history."""
-        tokens = _check_tokens(token_ids)
-        with self._writing() as s:
-            conv = self._conversation(s, conv_id)
-            conv.token_ids = tokens
-            conv.token_count = len(tokens)
-
-    def touch(self, conv_id: str) -> None:
-        """Mark activity now (moves the conversation to the top of the list)."""
-        with self._writing() as s:
-            self._conversation(s, conv_id).updated_at = CLOCK.now()
-
     # -------------------------------------------------------- messages
 
     def add_message(
@@ -430,41 +434,6 @@ class Store:
             s.flush()
             return _message_info(msg)
 
-    def update_message(
-        self,
-        message_id: int,
-        *,
-        content: Optional[str] = None,
-        status: Optional[str] = None,
-        meta: Optional[dict] = None,
-        **stats: Any,
-    ) -> MessageInfo:
-        """Change the given fields of a message (None leaves a field as it is) and
-        bump its conversation's activity time."""
-        if content is not None:
-            _check_str("content", content)
-        if status is not None and status not in STATUSES:
-            raise InvalidRequest(f"unknown message status {status!r}; expected one of {sorted(STATUSES)}")
-        if meta is not None:
-            meta = _check_json("meta", meta)
-        _check_stats(stats, "update_message")
-        with self._writing() as s:
-            msg = s.get(Message, message_id) if isinstance(message_id, int) else None
-            if msg is None:
-                raise SessionError(f"unknown message id {message_id!r}")
-            if content is not None:
-                msg.content = content
-            if status is not None:
-                msg.status = status
-            if meta is not None:
-                msg.meta = meta
-            for name, value in stats.items():
-                if value is not None:
-                    setattr(msg, name, value)
-            msg.conversation.updated_at = CLOCK.now()
-            s.flush()
-            return _message_info(msg)
-
     def messages(self, conv_id: str) -> list[MessageInfo]:
         """The conversation's messages, oldest first."""
         with self._reading() as s:
@@ -487,7 +456,7 @@ class Store:
         """Record the conversation's current snapshot, replacing any previous row.
 
         The caller deletes a replaced file itself (compare with ``get_snapshot``
-        first, or sweep with ``all_snapshot_files``)."""
+        first, or sweep with ``snapshots_lru``)."""
         _check_file_name(file)
         _check_str("model_fingerprint", model_fingerprint, 128)
         _check_str("kv_dtype", kv_dtype, 32)
@@ -548,9 +517,3 @@ class Store:
     def total_snapshot_bytes(self) -> int:
         with self._reading() as s:
             return int(s.scalar(select(func.coalesce(func.sum(KVSnapshot.nbytes), 0))) or 0)
-
-    def all_snapshot_files(self) -> set[str]:
-        """The file names of every recorded snapshot (anything else in the dir is garbage)."""
-        with self._reading() as s:
-            return set(s.scalars(select(KVSnapshot.file)))
-

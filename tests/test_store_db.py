@@ -68,7 +68,7 @@ def test_list_orders_by_latest_activity(store):
     assert [x.id for x in store.list_conversations()] == [c.id, b.id, a.id]
     store.add_message(a.id, "user", "hi")
     assert [x.id for x in store.list_conversations()] == [a.id, c.id, b.id]
-    store.touch(b.id)
+    store.add_message(b.id, "user", "hi")
     assert [x.id for x in store.list_conversations()] == [b.id, a.id, c.id]
     assert all(x.token_ids is None for x in store.list_conversations())  # not loaded in listings
 
@@ -78,7 +78,7 @@ def test_same_instant_still_orders_by_insertion(store, monkeypatch):
     monkeypatch.setattr(repo.CLOCK, "wall", lambda: frozen)
     ids = [_conv(store, str(i)).id for i in range(5)]
     assert [x.id for x in store.list_conversations()] == ids[::-1]
-    store.touch(ids[2])
+    store.add_message(ids[2], "user", "zero")
     assert store.list_conversations()[0].id == ids[2]
     m1 = store.add_message(ids[0], "user", "one")
     m2 = store.add_message(ids[0], "assistant", "two")
@@ -86,17 +86,18 @@ def test_same_instant_still_orders_by_insertion(store, monkeypatch):
     assert store.list_conversations()[0].id == ids[0]
 
 
-def test_set_token_ids_round_trip(store):
+def test_token_ids_round_trip(store):
     c = _conv(store)
     tokens = [0, 1, 151_643, 2**32 - 1] + list(range(1000))
-    store.set_token_ids(c.id, tokens)
+    store.add_message(c.id, "user", "q", token_ids=tokens)
     got = store.get_conversation(c.id)
     assert list(got.token_ids) == tokens and got.token_count == len(tokens)
-    store.set_token_ids(c.id, [])
+    store.add_message(c.id, "user", "q", token_ids=[])
     assert store.get_conversation(c.id).token_ids == ()
     for bad in ([-1], [2**32], [1.5], ["3"], 7):
         with pytest.raises(InvalidRequest):
-            store.set_token_ids(c.id, bad)
+            store.add_message(c.id, "user", "q", token_ids=bad)
+    assert len(store.messages(c.id)) == 2  # a refused history writes no message either
 
 
 def test_rename_and_archive(store):
@@ -121,7 +122,7 @@ def test_delete_cascades_messages_and_snapshot(store):
     with pytest.raises(SessionError, match=a.id):
         store.get_conversation(a.id)
     assert store.get_snapshot(a.id) is None
-    assert store.all_snapshot_files() == {"b.safetensors"}
+    assert {x.file for x in store.snapshots_lru()} == {"b.safetensors"}
     with store.engine.connect() as conn:  # rows really gone, not just hidden
         assert conn.execute(text("SELECT count(*) FROM messages WHERE conversation_id = :c"), {"c": a.id}).scalar() == 0
         assert conn.execute(text("SELECT count(*) FROM messages")).scalar() == 1
@@ -177,23 +178,6 @@ def test_meta_json_round_trip(store):
         store.add_message(c.id, "user", "x", meta={"bad": object()})
 
 
-def test_update_message_streaming_lifecycle(store):
-    c = _conv(store)
-    before = store.get_conversation(c.id).updated_at
-    m = store.add_message(c.id, "assistant", "", status="pending")
-    assert m.status == "pending"
-    store.update_message(m.id, content="partial")
-    done = store.update_message(m.id, content="partial answer", status="interrupted",
-                                meta={"reason": "user"}, generated_tokens=3, tokens_per_s=10.0)
-    assert (done.content, done.status, done.meta, done.generated_tokens) == ("partial answer", "interrupted", {"reason": "user"}, 3)
-    assert store.messages(c.id) == [done]
-    kept = store.update_message(m.id, status="complete")  # None leaves the rest alone
-    assert (kept.content, kept.meta, kept.generated_tokens, kept.tokens_per_s) == ("partial answer", {"reason": "user"}, 3, 10.0)
-    assert store.get_conversation(c.id).updated_at > before
-    with pytest.raises(SessionError, match="unknown message id"):
-        store.update_message(999_999, status="complete")
-
-
 def test_message_validation(store):
     c = _conv(store)
     with pytest.raises(InvalidRequest, match="role"):
@@ -229,7 +213,7 @@ def test_snapshot_upsert_lru_and_bytes(store):
     assert got.last_used_at.tzinfo is not None
     assert len(store.snapshots_lru()) == 3
     assert store.total_snapshot_bytes() == 150 + 200 + 300
-    assert store.all_snapshot_files() == {"a2.safetensors", "b.safetensors", "c.safetensors"}
+    assert {x.file for x in store.snapshots_lru()} == {"a2.safetensors", "b.safetensors", "c.safetensors"}
 
     store.touch_snapshot(b.id)
     assert [s.conversation_id for s in store.snapshots_lru()] == [c.id, a.id, b.id]
@@ -265,9 +249,8 @@ def test_bad_ids_rejected_everywhere(store, bad):
         lambda: store.rename(bad, "t"),
         lambda: store.set_archived(bad, True),
         lambda: store.delete_conversation(bad),
-        lambda: store.set_token_ids(bad, [1]),
-        lambda: store.touch(bad),
         lambda: store.add_message(bad, "user", "x"),
+        lambda: store.add_message(bad, "user", "x", token_ids=[1]),
         lambda: store.messages(bad),
         lambda: _snap(store, bad, "f"),
         lambda: store.get_snapshot(bad),
@@ -297,8 +280,7 @@ def test_longest_valid_id_is_only_unknown(store):
 def test_restart_sees_everything(tmp_path):
     s1 = Store.open(data_dir=tmp_path)
     c = _conv(s1, "persisted", tenant="t1")
-    s1.set_token_ids(c.id, [5, 6, 7])
-    s1.add_message(c.id, "user", "q", meta={"sources": ["d1"]})
+    s1.add_message(c.id, "user", "q", meta={"sources": ["d1"]}, token_ids=[5, 6, 7])
     s1.add_message(c.id, "assistant", "a", generated_tokens=1, ttft_ms=3.0)
     archived = _conv(s1, "old")
     s1.set_archived(archived.id, True)
@@ -316,7 +298,7 @@ def test_restart_sees_everything(tmp_path):
         assert after == before
         assert s2.get_conversation(archived.id).archived
         # activity after a restart still sorts after everything before it
-        s2.touch(archived.id)
+        s2.add_message(archived.id, "user", "back")
         assert s2.list_conversations(include_archived=True)[0].id == archived.id
     finally:
         s2.close()
