@@ -1,26 +1,8 @@
-"""Where chatkv keeps its data: CHATKV_HOME, else the platform's user data dir."""
+"""Transitional: ``data_dir`` now lives in :mod:`chatkv.storage.paths`.
 
-from __future__ import annotations
+Kept only until chatkv/engine.py imports it from there; then delete this file.
+"""
 
-import os
-from pathlib import Path
+from chatkv.storage.paths import data_dir
 
-from chatkv.storage.files import make_private_dir
-
-
-def data_dir() -> Path:
-    """Return the data directory, creating it (and missing parents) with mode 0700.
-
-    An existing directory is used as it is: a shared one (e.g. mode 1777) is not
-    chmod-ed; what chatkv creates inside it is private (directories 0700, files
-    0600). Raises OSError if it cannot be created.
-    """
-    env = os.environ.get("CHATKV_HOME")
-    if env:
-        path = Path(env).expanduser()
-    else:
-        from platformdirs import user_data_dir
-
-        path = Path(user_data_dir("chatkv", appauthor=False))
-    make_private_dir(path)
-    return path
+__all__ = ["data_dir"]

@@ -35,9 +35,9 @@ _BEGIN_OPTION = "chatkv_sqlite_begin"
 
 
 def default_url(data_dir: Optional[Path] = None) -> str:
-    """``sqlite:///<data_dir>/chatkv.db``; ``data_dir`` defaults to ``chatkv.paths.data_dir()``."""
+    """``sqlite:///<data_dir>/chatkv.db``; ``data_dir`` defaults to ``chatkv.storage.paths.data_dir()``."""
     if data_dir is None:
-        from chatkv.paths import data_dir as default_data_dir
+        from chatkv.storage.paths import data_dir as default_data_dir
 
         data_dir = default_data_dir()
     return f"sqlite:///{Path(data_dir).expanduser().resolve() / DB_FILENAME}"

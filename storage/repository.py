@@ -264,7 +264,7 @@ class Store:
         """Open (creating and migrating as needed) the database at ``url``.
 
         ``url`` defaults to ``sqlite:///<data_dir>/chatkv.db``, ``data_dir`` to
-        ``chatkv.paths.data_dir()``. A SQLite file is created with mode 0600.
+        ``chatkv.storage.paths.data_dir()``. A SQLite file is created with mode 0600.
         A database that cannot be used (damaged or not a database, read-only,
         unreachable, its directory not creatable) raises StorageError naming
         the file (or URL) and what is wrong, the driver's error chained.

@@ -28,7 +28,7 @@ from safetensors import SafetensorError
 from sqlalchemy.exc import DBAPIError
 
 from chatkv.errors import StorageError
-from chatkv.paths import data_dir
+from chatkv.storage.paths import data_dir
 from chatkv.storage import files, kv_store
 from chatkv.storage.db import DB_FILENAME
 from chatkv.storage.kv_store import KVStore

@@ -96,7 +96,7 @@ def default_model_dir(
 ) -> Path:
     """Where ensure_default_model keeps the converted default model: <home>/models/<stem>-<dtype>."""
     if home is None:
-        from chatkv.paths import data_dir
+        from chatkv.storage.paths import data_dir
 
         home = data_dir()
     if gguf_stem is None:
@@ -407,7 +407,7 @@ def ensure_default_model(home: Path | None = None, dtype: torch.dtype = torch.bf
     few stat calls.
     """
     if home is None:
-        from chatkv.paths import data_dir
+        from chatkv.storage.paths import data_dir
 
         home = data_dir()
     gguf_path = packaged_gguf_path()  # locates the file (find_spec + glob); never opens it
