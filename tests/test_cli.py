@@ -46,3 +46,14 @@ def test_errors_are_reported_not_raised(tmp_path, monkeypatch, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["--temperature", "-1", "hi"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_a_bad_line_is_reported_and_the_chat_goes_on(model_dir, tmp_path, monkeypatch, capsys):
+    """Invalid UTF-8 and a lone surrogate on stdin: one error line each, then the next message is answered."""
+    monkeypatch.setenv("CHATKV_HOME", str(tmp_path))
+    raw = io.BytesIO(b"\xff\xfe not utf-8\n" + "bad \ud800 surrogate\n".encode("utf-8", "surrogatepass") + b"Hello\n/exit\n")
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(raw, encoding="utf-8", errors="strict"))
+    assert main(["--model", model_dir, "--max-tokens", "3", "--stats"]) == 0
+    err = capsys.readouterr().err
+    assert "not valid UTF-8" in err
+    assert "Traceback" not in err and "generated" in err  # the third line got a reply with its stats

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from chatkv import ChatKVError
+from chatkv import ChatKVError, InvalidRequest
 from chatkv.engine import Engine
 from chatkv.outputs import GenerationResult, Reply
 from chatkv.sampling import SamplingParams
@@ -51,14 +51,32 @@ def _one_shot(engine: Engine, messages: list[dict], params: SamplingParams, show
         print(f"[{result.usage.summary()}]", file=sys.stderr)
 
 
+def _read_line() -> str | None:
+    """One line of input (None at its end). A terminal gets line editing; piped input is read
+    as bytes a line at a time, so a line that is not UTF-8 raises UnicodeDecodeError alone."""
+    if sys.stdin.isatty():
+        try:
+            return input("> ")
+        except EOFError:
+            return None
+    print("> ", end="", flush=True)
+    buf = getattr(sys.stdin, "buffer", None)
+    line = buf.readline().decode("utf-8") if buf is not None else sys.stdin.readline()
+    return line.removesuffix("\n") if line else None
+
+
 def _chat(session, params: SamplingParams, show_stats: bool) -> int:
     print(f"chatkv: conversation {session.id}. Type a message; /exit or Ctrl-D to leave.", file=sys.stderr)
     while True:
         try:
-            text = input("> ").strip()
-        except EOFError:
+            line = _read_line()
+        except UnicodeDecodeError:
+            print("chatkv: that line is not valid UTF-8; nothing was sent", file=sys.stderr)
+            continue
+        if line is None:
             print()
             return 0
+        text = line.strip()
         if text in ("/exit", "/quit"):
             return 0
         if not text:
@@ -72,6 +90,9 @@ def _chat(session, params: SamplingParams, show_stats: bool) -> int:
                     print(piece, end="", flush=True)
         except KeyboardInterrupt:
             print("\n[interrupted]", file=sys.stderr)
+            continue
+        except InvalidRequest as e:  # this message only: the chat goes on
+            print(f"chatkv: {e}", file=sys.stderr)
             continue
         print()
         if show_stats and reply is not None:
