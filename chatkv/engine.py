@@ -244,7 +244,7 @@ class Engine:
     def session_manager(self) -> SessionManager:
         """The conversation store and snapshot directory, opened on first use."""
         if self._sessions is None:
-            from chatkv.paths import data_dir
+            from chatkv.storage.paths import data_dir
 
             if self.config.data_dir:
                 root = Path(self.config.data_dir)
