@@ -17,25 +17,11 @@ a template without a system role), a template that rewrites earlier turns.
 
 from __future__ import annotations
 
-try:  # what a template's raise_exception() raises; transformers needs jinja2 to render templates at all
-    from jinja2 import TemplateError
-except ImportError:  # pragma: no cover
-    TemplateError = ()  # type: ignore[assignment,misc]
+from jinja2 import TemplateError  # what a template's raise_exception() raises (a dependency of chatkv)
 
-from chatkv.errors import InvalidRequest
+from chatkv.errors import InvalidRequest, check_text
 
 _MARK = "\u2063chatkv-reply\u2063"
-
-
-def _check_text(text, what: str) -> None:
-    if not isinstance(text, str):
-        raise InvalidRequest(f"{what} must be a str, got {type(text).__name__}")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidRequest(
-            f"{what} is not valid Unicode: {text[e.start:e.end]!r} at index {e.start} (a lone surrogate)"
-        ) from None
 
 
 class TurnRenderer:
@@ -69,12 +55,12 @@ class TurnRenderer:
     def first(self, messages: list[dict]) -> list[int]:
         """The whole prompt of a conversation's first turn (system prompt included)."""
         for i, m in enumerate(messages):
-            _check_text(m.get("content"), f"message {i} ({m.get('role')})")
+            check_text(f"message {i} ({m.get('role')})", m.get("content"))
         return self._encode(self._render(messages, True))
 
     def user_turn(self, content: str) -> list[int]:
         """Tokens to append after a closed assistant turn for a new user message, up to the reply."""
-        _check_text(content, "the message")
+        check_text("the message", content)
         text = self._render(self._base + [{"role": "user", "content": content}], True)
         if not text.startswith(self._base_text):
             raise InvalidRequest("the chat template rewrites earlier turns when a message is added; cannot take a delta")
@@ -96,7 +82,7 @@ class TurnRenderer:
         """
         if not system:
             return []
-        _check_text(system, "the system prompt")
+        check_text("the system prompt", system)
         sys_msg = {"role": "system", "content": system}
         try:
             full = self.first([sys_msg, {"role": "user", "content": _MARK}])
