@@ -98,7 +98,8 @@ class BlockPool:
         assert len(k) == len(v) == self.kv.shape[0], "one key and one value tensor per layer"
         assert first + n <= len(blocks) * self.block_size, "more tokens than the blocks hold"
         bs = self.block_size
-        slots = (torch.tensor(blocks)[:, None] * bs + torch.arange(bs)).flatten()[first : first + n].to(self.kv.device)
+        ids = torch.tensor(blocks, dtype=torch.long)  # long even when empty (nothing to write)
+        slots = (ids[:, None] * bs + torch.arange(bs)).flatten()[first : first + n].to(self.kv.device)
         flat = self.kv.flatten(2, 3)  # [layers, 2, slots, kv_heads, head_dim], a view
         for i in range(len(k)):
             flat[i, 0].index_copy_(0, slots, k[i].to(flat.dtype))
