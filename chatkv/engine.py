@@ -20,7 +20,7 @@ import torch
 
 from chatkv.config import EngineConfig
 from chatkv.detokenize import TextStream
-from chatkv.errors import InvalidRequest, ModelNotFound, check_text
+from chatkv.errors import InvalidRequest, ModelNotFound, StorageError, check_text
 from chatkv.kv_manager import KVManager, RetainedKV
 from chatkv.model import LlamaModel
 from chatkv.model_runner import ModelRunner
@@ -246,11 +246,10 @@ class Engine:
         if self._sessions is None:
             from chatkv.storage.paths import data_dir
 
-            if self.config.data_dir:
-                root = Path(self.config.data_dir)
-                root.mkdir(parents=True, exist_ok=True, mode=0o700)  # the mode applies only if created here
-            else:
-                root = data_dir()
+            try:
+                root = data_dir(self.config.data_dir)
+            except OSError as e:
+                raise StorageError(f"the data directory cannot be created: {e.strerror or e} ({e.filename})") from e
             self._sessions = SessionManager(self, root)
         return self._sessions
 

@@ -13,15 +13,18 @@ from pathlib import Path
 from chatkv.storage.files import make_private_dir
 
 
-def data_dir() -> Path:
-    """Return the data directory, creating it (and missing parents) with mode 0700.
+def data_dir(explicit: str | os.PathLike | None = None) -> Path:
+    """Return the data directory (``explicit`` if given, else CHATKV_HOME, else the platform's
+    user data dir), creating it (and missing parents) with mode 0700.
 
     An existing directory is used as it is: a shared one (e.g. mode 1777) is not
     chmod-ed; what chatkv creates inside it is private (directories 0700, files
     0600). Raises OSError if it cannot be created.
     """
     env = os.environ.get("CHATKV_HOME")
-    if env:
+    if explicit is not None:
+        path = Path(explicit).expanduser()
+    elif env:
         path = Path(env).expanduser()
     else:
         from platformdirs import user_data_dir

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chatkv import InvalidRequest, SessionError
+from chatkv import InvalidRequest, SessionError, StorageError
 from chatkv.config import EngineConfig
 from chatkv.engine import Engine
 from chatkv.sampling import SamplingParams
@@ -279,3 +279,12 @@ def test_tenants_never_share_sessions_or_kv(model, tmp_path):
     assert [c.id for c in ea2.sessions()] == [s.id]
     assert ea2.resume(s.id).send(QUESTIONS[1]).usage.restored_tokens > 0
     ea2.close()
+
+
+def test_data_dir_that_cannot_be_created_is_one_clear_error(model, tmp_path):
+    _, d = model
+    (tmp_path / "a-file").write_text("not a directory")
+    e = engine_at(d, tmp_path / "a-file" / "data")
+    with pytest.raises(StorageError, match="data directory cannot be created"):
+        e.session()
+    assert e.generate([5, 6, 7], SamplingParams(max_tokens=2, temperature=0)).usage.generated_tokens == 2
