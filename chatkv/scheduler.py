@@ -55,8 +55,10 @@ class Scheduler:
         seq.finish_reason = seq.finish_reason or reason
         seq.error = error
         seq.finish_time = time.perf_counter()
-        seq.out.finish()
-        seq.retained = self.kv.release(seq, retain=seq.retain and reason != "error")
+        try:
+            seq.out.finish()
+        finally:  # a finished sequence holds no KV, whatever the detokenizer raised
+            seq.retained = self.kv.release(seq, retain=seq.retain and reason != "error")
 
     def abort(self, seq: Sequence) -> None:
         """End a request now, waiting or running; what it generated so far stays in its result."""
