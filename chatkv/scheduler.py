@@ -112,6 +112,7 @@ class Scheduler:
             else:
                 plan.append((seq, want))
                 budget -= want
+        blocked = None  # the sequence whose turn it was and that could not start for want of blocks
         if self.waiting and budget > 0 and len(self.running) < self.max_running:
             # longest cached prefix first: those cost the least to start
             ranked = sorted(self.waiting, key=lambda s: -self.kv.cached_len(s.token_ids))
@@ -120,6 +121,7 @@ class Scheduler:
                     break
                 chunk = self._admit(seq, budget)
                 if chunk == 0:
+                    blocked = seq
                     break
                 self.waiting.remove(seq)
                 seq.status = Status.RUNNING
@@ -127,7 +129,9 @@ class Scheduler:
                 plan.append((seq, chunk))
                 budget -= chunk
         if not plan and self.waiting and not self.running:
-            seq = self.waiting[0]  # nothing runs and the first in line cannot start: it never will
+            # nothing runs and the one whose turn it was cannot start: it never will (not waiting[0],
+            # which may rank behind it and fit)
+            seq = blocked if blocked is not None else self.waiting[0]
             pool = self.kv.pool
             self.fail(seq, OutOfBlocks(
                 f"request {seq.seq_id} ({len(seq.token_ids)} tokens) does not fit in the free KV blocks "
