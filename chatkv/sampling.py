@@ -23,6 +23,14 @@ def _is_real(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def _is_finite(x: Any) -> bool:
+    """A finite real that converts to a float (an int past float's range does not)."""
+    try:
+        return _is_real(x) and math.isfinite(x)
+    except OverflowError:
+        return False
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop. ``temperature == 0`` means greedy.
@@ -81,14 +89,14 @@ class SamplingParams:
 
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise bad("max_tokens", "an int >= 1")
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+        if not _is_finite(self.temperature) or self.temperature < 0:
             raise bad("temperature", "a finite number >= 0 (0 = greedy)")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", "an int >= 0 (0 = off)")
-        if not _is_real(self.top_p) or not math.isfinite(self.top_p) or not 0 < self.top_p <= 1:
+        if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
             raise bad("top_p", "a number in (0, 1]")
         rp = self.repetition_penalty
-        if not _is_real(rp) or not math.isfinite(rp) or rp <= 0:
+        if not _is_finite(rp) or rp <= 0:
             raise bad("repetition_penalty", "a finite number > 0 (1 = off)")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT):
             raise bad("seed", "None or an int in [0, 2**63)")
@@ -121,6 +129,7 @@ def _penalize(logits: torch.Tensor, history: list[int], penalty: float) -> torch
     """transformers' ``RepetitionPenaltyLogitsProcessor``: a seen token's logit is divided by
     ``penalty`` when positive, multiplied when negative, in the logits' dtype. An extreme (finite)
     penalty can overflow that dtype, or give 0 * inf; such results are kept finite at their limit."""
+    penalty = float(penalty)  # a valid int penalty may be past what torch takes as an integer scalar
     idx = torch.tensor(sorted(set(history)), dtype=torch.long)
     picked = logits[idx]
     new = torch.where(picked < 0, picked * penalty, picked / penalty)
@@ -156,7 +165,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams, history: list[in
     if 0 < params.top_k < x.shape[-1]:  # on the unscaled logits: the same set, even where x / T underflows
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, neg_inf)
-    z = (x - top) / params.temperature  # every value in [-inf, 0], the best exactly 0: no overflow, no nan
+    z = (x - top) / float(params.temperature)  # every value in [-inf, 0], the best exactly 0: no overflow, no nan
     if params.top_p < 1.0:
         order = torch.sort(x, descending=True).indices
         sorted_z = z[order]
