@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from chatkv.config import EngineConfig
@@ -309,6 +309,12 @@ def run_op(world, op) -> None:
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @given(batch=st.lists(ops, min_size=1, max_size=3))
+# found by this test, kept as fixed examples: a valid int temperature or penalty past 2**63 raised a
+# raw OverflowError from the sampler; one past float's range raised it from validate()
+@example(batch=[("generate", "Hello", SamplingParams(max_tokens=2, temperature=2**70, repetition_penalty=2**70))])
+@example(batch=[("send", "main", "Hi", SamplingParams(max_tokens=2, temperature=0.0, repetition_penalty=2**70))])
+@example(batch=[("session", None, None, {"max_tokens": 2, "temperature": 10**400}),
+                ("generate", [5, 6, 7], SamplingParams(max_tokens=2, top_p=10**400))])
 def test_public_sdk_raises_only_chatkv_errors_and_stays_usable(world, batch):
     e: Engine = world["engine"]
     for op in batch:
