@@ -325,6 +325,35 @@ def test_spill_write_fault_never_fails_a_turn(model_dir, tmp_path, monkeypatch, 
     e.close()
 
 
+@pytest.mark.parametrize("code", list(ERRNOS.values()), ids=list(ERRNOS))
+@pytest.mark.parametrize("point", WRITE_POINTS)
+def test_idle_spill_write_fault_never_fails_a_turn(model_dir, tmp_path, monkeypatch, caplog, oracle, point, code):
+    """The other spill trigger: a turn first spills every other idle session (idle_spill_s=0)."""
+    caplog.set_level(logging.WARNING)
+    e = make_engine(model_dir, tmp_path / "data", idle_spill_s=0.0)
+    root = snapshot_root(e)
+    e.session_manager
+    fault = Fault()
+    install_write_fault(point, code, root, fault, monkeypatch)
+    a, b = e.session(params=GREEDY), e.session(params=GREEDY)
+    check_oracle(oracle, a, a.send(QUESTIONS[0]))
+    fault.armed = True
+    if point == "mkdir":
+        os.rmdir(root)
+    check_oracle(oracle, b, b.send(QUESTIONS[1]))  # spills a first: the write fails, the turn goes on
+    assert fault.hits > 0, f"the {point} fault never fired"
+    assert warned(caplog, "not saved to disk")
+    assert a.kept is None, "a's KV was released even though it could not be saved"
+    e.check_integrity()
+    r = a.send(QUESTIONS[2])
+    assert r.usage.restored_tokens == 0
+    check_oracle(oracle, a, r)
+    for s in (a, b):
+        assert [m.role for m in s.messages()] == ["user", "assistant"] * (2 if s is a else 1)
+    e.check_integrity()
+    e.close()
+
+
 def test_full_disk_pressure_spill_then_every_session_keeps_going(model_dir, tmp_path, monkeypatch, caplog, oracle):
     """The issue's report, as a user would meet it: four chats on a full disk in a pool that holds
     two; every turn of every chat completes (none fails with OutOfBlocks), the pool is consistent
