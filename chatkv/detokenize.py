@@ -7,7 +7,9 @@ with the new token, and appends the difference. Decoding both from the same firs
 token keeps tokenizers that treat a leading space specially (SentencePiece) exact.
 A window that ends in half a multi-byte character (U+FFFD) is held until the
 character is complete; when the sequence ends inside one, the half is dropped, so
-stored text is always whole characters.
+stored text is always whole characters. Special tokens never enter the window (they
+decode to nothing), and bytes that never form a character are given up on after a few
+tokens, so the decode cost stays linear in the output.
 
 Stop strings end the text at their first occurrence. Streaming hold-back: text
 that may still turn out to be the start of a stop string, or half a character,
@@ -17,11 +19,24 @@ is not handed to ``take`` until it is settled.
 from __future__ import annotations
 
 _REPLACEMENT = "\ufffd"
+# tokens held for an unfinished character before its bytes are taken as invalid: a UTF-8
+# character has at most 4 bytes, so this many byte tokens that still end in U+FFFD never will
+_MAX_PENDING = 8
+
+
+def _special_ids(tokenizer) -> frozenset[int]:
+    """Ids that ``decode(..., skip_special_tokens=True)`` drops: the named special tokens and
+    every added token marked special (e.g. ChatML's ``<|im_start|>``)."""
+    ids = set(getattr(tokenizer, "all_special_ids", ()) or ())
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    ids.update(i for i, t in added.items() if getattr(t, "special", False))
+    return frozenset(ids)
 
 
 class TextStream:
     def __init__(self, tokenizer, stop: list[str] | None = None):
         self._tok = tokenizer
+        self._special = _special_ids(tokenizer)
         self._ids: list[int] = []  # visible generated tokens (stop tokens excluded)
         self._prefix_offset = 0  # first token of the window decoded for the next delta
         self._read_offset = 0  # tokens whose text is already in ``text``
@@ -38,13 +53,19 @@ class TextStream:
     def add(self, token_id: int) -> bool:
         """Append one visible token. Returns True when a stop string ended the text."""
         assert not self.finished, "add after finish"
+        if token_id in self._special:
+            return False  # decoded without special tokens anyway: it would only widen the window
         self._ids.append(token_id)
         before = self._decode(self._ids[self._prefix_offset : self._read_offset])
         after = self._decode(self._ids[self._prefix_offset :])
-        if len(after) <= len(before) or after.endswith(_REPLACEMENT):
+        pending = len(self._ids) - self._read_offset
+        if len(after) <= len(before) or (after.endswith(_REPLACEMENT) and pending < _MAX_PENDING):
             return False  # nothing printable yet, or half a character: wait for more tokens
         self._append(after[len(before) :])
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        if after.endswith(_REPLACEMENT):  # bytes that never formed a character: start a fresh window
+            self._prefix_offset = self._read_offset = len(self._ids)
+        else:
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return self.stopped
 
     def _append(self, delta: str) -> None:

@@ -259,7 +259,7 @@ class KVManager:
         assert not orphans, f"{len(orphans)} retained KV handle(s) held by no live session or request"
         unknown = [h for h in handles if h not in self._live]
         assert not unknown, "a retained KV handle was ended but is still held"
-        nodes = self.cache.nodes()
+        nodes = self.cache.nodes(with_roots=True)
         refs: Counter[int] = Counter(b for n in nodes for b in n.block_ids)
         locks: Counter[int] = Counter()
         for s in sequences:
@@ -283,7 +283,7 @@ class KVManager:
             assert node.lock_ref == subtree[id(node)], (
                 f"a radix node has {node.lock_ref} locks, its owners account for {subtree[id(node)]}"
             )
-            if not node.parent.is_root:
+            if node.parent is not None:
                 subtree[id(node.parent)] += subtree[id(node)]
 
     def _path_blocks(self, node: Node | None) -> list[int]:

@@ -134,9 +134,9 @@ class RadixCache:
         """Release every unlocked node (shutdown). Locked paths stay."""
         self._evict(None)
 
-    def nodes(self) -> list[Node]:
-        """Every node below the namespace roots (roots excluded), parents before children."""
-        out: list[Node] = []
+    def nodes(self, with_roots: bool = False) -> list[Node]:
+        """Every node below the namespace roots (and the roots, if asked), parents before children."""
+        out: list[Node] = list(self._roots.values()) if with_roots else []
         stack = [c for root in self._roots.values() for c in root.children.values()]
         while stack:
             node = stack.pop()
@@ -284,8 +284,8 @@ class NoPrefixCache:
     def clear(self) -> None:
         pass
 
-    def nodes(self) -> list[Node]:
-        return []
+    def nodes(self, with_roots: bool = False) -> list[Node]:
+        return []  # its one root takes no locks
 
     def check_integrity(self) -> None:
         assert not self._root.children and not self._root.lock_ref, "the no-sharing cache grew a node"

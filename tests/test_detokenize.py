@@ -66,6 +66,9 @@ class Counting:
         self.calls = 0
         self.ids = 0
 
+    def __getattr__(self, name):  # everything else (special ids...) as the real tokenizer has it
+        return getattr(self.tok, name)
+
     def decode(self, ids, skip_special_tokens=True):
         self.calls += 1
         self.ids += len(ids)
@@ -311,13 +314,6 @@ def test_decode_cost_is_linear_in_the_output(tok, stop):
     assert counting.ids < 20 * n, f"{counting.ids} ids decoded for {n} tokens"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="chatkv/detokenize.py TextStream.add: when the new token prints nothing (a skipped special "
-    "token) or the window still ends in U+FFFD (a run of bytes that never form a character), neither "
-    "offset moves, so the window ids[prefix_offset:] grows by one token per step and each step "
-    "re-decodes all of it: n*(n+1)/2 ids for n such tokens (125,250 for 500)",
-)
 @pytest.mark.parametrize("kind", ["special", "invalid-bytes"])
 def test_decode_cost_is_linear_for_tokens_that_print_nothing(tiny_tok, kind):
     tok = tiny_tok

@@ -627,12 +627,6 @@ def test_integrity_catches_a_pin_leaked_lock():
         kv.check_integrity([seq], [kept])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="chatkv/kv_manager.py check_integrity (lines 262, 280-287) compares lock_ref only for "
-    "cache.nodes(), which excludes the namespace roots, so a lock leaked on a root - the lock a sequence "
-    "whose attach matched nothing holds - is never noticed (harmless to memory: a root holds no block)",
-)
 def test_integrity_catches_a_leaked_lock_on_a_namespace_root():
     kv = manager()
     seq = make_seq(list(range(300, 306)))
