@@ -151,14 +151,27 @@ class Scheduler:
                 seq.num_prefilled += n
         finished = []
         for seq, token in sampled.items():
-            if isinstance(token, Exception):
-                self.fail(seq, token)
-            elif self._append(seq, token):
-                self._finish(seq, seq.finish_reason)
-            else:
-                continue
+            try:
+                if isinstance(token, Exception):
+                    self.fail(seq, token)
+                elif self._append(seq, token):
+                    self._finish(seq, seq.finish_reason)
+                else:
+                    continue
+            except Exception as err:  # its own failure (e.g. its detokenizer): the rest of the batch goes on
+                self._failed(seq, err)
             finished.append(seq)
         return finished
+
+    def _failed(self, seq: Sequence, err: Exception) -> None:
+        """End ``seq`` with ``err`` after its postprocessing raised; its KV is released either way."""
+        if seq.finished:  # it raised while finishing, after its KV was released
+            seq.finish_reason, seq.error = "error", err
+            return
+        try:
+            self.fail(seq, err)
+        except Exception:  # its text stream failed again while settling: recorded and released already
+            pass
 
     def _append(self, seq: Sequence, token: int) -> bool:
         """Add a sampled token; return True when the sequence is done (finish_reason set)."""
