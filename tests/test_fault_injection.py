@@ -672,9 +672,7 @@ def test_exception_in_a_turn_propagates_and_the_engine_goes_on(model_dir, tmp_pa
     msgs = victim.messages()
     # the user message was committed before generation; the cut reply is kept, marked interrupted
     assert len(msgs) == before + 2 and msgs[-2].role == "user" and msgs[-2].content == text
-    assert msgs[-1].role == "assistant"
-    if point != "detokenize_finish":  # that one fails after the reply's last token: it may stand complete
-        assert msgs[-1].status == "interrupted"
+    assert msgs[-1].role == "assistant" and msgs[-1].status == "interrupted"
     assert [m.role for m in b.messages()] == ["user", "assistant"]
     # the same session, the other session and a new one go on, exactly
     for s, q in ((victim, QUESTIONS[1]), (b, QUESTIONS[2])):
@@ -702,6 +700,47 @@ def test_exception_in_a_batch_propagates_and_the_engine_goes_on(model_dir, tmp_p
     e.check_integrity()
     assert not e.scheduler.has_work(), "every request of the failed batch was ended"
     assert [r.token_ids for r in e.generate(prompts, params)] == expected
+    e.check_integrity()
+    e.kv.clear()
+    assert e.kv_stats()["blocks_free"] == e.kv_stats()["blocks_total"]
+    e.close()
+
+
+@pytest.mark.parametrize("point", ["detokenize", "detokenize_finish", "forward_decode", "decode_reserve"])
+def test_a_failure_of_one_request_leaves_the_others_in_its_batch_exact(model_dir, tmp_path, oracle, monkeypatch, point):
+    """Two requests in one batch (as with two open streams); one of them fails. Its driver gets
+    the exception; the other request goes on and its reply is still the oracle's."""
+    e = make_engine(model_dir, tmp_path / "data", num_blocks=64, max_batch_tokens=512)
+    pa = e.encode_chat([{"role": "user", "content": QUESTIONS[0]}])
+    pb = e.encode_chat([{"role": "user", "content": QUESTIONS[1]}])
+    b = e.add_request(pb, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    a = e.add_request(pa, SamplingParams(**GREEDY))
+    e.step()  # both prefilled and sampled once, b first in the batch
+    assert a.num_generated == b.num_generated == 1
+    fault = Fault(once=True)
+    if point.startswith("detokenize"):  # b's own text stream fails (e.g. its tokenizer)
+        name = "add" if point == "detokenize" else "finish"
+        real = getattr(b.out, name)
+
+        def broken(*args):
+            if fault.fire():
+                raise Injected(f"b's TextStream.{name} failed")
+            return real(*args)
+
+        monkeypatch.setattr(b.out, name, broken)
+    else:
+        install_raise(point, fault, monkeypatch)
+    fault.armed = True
+    with pytest.raises(Injected):
+        for _ in e.drive(b):
+            pass
+    assert fault.hits == 1
+    e.abort(b)  # what generate() and a turn do with their own request
+    e.check_integrity()
+    for _ in e.drive(a):
+        pass
+    assert a.result().token_ids == oracle(pa)
+    assert a.finish_reason in ("stop", "length")
     e.check_integrity()
     e.kv.clear()
     assert e.kv_stats()["blocks_free"] == e.kv_stats()["blocks_total"]
