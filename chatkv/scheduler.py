@@ -133,10 +133,12 @@ class Scheduler:
             # which may rank behind it and fit)
             seq = blocked if blocked is not None else self.waiting[0]
             pool = self.kv.pool
+            locked = self.kv.cache.cached_blocks - self.kv.cache.evictable_blocks
             self.fail(seq, OutOfBlocks(
-                f"request {seq.seq_id} ({len(seq.token_ids)} tokens) does not fit in the free KV blocks "
-                f"({pool.num_free} free of {pool.num_blocks}, {self.kv.cache.cached_blocks} held by the prefix "
-                "cache and locked by open sessions or pins)"
+                f"request {seq.seq_id} ({len(seq.token_ids)} tokens so far) cannot fit in the KV pool: "
+                f"{pool.num_blocks} blocks of {pool.block_size} tokens, {locked} locked by open sessions and "
+                f"pinned prefixes, {pool.num_free} free; close idle sessions, lower max_tokens or raise "
+                "kv_cache_bytes / num_blocks"
             ))
         return plan
 

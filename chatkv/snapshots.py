@@ -52,7 +52,12 @@ class Snapshots:
     def _sweep_orphans(self) -> None:
         rows = self.store.snapshots_lru()
         names = {s.file for s in rows}
-        for key in self.files.keys():
+        try:
+            keys = self.files.keys()
+        except OSError as e:  # an unreadable directory: the sweep waits for the next open
+            log.warning("snapshot directory %s cannot be listed (%s); orphans not swept", self.files.root, e)
+            return
+        for key in keys:
             if self.files.path(key).name not in names and key.endswith(self._salt):
                 log.warning("snapshot file %s has no database row; removed", key)
                 self._unlink(key)

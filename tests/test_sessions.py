@@ -288,3 +288,26 @@ def test_data_dir_that_cannot_be_created_is_one_clear_error(model, tmp_path):
     with pytest.raises(StorageError, match="data directory cannot be created"):
         e.session()
     assert e.generate([5, 6, 7], SamplingParams(max_tokens=2, temperature=0)).usage.generated_tokens == 2
+
+
+def test_unlistable_snapshot_directory_does_not_stop_a_chat(model, tmp_path, monkeypatch, caplog):
+    """scandir of kv/ failing (EACCES, EIO) at open: one warning, and the chat works."""
+    import errno
+    import os
+
+    _, d = model
+    real = os.scandir
+
+    def scandir(path="."):
+        if str(path).endswith("kv"):
+            raise OSError(errno.EIO, os.strerror(errno.EIO), str(path))
+        return real(path)
+
+    monkeypatch.setattr(os, "scandir", scandir)
+    e = engine_at(d, tmp_path)
+    with caplog.at_level("WARNING", logger="chatkv"):
+        s = e.session(params=GREEDY)
+    assert "cannot be listed" in caplog.text
+    assert s.send(QUESTIONS[0]).usage.generated_tokens > 0
+    e.check_integrity()
+    e.close()
