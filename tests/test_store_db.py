@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import stat
 import threading
-import time
 from datetime import datetime, timezone
 
 import pytest
@@ -351,12 +350,9 @@ def test_fresh_db_gets_head_and_reopen_does_not_migrate(tmp_path, monkeypatch):
         raise AssertionError("alembic upgrade must not run on an up-to-date database")
 
     monkeypatch.setattr(alembic.command, "upgrade", boom)
-    t = time.perf_counter()
-    s = Store.open(data_dir=tmp_path)
-    elapsed = time.perf_counter() - t
+    s = Store.open(data_dir=tmp_path)  # boom() proves no migration runs; how long it takes is not a test
     s.close()
     assert not s.migrated
-    assert elapsed < 0.3, f"reopening took {elapsed:.3f}s"
 
 
 def test_head_constant_matches_alembic_scripts():
