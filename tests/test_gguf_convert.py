@@ -15,7 +15,6 @@ import importlib.util
 import json
 import os
 import stat
-import time
 from pathlib import Path
 
 import numpy as np
@@ -207,7 +206,7 @@ def test_directory_is_private_and_complete(converted: Path, gguf_file: Path, hom
     assert [p.name for p in converted.parent.iterdir()] == [converted.name]  # no temporary siblings
 
 
-def test_second_ensure_is_fast_and_does_not_touch_the_gguf(converted: Path, home: Path, monkeypatch) -> None:
+def test_second_ensure_does_not_touch_the_gguf(converted: Path, home: Path, monkeypatch) -> None:
     mtimes = {p.name: p.stat().st_mtime_ns for p in converted.iterdir()}
 
     def boom(*args, **kwargs):
@@ -215,11 +214,8 @@ def test_second_ensure_is_fast_and_does_not_touch_the_gguf(converted: Path, home
 
     monkeypatch.setattr(weights_gguf, "convert_gguf", boom)
     monkeypatch.setattr("gguf.GGUFReader", boom)
-    start = time.perf_counter()
-    again = ensure_default_model(home, dtype=torch.float32)
-    elapsed = time.perf_counter() - start
+    again = ensure_default_model(home, dtype=torch.float32)  # boom() proves nothing is converted again
     assert again == converted
-    assert elapsed < 1.0
     assert {p.name: p.stat().st_mtime_ns for p in again.iterdir()} == mtimes
 
 
