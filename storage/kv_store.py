@@ -1,5 +1,8 @@
 """KV snapshots of a conversation, one safetensors file per snapshot.
 
+(Past ~400 lines on purpose: the format is written and verified in one file, so the writer
+and the checks on load cannot drift apart.)
+
 A snapshot holds, for every layer ``i``, the keys ``k.i`` and values ``v.i`` of
 the first ``T`` tokens of a conversation, laid out by token (shape
 ``[T, num_kv_heads, head_dim]``, independent of the engine's block size), plus

@@ -20,11 +20,8 @@ A ``Store`` is safe to share between threads (one Session per call).
 
 from __future__ import annotations
 
-import json
-import re
 import threading
 import uuid
-from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Optional
@@ -37,179 +34,22 @@ from chatkv.errors import InvalidRequest, SessionError, StorageError
 from chatkv.storage import db
 from chatkv.storage.migrations import migrate
 from chatkv.storage.models import Conversation, KVSnapshot, Message
-
-ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
-ROLES = frozenset({"system", "user", "assistant", "tool"})
-STATUSES = frozenset({"complete", "interrupted", "pending"})
-STAT_FIELDS = (
-    "prompt_tokens",
-    "cached_tokens",
-    "restored_tokens",
-    "computed_tokens",
-    "generated_tokens",
-    "ttft_ms",
-    "tokens_per_s",
+from chatkv.storage.records import (
+    ROLES,
+    STATUSES,
+    ConversationInfo,
+    MessageInfo,
+    SnapshotInfo,
+    check_file_name,
+    check_json,
+    check_stats,
+    check_str,
+    check_tokens,
+    conversation_info,
+    message_info,
+    snapshot_info,
+    check_conversation_id,
 )
-_INT_STATS = frozenset(STAT_FIELDS[:5])
-
-
-# ---------------------------------------------------------------- plain data
-
-
-@dataclass(frozen=True)
-class ConversationInfo:
-    id: str
-    tenant: str
-    title: str
-    model: str
-    system_prompt: str
-    params: dict[str, Any]
-    token_count: int
-    # The canonical token history. None only in list_conversations() results,
-    # which skip loading it; get_conversation() always fills it.
-    token_ids: Optional[tuple[int, ...]]
-    created_at: datetime
-    updated_at: datetime
-    archived: bool
-
-
-@dataclass(frozen=True)
-class MessageInfo:
-    id: int
-    conversation_id: str
-    role: str
-    content: str
-    status: str
-    meta: Optional[dict[str, Any]]
-    created_at: datetime
-    prompt_tokens: Optional[int] = None
-    cached_tokens: Optional[int] = None
-    restored_tokens: Optional[int] = None
-    computed_tokens: Optional[int] = None
-    generated_tokens: Optional[int] = None
-    ttft_ms: Optional[float] = None
-    tokens_per_s: Optional[float] = None
-
-
-@dataclass(frozen=True)
-class SnapshotInfo:
-    conversation_id: str
-    file: str
-    model_fingerprint: str
-    kv_dtype: str
-    token_count: int
-    token_hash: str
-    nbytes: int
-    created_at: datetime
-    last_used_at: datetime
-
-
-def _conversation_info(c: Conversation, with_tokens: bool = True) -> ConversationInfo:
-    return ConversationInfo(
-        id=c.id,
-        tenant=c.tenant,
-        title=c.title,
-        model=c.model,
-        system_prompt=c.system_prompt,
-        params=_copy_json(c.params) or {},
-        token_count=c.token_count,
-        token_ids=tuple(c.token_ids) if with_tokens else None,
-        created_at=c.created_at,
-        updated_at=c.updated_at,
-        archived=bool(c.archived),
-    )
-
-
-def _message_info(m: Message) -> MessageInfo:
-    return MessageInfo(
-        id=m.id,
-        conversation_id=m.conversation_id,
-        role=m.role,
-        content=m.content,
-        status=m.status,
-        meta=_copy_json(m.meta),
-        created_at=m.created_at,
-        **{name: getattr(m, name) for name in STAT_FIELDS},
-    )
-
-
-def _snapshot_info(s: KVSnapshot) -> SnapshotInfo:
-    return SnapshotInfo(
-        conversation_id=s.conversation_id,
-        file=s.file,
-        model_fingerprint=s.model_fingerprint,
-        kv_dtype=s.kv_dtype,
-        token_count=s.token_count,
-        token_hash=s.token_hash,
-        nbytes=s.nbytes,
-        created_at=s.created_at,
-        last_used_at=s.last_used_at,
-    )
-
-
-# ---------------------------------------------------------------- validation
-
-
-def check_conversation_id(conv_id: object) -> str:
-    """Return ``conv_id`` if it is 1-64 characters of ``[A-Za-z0-9_-]``, else raise SessionError."""
-    if not isinstance(conv_id, str) or not ID_PATTERN.fullmatch(conv_id):
-        raise SessionError(
-            f"invalid conversation id {conv_id!r}: it must be 1-64 characters of A-Z, a-z, 0-9, '_' or '-'"
-        )
-    return conv_id
-
-
-def _check_str(what: str, value: object, max_len: Optional[int] = None) -> str:
-    if not isinstance(value, str):
-        raise InvalidRequest(f"{what} must be a string, got {type(value).__name__} {value!r}")
-    if max_len is not None and len(value) > max_len:
-        raise InvalidRequest(f"{what} is {len(value)} characters long; at most {max_len} allowed")
-    return value
-
-
-def _check_json(what: str, value: object) -> Any:
-    """Return a JSON round-tripped copy of ``value`` (so later mutation by the caller
-    cannot leak in), raising InvalidRequest if it is not JSON-serialisable."""
-    try:
-        return json.loads(json.dumps(value, allow_nan=False))
-    except (TypeError, ValueError) as e:
-        raise InvalidRequest(f"{what} must be JSON-serialisable: {e}") from None
-
-
-def _copy_json(value: Any) -> Any:
-    return None if value is None else json.loads(json.dumps(value))
-
-
-def _check_file_name(file: object) -> str:
-    name = _check_str("snapshot file name", file, 255)
-    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
-        raise InvalidRequest(f"snapshot file name {file!r} must be a bare file name, not a path")
-    return name
-
-
-def _check_stats(stats: dict[str, Any], caller: str) -> dict[str, Any]:
-    unknown = set(stats) - set(STAT_FIELDS)
-    if unknown:
-        raise TypeError(f"{caller}() got unknown stats {sorted(unknown)}; known: {', '.join(STAT_FIELDS)}")
-    for name, value in stats.items():
-        if value is None:
-            continue
-        ok = isinstance(value, int) if name in _INT_STATS else isinstance(value, (int, float))
-        if not ok or isinstance(value, bool):
-            raise InvalidRequest(f"{name} must be a number, got {value!r}")
-    return stats
-
-
-def _check_tokens(token_ids: object) -> list[int]:
-    try:
-        tokens = list(token_ids)  # type: ignore[call-overload]
-    except TypeError:
-        raise InvalidRequest(f"token_ids must be a list of ints, got {type(token_ids).__name__}") from None
-    for t in tokens:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < 2**32:
-            raise InvalidRequest(f"token_ids must hold ints in [0, 2**32), found {t!r}")
-    return tokens
-
 
 # ---------------------------------------------------------------- clock
 
@@ -333,13 +173,13 @@ class Store:
         self, title: str, model: str, system_prompt: str, params: dict, tenant: str = ""
     ) -> ConversationInfo:
         """Create an empty conversation with a fresh id (uuid4 hex)."""
-        _check_str("title", title)
-        _check_str("model", model)
-        _check_str("system_prompt", system_prompt)
-        _check_str("tenant", tenant, 255)
+        check_str("title", title)
+        check_str("model", model)
+        check_str("system_prompt", system_prompt)
+        check_str("tenant", tenant, 255)
         if not isinstance(params, dict):
             raise InvalidRequest(f"params must be a dict, got {type(params).__name__}")
-        params = _check_json("params", params)
+        params = check_json("params", params)
         with self._writing() as s:
             now = CLOCK.now()  # taken under the write lock, so commit order == time order
             conv = Conversation(
@@ -357,13 +197,13 @@ class Store:
             )
             s.add(conv)
             s.flush()
-            return _conversation_info(conv)
+            return conversation_info(conv)
 
     def get_conversation(self, conv_id: str, tenant: Optional[str] = None) -> ConversationInfo:
         """The conversation, token history included. With ``tenant``, one of another
         tenant is reported as unknown."""
         with self._reading() as s:
-            return _conversation_info(self._conversation(s, conv_id, tenant, tokens=True))
+            return conversation_info(self._conversation(s, conv_id, tenant, tokens=True))
 
     def list_conversations(
         self, include_archived: bool = False, tenant: Optional[str] = None
@@ -376,10 +216,10 @@ class Store:
             q = q.where(Conversation.tenant == tenant)
         q = q.order_by(Conversation.updated_at.desc(), Conversation.created_at.desc(), Conversation.id.desc())
         with self._reading() as s:
-            return [_conversation_info(c, with_tokens=False) for c in s.scalars(q)]
+            return [conversation_info(c, with_tokens=False) for c in s.scalars(q)]
 
     def rename(self, conv_id: str, title: str) -> None:
-        _check_str("title", title)
+        check_str("title", title)
         with self._writing() as s:
             self._conversation(s, conv_id).title = title
 
@@ -416,30 +256,30 @@ class Store:
         messages and the tokens never disagree after a crash."""
         if role not in ROLES:
             raise InvalidRequest(f"unknown message role {role!r}; expected one of {sorted(ROLES)}")
-        _check_str("content", content)
+        check_str("content", content)
         if status not in STATUSES:
             raise InvalidRequest(f"unknown message status {status!r}; expected one of {sorted(STATUSES)}")
-        meta = None if meta is None else _check_json("meta", meta)
-        _check_stats(stats, "add_message")
+        meta = None if meta is None else check_json("meta", meta)
+        check_stats(stats, "add_message")
         with self._writing() as s:
             conv = self._conversation(s, conv_id)
             now = CLOCK.now()
             msg = Message(conversation_id=conv.id, role=role, content=content, status=status,
                           meta=meta, created_at=now, **stats)
             if token_ids is not None:
-                tokens = _check_tokens(token_ids)
+                tokens = check_tokens(token_ids)
                 conv.token_ids, conv.token_count = tokens, len(tokens)
             s.add(msg)
             conv.updated_at = now
             s.flush()
-            return _message_info(msg)
+            return message_info(msg)
 
     def messages(self, conv_id: str) -> list[MessageInfo]:
         """The conversation's messages, oldest first."""
         with self._reading() as s:
             conv = self._conversation(s, conv_id)
             q = select(Message).where(Message.conversation_id == conv.id).order_by(Message.id)
-            return [_message_info(m) for m in s.scalars(q)]
+            return [message_info(m) for m in s.scalars(q)]
 
     # -------------------------------------------------------- KV snapshots
 
@@ -457,10 +297,10 @@ class Store:
 
         The caller deletes a replaced file itself (compare with ``get_snapshot``
         first, or sweep with ``snapshots_lru``)."""
-        _check_file_name(file)
-        _check_str("model_fingerprint", model_fingerprint, 128)
-        _check_str("kv_dtype", kv_dtype, 32)
-        _check_str("token_hash", token_hash, 128)
+        check_file_name(file)
+        check_str("model_fingerprint", model_fingerprint, 128)
+        check_str("kv_dtype", kv_dtype, 32)
+        check_str("token_hash", token_hash, 128)
         for what, n in (("token_count", token_count), ("nbytes", nbytes)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise InvalidRequest(f"{what} must be a non-negative int, got {n!r}")
@@ -480,14 +320,14 @@ class Store:
             snap.created_at = now
             snap.last_used_at = now
             s.flush()
-            return _snapshot_info(snap)
+            return snapshot_info(snap)
 
     def get_snapshot(self, conv_id: str) -> Optional[SnapshotInfo]:
         """The conversation's snapshot record, or None if it has none."""
         check_conversation_id(conv_id)
         with self._reading() as s:
             snap = s.scalar(select(KVSnapshot).where(KVSnapshot.conversation_id == conv_id))
-            return None if snap is None else _snapshot_info(snap)
+            return None if snap is None else snapshot_info(snap)
 
     def delete_snapshot(self, conv_id: str) -> Optional[str]:
         """Forget the conversation's snapshot; returns its file name (for the caller to
@@ -512,7 +352,7 @@ class Store:
         """Every snapshot record, least recently used first."""
         with self._reading() as s:
             q = select(KVSnapshot).order_by(KVSnapshot.last_used_at, KVSnapshot.id)
-            return [_snapshot_info(x) for x in s.scalars(q)]
+            return [snapshot_info(x) for x in s.scalars(q)]
 
     def total_snapshot_bytes(self) -> int:
         with self._reading() as s:

