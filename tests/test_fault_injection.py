@@ -159,66 +159,53 @@ def warned(caplog, *needles: str) -> bool:
     return any(r.levelno >= logging.WARNING and any(n in r.getMessage() for n in needles) for r in caplog.records)
 
 
+def inject(monkeypatch, owner, name: str, fault: Fault, error, when=lambda *a: True, after: bool = False) -> None:
+    """Patch ``owner.name`` so that a call whose arguments pass ``when`` raises ``error(*args)`` if
+    ``fault.fire()``: before the real call, or after it (``after``); every other call goes through.
+    ``when`` is asked first, so the fault counts only the calls it targets. The arguments are the
+    call's positional ones, ``self`` first for a method patched on its class."""
+    real = getattr(owner, name)
+
+    def fake(*a, **kw):
+        if not after and when(*a) and fault.fire():
+            raise error(*a)
+        out = real(*a, **kw)
+        if after and when(*a) and fault.fire():
+            raise error(*a)
+        return out
+
+    monkeypatch.setattr(owner, name, fake)
+
+
+def path_fault(monkeypatch, owner, name: str, fault: Fault, code: int, root: Path) -> None:
+    """``owner.name(path, ...)`` fails with ``code`` for a path under ``root``."""
+    inject(monkeypatch, owner, name, fault, lambda path, *_: os_error(code, path),
+           when=lambda path, *_: under(path, root))
+
+
 # -- snapshot write faults ----------------------------------------------------------------------
 
 
 def install_write_fault(point: str, code: int, root: Path, fault: Fault, monkeypatch) -> None:
     """Make the snapshot write fail at ``point`` with ``code`` while ``fault`` is armed."""
     if point == "tmp_create":  # atomic_write's exclusive create of the temp file
-        real = os.open
-
-        def fake_open(path, flags, *a, **kw):
-            if flags & os.O_CREAT and under(path, root) and fault.fire():
-                raise os_error(code, path)
-            return real(path, flags, *a, **kw)
-
-        monkeypatch.setattr(os, "open", fake_open)
+        inject(monkeypatch, os, "open", fault, lambda path, *_: os_error(code, path),
+               when=lambda path, flags, *_: flags & os.O_CREAT and under(path, root))
     elif point == "safetensors_write":  # the library's own writer, failing as it does (a SafetensorError)
-        real_save = kv_store.save_file
-
-        def fake_save(tensors, path, metadata=None):
-            if under(path, root) and fault.fire():
-                raise SafetensorError(f"Error while serializing: I/O error: {os.strerror(code)} (os error {code})")
-            return real_save(tensors, path, metadata=metadata)
-
-        monkeypatch.setattr(kv_store, "save_file", fake_save)
+        msg = f"Error while serializing: I/O error: {os.strerror(code)} (os error {code})"
+        inject(monkeypatch, kv_store, "save_file", fault, lambda *_: SafetensorError(msg),
+               when=lambda tensors, path, *_: under(path, root))
     elif point in ("file_fsync", "dir_fsync"):
-        real_fsync = os.fsync
         want = stat.S_ISDIR if point == "dir_fsync" else stat.S_ISREG
-
-        def fake_fsync(fd):
-            if want(os.fstat(fd).st_mode) and under(fd_path(fd), root) and fault.fire():
-                raise os_error(code)
-            return real_fsync(fd)
-
-        monkeypatch.setattr(os, "fsync", fake_fsync)
+        inject(monkeypatch, os, "fsync", fault, lambda fd: os_error(code),
+               when=lambda fd: want(os.fstat(fd).st_mode) and under(fd_path(fd), root))
     elif point == "rename":
-        real_replace = os.replace
-
-        def fake_replace(src, dst, *a, **kw):
-            if under(dst, root) and fault.fire():
-                raise os_error(code, dst)
-            return real_replace(src, dst, *a, **kw)
-
-        monkeypatch.setattr(os, "replace", fake_replace)
+        inject(monkeypatch, os, "replace", fault, lambda src, dst, *_: os_error(code, dst),
+               when=lambda src, dst, *_: under(dst, root))
     elif point == "mkdir":  # the snapshot directory went away and cannot be made again
-        real_mkdir = os.mkdir
-
-        def fake_mkdir(path, *a, **kw):
-            if under(path, root) and fault.fire():
-                raise os_error(code, path)
-            return real_mkdir(path, *a, **kw)
-
-        monkeypatch.setattr(os, "mkdir", fake_mkdir)
+        path_fault(monkeypatch, os, "mkdir", fault, code, root)
     elif point == "db_row":  # the snapshot's database row
-        real_put = Store.put_snapshot
-
-        def fake_put(self, *a, **kw):
-            if fault.fire():
-                raise db_error(code)
-            return real_put(self, *a, **kw)
-
-        monkeypatch.setattr(Store, "put_snapshot", fake_put)
+        inject(monkeypatch, Store, "put_snapshot", fault, lambda *_: db_error(code))
     else:
         raise AssertionError(point)
 
@@ -396,52 +383,17 @@ RESTORE_POINTS = ["read", "load", "discard_unlink", "touch", "delete_row"]
 def install_restore_fault(point, code, e: Engine, sid: str, fault: Fault, monkeypatch) -> None:
     root = snapshot_root(e)
     if point == "read":  # the file cannot be read (safetensors' open fails with an OSError)
-        real_open = kv_store.safe_open
-
-        def fake_safe_open(path, *a, **kw):
-            if under(path, root) and fault.fire():
-                raise os_error(code, path)
-            return real_open(path, *a, **kw)
-
-        monkeypatch.setattr(kv_store, "safe_open", fake_safe_open)
+        path_fault(monkeypatch, kv_store, "safe_open", fault, code, root)
     elif point == "load":  # the store's load itself raises an OSError
-        real_load = KVStore.load
-
-        def fake_load(self, *a, **kw):
-            if fault.fire():
-                raise os_error(code)
-            return real_load(self, *a, **kw)
-
-        monkeypatch.setattr(KVStore, "load", fake_load)
+        inject(monkeypatch, KVStore, "load", fault, lambda *_: os_error(code))
     elif point == "discard_unlink":  # a damaged snapshot on a read-only medium: it cannot be removed
         corrupt(e.session_manager.snapshots.path(sid))
-        real_unlink = os.unlink
-
-        def fake_unlink(path, *a, **kw):
-            if under(path, root) and fault.fire():
-                raise os_error(code, path)
-            return real_unlink(path, *a, **kw)
-
-        monkeypatch.setattr(os, "unlink", fake_unlink)
+        path_fault(monkeypatch, os, "unlink", fault, code, root)
     elif point == "touch":  # the LRU time cannot be recorded
-        real_touch = Store.touch_snapshot
-
-        def fake_touch(self, *a, **kw):
-            if fault.fire():
-                raise db_error(code)
-            return real_touch(self, *a, **kw)
-
-        monkeypatch.setattr(Store, "touch_snapshot", fake_touch)
+        inject(monkeypatch, Store, "touch_snapshot", fault, lambda *_: db_error(code))
     elif point == "delete_row":  # a damaged snapshot whose row cannot be deleted
         corrupt(e.session_manager.snapshots.path(sid))
-        real_delete = Store.delete_snapshot
-
-        def fake_delete(self, *a, **kw):
-            if fault.fire():
-                raise db_error(code)
-            return real_delete(self, *a, **kw)
-
-        monkeypatch.setattr(Store, "delete_snapshot", fake_delete)
+        inject(monkeypatch, Store, "delete_snapshot", fault, lambda *_: db_error(code))
     else:
         raise AssertionError(point)
 
@@ -516,14 +468,7 @@ def test_snapshot_open_fault_keeps_chats_working(model_dir, tmp_path, monkeypatc
     root = data / "kv"
     fault = Fault()
     if point == "mkdir":
-        real_mkdir = os.mkdir
-
-        def fake_mkdir(path, *a, **kw):
-            if under(path, root) and fault.fire():
-                raise os_error(code, path)
-            return real_mkdir(path, *a, **kw)
-
-        monkeypatch.setattr(os, "mkdir", fake_mkdir)
+        path_fault(monkeypatch, os, "mkdir", fault, code, root)
     else:
         root.mkdir(parents=True)
         if point == "cleanup_unlink":  # a temp file of a writer long dead
@@ -531,14 +476,7 @@ def test_snapshot_open_fault_keeps_chats_working(model_dir, tmp_path, monkeypatc
         else:  # a snapshot file with no database row
             salt = __import__("hashlib").sha256(b"").hexdigest()[:8]
             (root / f"deadbeef-{salt}.safetensors").write_bytes(b"x")
-        real_unlink = os.unlink
-
-        def fake_unlink(path, *a, **kw):
-            if under(path, root) and fault.fire():
-                raise os_error(code, path)
-            return real_unlink(path, *a, **kw)
-
-        monkeypatch.setattr(os, "unlink", fake_unlink)
+        path_fault(monkeypatch, os, "unlink", fault, code, root)
     fault.armed = True
     e = make_engine(model_dir, data)
     s = e.session(params=GREEDY)  # opens the store and the snapshot directory
@@ -569,14 +507,7 @@ def test_unusable_data_dir_is_a_storage_error(model_dir, tmp_path, monkeypatch, 
     is fine, opens sessions."""
     data = tmp_path / "data"
     fault = Fault()
-    real_mkdir = os.mkdir
-
-    def fake_mkdir(path, *a, **kw):
-        if under(path, data) and fault.fire():
-            raise os_error(code, path)
-        return real_mkdir(path, *a, **kw)
-
-    monkeypatch.setattr(os, "mkdir", fake_mkdir)
+    path_fault(monkeypatch, os, "mkdir", fault, code, data)
     fault.armed = True
     e = make_engine(model_dir, data)
     with pytest.raises(StorageError, match=str(data)):
@@ -596,36 +527,27 @@ def test_unusable_data_dir_is_a_storage_error(model_dir, tmp_path, monkeypatch, 
 
 def install_raise(point: str, fault: Fault, monkeypatch) -> None:
     owner, name, after, when = RAISES[point]
-    real = getattr(owner, name)
-
-    def fake(self, *a, **kw):
-        if not after and when(*a) and fault.fire():
-            raise Injected(f"{owner.__name__}.{name} failed")
-        out = real(self, *a, **kw)
-        if after and fault.fire():
-            raise Injected(f"{owner.__name__}.{name} failed after doing its work")
-        return out
-
-    monkeypatch.setattr(owner, name, fake)
+    what = f"{owner.__name__}.{name} failed" + (" after doing its work" if after else "")
+    inject(monkeypatch, owner, name, fault, lambda *_: Injected(what), when=when, after=after)
 
 
 def _any(*a) -> bool:
     return True
 
 
-def _decoding(seq, *a) -> bool:
+def _decoding(kv, seq, *a) -> bool:
     return seq.num_generated > 0
 
 
-def _decode_batch(batch) -> bool:  # one new token per sequence, each with logits
+def _decode_batch(runner, batch) -> bool:  # one new token per sequence, each with logits
     return len(batch.input_ids) == len(batch.logits_rows)
 
 
-def _prefill_batch(batch) -> bool:
+def _prefill_batch(runner, batch) -> bool:
     return len(batch.input_ids) > len(batch.logits_rows)
 
 
-# point: (class, method, raise after the real call, when to raise)
+# point: (class, method, raise after the real call, when to raise: given self and the call's arguments)
 RAISES = {
     "on_pressure": (Snapshots, "relieve", False, _any),
     "on_pressure_after_spill": (Snapshots, "relieve", True, _any),
@@ -720,14 +642,7 @@ def test_a_failure_of_one_request_leaves_the_others_in_its_batch_exact(model_dir
     fault = Fault(once=True)
     if point.startswith("detokenize"):  # b's own text stream fails (e.g. its tokenizer)
         name = "add" if point == "detokenize" else "finish"
-        real = getattr(b.out, name)
-
-        def broken(*args):
-            if fault.fire():
-                raise Injected(f"b's TextStream.{name} failed")
-            return real(*args)
-
-        monkeypatch.setattr(b.out, name, broken)
+        inject(monkeypatch, b.out, name, fault, lambda *_: Injected(f"b's TextStream.{name} failed"))
     else:
         install_raise(point, fault, monkeypatch)
     fault.armed = True
