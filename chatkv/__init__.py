@@ -12,6 +12,8 @@ from chatkv.errors import (
 )
 
 __all__ = [
+    "Engine",
+    "SamplingParams",
     "ChatKVError",
     "InvalidRequest",
     "ModelNotFound",
@@ -21,3 +23,17 @@ __all__ = [
     "StorageError",
     "UnsupportedModel",
 ]
+
+
+def __getattr__(name: str):
+    """``from chatkv import Engine, SamplingParams``, imported on first use so that
+    ``import chatkv.storage`` or ``chatkv.retrieval`` does not load torch and the model code."""
+    if name == "Engine":
+        from chatkv.engine import Engine
+
+        return Engine
+    if name == "SamplingParams":
+        from chatkv.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'chatkv' has no attribute {name!r}")

@@ -55,6 +55,8 @@ class Engine:
         self.eos_ids = self._eos_ids()
         self._ids = itertools.count()
         self._sessions: SessionManager | None = None
+        self._kbs: dict = {}  # open knowledge bases by name
+        self._embedder = None  # the embedding model, loaded once for every knowledge base
 
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, **config) -> "Engine":
@@ -240,22 +242,53 @@ class Engine:
 
     # -- sessions -------------------------------------------------------------
 
+    def _data_root(self) -> Path:
+        from chatkv.storage.paths import data_dir
+
+        try:
+            return data_dir(self.config.data_dir)
+        except OSError as e:
+            raise StorageError(f"the data directory cannot be created: {e.strerror or e} ({e.filename})") from e
+
     @property
     def session_manager(self) -> SessionManager:
         """The conversation store and snapshot directory, opened on first use."""
         if self._sessions is None:
-            from chatkv.storage.paths import data_dir
-
-            try:
-                root = data_dir(self.config.data_dir)
-            except OSError as e:
-                raise StorageError(f"the data directory cannot be created: {e.strerror or e} ({e.filename})") from e
-            self._sessions = SessionManager(self, root)
+            self._sessions = SessionManager(self, self._data_root())
         return self._sessions
 
-    def session(self, system: str | None = None, title: str | None = None, params: dict | None = None):
-        """Start a new saved conversation. ``params``: default SamplingParams fields for its turns."""
-        return self.session_manager.create(system, title, params)
+    def session(
+        self,
+        system: str | None = None,
+        title: str | None = None,
+        params: dict | None = None,
+        *,
+        knowledge=None,
+        top_k: int = 4,
+        documents: list[str] | None = None,
+    ):
+        """Start a new saved conversation. ``params``: default SamplingParams fields for its turns.
+
+        With ``knowledge`` (a KnowledgeBase) every turn retrieves ``top_k`` sources for the
+        message and the reply lists them (``reply.sources``); ``documents`` (sources in that
+        knowledge base) are pinned after the system prompt, their KV shared by every session
+        with the same system prompt and documents."""
+        return self.session_manager.create(system, title, params, knowledge, top_k, documents)
+
+    def knowledge_base(self, name: str):
+        """Open (or create) the knowledge base ``name`` in this engine's data directory and database."""
+        from chatkv.retrieval import Embedder, KnowledgeBase
+
+        kb = self._kbs.get(name)
+        if kb is None:
+            if self._embedder is None:
+                self._embedder = Embedder()
+            kb = KnowledgeBase.open(
+                name, data_dir=self._data_root(), db_url=self.config.db_url, embedder=self._embedder,
+                tenant=self.config.tenant,
+            )
+            self._kbs[name] = kb
+        return kb
 
     def resume(self, conv_id: str):
         """Reopen a saved conversation; its next turn restores the KV from disk instead of recomputing."""
@@ -275,6 +308,9 @@ class Engine:
         if self._sessions is not None:
             self._sessions.close()
             self._sessions = None
+        for kb in self._kbs.values():
+            kb.close()
+        self._kbs.clear()
         self.kv.clear()
 
     def __enter__(self) -> "Engine":

@@ -36,6 +36,11 @@ class Session:
         self.tokens: list[int] = list(tokens)  # the canonical history
         self.kept: RetainedKV | None = None  # KV resident in memory between turns
         self.pinned: tuple[int, ...] | None = None  # the KV manager's pin of the shared system-prompt prefix
+        self.knowledge = None  # a chatkv.retrieval.KnowledgeBase searched every turn (RAG), or None
+        self.top_k = 4  # sources retrieved per turn
+        self.documents: list[str] = []  # pinned documents (sources in the knowledge base)
+        self.system_content = system  # the system message as rendered: the system prompt, then pinned documents
+        self.last_question: str | None = None  # the previous user message (follow-ups search with it)
         self.closed = False
         self.busy = False
         self.last_used = time.monotonic()

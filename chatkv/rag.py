@@ -1,0 +1,148 @@
+"""RAG context for a session's turns: pinned documents, retrieved sources, citations.
+
+Where the text goes (chosen so that KV is shared, see README "RAG and the KV cache"):
+
+- **Pinned documents** are part of the system message, right after the system prompt,
+  in the order given (their chunks in ordinal order). Every session with the same system
+  prompt and documents renders the same first tokens, so their KV is one radix-tree path,
+  pinned while any such session is open, and saved in each session's snapshot.
+- **Retrieved sources** open the user message of their turn, numbered ``[1]..[n]`` in a
+  canonical order (document, then ordinal), before the question. The conversation's
+  history is never re-rendered, so it stays a prefix from turn to turn; two sessions
+  whose first turns retrieve the same chunks share that KV too (the question comes
+  after them). Later turns of different sessions share only what precedes their
+  histories: the system prompt and pinned documents.
+
+Follow-up questions ("and its default?") are made standalone by a simple rule, not the
+model: a message of at most ``FOLLOW_UP_WORDS`` words, or one starting with a
+connective or a pronoun, is searched together with the previous user message.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from chatkv.errors import InvalidRequest
+
+FOLLOW_UP_WORDS = 6
+_FOLLOW_UP_START = re.compile(
+    r"^(and|but|or|so|also|what about|how about|then|it|its|it's|they|their|them|this|that|these|those|he|she|"
+    r"his|her|why|how come)\b",
+    re.IGNORECASE,
+)
+_CITATION = re.compile(r"\[(\d{1,3})\]")
+INSTRUCTION = "Answer the question using the sources above when they help, and cite them as [n]."
+
+
+@dataclass(frozen=True)
+class Source:
+    """A retrieved chunk as the reply lists it: its number in the prompt and whether the reply cited it."""
+
+    number: int
+    cited: bool
+    text: str
+    source: str
+    chunk_id: int
+    heading: str
+    score: float
+    start: int
+    end: int
+
+    def as_json(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def standalone_query(message: str, previous_user_message: str | None) -> str:
+    """The text to search for: the message, with the previous one for a short follow-up."""
+    text = message.strip()
+    if previous_user_message and (len(text.split()) <= FOLLOW_UP_WORDS or _FOLLOW_UP_START.match(text)):
+        return f"{previous_user_message.strip()} {text}"
+    return text
+
+
+def canonical(hits: Sequence) -> list:
+    """Hits in document order (document id, then ordinal): the same chunks give the same tokens."""
+    return sorted(hits, key=lambda h: (h.document_id, h.ordinal))
+
+
+def _label(hit) -> str:
+    name = hit.source.rsplit("/", 1)[-1]
+    return f"{name} - {hit.heading}" if hit.heading else name
+
+
+def sources_block(hits: Sequence) -> str:
+    parts = [f"[{i}] ({_label(h)})\n{h.text.strip()}" for i, h in enumerate(hits, 1)]
+    return "Sources:\n" + "\n\n".join(parts)
+
+
+def user_message(question: str, hits: Sequence) -> str:
+    """The user message of a RAG turn: the numbered sources, the instruction, then the question."""
+    if not hits:
+        return question
+    return f"{sources_block(hits)}\n\n{INSTRUCTION}\nQuestion: {question}"
+
+
+def fit_sources(question: str, hits: Sequence, fits: Callable[[str], bool]) -> tuple[str, list]:
+    """Drop the lowest-ranked hits (``hits`` best first), then shorten the last one kept, until
+    ``fits(message)``; returns the message and the hits it holds, in canonical order. The
+    question alone is returned when no source fits."""
+    ranked = list(hits)
+    while ranked:
+        kept = canonical(ranked)
+        msg = user_message(question, kept)
+        if fits(msg):
+            return msg, kept
+        if len(ranked) == 1:  # shorten the only one left, by halves, before giving up on it
+            h = ranked[0]
+            text = h.text
+            while len(text) > 200:
+                text = text[: len(text) // 2]
+                trimmed = _with_text(h, text.rstrip() + " ...")
+                msg = user_message(question, [trimmed])
+                if fits(msg):
+                    return msg, [trimmed]
+        ranked.pop()  # the lowest-ranked one goes
+    return question, []
+
+
+def _with_text(hit, text: str):
+    from dataclasses import replace
+
+    return replace(hit, text=text, end=hit.start + len(text))
+
+
+def sources_of(reply_text: str, hits: Sequence) -> list[Source]:
+    """The reply's sources: every hit of the prompt, numbered as there, marked cited if ``[n]`` appears."""
+    cited = {int(n) for n in _CITATION.findall(reply_text)}
+    return [
+        Source(i, i in cited, h.text, h.source, h.chunk_id, h.heading, float(h.score), h.start, h.end)
+        for i, h in enumerate(hits, 1)
+    ]
+
+
+def documents_block(system: str | None, documents: Sequence[tuple[str, Sequence]]) -> str | None:
+    """The system message with pinned documents after the system prompt: ``documents`` is
+    ``(source, chunks in ordinal order)`` pairs in the order given."""
+    if not documents:
+        return system
+    parts = []
+    for source, chunks in documents:
+        if not chunks:
+            raise InvalidRequest(f"pinned document '{source}' is not in the knowledge base")
+        parts.append(f"Document: {source.rsplit('/', 1)[-1]}\n" + _join_chunks(chunks))
+    head = (system.strip() + "\n\n") if system else ""
+    return head + "The following documents are available:\n\n" + "\n\n".join(parts)
+
+
+def _join_chunks(chunks: Sequence) -> str:
+    """The document's text from its chunks, without the overlap between neighbours."""
+    out, end = [], -1
+    for c in chunks:
+        if c.start >= end:
+            out.append(("\n\n" if out else "") + c.text)
+        elif c.end > end:
+            out.append(c.text[end - c.start :])
+        end = max(end, c.end)
+    return "".join(out).strip()
