@@ -5,6 +5,16 @@ Three tables: ``conversations``, their ``messages`` and at most one current
 in the database itself (``ON DELETE CASCADE``; SQLite needs ``foreign_keys=ON``,
 which :mod:`chatkv.storage.db` sets on every connection).
 
+Knowledge bases (retrieval) add three more: ``knowledge_bases``, their
+``kb_documents`` and the documents' ``kb_chunks`` (text, offsets, heading and the
+embedding as little-endian float32 bytes). A chunk's id is its id in the FAISS
+index; chunk and document ids are never reused (``AUTOINCREMENT``) and a chunk row
+is never updated, only deleted and replaced, so an index holding exactly the
+database's chunk ids holds exactly its vectors. On SQLite, migration 0002 also
+creates the FTS5 table :data:`FTS_TABLE` over ``kb_chunks.text`` (external
+content) and the triggers that keep it in step; it is not an ORM model (see
+:mod:`chatkv.storage.knowledge`).
+
 Timestamps are stored as naive UTC (microseconds) and come back timezone-aware
 UTC; token histories are stored as little-endian uint32 bytes. These ORM
 classes never leave :mod:`chatkv.storage.repository`, which hands out plain
@@ -33,6 +43,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
+    UniqueConstraint,
     false,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
@@ -163,3 +174,74 @@ class KVSnapshot(Base):
     last_used_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
 
     conversation: Mapped[Conversation] = relationship(back_populates="snapshot")
+
+
+# ---------------------------------------------------------------- knowledge bases
+
+# The SQLite FTS5 table over kb_chunks.text, created by migration 0002 (with its
+# shadow tables FTS_TABLE_*), outside these models; the schema comparison skips it.
+FTS_TABLE = "kb_chunks_fts"
+
+
+class KnowledgeBase(Base):
+    __tablename__ = "knowledge_bases"
+    __table_args__ = (
+        UniqueConstraint("tenant", "name", name="uq_knowledge_bases_tenant_name"),
+        {"sqlite_autoincrement": True},
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    # random hex; names the KB's index files, so an index can never be taken for another KB's
+    uid: Mapped[str] = mapped_column(String(32), unique=True)
+    tenant: Mapped[str] = mapped_column(String(255), default="", server_default="")
+    name: Mapped[str] = mapped_column(String(64))
+    embedding_model: Mapped[str] = mapped_column(String(255))
+    embedding_dim: Mapped[int] = mapped_column(Integer)
+    # bumped by every write to the KB's documents: an open KB re-syncs its index when it moved
+    revision: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+    documents: Mapped[list[KBDocument]] = relationship(back_populates="kb", passive_deletes=True)
+
+
+class KBDocument(Base):
+    __tablename__ = "kb_documents"
+    __table_args__ = (
+        UniqueConstraint("kb_id", "source", name="uq_kb_documents_kb_id_source"),
+        {"sqlite_autoincrement": True},
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    kb_id: Mapped[int] = mapped_column(Integer, ForeignKey("knowledge_bases.id", ondelete="CASCADE"))
+    source: Mapped[str] = mapped_column(Text)
+    kind: Mapped[str] = mapped_column(String(32))
+    content_hash: Mapped[str] = mapped_column(String(128))
+    meta: Mapped[dict] = mapped_column("metadata", JSON, default=dict)
+    text: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime)
+
+    kb: Mapped[KnowledgeBase] = relationship(back_populates="documents")
+    chunks: Mapped[list[KBChunk]] = relationship(
+        back_populates="document", passive_deletes=True, order_by="KBChunk.ordinal"
+    )
+
+
+class KBChunk(Base):
+    __tablename__ = "kb_chunks"
+    __table_args__ = {"sqlite_autoincrement": True}  # the FAISS id: never reused
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    document_id: Mapped[int] = mapped_column(
+        Integer, ForeignKey("kb_documents.id", ondelete="CASCADE"), index=True
+    )
+    ordinal: Mapped[int] = mapped_column(Integer)
+    start: Mapped[int] = mapped_column("char_start", Integer)  # character offsets in the document's text
+    end: Mapped[int] = mapped_column("char_end", Integer)
+    heading: Mapped[str] = mapped_column(Text, default="")
+    text: Mapped[str] = mapped_column(Text)
+    token_count: Mapped[int] = mapped_column(Integer)
+    embedding: Mapped[bytes] = mapped_column(LargeBinary)  # little-endian float32, embedding_dim values
+
+    document: Mapped[KBDocument] = relationship(back_populates="chunks")

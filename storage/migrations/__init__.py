@@ -23,8 +23,9 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
 from chatkv.errors import ChatKVError
+from chatkv.storage.models import FTS_TABLE
 
-HEAD = "0001"
+HEAD = "0002"
 SCRIPT_LOCATION = Path(__file__).resolve().parent
 # Alembic's `context`/`op` are process-global proxies: one migration at a time.
 _ALEMBIC_LOCK = threading.Lock()
@@ -45,6 +46,15 @@ def config(url: Optional[str] = None, connection: Optional[Connection] = None):
     if connection is not None:
         cfg.attributes["connection"] = connection
     return cfg
+
+
+def include_name(name: Optional[str], type_: str, parent_names: dict) -> bool:
+    """Alembic's ``include_name`` hook: leave out of schema comparisons (autogenerate)
+    the tables a migration makes outside the ORM models, i.e. the SQLite FTS5 table
+    ``kb_chunks_fts`` and its shadow tables ``kb_chunks_fts_*``."""
+    if type_ == "table" and name is not None:
+        return not (name == FTS_TABLE or name.startswith(FTS_TABLE + "_"))
+    return True
 
 
 def current_revisions(engine: Engine) -> set[str]:

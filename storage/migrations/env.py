@@ -9,6 +9,7 @@ passes its open connection (already in a transaction) as
 from alembic import context
 
 from chatkv.storage.db import make_engine
+from chatkv.storage.migrations import include_name
 from chatkv.storage.models import Base
 
 config = context.config
@@ -21,6 +22,7 @@ def _run(connection) -> None:
         target_metadata=target_metadata,
         render_as_batch=connection.dialect.name == "sqlite",  # SQLite cannot ALTER most things
         compare_type=True,
+        include_name=include_name,  # the FTS5 index is not an ORM model
     )
     with context.begin_transaction():
         context.run_migrations()
