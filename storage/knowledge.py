@@ -142,9 +142,10 @@ class NewChunk:
 @dataclass(frozen=True)
 class WriteResult:
     document_id: int
-    status: str  # "added" or "updated"
+    status: str  # "added", "updated" or "removed"
     added_ids: tuple[int, ...]  # the new chunks' ids, in ordinal order
-    removed_ids: tuple[int, ...]  # the replaced chunks' ids
+    removed_ids: tuple[int, ...]  # the replaced (or removed) chunks' ids
+    revision: int  # the KB's revision after this write
 
 
 def check_kb_name(name: object) -> str:
@@ -253,10 +254,15 @@ class KnowledgeStore:
         )
 
     @staticmethod
-    def _touch(s: Session, kb_id: int) -> None:
+    def _touch(s: Session, kb_id: int) -> int:
+        """Bump the KB's revision (in the caller's transaction); returns the new one."""
         s.execute(
             update(KBRow).where(KBRow.id == kb_id).values(revision=KBRow.revision + 1, updated_at=CLOCK.now())
         )
+        revision = s.scalar(select(KBRow.revision).where(KBRow.id == kb_id))
+        if revision is None:
+            raise InvalidRequest(f"knowledge base {kb_id} no longer exists (deleted by another process?)")
+        return revision
 
     # ---------------------------------------------------------------- knowledge bases
 
@@ -388,11 +394,12 @@ class KnowledgeStore:
             ]
             s.add_all(rows)
             s.flush()
-            self._touch(s, kb_id)
-            return WriteResult(doc.id, status, tuple(r.id for r in rows), removed)
+            revision = self._touch(s, kb_id)
+            return WriteResult(doc.id, status, tuple(r.id for r in rows), removed, revision)
 
-    def set_metadata(self, kb_id: int, source: str, metadata: dict[str, Any]) -> bool:
-        """Replace a document's metadata (its chunks stay). False if there is no such document."""
+    def set_metadata(self, kb_id: int, source: str, metadata: dict[str, Any]) -> Optional[int]:
+        """Replace a document's metadata (its chunks stay); returns the KB's new revision,
+        or None if there is no such document."""
         metadata = check_json("metadata", metadata)
         if not isinstance(metadata, dict):
             raise InvalidRequest(f"metadata must be a dict, got {type(metadata).__name__}")
@@ -402,21 +409,25 @@ class KnowledgeStore:
                 .where(KBDocument.kb_id == kb_id, KBDocument.source == source)
                 .values(meta=metadata, updated_at=CLOCK.now())
             ).rowcount
-            if n:
-                self._touch(s, kb_id)
-            return n > 0
+            return self._touch(s, kb_id) if n else None
 
-    def remove_document(self, kb_id: int, source: str) -> Optional[tuple[int, ...]]:
-        """Delete a document with its chunks and full-text entries; returns the removed
-        chunk ids, or None if the KB has no such document."""
+    def remove_document(self, kb_id: int, source: str) -> Optional[WriteResult]:
+        """Delete a document with its chunks and full-text entries (status "removed",
+        ``removed_ids`` its chunks), or None if the KB has no such document."""
         with self._writing(f"remove document {source!r}") as s:
             doc_id = s.scalar(select(KBDocument.id).where(KBDocument.kb_id == kb_id, KBDocument.source == source))
             if doc_id is None:
                 return None
             ids = tuple(s.scalars(select(KBChunk.id).where(KBChunk.document_id == doc_id).order_by(KBChunk.id)))
             s.execute(delete(KBDocument).where(KBDocument.id == doc_id))  # cascades to chunks, then FTS (trigger)
-            self._touch(s, kb_id)
-            return ids
+            return WriteResult(doc_id, "removed", (), ids, self._touch(s, kb_id))
+
+    def document_index(self, kb_id: int) -> list[tuple[int, str, dict[str, Any]]]:
+        """(id, source, metadata) of every document of the KB, by source: what filters read."""
+        q = select(KBDocument.id, KBDocument.source, KBDocument.meta).where(KBDocument.kb_id == kb_id)
+        with self._reading("list documents") as s:
+            rows = [(i, src, json.loads(json.dumps(meta or {}))) for i, src, meta in s.execute(q.order_by(KBDocument.source))]
+        return rows
 
     def documents(self, kb_id: int) -> list[DocumentInfo]:
         """The KB's documents, by source."""
@@ -460,6 +471,16 @@ class KnowledgeStore:
         )
         with self._reading("list chunk ids") as s:
             return list(s.scalars(q))
+
+    def chunk_ids_of_documents(self, document_ids: Sequence[int]) -> list[int]:
+        """The chunk ids of these documents, ascending."""
+        out: list[int] = []
+        docs = sorted(set(int(i) for i in document_ids))
+        for i in range(0, len(docs), 500):
+            q = select(KBChunk.id).where(KBChunk.document_id.in_(docs[i : i + 500]))
+            with self._reading("list chunk ids") as s:
+                out += list(s.scalars(q))
+        return sorted(out)
 
     def embeddings(self, kb_id: int, batch: int = 4096) -> Iterator[list[tuple[int, bytes]]]:
         """The KB's (chunk id, embedding bytes), ascending id, in lists of up to ``batch``."""
