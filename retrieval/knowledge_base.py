@@ -20,7 +20,9 @@ SQLAlchemy URL; SQLite by default), for one tenant. Contracts:
   wholly old or wholly new. A file whose content hash is unchanged is not embedded
   again; a changed one replaces its chunks (old vectors leave the index, old text
   leaves the FTS index in the same transaction). One bad file is one ``FileError``
-  in ``IngestReport.skipped``; the rest goes on. After the database, the dense index
+  in ``IngestReport.skipped``; the rest goes on. A file that cannot be ingested any
+  more (emptied, damaged, unreadable) keeps its previous version in the KB (the
+  error says so): nothing saved is lost to a bad read; ``remove`` drops it. After the database, the dense index
   is updated in memory and written atomically once per call; if the process dies
   before that, the next open finds it stale and rebuilds it.
 - Search: ``mode="hybrid"`` (default) fuses the dense and the lexical rankings
@@ -295,20 +297,25 @@ class KnowledgeBase:
             self._refresh()
             known = self._store.document_hashes(self.id)
 
+            def skip(source: str, reason: str) -> None:
+                if source in known:
+                    reason += "; its previous version stays in the knowledge base"
+                report.skipped.append(FileError(source, reason))
+
             def docs():
                 t = time.perf_counter()
                 for item in discover(paths, include=include, exclude=exclude):
                     if isinstance(item, FileError):
-                        report.skipped.append(item)
+                        skip(item.source, item.reason)
                         continue
                     try:
                         doc = load_file(item)
                     except DocumentError as e:
-                        report.skipped.append(FileError(e.source, e.reason))
+                        skip(e.source, e.reason)
                         continue
                     except Exception as e:  # a loader bug or a library error must not stop the ingest
                         log.debug("loading %s failed", item, exc_info=True)
-                        report.skipped.append(FileError(str(item), f"cannot be loaded: {type(e).__name__}: {e}"))
+                        skip(str(item), f"cannot be loaded: {type(e).__name__}: {e}")
                         continue
                     report.seconds["parse"] += time.perf_counter() - t
                     yield doc, None
@@ -405,8 +412,7 @@ class KnowledgeBase:
                 if not chunks:
                     reason = "no text to index (empty or whitespace only)"
                     if old is not None:
-                        self._remove_source(doc.source)
-                        reason += "; its previous version was removed"
+                        reason += "; its previous version stays in the knowledge base"
                     report.skipped.append(FileError(doc.source, reason))
                     report.seconds["parse"] += time.perf_counter() - t
                     continue
