@@ -119,7 +119,8 @@ class Embedder:
         self.model_id = f"{name}@{h.hexdigest()[:12]}"
 
         self._model = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # loading the model
+        self._encode_lock = threading.Lock()  # transformers re-configures the shared tokenizer per call
 
     def __repr__(self) -> str:
         return f"Embedder({self.model_id}, dim={self.dim}, max_tokens={self.max_tokens})"
@@ -168,20 +169,21 @@ class Embedder:
 
             bar = tqdm(total=len(texts), desc="embedding", unit="chunk")
         try:
-            for b in range(0, len(order), batch_size):
-                idx = order[b : b + batch_size]
-                batch = self.tokenizer(
-                    [texts[i] for i in idx], padding=True, truncation=True, max_length=self.max_tokens,
-                    return_tensors="pt",
-                ).to(self.device)
-                with torch.inference_mode():
-                    hidden = model(**batch).last_hidden_state
-                mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-                pooled = torch.nn.functional.normalize(pooled.float(), p=2, dim=1)
-                out[idx] = pooled.cpu().numpy()
-                if bar is not None:
-                    bar.update(len(idx))
+            with self._encode_lock:
+                for b in range(0, len(order), batch_size):
+                    idx = order[b : b + batch_size]
+                    batch = self.tokenizer(
+                        [texts[i] for i in idx], padding=True, truncation=True, max_length=self.max_tokens,
+                        return_tensors="pt",
+                    ).to(self.device)
+                    with torch.inference_mode():
+                        hidden = model(**batch).last_hidden_state
+                    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+                    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+                    pooled = torch.nn.functional.normalize(pooled.float(), p=2, dim=1)
+                    out[idx] = pooled.cpu().numpy()
+                    if bar is not None:
+                        bar.update(len(idx))
         finally:
             if bar is not None:
                 bar.close()

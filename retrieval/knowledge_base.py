@@ -102,6 +102,7 @@ class IngestReport:
     unchanged: list[str] = field(default_factory=list)
     skipped: list[FileError] = field(default_factory=list)
     chunks: int = 0  # chunks embedded and written by this call
+    # parse: discover, load, chunk; embed: the model; index: database writes, FAISS, the index file
     seconds: dict[str, float] = field(default_factory=lambda: {"parse": 0.0, "embed": 0.0, "index": 0.0})
 
     def summary(self) -> str:
@@ -154,6 +155,7 @@ class KnowledgeBase:
         self._closed = False
         self._warned_no_lexical = False
         self._revision = -1
+        self._rebuild_due = False  # a removal the index could not apply (HNSW): rebuild before use
         self.dense: DenseIndex = DenseIndex(info.embedding_dim)
         self._identity = {"kb": info.uid, "model": info.embedding_model}
         self._load_or_rebuild()
@@ -230,6 +232,8 @@ class KnowledgeBase:
         self._revision = revision if revision is not None else -1
 
     def _rebuild(self) -> None:
+        """The dense index anew from the database's embeddings (reads them all; no embedding)."""
+        self._rebuild_due = False
         ids: list[int] = []
         parts: list[np.ndarray] = []
         for rows in self._store.embeddings(self.id):
@@ -252,6 +256,15 @@ class KnowledgeBase:
             log.warning("knowledge base %r: cannot write its dense index %s (%s); it will be rebuilt on open",
                         self.name, self.index_path, e)
 
+    def _settle(self) -> None:
+        """Rebuild the dense index if a removal could not be applied, or if it outgrew flat."""
+        outgrown = self.dense.kind != kind_for(self.dense.ntotal, self.hnsw_threshold) and (
+            self.dense.ntotal > self.hnsw_threshold
+        )
+        if self._rebuild_due or outgrown:
+            self._rebuild()
+            self._rebuild_due = False
+
     def _refresh(self) -> None:
         """Bring the dense index in step if another process changed the KB."""
         if self._closed:
@@ -266,18 +279,19 @@ class KnowledgeBase:
         gone = np.setdiff1d(held, db_ids)
         new = np.setdiff1d(db_ids, held)
         if len(gone) and not self.dense.remove(gone):
-            self._rebuild()
+            self._rebuild_due = True
         elif len(new):
             rows = self._store.embeddings_of(new.tolist())
             self.dense.add([i for i, _ in rows], self._vectors([e for _, e in rows]))
-        if kind_for(self.dense.ntotal, self.hnsw_threshold) != self.dense.kind and self.dense.ntotal > self.hnsw_threshold:
-            self._rebuild()
+        self._settle()
         self._revision = revision
 
     def _applied(self, result: WriteResult) -> None:
-        """Apply one of our own writes to the dense index (vectors added by the caller)."""
+        """Apply one of our own writes' removals to the dense index (the caller adds the new
+        vectors unless the index is now due for a rebuild: HNSW cannot delete, so it is
+        rebuilt once at the end of the call, by ``_settle``)."""
         if result.removed_ids and not self.dense.remove(result.removed_ids):
-            self._rebuild()
+            self._rebuild_due = True
         if result.revision == self._revision + 1:
             self._revision = result.revision  # nobody else wrote in between
         # else: another process wrote too; the next _refresh() diffs the ids
@@ -467,11 +481,11 @@ class KnowledgeBase:
                 self.id, d.source, d.kind, d.content_hash, d.metadata, d.text, chunks, self._info.embedding_dim
             )
             self._applied(result)
-            self.dense.add(result.added_ids, vecs)
+            if not self._rebuild_due:
+                self.dense.add(result.added_ids, vecs)
             (report.added if result.status == "added" else report.updated).append(d.source)
             report.chunks += n
-        if kind_for(self.dense.ntotal, self.hnsw_threshold) != self.dense.kind and self.dense.ntotal > self.hnsw_threshold:
-            self._rebuild()
+        self._settle()
         report.seconds["index"] += time.perf_counter() - t
         if bar is not None:
             bar.update(len(texts))
@@ -512,6 +526,7 @@ class KnowledgeBase:
             found = self._resolve(source)
             if found is None or not self._remove_source(found):
                 return False
+            self._settle()
             self._write_index()
             return True
 

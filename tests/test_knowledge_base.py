@@ -554,6 +554,9 @@ def test_hnsw_above_the_threshold(tmp_path, embedder):
     assert kb.remove("collimation")  # HNSW cannot delete: rebuilt without it
     assert all(h.source != "collimation" for h in kb.search("aligning the mirrors of a telescope", mode="dense"))
     assert kb.dense.kind == "hnsw" and kb.dense.ntotal == kb.stats()["chunks"]
+    report = kb.add_texts(["Eyepieces, replaced: a short text.", texts[0]], sources=["eyepieces", "new-copy"])
+    assert report.updated == ["eyepieces"] and report.added == ["new-copy"]
+    assert kb.dense.kind == "hnsw" and len(set(kb.dense.ids().tolist())) == kb.dense.ntotal  # no duplicates
     consistency(kb)
     before = results(kb)
     kb.close()
