@@ -40,6 +40,10 @@ SQLAlchemy URL; SQLite by default), for one tenant. Contracts:
   or a unique trailing part of a source ("notes.md").
 
 A KnowledgeBase is safe to share between threads (one lock).
+
+This file is over 400 lines because the class is one unit: opening, ingest, removal
+and search all keep the same invariant (the dense index holds exactly the
+database's chunk ids at the revision it last saw) under one lock.
 """
 
 from __future__ import annotations

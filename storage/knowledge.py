@@ -17,6 +17,10 @@ lexical (full-text) index over the chunks. The source of truth for retrieval.
 - database trouble raises ``StorageError`` naming what is wrong; bad values raise
   ``InvalidRequest``.
 
+It is over 400 lines as one repository over three tables and the FTS5 index: its
+methods are short queries sharing the transaction rules above (the plain records
+live in ``knowledge_records.py``).
+
 Lexical index: SQLite FTS5, not bm25s. The FTS5 table (migration 0002) is inside
 the database that holds the chunks, written by triggers in the same transaction as
 the chunk rows, so it can never be out of step with them: a crash, a killed ingest
@@ -42,8 +46,6 @@ import json
 import re
 import secrets
 from contextlib import contextmanager
-from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
@@ -53,6 +55,15 @@ from sqlalchemy.orm import Session, defer
 
 from chatkv.errors import InvalidRequest, StorageError
 from chatkv.storage import db
+from chatkv.storage.knowledge_records import (
+    KB_NAME_PATTERN,
+    ChunkRecord,
+    DocumentInfo,
+    KBInfo,
+    NewChunk,
+    WriteResult,
+    check_kb_name,
+)
 from chatkv.storage.models import FTS_TABLE, KBChunk, KBDocument
 from chatkv.storage.models import KnowledgeBase as KBRow
 from chatkv.storage.records import check_json, check_str
@@ -70,7 +81,6 @@ __all__ = [
     "fts_query",
 ]
 
-KB_NAME_PATTERN = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_QUERY_TERMS = 32
 MAX_TERM_CHARS = 64
 _WORD = re.compile(r"[^\W_]+")  # letters and digits: what FTS5's unicode61 tokenizer keeps
@@ -80,82 +90,6 @@ STOPWORDS = frozenset(
     into is it its me my no not of on or our should so than that the their them then there these they
     this to was we were what when where which while who whom why will with would you your""".split()
 )
-
-
-# ---------------------------------------------------------------- plain data
-
-
-@dataclass(frozen=True)
-class KBInfo:
-    id: int
-    uid: str
-    tenant: str
-    name: str
-    embedding_model: str
-    embedding_dim: int
-    revision: int
-    created_at: datetime
-    updated_at: datetime
-
-
-@dataclass(frozen=True)
-class DocumentInfo:
-    id: int
-    source: str
-    kind: str
-    content_hash: str
-    metadata: dict[str, Any]
-    chars: int
-    chunks: int
-    tokens: int
-    created_at: datetime
-    updated_at: datetime
-
-
-@dataclass(frozen=True)
-class ChunkRecord:
-    id: int
-    document_id: int
-    source: str
-    ordinal: int
-    start: int
-    end: int
-    heading: str
-    text: str
-    token_count: int
-    metadata: dict[str, Any]  # the document's
-
-
-@dataclass(frozen=True)
-class NewChunk:
-    """A chunk to store: ``embedding`` is the vector as little-endian float32 bytes."""
-
-    ordinal: int
-    start: int
-    end: int
-    heading: str
-    text: str
-    token_count: int
-    embedding: bytes
-
-
-@dataclass(frozen=True)
-class WriteResult:
-    document_id: int
-    status: str  # "added", "updated" or "removed"
-    added_ids: tuple[int, ...]  # the new chunks' ids, in ordinal order
-    removed_ids: tuple[int, ...]  # the replaced (or removed) chunks' ids
-    revision: int  # the KB's revision after this write
-
-
-def check_kb_name(name: object) -> str:
-    """``name`` if it is 1-64 characters of ``[A-Za-z0-9_.-]`` and not only dots, else InvalidRequest."""
-    if not isinstance(name, str) or not KB_NAME_PATTERN.fullmatch(name) or set(name) == {"."}:
-        raise InvalidRequest(
-            f"invalid knowledge base name {name!r}: it must be 1-64 characters of A-Z, a-z, 0-9, "
-            "'_', '.' or '-', and not only dots"
-        )
-    return name
 
 
 def fts_query(query: str) -> Optional[str]:

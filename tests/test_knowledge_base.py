@@ -23,7 +23,6 @@ from sqlalchemy import text
 
 from chatkv.errors import InvalidRequest, StorageError
 from chatkv.retrieval import Embedder, Hit, IngestReport, KnowledgeBase
-from chatkv.retrieval import knowledge_base as kb_module
 from chatkv.retrieval.dense_index import sidecar_path
 from chatkv.storage.knowledge import KnowledgeStore
 
@@ -566,7 +565,7 @@ def test_hnsw_above_the_threshold(tmp_path, embedder):
 
 
 def test_ingest_with_a_progress_bar_and_include_globs(tmp_path, embedder, capsys):
-    files = small_corpus(tmp_path / "docs")
+    small_corpus(tmp_path / "docs")
     (tmp_path / "docs" / "skip.txt").write_text("not markdown")
     kb = fresh_kb(tmp_path, embedder)
     report = kb.add([tmp_path / "docs"], include=["*.md"], exclude=["all"], progress=True)
