@@ -574,3 +574,24 @@ def test_ingest_with_a_progress_bar_and_include_globs(tmp_path, embedder, capsys
     assert isinstance(report, IngestReport)
     consistency(kb)
     kb.close()
+
+
+def test_a_database_from_before_knowledge_bases_is_migrated_keeping_its_conversations(tmp_path, embedder):
+    from alembic import command
+
+    from chatkv.storage import migrations
+    from chatkv.storage.repository import Store
+
+    store = Store.open(data_dir=tmp_path / "data")
+    conv = store.create_conversation("kept", "m", "", {})
+    store.add_message(conv.id, "user", "hello")
+    with store.engine.begin() as conn:
+        command.downgrade(migrations.config(connection=conn), "0001")  # as a chatkv of before issue 7 left it
+    store.close()
+    kb = fresh_kb(tmp_path, embedder)  # migrates to 0002
+    kb.add_texts(["Kettles boil water."], sources=["k"])
+    consistency(kb)
+    kb.close()
+    store = Store.open(data_dir=tmp_path / "data")
+    assert [m.content for m in store.messages(conv.id)] == ["hello"]
+    store.close()
