@@ -141,8 +141,15 @@ class Embedder:
                 try:
                     import torch
                     from transformers import AutoModel
+                    from transformers.utils import logging as hf_logging
 
-                    model = AutoModel.from_pretrained(str(self.model_dir), dtype=torch.float32)
+                    shown = hf_logging.is_progress_bar_enabled()
+                    hf_logging.disable_progress_bar()  # a 90 MB local load needs no bar on the user's terminal
+                    try:
+                        model = AutoModel.from_pretrained(str(self.model_dir), dtype=torch.float32)
+                    finally:
+                        if shown:
+                            hf_logging.enable_progress_bar()
                 except Exception as e:
                     raise ModelNotFound(f"cannot load the embedding model {self.model_dir}: {e}") from e
                 self._model = model.to(self.device).eval()

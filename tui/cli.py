@@ -5,6 +5,8 @@
     chatkv --list                   # saved conversations, newest first
     chatkv --resume ID              # continue one; its KV comes back from disk
     chatkv --model ./my-llama-dir --temperature 0.7 "Tell me a joke"
+    chatkv --kb python-docs [--sources 4] [--pin docs/intro.md]   # chat over a knowledge base
+    chatkv ingest docs/ --kb python-docs; chatkv kb list | info | search | remove   (tui/kb_cli.py)
 
 Only the public SDK is used here.
 """
@@ -36,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list saved conversations and exit")
     p.add_argument("--resume", metavar="ID", help="continue a saved conversation")
     p.add_argument("--title", default=None, help="title of a new saved conversation")
+    p.add_argument("--kb", metavar="NAME", help="answer from this knowledge base (chatkv ingest ... --kb NAME)")
+    p.add_argument("--sources", type=int, default=4, help="sources retrieved per message with --kb (default 4)")
+    p.add_argument("--pin", action="append", default=None, metavar="SOURCE",
+                   help="with --kb: a document placed in full after the system prompt (repeatable)")
     return p
 
 
@@ -65,11 +71,14 @@ def _read_line() -> str | None:
     return line.removesuffix("\n") if line else None
 
 
-def _chat(session, params: SamplingParams, show_stats: bool) -> int:
-    print(f"chatkv: conversation {session.id}. Type a message; /exit or Ctrl-D to leave.", file=sys.stderr)
+def _chat(session, params: SamplingParams, show_stats: bool, script: list[str] | None = None) -> int:
+    """Chat on stdin, or answer the messages of ``script`` and return."""
+    if script is None:
+        print(f"chatkv: conversation {session.id}. Type a message; /exit or Ctrl-D to leave.", file=sys.stderr)
+    lines = iter(script) if script is not None else None
     while True:
         try:
-            line = _read_line()
+            line = _read_line() if lines is None else next(lines, None)
         except UnicodeDecodeError:
             print("chatkv: that line is not valid UTF-8; nothing was sent", file=sys.stderr)
             continue
@@ -95,11 +104,29 @@ def _chat(session, params: SamplingParams, show_stats: bool) -> int:
             print(f"chatkv: {e}", file=sys.stderr)
             continue
         print()
+        if reply is not None and reply.sources:
+            _print_sources(reply.sources)
         if show_stats and reply is not None:
             print(f"[{reply.usage.summary()}]", file=sys.stderr)
 
 
+def _print_sources(sources) -> None:
+    for src in sources:
+        mark = "*" if src.cited else " "
+        where = f" - {src.heading}" if src.heading else ""
+        print(f"{mark}[{src.number}] {src.source.rsplit('/', 1)[-1]}{where}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in ("ingest", "kb"):
+        try:
+            from chatkv.tui.kb_cli import run
+
+            return run(argv)
+        except ChatKVError as e:
+            print(f"chatkv: {e}", file=sys.stderr)
+            return 2
     args = _parser().parse_args(argv)
     try:
         params = SamplingParams(
@@ -116,12 +143,20 @@ def main(argv: list[str] | None = None) -> int:
             for c in engine.sessions():
                 print(f"{c.id}  {c.updated_at:%Y-%m-%d %H:%M}  {c.title}")
             return 0
-        if args.prompt is not None:
+        if args.prompt is not None and args.kb is None:
             messages = [{"role": "system", "content": args.system}] if args.system else []
             _one_shot(engine, messages + [{"role": "user", "content": args.prompt}], params, args.stats)
             return 0
         with engine:
-            session = engine.resume(args.resume) if args.resume else engine.session(system=args.system, title=args.title)
+            if args.resume:
+                session = engine.resume(args.resume)
+            else:
+                kb = engine.knowledge_base(args.kb) if args.kb else None
+                session = engine.session(
+                    system=args.system, title=args.title, knowledge=kb, top_k=args.sources, documents=args.pin
+                )
+            if args.prompt is not None:  # one question over a knowledge base: a saved one-turn chat
+                return _chat(session, params, args.stats, [args.prompt])
             return _chat(session, params, args.stats)
     except ChatKVError as e:
         print(f"chatkv: {e}", file=sys.stderr)
