@@ -36,3 +36,44 @@ def test_multi_turn_prefix_is_reused(engine):
     # the first turn's full blocks are reused: only the tail of the history and the new message are computed
     assert again.usage.cached_tokens >= (reply.usage.prompt_tokens // 16) * 16
     engine.check_integrity()
+
+
+MANUAL = """# Brewmaster 3000 kettle
+
+## Descaling
+Descale the Brewmaster 3000 every four weeks with a sachet of citric acid dissolved in half a litre of water.
+Boil it twice, then rinse the jug three times.
+
+## Power
+The kettle draws 2200 watts and boils a full litre in about ninety seconds. The base switches off at 120 C
+if the jug runs dry.
+"""
+
+
+def test_rag_on_the_default_model_sources_shared_documents_and_restart(tmp_path, monkeypatch):
+    """A RAG reply carries its sources; a second session with the same pinned document reports its
+    tokens as cached; after a restart they come back restored from disk, not recomputed."""
+    monkeypatch.setenv("CHATKV_HOME", str(tmp_path))
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "kettle.md").write_text(MANUAL)
+    greedy = dict(max_tokens=24, temperature=0.0)
+    e = Engine.from_pretrained()
+    kb = e.knowledge_base("manuals")
+    assert len(kb.add([str(tmp_path / "docs")]).added) == 1
+    a = e.session(system="Answer from the documents.", knowledge=kb, documents=["kettle.md"], params=greedy)
+    ra = a.send("How often should I descale the kettle?")
+    assert ra.sources and all("kettle.md" in s.source for s in ra.sources)
+    b = e.session(system="Answer from the documents.", knowledge=kb, documents=["kettle.md"], params=greedy)
+    rb = b.send("How many watts does it draw?")
+    doc_tokens = len(e.session_manager.renderer.system_prefix(a.system_content))
+    assert doc_tokens > 100
+    assert rb.usage.cached_tokens >= doc_tokens // 16 * 16  # the pinned document came from a's KV
+    a_id = a.id
+    e.close()
+
+    e2 = Engine.from_pretrained()
+    r = e2.resume(a_id).send("And what happens if it runs dry?")
+    assert r.usage.restored_tokens >= doc_tokens // 16 * 16 and r.usage.cached_tokens == 0
+    assert r.sources
+    e2.check_integrity()
+    e2.close()
