@@ -1,4 +1,4 @@
-"""A labelled retrieval corpus written for chatkv's tests: 44 short documents and 48 questions.
+"""A labelled retrieval corpus written for chatkv's tests: 56 short documents and 68 questions.
 
 Each document is one topic with a clear title (fictional product manuals, cooking, astronomy,
 Python, gardening, fitness, home repair, hobbies), 80-200 words. Topics overlap on purpose

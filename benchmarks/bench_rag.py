@@ -1,0 +1,136 @@
+"""RAG over one knowledge base: how much document KV is served from cache, and what that does to TTFT.
+
+Builds a knowledge base from the labelled corpus of the tests (tests/rag_corpus.py: 56
+documents; ingest figures: chunks/s and the parse / embed / index split), then runs 5
+sessions x 10 questions on the default model. Every session pins the same two documents
+after the same system prompt and retrieves 3 sources per question (chatkv's placement:
+pinned documents in the system message, sources at the start of each user message).
+
+Reported:
+- the share of document tokens (pinned documents + every source block in the prompt,
+  history included) whose KV came from memory or disk rather than being computed;
+- TTFT of chatkv against (a) the same prompt on an engine with prefix caching off and
+  (b) transformers computing the whole prompt (one forward, first token), measured on
+  turns 1, 5 and 10 of the first and last session (same token ids, same process).
+
+    CHATKV_HOME=/tmp/ckrag .venv/bin/python benchmarks/bench_rag.py [--threads 2] [--sessions 5] [--turns 10]
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import OtherLoad, load_average, load_engine, load_hf, median, parser, print_table, setup
+
+SYSTEM = "You answer questions about household products and hobbies. Be brief."
+PINNED = ["zephyr-kettle", "aurora-grinder"]
+
+
+def doc_spans(renderer, s, content: str, question: str, before: int, first_turn: bool, pinned_len: int) -> list[tuple[int, int]]:
+    """Token spans of document text in this turn's prompt: the pinned documents (first turn:
+    inside the system message) and this turn's sources block (at the start of the user message)."""
+    spans = []
+    if first_turn:
+        sys_only = len(renderer.system_prefix(s.system))
+        spans.append((sys_only, pinned_len))
+    src = len(renderer.user_turn(content)) - len(renderer.user_turn(question))
+    if src > 0:
+        if first_turn:
+            start = pinned_len + 3  # "<|im_start|>user\n" after the system message
+        else:
+            start = before + 3
+        spans.append((start, start + src))
+    return spans
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--sessions", type=int, default=5)
+    p.add_argument("--turns", type=int, default=10)
+    args = p.parse_args()
+    model_dir = setup(args)
+    load = OtherLoad()
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.rag_corpus import QUESTIONS, write_corpus
+
+    from chatkv import rag as rag_context
+    from chatkv.sampling import SamplingParams
+
+    home = Path(tempfile.mkdtemp(prefix="chatkv-rag-"))
+    files = write_corpus(home / "corpus")
+    engine = load_engine(model_dir, args.dtype, data_dir=str(home / "data"))
+    kb = engine.knowledge_base("bench")
+    t0 = time.perf_counter()
+    report = kb.add([str(home / "corpus")])
+    ingest_s = time.perf_counter() - t0
+    sec = report.seconds
+    print(f"\ningest: {len(report.added)} documents, {report.chunks} chunks in {ingest_s:.2f} s = "
+          f"{report.chunks / ingest_s:.1f} chunks/s (parse {sec.get('parse', 0):.2f} s, embed {sec.get('embed', 0):.2f} s, "
+          f"index {sec.get('index', 0):.2f} s); {len(report.skipped)} skipped")
+
+    renderer = engine.session_manager.renderer
+    pinned = [str(files[d]) for d in PINNED]
+    questions = [q for q, _ in QUESTIONS]
+    greedy = dict(max_tokens=8, temperature=0.0)
+    doc_total = doc_cached = 0
+    measured = []  # (prompt ids, chatkv ttft)
+    for si in range(args.sessions):
+        s = engine.session(system=SYSTEM, knowledge=kb, top_k=3, documents=pinned, params=greedy)
+        pinned_len = len(renderer.system_prefix(s.system_content))
+        history_docs = 0  # document tokens already in the session's history
+        for t in range(args.turns):
+            q = questions[(si * args.turns + t) % len(questions)]
+            before = len(s.tokens)
+            r = s.send(q)
+            content = rag_context.user_message(q, r.sources)  # the user message as it was sent
+            spans = doc_spans(renderer, s, content, q, before, t == 0, pinned_len)
+            reused = r.usage.cached_tokens + r.usage.restored_tokens
+            new_docs = sum(e - b for b, e in spans)
+            doc_total += history_docs + new_docs
+            doc_cached += history_docs if reused >= before - engine.kv.block_size else 0
+            doc_cached += sum(max(0, min(e, reused) - b) for b, e in spans)
+            history_docs += new_docs
+            if si in (0, args.sessions - 1) and t in (0, args.turns // 2 - 1, args.turns - 1):
+                measured.append((s.tokens[: r.usage.prompt_tokens], r.usage.ttft_s))
+        s.close()
+
+    off = load_engine(model_dir, args.dtype, enable_prefix_caching=False, num_blocks=1024)
+    hf = load_hf(model_dir, args.dtype)
+    off_ttft, hf_ttft, ck_ttft = [], [], []
+    for prompt, ck in measured:
+        r = off.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        off_ttft.append(r.usage.ttft_s)
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            hf(torch.tensor([prompt])).logits[0, -1].argmax()
+        hf_ttft.append(time.perf_counter() - t1)
+        ck_ttft.append(ck)
+
+    share = doc_cached / max(doc_total, 1)
+    print(f"\n{args.sessions} sessions x {args.turns} questions, 2 pinned documents + 3 sources a turn, "
+          f"threads={args.threads}, load average {load_average()}, {load}")
+    print(f"document tokens in prompts: {doc_total}, served from cache (memory or disk): {doc_cached} = {share:.1%}  "
+          f"(goal >= 80%: {'MET' if share >= 0.8 else 'not met'})")
+    m_ck, m_off, m_hf = median(ck_ttft) * 1e3, median(off_ttft) * 1e3, median(hf_ttft) * 1e3
+    print_table(
+        f"TTFT on {len(measured)} turns (1, {args.turns // 2}, {args.turns} of sessions 1 and {args.sessions}), median ms",
+        ["case", "TTFT ms", "chatkv is faster by"],
+        [
+            ["chatkv (pinned documents + history cached)", f"{m_ck:.0f}", "-"],
+            ["chatkv with prefix caching off", f"{m_off:.0f}", f"{m_off / m_ck:.1f}x (goal >= 4x)"],
+            ["transformers, whole prompt", f"{m_hf:.0f}", f"{m_hf / m_ck:.1f}x (goal >= 4x)"],
+        ],
+    )
+    print("per turn (prompt tokens: chatkv / caching off / transformers ms):")
+    for (prompt, _), ck, of, hf_t in zip(measured, ck_ttft, off_ttft, hf_ttft):
+        print(f"  {len(prompt):5d}: {ck * 1e3:6.0f} / {of * 1e3:6.0f} / {hf_t * 1e3:6.0f}  ({of / ck:.1f}x, {hf_t / ck:.1f}x)")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()
