@@ -86,6 +86,18 @@ class Session:
         self._m.store.rename(self.id, title)
         self.title = title
 
+    def update_params(self, **changes) -> dict:
+        """Change this conversation's default sampling settings (e.g. ``temperature=0.7,
+        max_tokens=128``; a value of None removes the field) and save them with it.
+        Validated first: on an error nothing changes. Returns the new settings."""
+        self._check_open()
+        new = {**self.params, **changes}
+        new = {k: v for k, v in new.items() if v is not None}
+        SamplingParams.from_dict(new).validate()
+        self._m.save_params(self, new)
+        self.params = new
+        return dict(new)
+
     def archive(self, archived: bool = True) -> None:
         self._check_open()
         self._m.store.set_archived(self.id, archived)

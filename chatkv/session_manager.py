@@ -156,6 +156,13 @@ class SessionManager:
         if self.store.delete_conversation(s.id) is not None:
             self.snapshots.delete(s.id)
 
+    def save_params(self, s: Session, params: dict) -> None:
+        """Store a session's sampling settings, keeping its RAG settings beside them."""
+        stored = dict(params)
+        if s.knowledge is not None:
+            stored[RAG_KEY] = {"kb": s.knowledge.name, "top_k": s.top_k, "documents": list(s.documents)}
+        self.store.set_params(s.id, stored)
+
     def spill(self, s: Session) -> bool:
         return self.snapshots.spill(s)
 

@@ -223,6 +223,14 @@ class Store:
         with self._writing() as s:
             self._conversation(s, conv_id).title = title
 
+    def set_params(self, conv_id: str, params: dict) -> None:
+        """Replace the conversation's stored settings (a JSON object)."""
+        if not isinstance(params, dict):
+            raise InvalidRequest(f"params must be a dict, got {type(params).__name__}")
+        params = check_json("params", params)
+        with self._writing() as s:
+            self._conversation(s, conv_id).params = params
+
     def set_archived(self, conv_id: str, archived: bool) -> None:
         """Archive (hide from the default listing) or unarchive."""
         with self._writing() as s:

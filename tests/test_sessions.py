@@ -311,3 +311,19 @@ def test_unlistable_snapshot_directory_does_not_stop_a_chat(model, tmp_path, mon
     assert s.send(QUESTIONS[0]).usage.generated_tokens > 0
     e.check_integrity()
     e.close()
+
+
+def test_update_params_is_validated_saved_and_resumed(model, tmp_path):
+    _, d = model
+    e = engine_at(d, tmp_path)
+    s = e.session(params=GREEDY)
+    assert s.update_params(max_tokens=3)["max_tokens"] == 3
+    with pytest.raises(InvalidRequest, match="temperature"):
+        s.update_params(temperature=float("nan"))
+    assert s.params["max_tokens"] == 3 and s.params["temperature"] == GREEDY["temperature"]  # unchanged by the error
+    assert s.send(QUESTIONS[0]).usage.generated_tokens <= 3
+    conv = s.id
+    e.close()
+    e2 = engine_at(d, tmp_path)
+    assert e2.resume(conv).params["max_tokens"] == 3
+    e2.close()
