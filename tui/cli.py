@@ -1,14 +1,19 @@
-"""The ``chatkv`` command: a one-shot prompt or a terminal chat on the default (or any local) model.
+"""The ``chatkv`` command: the terminal chat app, a one-shot prompt, or a plain line-mode chat.
 
-    chatkv                          # chat in the terminal, saved (the Textual TUI comes in a later issue)
-    chatkv "What is the capital of France?"
+    chatkv                          # the Textual app (tui/app.py) when stdin and stdout are terminals
+    chatkv chat                     # the same
+    echo "What is the capital of France?" | chatkv    # not a terminal: plain line mode, replies on stdout
+    chatkv --plain                  # line mode in a terminal too
+    chatkv "What is the capital of France?"           # one-shot
     chatkv --list                   # saved conversations, newest first
-    chatkv --resume ID              # continue one; its KV comes back from disk
+    chatkv --resume [ID]            # continue one (no id: the latest); its KV comes back from disk
     chatkv --model ./my-llama-dir --temperature 0.7 "Tell me a joke"
+    chatkv --data-dir DIR           # conversations, knowledge bases and snapshots in DIR
     chatkv --kb python-docs [--sources 4] [--pin docs/intro.md]   # chat over a knowledge base
     chatkv ingest docs/ --kb python-docs; chatkv kb list | info | search | remove   (tui/kb_cli.py)
 
-Only the public SDK is used here.
+Stored text reaches the terminal only through ``tui/text.py``'s ``safe_text`` (no control
+sequences). Only the public SDK is used here.
 """
 
 from __future__ import annotations
@@ -20,55 +25,79 @@ from chatkv import ChatKVError, InvalidRequest
 from chatkv.engine import Engine
 from chatkv.outputs import GenerationResult, Reply
 from chatkv.sampling import SamplingParams
+from chatkv.tui.text import SafeStream, safe_text
+
+LATEST = "latest"  # --resume without an id
+# The sampling options; None = not given. Line mode fills in DEFAULTS, the app gets only what was given.
+SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")
+DEFAULTS = {"max_tokens": 256, "temperature": 0.0}
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="chatkv", description="Local chat whose KV cache survives between turns.")
-    p.add_argument("prompt", nargs="?", help="ask once and exit; without it, chat interactively")
+    p = argparse.ArgumentParser(
+        prog="chatkv",
+        description="Local chat whose KV cache survives between turns. Without a prompt it opens the terminal "
+        "app when stdin and stdout are terminals, else it chats line by line (replies on stdout).",
+    )
+    p.add_argument("prompt", nargs="?", help="ask once and exit; without it, chat")
     p.add_argument("--model", help="a local Hugging Face model directory (default: packaged SmolLM2-135M-Instruct)")
-    p.add_argument("--system", default=None, help="system prompt")
-    p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--data-dir", metavar="DIR", default=None,
+                   help="where conversations, snapshots and knowledge bases live (default: $CHATKV_HOME)")
+    p.add_argument("--system", default=None, help="system prompt of a new conversation")
+    p.add_argument("--max-tokens", type=int, default=None, help=f"default {DEFAULTS['max_tokens']}")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--stats", action="store_true", help="print token counts and timings after each reply")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (line mode and one-shot)")
+    p.add_argument("--stats", action="store_true", help="line mode: print token counts and timings after each reply")
     p.add_argument("--list", action="store_true", help="list saved conversations and exit")
-    p.add_argument("--resume", metavar="ID", help="continue a saved conversation")
-    p.add_argument("--title", default=None, help="title of a new saved conversation")
+    p.add_argument("--resume", metavar="ID", nargs="?", const=LATEST, default=None,
+                   help="continue a saved conversation; without ID, the latest")
+    p.add_argument("--title", default=None, help="line mode: title of a new saved conversation")
     p.add_argument("--kb", metavar="NAME", help="answer from this knowledge base (chatkv ingest ... --kb NAME)")
-    p.add_argument("--sources", type=int, default=4, help="sources retrieved per message with --kb (default 4)")
+    p.add_argument("--sources", type=int, default=4, help="line mode: sources retrieved per message with --kb (default 4)")
     p.add_argument("--pin", action="append", default=None, metavar="SOURCE",
-                   help="with --kb: a document placed in full after the system prompt (repeatable)")
+                   help="line mode, with --kb: a document placed in full after the system prompt (repeatable)")
+    p.add_argument("--plain", action="store_true", help="chat line by line even in a terminal (no app)")
     return p
+
+
+def _error(message: object) -> None:
+    """One error line on stderr; the message may echo user input, so it is made safe first."""
+    print(f"chatkv: {safe_text(str(message), oneline=True)}", file=sys.stderr)
 
 
 def _one_shot(engine: Engine, messages: list[dict], params: SamplingParams, show_stats: bool) -> None:
     result = None
+    out = SafeStream()
     for piece in engine.stream(engine.encode_chat(messages), params):
         if isinstance(piece, GenerationResult):
             result = piece
         else:
-            print(piece, end="", flush=True)
-    print()
+            print(out.feed(piece), end="", flush=True)
+    print(out.flush())
     if show_stats and result is not None:
         print(f"[{result.usage.summary()}]", file=sys.stderr)
 
 
 def _read_line() -> str | None:
-    """One line of input (None at its end). A terminal gets line editing; piped input is read
-    as bytes a line at a time, so a line that is not UTF-8 raises UnicodeDecodeError alone."""
+    """One line of input (None at its end). A terminal gets line editing and a "> " prompt (on
+    stderr when stdout is not a terminal, so replies alone reach stdout); piped input gets no
+    prompt and is read as bytes a line at a time, so a line that is not UTF-8 raises
+    UnicodeDecodeError alone."""
     if sys.stdin.isatty():
         try:
-            return input("> ")
+            if sys.stdout.isatty():
+                return input("> ")
+            print("> ", end="", file=sys.stderr, flush=True)
+            return input()
         except EOFError:
             return None
-    print("> ", end="", flush=True)
     buf = getattr(sys.stdin, "buffer", None)
     line = buf.readline().decode("utf-8") if buf is not None else sys.stdin.readline()
-    return line.removesuffix("\n") if line else None
+    return line.removesuffix("\n").removesuffix("\r") if line else None
 
 
 def _chat(session, params: SamplingParams, show_stats: bool, script: list[str] | None = None) -> int:
@@ -80,10 +109,11 @@ def _chat(session, params: SamplingParams, show_stats: bool, script: list[str] |
         try:
             line = _read_line() if lines is None else next(lines, None)
         except UnicodeDecodeError:
-            print("chatkv: that line is not valid UTF-8; nothing was sent", file=sys.stderr)
+            _error("that line is not valid UTF-8; nothing was sent")
             continue
         if line is None:
-            print()
+            if lines is None and sys.stdin.isatty():
+                print()  # past the prompt the Ctrl-D left
             return 0
         text = line.strip()
         if text in ("/exit", "/quit"):
@@ -91,19 +121,21 @@ def _chat(session, params: SamplingParams, show_stats: bool, script: list[str] |
         if not text:
             continue
         reply = None
+        out = SafeStream()
         try:
             for piece in session.stream(text, params):
                 if isinstance(piece, Reply):
                     reply = piece
                 else:
-                    print(piece, end="", flush=True)
+                    print(out.feed(piece), end="", flush=True)
         except KeyboardInterrupt:
+            print(out.flush(), end="")
             print("\n[interrupted]", file=sys.stderr)
             continue
-        except InvalidRequest as e:  # this message only: the chat goes on
-            print(f"chatkv: {e}", file=sys.stderr)
+        except InvalidRequest as e:  # this message only (too long, not valid Unicode...): the chat goes on
+            _error(e)
             continue
-        print()
+        print(out.flush())
         if reply is not None and reply.sources:
             _print_sources(reply.sources)
         if show_stats and reply is not None:
@@ -114,7 +146,55 @@ def _print_sources(sources) -> None:
     for src in sources:
         mark = "*" if src.cited else " "
         where = f" - {src.heading}" if src.heading else ""
-        print(f"{mark}[{src.number}] {src.source.rsplit('/', 1)[-1]}{where}", file=sys.stderr)
+        print(safe_text(f"{mark}[{src.number}] {src.source.rsplit('/', 1)[-1]}{where}", oneline=True), file=sys.stderr)
+
+
+def _check_prompt(prompt: str | None) -> str | None:
+    """The one-shot prompt, or InvalidRequest: an empty prompt is refused, as the SDK refuses an empty message."""
+    if prompt is not None and not prompt.strip():
+        raise InvalidRequest("the prompt is empty; give a question, or no prompt at all to chat")
+    return prompt
+
+
+def _check_resume(resume: str | None) -> str | None:
+    if resume is not None and not resume.strip():
+        raise InvalidRequest("--resume needs a conversation id (chatkv --list), or no value at all for the latest")
+    return resume
+
+
+def _is_terminal() -> bool:
+    """Both ends are terminals: the app can run (``echo hi | chatkv`` and ``chatkv > out`` chat line by line)."""
+    try:
+        return sys.stdin.isatty() and sys.stdout.isatty()
+    except (AttributeError, ValueError):  # replaced or closed streams
+        return False
+
+
+def _open_app(args: argparse.Namespace, sampling: dict) -> int:
+    from chatkv.tui.app import run_app  # imported only here: line mode and one-shot never load Textual
+
+    return run_app(
+        model=args.model,
+        data_dir=args.data_dir,
+        resume=args.resume,
+        system=args.system,
+        kb=args.kb,
+        sampling=sampling or None,
+    )
+
+
+def _params_dict(params: SamplingParams) -> dict:
+    """The sampling options saved with a new conversation (its settings when resumed)."""
+    return {k: getattr(params, k) for k in SAMPLING if getattr(params, k) is not None}
+
+
+def _resume(engine: Engine, conv_id: str):
+    if conv_id == LATEST:
+        convs = engine.sessions()
+        if not convs:
+            raise InvalidRequest("there is no saved conversation to resume yet; run chatkv without --resume")
+        conv_id = convs[0].id
+    return engine.resume(conv_id)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,41 +205,45 @@ def main(argv: list[str] | None = None) -> int:
 
             return run(argv)
         except ChatKVError as e:
-            print(f"chatkv: {e}", file=sys.stderr)
+            _error(e)
             return 2
+    if argv and argv[0] == "chat":  # chatkv chat [options]: the same as chatkv [options]
+        argv = argv[1:]
     args = _parser().parse_args(argv)
     try:
-        params = SamplingParams(
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            repetition_penalty=args.repetition_penalty,
-            seed=args.seed,
-        )
+        _check_prompt(args.prompt)
+        _check_resume(args.resume)
+        given = {k: getattr(args, k) for k in SAMPLING if getattr(args, k) is not None}
+        params = SamplingParams(**{**DEFAULTS, **given})
         params.validate()
-        engine = Engine.from_pretrained(args.model, dtype=args.dtype)
+        if args.prompt is None and not args.list and not args.plain and _is_terminal():
+            return _open_app(args, given)
+        engine = Engine.from_pretrained(args.model, dtype=args.dtype, data_dir=args.data_dir)
         if args.list:
             for c in engine.sessions():
-                print(f"{c.id}  {c.updated_at:%Y-%m-%d %H:%M}  {c.title}")
+                print(f"{c.id}  {c.updated_at:%Y-%m-%d %H:%M}  {safe_text(c.title, oneline=True)}")
             return 0
-        if args.prompt is not None and args.kb is None:
+        if args.prompt is not None and args.kb is None and args.resume is None:
             messages = [{"role": "system", "content": args.system}] if args.system else []
             _one_shot(engine, messages + [{"role": "user", "content": args.prompt}], params, args.stats)
             return 0
         with engine:
-            if args.resume:
-                session = engine.resume(args.resume)
+            if args.resume is not None:
+                session = _resume(engine, args.resume)
+                # the conversation's saved settings, then what was given now
+                params = SamplingParams.from_dict({**DEFAULTS, **session.params, **given})
+                params.validate()
             else:
                 kb = engine.knowledge_base(args.kb) if args.kb else None
                 session = engine.session(
-                    system=args.system, title=args.title, knowledge=kb, top_k=args.sources, documents=args.pin
+                    system=args.system, title=args.title, params=_params_dict(params), knowledge=kb,
+                    top_k=args.sources, documents=args.pin,
                 )
-            if args.prompt is not None:  # one question over a knowledge base: a saved one-turn chat
+            if args.prompt is not None:  # one question in a saved chat (--kb or --resume): one turn
                 return _chat(session, params, args.stats, [args.prompt])
             return _chat(session, params, args.stats)
     except ChatKVError as e:
-        print(f"chatkv: {e}", file=sys.stderr)
+        _error(e)
         return 2
     except KeyboardInterrupt:
         return 130
