@@ -1,0 +1,134 @@
+"""Modal dialogs: a yes/no confirmation, a one-line prompt, per-conversation settings, help."""
+
+from __future__ import annotations
+
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.screen import ModalScreen
+from textual.widgets import Button, Input, Label, Markdown, TextArea
+
+from chatkv.tui.widgets.text import safe_text
+
+
+class ConfirmScreen(ModalScreen[bool]):
+    """Dismissed with True (Yes) or False (No, Escape)."""
+
+    BINDINGS = [Binding("escape", "dismiss(False)", "Cancel"), Binding("y", "dismiss(True)", "Yes")]
+
+    def __init__(self, question: str):
+        super().__init__(classes="dialog-screen")
+        self.question = question
+
+    def compose(self):
+        with Vertical(classes="dialog"):
+            yield Label(safe_text(self.question), markup=False)
+            with Horizontal(classes="buttons"):
+                yield Button("Yes", variant="error", id="yes")
+                yield Button("No", id="no")
+
+    def on_mount(self) -> None:
+        self.query_one("#no", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id == "yes")
+
+
+class PromptScreen(ModalScreen[str | None]):
+    """Ask for one line; dismissed with the text, or None on Escape."""
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel")]
+
+    def __init__(self, question: str, value: str = "", placeholder: str = ""):
+        super().__init__(classes="dialog-screen")
+        self.question, self.value, self.placeholder = question, value, placeholder
+
+    def compose(self):
+        with Vertical(classes="dialog"):
+            yield Label(self.question, markup=False)
+            yield Input(safe_text(self.value), placeholder=self.placeholder, id="answer")
+
+    def on_input_submitted(self, event: Input.Submitted) -> None:
+        self.dismiss(event.value)
+
+
+class SettingsScreen(ModalScreen[dict | None]):
+    """Temperature, max tokens and system prompt of this conversation; dismissed with a dict or None."""
+
+    BINDINGS = [Binding("escape", "dismiss(None)", "Cancel"), Binding("ctrl+s", "save", "Save")]
+
+    def __init__(self, temperature, max_tokens, system: str | None):
+        super().__init__(classes="dialog-screen")
+        self.values = (temperature, max_tokens, system)
+
+    def compose(self):
+        temperature, max_tokens, system = self.values
+        with Vertical(classes="dialog settings"):
+            yield Label("Conversation settings", classes="dialog-title")
+            yield Label("Temperature")
+            yield Input("" if temperature is None else str(temperature), id="temperature", placeholder="0.0 (greedy)")
+            yield Label("Max tokens")
+            yield Input("" if max_tokens is None else str(max_tokens), id="max_tokens", placeholder="model default")
+            yield Label("System prompt (a change starts a new chat)")
+            yield TextArea(safe_text(system or ""), id="system")
+            with Horizontal(classes="buttons"):
+                yield Button("Save", variant="primary", id="save")
+                yield Button("Cancel", id="cancel")
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        if event.button.id == "save":
+            self.action_save()
+        else:
+            self.dismiss(None)
+
+    def action_save(self) -> None:
+        out: dict = {}
+        for key, kind in (("temperature", float), ("max_tokens", int)):
+            raw = self.query_one(f"#{key}", Input).value.strip()
+            if raw:
+                try:
+                    out[key] = kind(raw)
+                except ValueError:
+                    self.notify(f"{key.replace('_', ' ')} must be a number, got '{raw}'", severity="error")
+                    return
+        out["system"] = self.query_one("#system", TextArea).text.strip() or None
+        self.dismiss(out)
+
+
+HELP = """\
+# chatkv
+
+**Keys**: Enter sends · Shift+Enter or Ctrl+J adds a line · Up/Down recall earlier inputs ·
+Esc stops a reply (what was produced is kept) · Ctrl+N new chat · Ctrl+B sidebar ·
+Ctrl+S settings · Ctrl+P command palette · Ctrl+Q quit.
+In the sidebar: Enter opens · n new · r rename · a archive · d delete.
+On a message (Tab/click to focus it): c copies it.
+
+| command | what it does |
+|---|---|
+| `/new` | a new chat |
+| `/system TEXT` | a new chat with this system prompt |
+| `/model PATH` | load another model (a local Hugging Face directory) |
+| `/kb NAME` | a new chat over knowledge base NAME (sources under each reply) |
+| `/ingest PATH` | add files or a directory to the attached knowledge base |
+| `/sources` | open the last reply's sources in the side panel |
+| `/pin SOURCE` | a new chat with a document of the knowledge base pinned |
+| `/regenerate` | ask the last question again |
+| `/export md\\|json [PATH]` | write the conversation to a file |
+| `/stats` | token counts and timings of every turn, and the KV pool |
+| `/settings` | temperature, max tokens, system prompt |
+| `/help` | this help |
+
+The status line shows the context used, the KV pool, and for the last turn how many
+prompt tokens came from memory (cached), from disk (restored) or were computed.
+"""
+
+
+class HelpScreen(ModalScreen[None]):
+    BINDINGS = [Binding("escape,q", "dismiss(None)", "Close")]
+
+    def __init__(self):
+        super().__init__(classes="dialog-screen")
+
+    def compose(self):
+        with VerticalScroll(classes="dialog help"):
+            yield Markdown(HELP)
