@@ -11,6 +11,8 @@ import pytest
 
 pytest.importorskip("textual")
 
+from textual.screen import ModalScreen  # noqa: E402
+
 from chatkv.config import EngineConfig  # noqa: E402
 from chatkv.engine import Engine  # noqa: E402
 from chatkv.tui.app import ChatApp  # noqa: E402
@@ -51,7 +53,8 @@ async def idle(pilot, app: ChatApp, timeout: float = 30.0) -> None:
     end = loop.time() + timeout
     while True:
         await pilot.pause()
-        busy = app.generating or any(w.is_running for w in app.workers)
+        waiting_on_dialog = isinstance(app.screen, ModalScreen)  # a worker awaits the user's answer
+        busy = app.generating or (any(w.is_running for w in app.workers) and not waiting_on_dialog)
         if not busy:
             await pilot.pause()
             return
@@ -130,3 +133,215 @@ async def test_escape_cancels_and_keeps_the_partial_reply(engine):
         # the app is still usable
         await say(pilot, app, "Shorter, please.")
         assert len(messages(app)) == 4 and not errors(app)
+
+
+async def test_new_chat_and_resume_after_a_restart_restores_the_kv(model_dir, tmp_path):
+    data = tmp_path / "data"
+    e1 = Engine(model_dir, EngineConfig(data_dir=str(data), num_blocks=128))
+    app = ChatApp(engine=e1, sampling=FAST)
+    async with app.run_test(size=SIZE) as pilot:
+        await idle(pilot, app)
+        await say(pilot, app, "Hello there, how are you?")
+        first = app.session.id
+        await pilot.press("ctrl+n")
+        await idle(pilot, app)
+        assert app.session is None and not messages(app)  # a new chat, saved on its first message
+        await say(pilot, app, "What is the capital of France?")
+        assert app.session.id != first
+        assert [i.conv_id for i in app.query(ConversationItem)] == [app.session.id, first]  # newest first
+    e1.close()
+
+    e2 = Engine(model_dir, EngineConfig(data_dir=str(data), num_blocks=128))  # a restart
+    try:
+        app = ChatApp(engine=e2, resume=first, sampling=FAST)
+        async with app.run_test(size=SIZE) as pilot:
+            await idle(pilot, app)
+            assert app.session.id == first
+            assert [m.role for m in messages(app)] == ["user", "assistant"]
+            assert messages(app)[0].text == "Hello there, how are you?"
+            await say(pilot, app, "And tomorrow?")
+            restored = app.last_usage.restored_tokens
+            assert restored > 0 and f"{restored} restored" in status(app)
+            # opening the other conversation from the sidebar shows its history
+            lv = app.query_one("#conversations")
+            lv.focus()
+            ids = [i.conv_id for i in app.query(ConversationItem)]
+            lv.index = ids.index(next(i for i in ids if i != first))
+            await pilot.press("enter")
+            await idle(pilot, app)
+            assert app.session.id != first and messages(app)[0].text == "What is the capital of France?"
+        app = ChatApp(engine=e2, resume="latest", sampling=FAST)
+        async with app.run_test(size=SIZE) as pilot:
+            await idle(pilot, app)
+            assert app.session is not None and app.session.id == e2.sessions()[0].id
+    finally:
+        e2.close()
+
+
+async def test_rename_archive_delete_from_the_sidebar(engine):
+    app = ChatApp(engine=engine, sampling=FAST)
+    async with app.run_test(size=SIZE) as pilot:
+        await idle(pilot, app)
+        await say(pilot, app, "first chat")
+        a = app.session.id
+        await pilot.press("ctrl+n")
+        await idle(pilot, app)
+        await say(pilot, app, "second chat")
+        b = app.session.id
+        lv = app.query_one("#conversations")
+        lv.focus()
+        ids = [i.conv_id for i in app.query(ConversationItem)]
+        lv.index = ids.index(a)
+        await pilot.press("r")
+        await idle(pilot, app)
+        assert isinstance(app.screen, PromptScreen)
+        app.screen.query_one("#answer").value = "Renamed \x1b]0;evil\x07chat"
+        await pilot.press("enter")
+        await idle(pilot, app)
+        titles = {c.id: c.title for c in engine.sessions()}
+        assert titles[a] == "Renamed \x1b]0;evil\x07chat"
+        shown = [i.title for i in app.query(ConversationItem)]
+        assert "Renamed \x1b]0;evil\x07chat" in shown
+        label = str(app.query(ConversationItem)[ids.index(a)].query_one(".title").render())
+        assert "\x1b" not in label and "Renamed chat" in label  # control sequences stripped on screen
+
+        lv.index = [i.conv_id for i in app.query(ConversationItem)].index(a)
+        await pilot.press("a")
+        await idle(pilot, app)
+        assert a not in [c.id for c in engine.sessions()] and a in [c.id for c in engine.sessions(include_archived=True)]
+        assert a not in [i.conv_id for i in app.query(ConversationItem)]
+
+        lv.focus()
+        lv.index = [i.conv_id for i in app.query(ConversationItem)].index(b)
+        await pilot.press("d")
+        await idle(pilot, app)
+        assert isinstance(app.screen, ConfirmScreen)
+        await pilot.press("escape")  # No: nothing deleted
+        await idle(pilot, app)
+        assert b in [c.id for c in engine.sessions()]
+        await pilot.press("d")
+        await idle(pilot, app)
+        await pilot.press("y")
+        await idle(pilot, app)
+        assert b not in [c.id for c in engine.sessions(include_archived=True)]
+        assert app.session is None and not messages(app)  # it was the open chat
+
+
+async def test_export_markdown_and_json(engine, tmp_path):
+    app = ChatApp(engine=engine, sampling=FAST)
+    async with app.run_test(size=SIZE) as pilot:
+        await idle(pilot, app)
+        await say(pilot, app, "Export me, please.")
+        reply = messages(app)[-1].text
+        await say(pilot, app, f"/export md {tmp_path / 'chat.md'}")
+        await say(pilot, app, f"/export json {tmp_path / 'chat.json'}")
+        md = (tmp_path / "chat.md").read_text()
+        assert "### User" in md and "Export me, please." in md and reply.strip()[:10] in md
+        data = json.loads((tmp_path / "chat.json").read_text())
+        assert data["id"] == app.session.id
+        assert [m["role"] for m in data["messages"]] == ["user", "assistant"]
+        assert data["messages"][0]["content"] == "Export me, please."
+        await say(pilot, app, "/export pdf")
+        assert not errors(app)  # a usage warning, not an error
+        await say(pilot, app, f"/export md {tmp_path / 'missing-dir' / 'x.md'}")
+        assert errors(app)  # the OSError is a notification
+
+
+async def test_slash_commands(engine, model_dir, tmp_path):
+    app = ChatApp(engine=engine, sampling=FAST)
+    async with app.run_test(size=SIZE) as pilot:
+        await idle(pilot, app)
+        await say(pilot, app, "/help")
+        assert isinstance(app.screen, HelpScreen)
+        await pilot.press("escape")
+        await idle(pilot, app)
+        await say(pilot, app, "/stats")
+        assert "No turns" in messages(app)[-1].text
+        await say(pilot, app, "/system You are terse.")
+        assert app.system == "You are terse." and app.session is None
+        await say(pilot, app, "Name a prime.")
+        assert app.session.system == "You are terse."
+        await say(pilot, app, "/regenerate")
+        users = [m.text for m in messages(app) if m.role == "user"]
+        assert users == ["Name a prime.", "Name a prime."]
+        await say(pilot, app, "/stats")
+        assert "| 2 |" in messages(app)[-1].text and "KV pool" in messages(app)[-1].text
+        await say(pilot, app, "/settings")
+        assert isinstance(app.screen, SettingsScreen)
+        app.screen.query_one("#temperature").value = "0.5"
+        app.screen.query_one("#max_tokens").value = "3"
+        await pilot.press("ctrl+s")
+        await idle(pilot, app)
+        assert app.params["temperature"] == 0.5 and app.params["max_tokens"] == 3
+        await say(pilot, app, "Short?")
+        assert app.last_usage.generated_tokens <= 3
+        await say(pilot, app, "/bogus")
+        assert any("Unknown command" in e for e in errors(app))
+        await say(pilot, app, "/new")
+        assert app.session is None
+        # an error path: a bad model path is a notification, and the app goes on with the old model
+        n = len(errors(app))
+        await say(pilot, app, f"/model {tmp_path / 'no-such-model'}")
+        assert len(errors(app)) == n + 1 and "does not exist" in errors(app)[-1]
+        assert app.engine is engine
+        await say(pilot, app, "Still there?")
+        assert messages(app)[-1].role == "assistant" and app.session is not None
+        # a good path loads it (and the app closes it on exit)
+        await say(pilot, app, f"/model {model_dir}")
+        assert app.engine is not engine and app.session is None
+        await say(pilot, app, "Hi again")
+        assert [m.role for m in messages(app)][-2:] == ["user", "assistant"]
+        # the command palette lists the same actions
+        titles = [c.title for c in app.get_system_commands(app.screen)]
+        for t in ("New chat", "Regenerate", "Sources", "Stats", "Export Markdown", "Export JSON", "Knowledge base…",
+                  "Ingest…", "Pin document…", "Load model…", "System prompt…", "Help"):
+            assert t in titles
+
+
+async def test_knowledge_base_question_shows_sources(engine, tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "kettles.md").write_text("# Kettles\n\nThe Brewmaster kettle boils a litre of water in ninety seconds. "
+                                     "Descale its base monthly with citric acid.\n")
+    (docs / "bread.md").write_text("# Bread\n\nSourdough rises with a starter of wild yeast. Proof it overnight.\n")
+    (docs / "blob.bin").write_bytes(b"\x00\x01\x02binary\x00" * 50)
+    app = ChatApp(engine=engine, sampling=FAST)
+    async with app.run_test(size=SIZE) as pilot:
+        await idle(pilot, app)
+        await say(pilot, app, "/sources")
+        await say(pilot, app, "/kb manuals")
+        assert app.kb_name == "manuals"
+        await say(pilot, app, f"/ingest {docs}")
+        note = messages(app)[-1].text
+        assert "Ingested into" in note and "skipped" in note and "blob.bin" in note  # per-file errors listed
+        assert any(n.severity == "warning" and "blob.bin" in n.message for n in app._notifications)
+        await say(pilot, app, "How often should the kettle be descaled?")
+        reply = messages(app)[-1]
+        assert reply.sources and any("kettles.md" in s["source"] for s in reply.sources)
+        assert "Sources:" in str(reply.sources_line.render())
+        await say(pilot, app, "/sources")
+        panel = app.query_one(SourcesPanel)
+        assert panel.display and "kettles.md" in panel.query_one("#sources-body").source
+        await app.run_action(f"app.open_source('{reply.id}', {reply.sources[0]['number']})")
+        assert panel.display
+        source = next(s["source"] for s in reply.sources if "kettles.md" in s["source"])
+        await say(pilot, app, f"/pin {source}")
+        assert app.documents == [source] and app.session is None
+        await say(pilot, app, "/pin nope.md")
+        assert any("not a document" in e for e in errors(app))
+        await say(pilot, app, "And the bread?")
+        assert app.session.documents == [source]
+        # a resumed RAG chat shows its stored sources under the reply
+        conv = app.session.id
+        await pilot.press("ctrl+n")
+        await idle(pilot, app)
+        app.run_worker(app._open(conv))
+        await idle(pilot, app)
+        assert messages(app)[-1].sources
+
+
+def test_safe_text_strips_control_sequences():
+    assert safe_text("a\x1b[31mred\x1b[0m b") == "ared b"
+    assert safe_text("t\x1b]0;title\x07x\x1b]8;;http://e\x1b\\y") == "txy"
+    assert safe_text("keep\nnew\tlines\r\x07\x9b2J\x90dcs\x9c") == "keep\nnew\tlines"
+    assert safe_text(None) == ""

@@ -577,7 +577,8 @@ class ChatApp(App):
             return
         from chatkv.engine import Engine
 
-        kw = {"data_dir": self.data_dir} if self.data_dir else {}
+        data_dir = self.data_dir or (getattr(self.engine.config, "data_dir", None) if self.engine else None)
+        kw = {"data_dir": data_dir} if data_dir else {}
         self.query_one("#loading").display = True
         self.query_one("#loading-label", Label).update(f"Loading {safe_text(arg)}…")
         try:
