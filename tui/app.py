@@ -157,7 +157,10 @@ class ChatApp(App):
         logging.getLogger("chatkv").addHandler(self._log_handler)
         self.query_one("#sources").display = False
         self.query_one("#ingest").display = False
-        self.query_one(ChatInput).focus()
+        box = self.query_one(ChatInput)
+        if self.mask_volatile:
+            box.cursor_blink = False  # steady screens for snapshots
+        box.focus()
         self.run_worker(self._start(), exclusive=False)
 
     async def _start(self) -> None:

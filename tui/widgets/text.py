@@ -35,10 +35,8 @@ def status_text(ctx_used: int, ctx_max: int, kv: dict | None, usage=None, mask: 
     parts = [f"ctx {ctx_used}/{ctx_max} ({100 * ctx_used / max(ctx_max, 1):.0f}%)"]
     if kv:
         total, free = kv.get("blocks_total", 0), kv.get("blocks_free", 0)
-        parts.append(f"KV {total - free}/{total} blocks ({100 * (total - free) / max(total, 1):.0f}%)")
+        parts.append(f"KV {total - free}/{total} blk ({100 * (total - free) / max(total, 1):.0f}%)")
     if usage is not None:
-        parts.append(
-            f"turn: {usage.cached_tokens} cached · {usage.restored_tokens} restored · {usage.computed_tokens} computed"
-        )
+        parts.append(f"{usage.cached_tokens} cached · {usage.restored_tokens} restored · {usage.computed_tokens} computed")
         parts.append("TTFT -- ms · -- tok/s" if mask else f"TTFT {usage.ttft_s * 1000:.0f} ms · {usage.tokens_per_s:.1f} tok/s")
-    return "  │  ".join(parts)
+    return " │ ".join(parts)

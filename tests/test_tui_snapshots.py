@@ -1,0 +1,99 @@
+"""Snapshots (pytest-textual-snapshot) of the app's main screens at 100x32, against a real tiny
+engine and store. Volatile figures are masked (``mask_volatile``: dates, TTFT, tok/s); the replies
+come from a seeded tiny model decoded greedily, so they repeat. Update with --snapshot-update."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("pytest_textual_snapshot")
+
+from chatkv.config import EngineConfig  # noqa: E402
+from chatkv.engine import Engine  # noqa: E402
+from chatkv.tui.app import ChatApp  # noqa: E402
+from tests.test_tui_app import idle  # noqa: E402
+from tests.tiny import make_model  # noqa: E402
+
+SIZE = (100, 32)
+FAST = dict(max_tokens=8, temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tui-snap-model")
+    make_model(d, "llama", seed=3)
+    return d
+
+
+@pytest.fixture
+def engine(model_dir, tmp_path):
+    e = Engine(model_dir, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=128))
+    yield e
+    e.close()
+
+
+def saved_chats(engine) -> str:
+    """Two saved conversations; returns the id of the one with turns."""
+    with engine.session(title="Packing list", params=FAST) as s:
+        pass
+    with engine.session(title="Trip to Paris", params=FAST) as s:
+        s.send("What is the capital of France?")
+        s.send("And its river?")
+    return s.id
+
+
+def test_new_chat_with_the_sidebar(snap_compare, engine):
+    saved_chats(engine)
+    app = ChatApp(engine=engine, sampling=FAST, mask_volatile=True)
+
+    async def settle(pilot):
+        await idle(pilot, app)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=settle)
+
+
+def test_resumed_chat_and_its_status_line(snap_compare, engine):
+    conv = saved_chats(engine)
+    app = ChatApp(engine=engine, resume=conv, sampling=FAST, mask_volatile=True)
+
+    async def turn(pilot):
+        await idle(pilot, app)
+        app.send("One more thing?")
+        await idle(pilot, app)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=turn)
+
+
+def test_help_screen(snap_compare, engine):
+    app = ChatApp(engine=engine, sampling=FAST, mask_volatile=True)
+
+    async def help_(pilot):
+        await idle(pilot, app)
+        await app.run_command("/help")
+        await idle(pilot, app)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=help_)
+
+
+def test_settings_dialog(snap_compare, engine):
+    app = ChatApp(engine=engine, system="You are terse.", sampling=dict(temperature=0.7, max_tokens=64), mask_volatile=True)
+
+    async def settings(pilot):
+        await idle(pilot, app)
+        app.action_settings()
+        await idle(pilot, app)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=settings)
+
+
+def test_delete_confirmation(snap_compare, engine):
+    saved_chats(engine)
+    app = ChatApp(engine=engine, sampling=FAST, mask_volatile=True)
+
+    async def delete(pilot):
+        await idle(pilot, app)
+        app.query_one("#conversations").focus()
+        await pilot.press("down", "d")
+        await idle(pilot, app)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=delete)
