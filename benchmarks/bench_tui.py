@@ -1,0 +1,92 @@
+"""The chat app's own costs: launch to a ready input box, and what it adds to the first token.
+
+- launch: from constructing ``ChatApp`` (no engine: it loads the model as ``chatkv`` does) to
+  the input box enabled and focused, headless (Textual's ``run_test``). Cold = a fresh
+  ``CHATKV_HOME``, so the default model is converted from its GGUF first; warm = the same
+  home again (converted model on disk). ``--model DIR`` times a local model instead (no cold run).
+- first token: for each turn, the SDK's own TTFT (``reply.usage.ttft_s``) against the app's
+  (Enter to the first piece written into the reply's Markdown), and the app's share alone
+  (the SDK yielding the first piece to it being on screen). Goal: the app adds < 50 ms.
+
+    .venv/bin/python benchmarks/bench_tui.py [--model DIR] [--turns 6] [--no-cold] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+QUESTIONS = ["What is the capital of France?", "And of Italy?", "Name a river in Paris.", "How long is it?",
+             "Which sea does it reach?", "Thanks! One more: Spain?", "And Portugal?", "Summarise."]
+
+
+async def launch(model: str | None, data_dir: str, turns: int, max_tokens: int) -> dict:
+    from chatkv.tui.app import ChatApp
+    from chatkv.tui.widgets.chat import ChatInput
+
+    t0 = time.perf_counter()
+    app = ChatApp(model=model, data_dir=data_dir, sampling=dict(max_tokens=max_tokens, temperature=0.0))
+    out: dict = {"sdk_ttft": [], "app_ttft": [], "app_added": []}
+    async with app.run_test(size=(100, 32)) as pilot:
+        box = app.query_one(ChatInput)
+        while app.engine is None or box.disabled or app.focused is not box or app.query_one("#loading").display:
+            assert app.exit_code == 0, "the model failed to load"
+            await asyncio.sleep(0.005)
+        out["ready_s"] = time.perf_counter() - t0
+        for q in QUESTIONS[:turns]:
+            app.send(q)
+            while app.generating:
+                await asyncio.sleep(0.002)
+            await pilot.pause()
+            t = app.turn_timing
+            if "first_shown" not in t or "sdk_ttft" not in t:
+                continue
+            out["sdk_ttft"].append(t["sdk_ttft"])
+            out["app_ttft"].append(t["first_shown"] - t["sent"])
+            out["app_added"].append(t["first_shown"] - t["first_piece"])
+        await app.action_quit()
+    return out
+
+
+def ms(xs: list[float]) -> str:
+    return f"{statistics.median(xs) * 1000:.1f} ms" if xs else "-"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a local model directory (default: the packaged model)")
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--no-cold", action="store_true", help="skip the cold run (conversion in a fresh CHATKV_HOME)")
+    p.add_argument("--threads", type=int, default=2)
+    a = p.parse_args()
+    import torch
+
+    torch.set_num_threads(a.threads)
+    print(f"threads {a.threads}, cpus {os.cpu_count()}, load average {os.getloadavg()[0]:.2f}")
+    with tempfile.TemporaryDirectory() as home:
+        if a.model is None and not a.no_cold:
+            os.environ["CHATKV_HOME"] = home  # the converted default model goes here: a cold start
+            cold = asyncio.run(launch(None, home, 1, a.max_tokens))
+            print(f"launch to ready input, cold (conversion into a fresh CHATKV_HOME): {cold['ready_s']:.2f} s")
+        warm = asyncio.run(launch(a.model, home, a.turns, a.max_tokens))
+        print(f"launch to ready input, warm: {warm['ready_s']:.2f} s")
+        sdk, app_t, added = warm["sdk_ttft"][1:], warm["app_ttft"][1:], warm["app_added"][1:]  # turn 1 opens the chat
+        print(f"turns 2..{a.turns} (median): SDK TTFT {ms(sdk)}, app TTFT (Enter to first piece shown) {ms(app_t)}, "
+              f"ratio {statistics.median(app_t) / max(statistics.median(sdk), 1e-9):.2f}x")
+        extra = statistics.median(app_t) - statistics.median(sdk)
+        print(f"the app adds {extra * 1000:.1f} ms over the SDK's TTFT (of which SDK yield -> on screen "
+              f"{ms(added)}; max {max(added) * 1000:.1f} ms); goal < 50 ms: {'met' if extra < 0.050 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
