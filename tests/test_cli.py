@@ -265,11 +265,28 @@ def test_safe_text():
 
 
 def test_a_message_longer_than_the_context_is_one_error_line_and_the_chat_goes_on(model_dir, tmp_path, monkeypatch, capsys):
+    import json
+    import logging
+    import shutil
+
+    model = tmp_path / "model"  # a tokenizer that knows its limit, as real ones do: transformers would warn too
+    shutil.copytree(model_dir, model)
+    cfg = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps(dict(cfg, model_max_length=1024)))
     monkeypatch.setenv("CHATKV_HOME", str(tmp_path))
     long = "the quick brown fox " * 1000  # the tiny model's context is 1024 tokens
     monkeypatch.setattr("sys.stdin", _pipe(f"Hello\n{long}\nAnd then?\n"))
-    assert main(["--model", model_dir, "--max-tokens", "3", "--stats"]) == 0
+    warned: list[logging.LogRecord] = []  # transformers' handler writes to a stderr captured before the test
+    collect = logging.Handler()
+    collect.emit = warned.append
+    tok_log = logging.getLogger("transformers.tokenization_utils_base")
+    tok_log.addHandler(collect)
+    try:
+        assert main(["--model", str(model), "--max-tokens", "3", "--stats"]) == 0
+    finally:
+        tok_log.removeHandler(collect)
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("chatkv: ") and "conversation" not in line]
     assert len(errors) == 1 and "context is 1024" in errors[0], err
+    assert not [r for r in warned if "Token indices" in r.getMessage()]  # no extra lines from transformers
     assert err.count("generated") == 2 and "Traceback" not in err  # the message after it got a reply
