@@ -19,7 +19,6 @@ sequences). Only the public SDK is used here.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from chatkv import ChatKVError, InvalidRequest
@@ -211,9 +210,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "chat":  # chatkv chat [options]: the same as chatkv [options]
         argv = argv[1:]
     args = _parser().parse_args(argv)
-    # A message longer than the context is one error line (the engine's InvalidRequest); transformers'
-    # own "Token indices sequence length is longer than..." warning would add two more.
-    logging.getLogger("transformers.tokenization_utils_base").setLevel(logging.ERROR)
     try:
         _check_prompt(args.prompt)
         _check_resume(args.resume)

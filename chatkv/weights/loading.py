@@ -112,7 +112,12 @@ def load_tokenizer(model_dir: str | Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(str(path))
+        tok = AutoTokenizer.from_pretrained(str(path))
+        # the engine checks prompt lengths against the model's context itself (one clear error);
+        # the tokenizer's own "Token indices sequence length is longer than..." warning would
+        # only add lines on the user's terminal
+        tok.model_max_length = int(1e30)
+        return tok
     except Exception as e:  # OSError, ValueError, JSONDecodeError, ...: the files, not the caller
         present = [n for n in _TOKENIZER_FILES if (path / n).is_file()]
         if not present:
