@@ -62,8 +62,8 @@ class Engine:
     def from_pretrained(cls, model: str | Path | None = None, **config) -> "Engine":
         """Load ``model`` (a local Hugging Face directory; None = the packaged default chat model)."""
         cfg = EngineConfig.from_kwargs(**config)
-        if model is None:
-            model = ensure_default_model()
+        if model is None:  # converted once into the data directory this engine uses
+            model = ensure_default_model(Path(cfg.data_dir) if cfg.data_dir else None)
         elif not Path(model).exists():
             raise ModelNotFound(f"model path '{model}' does not exist (chatkv never downloads weights)")
         return cls(model, cfg)
