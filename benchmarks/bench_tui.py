@@ -53,7 +53,7 @@ async def launch(model: str | None, data_dir: str, turns: int, max_tokens: int) 
             out["sdk_ttft"].append(t["sdk_ttft"])
             out["app_ttft"].append(t["first_shown"] - t["sent"])
             out["app_added"].append(t["first_shown"] - t["first_piece"])
-        await app.action_quit()
+        await app.quit_app()
     return out
 
 

@@ -345,3 +345,19 @@ def test_safe_text_strips_control_sequences():
     assert safe_text("t\x1b]0;title\x07x\x1b]8;;http://e\x1b\\y") == "txy"
     assert safe_text("keep\nnew\tlines\r\x07\x9b2J\x90dcs\x9c") == "keep\nnew\tlines"
     assert safe_text(None) == ""
+
+
+async def test_quitting_mid_reply_saves_what_was_produced(engine):
+    app = ChatApp(engine=engine, sampling=dict(max_tokens=900, temperature=0.0, ignore_eos=True))
+    async with app.run_test(size=SIZE) as pilot:
+        await idle(pilot, app)
+        app.query_one(ChatInput).post_message(ChatInput.Submitted("Go on and on."))
+        for _ in range(500):
+            await asyncio.sleep(0.01)
+            if "first_shown" in app.turn_timing:
+                break
+        assert app.generating
+        conv = app.session.id
+        await pilot.press("ctrl+q")
+    last = engine.resume(conv).messages()[-1]
+    assert last.role == "assistant" and last.status == "interrupted" and last.content

@@ -50,7 +50,10 @@ class EngineThread:
     async def call(self, fn, *args, **kw):
         return await asyncio.wrap_future(self._ex.submit(fn, *args, **kw))
 
+    closed = False
+
     def shutdown(self) -> None:
+        self.closed = True
         self._ex.shutdown(wait=True)
 
 
@@ -94,7 +97,7 @@ class ChatApp(App):
     """The chat app. Pass ``engine=`` (already loaded; the app never closes it) or ``model=``/``data_dir=``
     (loaded on start with a progress indicator, closed on exit)."""
 
-    CSS_PATH = "chatkv.tcss"
+    CSS_PATH = str(Path(__file__).with_name("chatkv.tcss"))  # absolute: subclasses elsewhere keep it
     TITLE = "chatkv"
     BINDINGS = [
         Binding("escape", "cancel", "Stop reply", priority=True),
@@ -134,6 +137,7 @@ class ChatApp(App):
         self._msg_ids = 0
         self._log_handler = _NotifyHandler(self)
         self.exit_code = 0
+        self._quitting = False
 
     # -- layout ---------------------------------------------------------------
 
@@ -214,7 +218,7 @@ class ChatApp(App):
         return True
 
     async def _refresh_sidebar(self) -> None:
-        if self.engine is None:
+        if self.engine is None or self._quitting:
             return
         convs = await self._call(self.engine.sessions, what="Conversations")
         if convs is not None:
@@ -400,6 +404,12 @@ class ChatApp(App):
 
     async def on_turn_done(self, msg: TurnDone) -> None:
         if msg.turn != self._turn:
+            return
+        if self._quitting:
+            if self._stream is not None:
+                await self._stream.stop()
+                self._stream = None
+            self.generating = False
             return
         rest = safe_text(self._take_pieces())
         if rest and self._stream is not None and self._reply_widget is not None:
@@ -818,13 +828,22 @@ class ChatApp(App):
 
     # -- quitting -----------------------------------------------------------------
 
-    async def action_quit(self) -> None:
+    def action_quit(self) -> None:
         """Stop a reply in progress (what was produced is saved), close the chat, then exit."""
+        if not self._quitting:
+            self.run_worker(self.quit_app(), group="quit")
+
+    async def quit_app(self) -> None:
+        self._quitting = True
         self._cancel.set()
         try:
             await self._wait_turn()
         except Exception:  # noqa: BLE001
             pass
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        self.generating = False
         await self.shutdown_engine()
         self.exit(self.exit_code)
 
@@ -849,8 +868,9 @@ class ChatApp(App):
                     self.engine.close()
                 except Exception:  # noqa: BLE001
                     pass
-        self.worker_thread.submit(finish)
-        self.worker_thread.shutdown()
+        if not self.worker_thread.closed:
+            self.worker_thread.submit(finish)
+            self.worker_thread.shutdown()
 
 
 def run_app(*, model: str | None = None, data_dir: str | None = None, resume: str | None = None,
