@@ -273,8 +273,10 @@ async def test_slash_commands(engine, model_dir, tmp_path):
         await pilot.press("ctrl+s")
         await idle(pilot, app)
         assert app.params["temperature"] == 0.5 and app.params["max_tokens"] == 3
+        assert app.session.params["max_tokens"] == 3  # saved with the conversation, not only in the app
         await say(pilot, app, "Short?")
         assert app.last_usage.generated_tokens <= 3
+        assert engine.session_manager.store.get_conversation(app.session.id).params["max_tokens"] == 3  # in the database
         await say(pilot, app, "/bogus")
         assert any("Unknown command" in e for e in errors(app))
         await say(pilot, app, "/new")

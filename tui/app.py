@@ -764,8 +764,9 @@ class ChatApp(App):
             self._error(e, "Settings")
             return
         self.params = params
-        # TODO(SDK): no public call saves changed sampling settings with an existing conversation
-        # (needs e.g. session.update_settings(params=...)); they apply to this app's turns only.
+        if self.session is not None:  # saved with the conversation: a resume gets them back
+            changes = {key: params.get(key) for key in ("temperature", "max_tokens")}  # None removes one
+            await self._call(self.session.update_params, what="Settings", **changes)
         if out.get("system") != self.system:
             self.system = out.get("system")
             await self.new_chat("System prompt changed: a new chat started with it.")
