@@ -30,12 +30,12 @@ _PARTIAL_TAIL = re.compile(
 )
 
 
-def safe_text(s: str, *, oneline: bool = False) -> str:
+def safe_text(s: str | None, *, oneline: bool = False) -> str:
     """``s`` without terminal control sequences: ESC-based CSI/OSC/DCS/other sequences, their
     8-bit forms, and every C0/C1 control character except newline and tab (``\\r\\n`` becomes
     ``\\n``). ``oneline``: newlines and tabs become spaces too (titles, list rows)."""
     if not s:
-        return s
+        return ""
     s = s.replace("\r\n", "\n")
     s = _SEQUENCE.sub("", s)
     s = _CONTROL.sub("", s)

@@ -1,27 +1,10 @@
-"""Stored text made safe for a terminal, and the figures the status line shows."""
+"""Titles and the status line, made from stored text that ``chatkv.tui.text.safe_text`` cleans."""
 
 from __future__ import annotations
 
-import re
+from chatkv.tui.text import safe_text  # the one sanitiser, shared with the line mode
 
-# ESC-introduced sequences: CSI, OSC (ended by BEL or ST), DCS/SOS/PM/APC strings, and two-byte escapes;
-# then their 8-bit C1 forms (CSI 0x9b, OSC 0x9d, DCS 0x90, SOS 0x98, PM 0x9e, APC 0x9f).
-_SEQUENCES = re.compile(
-    r"\x1b\[[0-?]*[ -/]*[@-~]?"
-    r"|\x1b\][^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
-    r"|\x1b[PX^_][^\x1b\x9c]*(?:\x1b\\|\x9c)?"
-    r"|\x1b[ -/]*[0-~]?"
-    r"|\x9b[0-?]*[ -/]*[@-~]?"
-    r"|[\x9d\x90\x98\x9e\x9f][^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
-)
-_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def safe_text(s: str | None) -> str:
-    """``s`` without terminal control sequences (ESC/CSI/OSC/DCS ...) or C0/C1 controls; keeps \\n and \\t."""
-    if not s:
-        return ""
-    return _CONTROLS.sub("", _SEQUENCES.sub("", s))
+__all__ = ["one_line", "safe_text", "status_text"]
 
 
 def one_line(s: str | None, width: int = 60) -> str:
