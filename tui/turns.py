@@ -1,0 +1,203 @@
+"""Turns of the chat app: send a message, stream the reply on the engine thread, show it.
+
+``TurnsMixin`` is mixed into ``ChatApp`` (tui/app.py) and uses its state and helpers. The
+engine thread posts ``Piece`` messages (buffered, at most one in flight) and one ``TurnDone``;
+Esc sets the cancel flag, and closing the SDK's stream keeps what was produced, marked interrupted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from textual.containers import VerticalScroll
+from textual.message import Message
+from textual.widgets import Markdown
+
+from chatkv.errors import ChatKVError
+from chatkv.outputs import Reply, Usage
+from chatkv.sampling import SamplingParams
+from chatkv.tui.widgets.chat import StatusLine
+from chatkv.tui.widgets.text import safe_text
+
+
+@dataclass
+class Piece(Message):
+    turn: int
+    text: str
+    at: float  # perf_counter when the SDK yielded it
+
+
+@dataclass
+class TurnDone(Message):
+    turn: int
+    reply: Reply | None
+    usage: Usage | None
+    interrupted: bool
+    error: str | None
+
+
+
+class TurnsMixin:
+    """Sending a message and streaming its reply (part of ``ChatApp``)."""
+
+    def send(self, text: str) -> None:
+        if not self._can_act("sending another message"):
+            return
+        self.run_worker(self._send(text), exclusive=False)
+
+    def _sampling(self) -> SamplingParams | None:
+        return SamplingParams.from_dict(self.params) if self.params else None
+
+    async def _ensure_session(self) -> bool:
+        if self.session is not None:
+            return True
+        knowledge = None
+        if self.kb_name:
+            knowledge = await self._call(self.engine.knowledge_base, self.kb_name, what="Knowledge base")
+            if knowledge is None:
+                return False
+        kw = dict(system=self.system, params=dict(self.params) or None)
+        if knowledge is not None:
+            kw.update(knowledge=knowledge, documents=list(self.documents) or None)
+        self.session = await self._call(self.engine.session, what="New chat", **kw)
+        return self.session is not None
+
+    async def _send(self, text: str) -> None:
+        self.generating = True  # set before any await: a second Enter is refused
+        try:
+            t_sent = time.perf_counter()
+            if not await self._ensure_session():
+                self.generating = False
+                return
+            try:
+                params = self._sampling()
+            except ChatKVError as e:
+                self._error(e, "Settings")
+                self.generating = False
+                return
+            await self._add_message("user", text)
+            self._reply_widget = await self._add_message("assistant", "")
+            self._stream = Markdown.get_stream(self._reply_widget.body)
+            self._turn += 1
+            self._cancel.clear()
+            self.turn_timing = {"sent": t_sent}
+            self.query_one(StatusLine).update("generating…  (Esc stops)")
+            self._turn_future = self.worker_thread.submit(self._run_turn, self.session, text, params, self._turn)
+        except Exception as e:  # noqa: BLE001
+            self.generating = False
+            self._error(e, "Send")
+
+    def _run_turn(self, session, text: str, params, turn: int) -> None:
+        """On the engine thread: stream the turn, posting pieces; Esc (the cancel flag) closes the stream."""
+        reply = usage = error = None
+        interrupted = False
+        gen = None
+        try:
+            gen = session.stream(text, params)
+            for piece in gen:
+                if isinstance(piece, Reply):
+                    reply = piece
+                    break
+                if piece:
+                    self._push_piece(turn, piece)
+                if self._cancel.is_set():
+                    interrupted = True
+                    break
+        except Exception as e:  # noqa: BLE001 - reported as a notification by TurnDone
+            error = str(e) if isinstance(e, ChatKVError) else f"{type(e).__name__}: {e}"
+        finally:
+            if gen is not None:
+                try:
+                    gen.close()  # the SDK keeps what was produced, marked interrupted
+                except Exception as e:  # noqa: BLE001
+                    error = error or f"{type(e).__name__}: {e}"
+        if reply is not None:
+            usage = reply.usage
+            interrupted = interrupted or reply.finish_reason == "aborted"
+        else:
+            try:
+                msgs = session.messages()
+                if msgs and msgs[-1].role == "assistant":
+                    usage = Usage.from_message(msgs[-1])
+                    interrupted = interrupted or msgs[-1].status == "interrupted"
+            except Exception:  # noqa: BLE001
+                pass
+        try:
+            self._kv = self.engine.kv_stats()
+        except Exception:  # noqa: BLE001
+            pass
+        self.post_message(TurnDone(turn, reply, usage, interrupted, error))
+
+    def _push_piece(self, turn: int, piece: str) -> None:
+        """On the engine thread: buffer the piece; post a message only if the UI took the last one,
+        so a fast model never floods the message queue (the UI takes everything buffered at once)."""
+        with self._pieces_lock:
+            self._pieces.append(piece)
+            if self._piece_posted:
+                return
+            self._piece_posted = True
+        self.post_message(Piece(turn, "", time.perf_counter()))
+
+    def _take_pieces(self) -> str:
+        with self._pieces_lock:
+            text = "".join(self._pieces)
+            self._pieces.clear()
+            self._piece_posted = False
+        return text
+
+    async def on_piece(self, msg: Piece) -> None:
+        text = safe_text(self._take_pieces())
+        if msg.turn != self._turn or self._stream is None or self._reply_widget is None or not text:
+            return
+        self._reply_widget.text += text
+        await self._stream.write(text)
+        if "first_piece" not in self.turn_timing:
+            self.turn_timing["first_piece"] = msg.at
+            self.turn_timing["first_shown"] = time.perf_counter()
+        self.query_one("#chat", VerticalScroll).scroll_end(animate=False)
+
+    async def on_turn_done(self, msg: TurnDone) -> None:
+        if msg.turn != self._turn:
+            return
+        if self._quitting:
+            if self._stream is not None:
+                await self._stream.stop()
+                self._stream = None
+            self.generating = False
+            return
+        rest = safe_text(self._take_pieces())
+        if rest and self._stream is not None and self._reply_widget is not None:
+            self._reply_widget.text += rest
+            await self._stream.write(rest)
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        w = self._reply_widget
+        self._reply_widget = None
+        self.turn_timing["done"] = time.perf_counter()
+        if msg.usage is not None:
+            self.last_usage = msg.usage
+            self.turn_timing["sdk_ttft"] = msg.usage.ttft_s
+        if w is not None:
+            if msg.interrupted:
+                w.mark_interrupted()
+            if msg.reply is not None and msg.reply.sources:
+                w.show_sources([s.as_json() if hasattr(s, "as_json") else dict(s) for s in msg.reply.sources])
+        self.generating = False
+        self._turn_future = None
+        if msg.error:
+            self._error(msg.error, "Reply")
+        self._update_status()
+        await self._refresh_sidebar()
+
+
+    def action_cancel(self) -> None:
+        self._cancel.set()
+
+
+    async def _wait_turn(self) -> None:
+        fut = self._turn_future
+        if fut is not None:
+            await asyncio.wrap_future(fut)
