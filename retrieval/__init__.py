@@ -3,7 +3,7 @@
 Loaders (documents.py), structure-following chunking (chunking.py), sentence
 embeddings (embedding.py), the FAISS dense index (dense_index.py) and the
 knowledge base that ties them to the database and the FTS5 lexical index
-(knowledge_base.py)::
+(knowledge_base.py; its ingest path in ingest.py, its search path in search.py)::
 
     from chatkv.retrieval import KnowledgeBase
     kb = KnowledgeBase.open("python-docs")

@@ -41,101 +41,36 @@ SQLAlchemy URL; SQLite by default), for one tenant. Contracts:
 
 A KnowledgeBase is safe to share between threads (one lock).
 
-This file is over 400 lines because the class is one unit: opening, ingest, removal
-and search all keep the same invariant (the dense index holds exactly the
-database's chunk ids at the revision it last saw) under one lock.
+The ingest path (discover, load, chunk, embed, write) is in ingest.py, the search
+path (candidates, fusion, filters) in search.py; KnowledgeBase holds the lock and
+the invariant (the dense index holds exactly the database's chunk ids at the
+revision it last saw) and delegates to them.
 """
 
 from __future__ import annotations
 
-import fnmatch
-import hashlib
 import logging
 import threading
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 
 from chatkv.errors import ChatKVError, InvalidRequest, check_text
+from chatkv.retrieval import ingest as ingest_path
+from chatkv.retrieval import search as search_path
 from chatkv.retrieval.dense_index import HNSW_THRESHOLD, DenseIndex, kind_for
 from chatkv.retrieval.embedding import Embedder
+from chatkv.retrieval.ingest import CHUNK_TOKENS, OVERLAP_TOKENS, IngestReport  # noqa: F401 (re-exported)
+from chatkv.retrieval.search import MAX_K, MODES, RRF_K, Hit, rrf  # noqa: F401 (re-exported)
 from chatkv.storage import paths
-from chatkv.storage.knowledge import (
-    ChunkRecord,
-    DocumentInfo,
-    KBInfo,
-    KnowledgeStore,
-    NewChunk,
-    WriteResult,
-    check_kb_name,
-)
-from chatkv.retrieval.documents import Document, DocumentError, FileError, discover, document_from_text, load_file
-from chatkv.retrieval.chunking import chunk_document
+from chatkv.storage.knowledge import DocumentInfo, KBInfo, KnowledgeStore, WriteResult, check_kb_name
 
 log = logging.getLogger(__name__)
 
-MODES = ("hybrid", "dense", "lexical")
-RRF_K = 60
-MAX_K = 1000
-CHUNK_TOKENS = 256
-OVERLAP_TOKENS = 32
-EMBED_GROUP = 256  # chunks embedded together before their documents are written
-
-
-@dataclass(frozen=True)
-class Hit:
-    text: str
-    score: float
-    source: str
-    chunk_id: int
-    document_id: int
-    ordinal: int
-    start: int  # character offsets of ``text`` in the document's text
-    end: int
-    heading: str
-    metadata: dict[str, Any]  # the document's
-
-
-@dataclass
-class IngestReport:
-    added: list[str] = field(default_factory=list)
-    updated: list[str] = field(default_factory=list)
-    unchanged: list[str] = field(default_factory=list)
-    skipped: list[FileError] = field(default_factory=list)
-    chunks: int = 0  # chunks embedded and written by this call
-    # parse: discover, load, chunk; embed: the model; index: database writes, FAISS, the index file
-    seconds: dict[str, float] = field(default_factory=lambda: {"parse": 0.0, "embed": 0.0, "index": 0.0})
-
-    def summary(self) -> str:
-        s = self.seconds
-        return (
-            f"{len(self.added)} added, {len(self.updated)} updated, {len(self.unchanged)} unchanged, "
-            f"{len(self.skipped)} skipped; {self.chunks} chunks "
-            f"(parse {s['parse']:.1f} s, embed {s['embed']:.1f} s, index {s['index']:.1f} s)"
-        )
-
-
-def _hit(r: ChunkRecord, score: float) -> Hit:
-    return Hit(r.text, float(score), r.source, r.id, r.document_id, r.ordinal, r.start, r.end, r.heading, r.metadata)
-
-
-def rrf(rankings: Sequence[Sequence[int]], k: int = RRF_K) -> list[tuple[int, float]]:
-    """Reciprocal rank fusion: (id, sum over rankings of 1/(k + rank)), best first, ties by id."""
-    scores: dict[int, float] = {}
-    for ranking in rankings:
-        for rank, i in enumerate(ranking, 1):
-            scores[i] = scores.get(i, 0.0) + 1.0 / (k + rank)
-    return sorted(scores.items(), key=lambda x: (-x[1], x[0]))
-
-
-@dataclass
-class _Staged:
-    doc: Document
-    texts: list[str]  # what is embedded for each chunk
-    chunks: list[NewChunk]  # embedding filled in after embedding
+# Chunks embedded together before their documents are written; read at each call, so
+# setting knowledge_base.EMBED_GROUP takes effect (the crash test writes one at a time).
+EMBED_GROUP = 256
 
 
 class KnowledgeBase:
@@ -301,6 +236,7 @@ class KnowledgeBase:
         # else: another process wrote too; the next _refresh() diffs the ids
 
     # ------------------------------------------------------------------ ingest
+    # ------------------------------------------------------------------ ingest (ingest.py)
 
     def add(
         self,
@@ -314,32 +250,8 @@ class KnowledgeBase:
         with self._lock:
             self._refresh()
             known = self._store.document_hashes(self.id)
-
-            def skip(source: str, reason: str) -> None:
-                if source in known:
-                    reason += "; its previous version stays in the knowledge base"
-                report.skipped.append(FileError(source, reason))
-
-            def docs():
-                t = time.perf_counter()
-                for item in discover(paths, include=include, exclude=exclude):
-                    if isinstance(item, FileError):
-                        skip(item.source, item.reason)
-                        continue
-                    try:
-                        doc = load_file(item)
-                    except DocumentError as e:
-                        skip(e.source, e.reason)
-                        continue
-                    except Exception as e:  # a loader bug or a library error must not stop the ingest
-                        log.debug("loading %s failed", item, exc_info=True)
-                        skip(str(item), f"cannot be loaded: {type(e).__name__}: {e}")
-                        continue
-                    report.seconds["parse"] += time.perf_counter() - t
-                    yield doc, None
-                    t = time.perf_counter()
-
-            self._ingest(docs(), known, report, progress)
+            docs = ingest_path.file_documents(paths, include, exclude, known, report)
+            self._ingest(docs, known, report, progress)
         return report
 
     def add_texts(
@@ -352,147 +264,16 @@ class KnowledgeBase:
         same text is the same document); ``metadata`` is one dict for all or one per text.
         A text's source works like a file's path: the same source with another text
         replaces it."""
-        if isinstance(texts, str):
-            raise InvalidRequest("add_texts() takes a list of texts, not one string")
-        texts = list(texts)
-        for t in texts:
-            check_text("text", t)
-        if sources is None:
-            sources = ["text:" + hashlib.sha256(t.encode("utf-8")).hexdigest()[:16] for t in texts]
-        else:
-            if isinstance(sources, str):
-                raise InvalidRequest("sources must be a list with one source per text")
-            sources = [check_text("source", s) for s in sources]
-            if len(sources) != len(texts):
-                raise InvalidRequest(f"{len(sources)} sources for {len(texts)} texts")
-            if any(not s.strip() for s in sources):
-                raise InvalidRequest("a source is empty")
-        dupes = sorted({s for s in sources if sources.count(s) > 1})
-        if dupes:
-            raise InvalidRequest(f"sources must be unique; repeated: {dupes[:5]}")
-        if metadata is None or isinstance(metadata, dict):
-            metas = [metadata] * len(texts)
-        else:
-            metas = list(metadata)
-            if len(metas) != len(texts):
-                raise InvalidRequest(f"{len(metas)} metadata dicts for {len(texts)} texts")
-        for m in metas:
-            if m is not None and not isinstance(m, dict):
-                raise InvalidRequest(f"metadata must be a dict, got {type(m).__name__}")
+        texts, sources, metas = ingest_path.check_texts(texts, sources, metadata)
         report = IngestReport()
         with self._lock:
             self._refresh()
             known = self._store.document_hashes(self.id)
-
-            def docs():
-                for text, source, meta in zip(texts, sources, metas):
-                    t = time.perf_counter()
-                    try:
-                        doc = document_from_text(text, source, metadata=dict(meta or {}))
-                    except DocumentError as e:
-                        report.skipped.append(FileError(e.source, e.reason))
-                        continue
-                    report.seconds["parse"] += time.perf_counter() - t
-                    yield doc, meta
-
-            self._ingest(docs(), known, report, False)
+            self._ingest(ingest_path.text_documents(texts, sources, metas, report), known, report, False)
         return report
 
     def _ingest(self, docs, known: dict, report: IngestReport, progress: bool) -> None:
-        max_tokens = min(CHUNK_TOKENS, self.embedder.max_tokens)
-        overlap = min(OVERLAP_TOKENS, max_tokens // 4)
-        pending: list[_Staged] = []
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(desc=f"ingesting into {self.name}", unit="chunk")
-        try:
-            for doc, _ in docs:
-                old = known.get(doc.source)
-                if old is not None and old[0] == doc.content_hash:
-                    if old[1] != doc.metadata:
-                        revision = self._store.set_metadata(self.id, doc.source, doc.metadata)
-                        if revision is not None and revision == self._revision + 1:
-                            self._revision = revision
-                        report.updated.append(doc.source)
-                    else:
-                        report.unchanged.append(doc.source)
-                    continue
-                t = time.perf_counter()
-                try:
-                    chunks = chunk_document(doc, self.embedder.count_tokens, max_tokens=max_tokens, overlap_tokens=overlap)
-                except Exception as e:  # one document's trouble is its own
-                    log.debug("chunking %s failed", doc.source, exc_info=True)
-                    report.skipped.append(FileError(doc.source, f"cannot be chunked: {type(e).__name__}: {e}"))
-                    continue
-                chunks = [c for c in chunks if c.text.strip()]
-                if not chunks:
-                    reason = "no text to index (empty or whitespace only)"
-                    if old is not None:
-                        reason += "; its previous version stays in the knowledge base"
-                    report.skipped.append(FileError(doc.source, reason))
-                    report.seconds["parse"] += time.perf_counter() - t
-                    continue
-                staged = _Staged(
-                    doc,
-                    [self._embedding_text(doc, c) for c in chunks],
-                    [NewChunk(c.ordinal, c.start, c.end, c.heading or "", c.text, self.embedder.count_tokens(c.text), b"")
-                     for c in chunks],
-                )
-                report.seconds["parse"] += time.perf_counter() - t
-                known[doc.source] = (doc.content_hash, doc.metadata)
-                pending.append(staged)
-                if sum(len(p.chunks) for p in pending) >= EMBED_GROUP:
-                    self._flush(pending, report, bar)
-                    pending = []
-            self._flush(pending, report, bar)
-        finally:
-            if bar is not None:
-                bar.close()
-            t = time.perf_counter()
-            if report.added or report.updated or report.chunks:
-                self._write_index()
-            report.seconds["index"] += time.perf_counter() - t
-
-    @staticmethod
-    def _embedding_text(doc: Document, chunk) -> str:
-        """What is embedded for a chunk: its heading path, if any, then its text."""
-        heading = (chunk.heading or "").strip()
-        if heading and not chunk.text.lstrip().startswith(heading):
-            return f"{heading}\n{chunk.text}"
-        return chunk.text
-
-    def _flush(self, pending: list[_Staged], report: IngestReport, bar) -> None:
-        if not pending:
-            return
-        t = time.perf_counter()
-        texts = [x for p in pending for x in p.texts]
-        vectors = self.embedder.encode(texts)
-        report.seconds["embed"] += time.perf_counter() - t
-        t = time.perf_counter()
-        row = 0
-        for p in pending:
-            n = len(p.chunks)
-            vecs = vectors[row : row + n]
-            row += n
-            chunks = [
-                NewChunk(c.ordinal, c.start, c.end, c.heading, c.text, c.token_count, v.astype("<f4").tobytes())
-                for c, v in zip(p.chunks, vecs)
-            ]
-            d = p.doc
-            result = self._store.put_document(
-                self.id, d.source, d.kind, d.content_hash, d.metadata, d.text, chunks, self._info.embedding_dim
-            )
-            self._applied(result)
-            if not self._rebuild_due:
-                self.dense.add(result.added_ids, vecs)
-            (report.added if result.status == "added" else report.updated).append(d.source)
-            report.chunks += n
-        self._settle()
-        report.seconds["index"] += time.perf_counter() - t
-        if bar is not None:
-            bar.update(len(texts))
+        ingest_path.ingest(self, docs, known, report, progress, EMBED_GROUP)
 
     # ------------------------------------------------------------------ removing
 
@@ -539,78 +320,14 @@ class KnowledgeBase:
     def search(
         self, query: str, k: int = 5, mode: str = "hybrid", filters: Optional[dict[str, Any]] = None
     ) -> list[Hit]:
-        """The ``k`` best chunks for ``query``; see the module docstring. An empty query finds nothing."""
-        check_text("query", query)
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_K:
-            raise InvalidRequest(f"k must be an int from 1 to {MAX_K}, got {k!r}")
-        if mode not in MODES:
-            raise InvalidRequest(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
-        if filters is not None and not isinstance(filters, dict):
-            raise InvalidRequest(f"filters must be a dict, got {type(filters).__name__}")
+        """The ``k`` best chunks for ``query``; see the module docstring and search.py. An empty query finds nothing."""
+        search_path.check_search(query, k, mode, filters)
         if not query.strip():
             return []
         with self._lock:
             self._refresh()
-            if mode == "lexical" and not self._store.has_lexical:
-                raise InvalidRequest(
-                    f"lexical search needs SQLite's FTS5; the database {self._store.where} is not SQLite"
-                )
-            if mode == "hybrid" and not self._store.has_lexical:
-                if not self._warned_no_lexical:
-                    log.warning("knowledge base %r: no lexical index on %s (not SQLite): hybrid search is dense-only",
-                                self.name, self._store.where)
-                    self._warned_no_lexical = True
-                mode = "dense"
-            doc_ids = chunk_ids = None
-            if filters:
-                doc_ids = self._filter(filters)
-                if not doc_ids:
-                    return []
-                chunk_ids = self._store.chunk_ids_of_documents(doc_ids) if mode != "lexical" else None
-            n = max(4 * k, 20)
-            dense: list[tuple[int, float]] = []
-            lexical: list[tuple[int, float]] = []
-            if mode in ("dense", "hybrid"):
-                vector = self.embedder.encode([query])[0]
-                dense = self.dense.search(vector, n, chunk_ids)
-            if mode in ("lexical", "hybrid"):
-                lexical = self._store.lexical_search(self.id, query, n, doc_ids)
-            if mode == "dense":
-                ranked = sorted(dense, key=lambda x: (-x[1], x[0]))
-            elif mode == "lexical":
-                ranked = sorted(lexical, key=lambda x: (-x[1], x[0]))
-            else:
-                ranked = rrf([[i for i, _ in dense], [i for i, _ in lexical]])
-            ranked = ranked[:k]
-            records = self._store.chunks(self.id, [i for i, _ in ranked])
-            return [_hit(records[i], s) for i, s in ranked if i in records]
+            return search_path.search(self, query, k, mode, filters)
 
-    def _filter(self, filters: dict[str, Any]) -> list[int]:
-        """Ids of the documents that pass every filter."""
-        for key in filters:
-            if not isinstance(key, str):
-                raise InvalidRequest(f"filter keys must be strings, got {key!r}")
-        source_glob = filters.get("source")
-        if source_glob is not None and not isinstance(source_glob, str):
-            raise InvalidRequest(f"the 'source' filter must be a string (a glob), got {source_glob!r}")
-        wanted = {k: v for k, v in filters.items() if k != "source"}
-        out = []
-        for doc_id, source, meta in self._store.document_index(self.id):
-            if source_glob is not None and not fnmatch.fnmatchcase(source, source_glob):
-                continue
-            ok = True
-            for key, value in wanted.items():
-                if key not in meta:
-                    ok = False
-                elif isinstance(value, (list, tuple, set, frozenset)):
-                    ok = meta[key] in list(value)
-                else:
-                    ok = meta[key] == value
-                if not ok:
-                    break
-            if ok:
-                out.append(doc_id)
-        return out
 
     def chunks_of(self, source: str) -> list[Hit]:
         """A document's chunks in ordinal order (score 0.0), e.g. to pin the whole document;
@@ -620,7 +337,7 @@ class KnowledgeBase:
             found = self._resolve(source)
             if found is None:
                 return []
-            return [_hit(r, 0.0) for r in self._store.chunks_of(self.id, found)]
+            return [search_path.hit(r, 0.0) for r in self._store.chunks_of(self.id, found)]
 
     def documents(self) -> list[DocumentInfo]:
         """The KB's documents (source, kind, hash, metadata, sizes), by source."""
