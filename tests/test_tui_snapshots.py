@@ -8,28 +8,11 @@ import pytest
 
 pytest.importorskip("pytest_textual_snapshot")
 
-from chatkv.config import EngineConfig  # noqa: E402
-from chatkv.engine import Engine  # noqa: E402
 from chatkv.tui.app import ChatApp  # noqa: E402
-from tests.test_tui_app import idle  # noqa: E402
-from tests.tiny import make_model  # noqa: E402
+from tests.test_tui_app import engine, idle, model_dir  # noqa: E402,F401  (the same fixtures: tiny model, real engine)
 
 SIZE = (100, 32)
 FAST = dict(max_tokens=8, temperature=0.0)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tui-snap-model")
-    make_model(d, "llama", seed=3)
-    return d
-
-
-@pytest.fixture
-def engine(model_dir, tmp_path):
-    e = Engine(model_dir, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=128))
-    yield e
-    e.close()
 
 
 def saved_chats(engine) -> str:
