@@ -124,6 +124,9 @@ class Conversation(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
     archived: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    # what the KV window holds when the history outgrew the context (chatkv.context_window);
+    # None: the whole history. Written in the same transaction as token_ids.
+    context: Mapped[Optional[dict]] = mapped_column(JSON(none_as_null=True))
 
     messages: Mapped[list[Message]] = relationship(
         back_populates="conversation", passive_deletes=True, order_by="Message.id"
@@ -148,6 +151,7 @@ class Message(Base):
     prompt_tokens: Mapped[Optional[int]] = mapped_column(Integer)
     cached_tokens: Mapped[Optional[int]] = mapped_column(Integer)
     restored_tokens: Mapped[Optional[int]] = mapped_column(Integer)
+    host_tokens: Mapped[Optional[int]] = mapped_column(Integer)
     computed_tokens: Mapped[Optional[int]] = mapped_column(Integer)
     generated_tokens: Mapped[Optional[int]] = mapped_column(Integer)
     ttft_ms: Mapped[Optional[float]] = mapped_column(Float)

@@ -23,10 +23,11 @@ STAT_FIELDS = (
     "restored_tokens",
     "computed_tokens",
     "generated_tokens",
+    "host_tokens",
     "ttft_ms",
     "tokens_per_s",
 )
-_INT_STATS = frozenset(STAT_FIELDS[:5])
+_INT_STATS = frozenset(STAT_FIELDS[:6])
 
 
 # ---------------------------------------------------------------- plain data
@@ -47,6 +48,7 @@ class ConversationInfo:
     created_at: datetime
     updated_at: datetime
     archived: bool
+    context: Optional[dict[str, Any]] = None  # the KV window's state (chatkv.context_window), None: whole history
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class MessageInfo:
     restored_tokens: Optional[int] = None
     computed_tokens: Optional[int] = None
     generated_tokens: Optional[int] = None
+    host_tokens: Optional[int] = None
     ttft_ms: Optional[float] = None
     tokens_per_s: Optional[float] = None
 
@@ -93,6 +96,7 @@ def conversation_info(c: Conversation, with_tokens: bool = True) -> Conversation
         created_at=c.created_at,
         updated_at=c.updated_at,
         archived=bool(c.archived),
+        context=_copy_json(c.context),
     )
 
 

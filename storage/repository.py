@@ -255,19 +255,24 @@ class Store:
         status: str = "complete",
         meta: Optional[dict] = None,
         token_ids: Optional[list[int]] = None,
+        context: Any = ...,
         **stats: Any,
     ) -> MessageInfo:
         """Append a message (stats: prompt_tokens, cached_tokens, restored_tokens,
         computed_tokens, generated_tokens, ttft_ms, tokens_per_s) and bump the
         conversation's activity time. ``token_ids``, when given, replaces the
         conversation's canonical token history in the same transaction, so the
-        messages and the tokens never disagree after a crash."""
+        messages and the tokens never disagree after a crash. ``context`` (a JSON object, or
+        None), when given, replaces the conversation's KV-window state in that same
+        transaction (it describes ``token_ids``)."""
         if role not in ROLES:
             raise InvalidRequest(f"unknown message role {role!r}; expected one of {sorted(ROLES)}")
         check_str("content", content)
         if status not in STATUSES:
             raise InvalidRequest(f"unknown message status {status!r}; expected one of {sorted(STATUSES)}")
         meta = None if meta is None else check_json("meta", meta)
+        if context is not ... and context is not None:
+            context = check_json("context", context)
         check_stats(stats, "add_message")
         with self._writing() as s:
             conv = self._conversation(s, conv_id)
@@ -277,6 +282,8 @@ class Store:
             if token_ids is not None:
                 tokens = check_tokens(token_ids)
                 conv.token_ids, conv.token_count = tokens, len(tokens)
+            if context is not ...:
+                conv.context = context
             s.add(msg)
             conv.updated_at = now
             s.flush()
