@@ -148,13 +148,16 @@ class KVManager:
             kept.tail_block = None
         self._live.discard(kept)
 
-    def export_kv(self, kept: RetainedKV) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per-layer keys and values ``[kv_len, kv_heads, head_dim]`` of a RetainedKV (copies)."""
+    def export_kv(self, kept: RetainedKV, start: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per-layer keys and values ``[kv_len - start, kv_heads, head_dim]`` of the tokens
+        ``start:kv_len`` of a RetainedKV (copies; only the blocks holding them are read)."""
+        assert 0 <= start <= kept.kv_len, f"export from token {start} of {kept.kv_len}"
         blocks = self._path_blocks(kept.node)
         assert len(blocks) * self.block_size == kept.kv_len - kept.tail_len, "retained path and length disagree"
         if kept.tail_block is not None:
             blocks.append(kept.tail_block)
-        kv = self.pool.read(blocks, kept.kv_len)
+        first = start // self.block_size
+        kv = self.pool.read(blocks[first:], kept.kv_len - first * self.block_size)[:, :, start - first * self.block_size :]
         return [kv[i, 0] for i in range(kv.shape[0])], [kv[i, 1] for i in range(kv.shape[0])]
 
     def import_kv(self, token_ids: list[int], num_tokens: int, k: list[torch.Tensor], v: list[torch.Tensor]) -> RetainedKV:
