@@ -105,6 +105,13 @@ class BlockPool:
             flat[i, 0].index_copy_(0, slots, k[i].to(flat.dtype))
             flat[i, 1].index_copy_(0, slots, v[i].to(flat.dtype))
 
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy the KV of blocks ``src`` into blocks ``dst`` (pairwise; copy-on-write)."""
+        assert len(src) == len(dst)
+        if src:
+            dev = self.kv.device
+            self.kv.index_copy_(2, torch.tensor(dst, device=dev), self.kv.index_select(2, torch.tensor(src, device=dev)))
+
     def check_integrity(self) -> None:
         free = set(self._free)
         assert len(free) == len(self._free), "a block is on the free list twice"

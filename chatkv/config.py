@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields
 
 from chatkv.errors import InvalidRequest
 
+OVERFLOW_POLICIES = ("sink", "truncate", "error")
+
 
 @dataclass
 class EngineConfig:
@@ -18,6 +20,10 @@ class EngineConfig:
     device: str = "cpu"
     tenant: str = ""  # salt of the prefix-cache namespace: tenants never share KV
     enable_prefix_caching: bool = True
+    # conversations longer than the context (chatkv.context_window)
+    context_window: int | None = None  # tokens a conversation's KV may hold; None: the model's context (and the pool)
+    overflow: str = "sink"  # beyond it: "sink" (keep the first tokens + a recent window), "truncate" (drop oldest turns), "error"
+    sink_tokens: int = 4  # attention-sink tokens kept in "sink" mode (rounded up to a block; the system prompt is always kept)
     # sessions
     data_dir: str | None = None  # None: CHATKV_HOME, else the platform's user data dir
     db_url: str | None = None  # any SQLAlchemy URL; None: SQLite file in data_dir
@@ -35,6 +41,12 @@ class EngineConfig:
             raise InvalidRequest(f"block_size must be >= 1, got {cfg.block_size}")
         if cfg.num_blocks is not None and cfg.num_blocks < 1:
             raise InvalidRequest(f"num_blocks must be >= 1, got {cfg.num_blocks}")
+        if cfg.overflow not in OVERFLOW_POLICIES:
+            raise InvalidRequest(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {cfg.overflow!r}")
+        if cfg.context_window is not None and (isinstance(cfg.context_window, bool) or not isinstance(cfg.context_window, int) or cfg.context_window < 2):
+            raise InvalidRequest(f"context_window must be an int >= 2 or None, got {cfg.context_window!r}")
+        if isinstance(cfg.sink_tokens, bool) or not isinstance(cfg.sink_tokens, int) or cfg.sink_tokens < 0:
+            raise InvalidRequest(f"sink_tokens must be an int >= 0, got {cfg.sink_tokens!r}")
         if cfg.max_batch_tokens < 1:
             raise InvalidRequest(f"max_batch_tokens must be >= 1, got {cfg.max_batch_tokens}")
         return cfg

@@ -52,6 +52,7 @@ class Engine:
         )
         self.scheduler = Scheduler(self.kv, self.config.max_batch_tokens, self.config.max_running)
         self.max_context = int(getattr(hf_config, "max_position_embeddings", 2048))
+        self.context_window = self._context_window()
         self.eos_ids = self._eos_ids()
         self._ids = itertools.count()
         self._sessions: SessionManager | None = None
@@ -67,6 +68,15 @@ class Engine:
         elif not Path(model).exists():
             raise ModelNotFound(f"model path '{model}' does not exist (chatkv never downloads weights)")
         return cls(model, cfg)
+
+    def _context_window(self) -> int:
+        """Tokens one conversation's KV may hold: ``context_window`` (default: the model's
+        context), never more than the model's context or the KV pool."""
+        pool = self.runner.pool
+        want = self.config.context_window or self.max_context
+        if want > self.max_context:
+            raise InvalidRequest(f"context_window {want} exceeds the model's context of {self.max_context} tokens")
+        return min(want, pool.num_blocks * pool.block_size)
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set()
@@ -129,20 +139,26 @@ class Engine:
         *,
         retain: bool = False,
         prefix: RetainedKV | None = None,
+        namespace=None,
+        max_context: int | None = None,
     ) -> Sequence:
         """Queue one request; it runs on the next ``step`` calls. Validates before queueing.
 
         ``retain`` keeps the finished sequence's KV (``seq.retained``) for a next turn;
         ``prefix`` hands such retained KV to this request, which ends it once admitted
         (sessions use both). On an error nothing is queued and ``prefix`` is left to the caller.
+        ``namespace``: the radix namespace of its KV (None: the engine's shared one; a moved
+        attention-sink window has a private one). ``max_context``: a tighter bound than the
+        model's context on prompt + reply (a session's context window).
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
         ids = self._to_ids(prompt)
-        if len(ids) >= self.max_context:
-            raise InvalidRequest(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
+        limit = min(self.max_context, max_context or self.max_context)
+        if len(ids) >= limit:
+            raise InvalidRequest(f"prompt has {len(ids)} tokens; the context is {limit}")
         pool = self.runner.pool
         pool_tokens = pool.num_blocks * pool.block_size
         if len(ids) + 1 > pool_tokens:
@@ -160,17 +176,22 @@ class Engine:
             params=params,
             generator=make_generator(params),
             stop_ids=frozenset(stop_ids),
-            max_total_tokens=min(self.max_context, pool_tokens),
+            max_total_tokens=min(limit, pool_tokens),
             out=TextStream(self.tokenizer, params.stop),
             retain=retain,
             prefix=prefix,
         )
+        seq.namespace = namespace
         self.scheduler.add(seq)
         return seq
 
     def abort(self, seq: Sequence) -> None:
         """Stop a request now; what it generated so far stays in its result."""
         self.scheduler.abort(seq)
+
+    def shift_keys(self, blocks: list[int], delta: int) -> None:
+        """Re-rotate the keys in ``blocks`` of the KV pool by ``delta`` positions (attention-sink windows)."""
+        self.model.shift_key_positions(self.runner.pool.kv, blocks, delta)
 
     # -- the loop -----------------------------------------------------------
 
@@ -266,14 +287,16 @@ class Engine:
         knowledge=None,
         top_k: int = 4,
         documents: list[str] | None = None,
+        overflow: str | None = None,
     ):
         """Start a new saved conversation. ``params``: default SamplingParams fields for its turns.
 
         With ``knowledge`` (a KnowledgeBase) every turn retrieves ``top_k`` sources for the
         message and the reply lists them (``reply.sources``); ``documents`` (sources in that
         knowledge base) are pinned after the system prompt, their KV shared by every session
-        with the same system prompt and documents."""
-        return self.session_manager.create(system, title, params, knowledge, top_k, documents)
+        with the same system prompt and documents. ``overflow``: what happens when the history
+        outgrows the context window ("sink", "truncate" or "error"; default: the engine's)."""
+        return self.session_manager.create(system, title, params, knowledge, top_k, documents, overflow)
 
     def knowledge_base(self, name: str):
         """Open (or create) the knowledge base ``name`` in this engine's data directory and database."""

@@ -217,6 +217,28 @@ class LlamaModel:
         cs = self._cos_sin.index_select(0, positions)
         return cs[:, 0:1], cs[:, 1:2]
 
+    @torch.inference_mode()
+    def shift_key_positions(self, kv: torch.Tensor, blocks: list[int], delta: int) -> None:
+        """Move the keys held in ``blocks`` of the pool tensor ``kv`` by ``delta`` positions, in place.
+
+        RoPE rotations compose, R(p + delta) = R(delta) R(p), so a key stored at position p
+        becomes the key at p + delta without its hidden state: this is how an attention-sink
+        window re-assigns positions after dropping tokens (StreamingLLM). The angle is taken in
+        float64 and the rotation computed in float32; only the rotation (not any RoPE attention
+        scaling, which both positions share) is applied. Values are position-free: untouched.
+        """
+        if not blocks or delta == 0:
+            return
+        angle = float(delta) * self.inv_freq.double()
+        emb = torch.cat((angle, angle))
+        cos, sin = emb.cos().float(), emb.sin().float()
+        half = angle.shape[0]
+        sin[:half] = -sin[:half]
+        idx = torch.tensor(blocks, dtype=torch.long, device=kv.device)
+        keys = kv[:, 0]  # [layers, blocks, block_size, kv_heads, head_dim], a view of the pool
+        k = keys.index_select(1, idx).float()
+        keys.index_copy_(1, idx, (k * cos + torch.cat((k[..., half:], k[..., :half]), dim=-1) * sin).to(kv.dtype))
+
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2

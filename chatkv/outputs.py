@@ -64,3 +64,4 @@ class Reply:
     finish_reason: str  # "stop" | "length" | "aborted"
     message_id: int
     sources: list = field(default_factory=list)
+    context: object = None  # chatkv.context_window.ContextInfo: what the KV window kept and dropped

@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Iterator
 
+from chatkv.context_window import check_overflow
 from chatkv.errors import InvalidRequest, SessionError, check_text
 from chatkv.outputs import Reply
 from chatkv.sampling import SamplingParams
@@ -41,6 +42,7 @@ class Session:
         self.documents: list[str] = []  # pinned documents (sources in the knowledge base)
         self.system_content = system  # the system message as rendered: the system prompt, then pinned documents
         self.last_question: str | None = None  # the previous user message (follow-ups search with it)
+        self.window = None  # chatkv.context_window.ContextState: what the KV window holds, the overflow policy
         self.closed = False
         self.busy = False
         self.last_used = time.monotonic()
@@ -97,6 +99,22 @@ class Session:
         self._m.save_params(self, new)
         self.params = new
         return dict(new)
+
+    @property
+    def overflow(self) -> str:
+        """What happens when the history outgrows the context window: "sink", "truncate" or "error"."""
+        return self.window.policy
+
+    def set_overflow(self, policy: str) -> None:
+        """Change this conversation's overflow policy (saved with it). Validated first."""
+        self._check_open()
+        check_overflow(policy)
+        old, self.window.policy = self.window.policy, policy
+        try:
+            self._m.save_params(self, self.params)
+        except BaseException:
+            self.window.policy = old
+            raise
 
     def archive(self, archived: bool = True) -> None:
         self._check_open()

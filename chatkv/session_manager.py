@@ -11,7 +11,9 @@ drive it, abort it. It never imports the engine (the engine creates it). Contrac
 - a session holds its KV as one RetainedKV (``session.kept``) between turns; a shared
   system prompt is pinned while any open session uses it;
 - an idle session, or any idle session when blocks run short, is spilled to disk and
-  its KV released; the next turn restores it (see ``chatkv.snapshots``).
+  its KV released; the next turn restores it (see ``chatkv.snapshots``);
+- a history longer than the context window is handled by the session's overflow policy
+  before anything is stored (see ``chatkv.context_window``); messages are never deleted.
 """
 
 from __future__ import annotations
@@ -21,8 +23,12 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+import copy
+
+from chatkv import context_window as cw
 from chatkv import rag as rag_context
-from chatkv.errors import InvalidRequest, SessionError, check_text
+from chatkv.config import OVERFLOW_POLICIES
+from chatkv.errors import InvalidRequest, OutOfBlocks, SessionError, check_text
 from chatkv.kv_manager import RetainedKV
 from chatkv.outputs import Reply
 from chatkv.sampling import SamplingParams
@@ -33,6 +39,7 @@ from chatkv.turns import TurnRenderer
 
 DEFAULT_TITLE = "New chat"
 RAG_KEY = "knowledge"  # in a conversation's stored params: {"kb": name, "top_k": k, "documents": [...]}
+OVERFLOW_KEY = "overflow"  # in a conversation's stored params: its overflow policy (chatkv.context_window)
 log = logging.getLogger("chatkv.sessions")
 
 
@@ -67,6 +74,8 @@ class SessionManager:
             self.kv, self.store, data_dir / "kv", engine.fingerprint, engine.kv_dtype, cfg.tenant, cfg.snapshot_budget_bytes
         )
         self.live: dict[str, Session] = {}
+        self.overflow = cfg.overflow
+        self.sink_tokens = cfg.sink_tokens
         self.kv.on_pressure = lambda missing: self.snapshots.relieve(self.live.values(), missing)
 
     def held_kv(self) -> list[RetainedKV | None]:
@@ -83,7 +92,9 @@ class SessionManager:
         knowledge=None,
         top_k: int = 4,
         documents: list[str] | None = None,
+        overflow: str | None = None,
     ) -> Session:
+        overflow = cw.check_overflow(overflow) if overflow is not None else self.overflow
         if system is not None:
             check_text("system prompt", system)
         if title is not None:
@@ -93,6 +104,7 @@ class SessionManager:
         rag = _rag_settings(knowledge, top_k, documents)
         system_content = self._system_content(system, knowledge, rag["documents"]) if rag else system
         stored = dict(params or {})
+        stored[OVERFLOW_KEY] = overflow
         if rag:
             stored[RAG_KEY] = rag
         info = self.store.create_conversation(
@@ -103,6 +115,7 @@ class SessionManager:
             tenant=self.tenant,
         )
         s = Session(self, info.id, info.title, system, params or {}, [])
+        s.window = cw.ContextState(policy=overflow)
         if rag:
             s.knowledge, s.top_k, s.documents, s.system_content = knowledge, rag["top_k"], rag["documents"], system_content
         self.live[s.id] = s
@@ -114,7 +127,11 @@ class SessionManager:
         info = self.store.get_conversation(conv_id, tenant=self.tenant)
         params = dict(info.params)
         rag = params.pop(RAG_KEY, None)
+        overflow = params.pop(OVERFLOW_KEY, None)
         s = Session(self, info.id, info.title, info.system_prompt or None, params, list(info.token_ids or []))
+        s.window = cw.ContextState.from_json(info.context, self.overflow)
+        if overflow in OVERFLOW_POLICIES:
+            s.window.policy = overflow
         msgs = self.store.messages(s.id)
         if msgs and msgs[-1].role == "user" and s.tokens:
             # the process died while replying: close the turn as an interrupted, empty reply
@@ -159,6 +176,7 @@ class SessionManager:
     def save_params(self, s: Session, params: dict) -> None:
         """Store a session's sampling settings, keeping its RAG settings beside them."""
         stored = dict(params)
+        stored[OVERFLOW_KEY] = s.window.policy
         if s.knowledge is not None:
             stored[RAG_KEY] = {"kb": s.knowledge.name, "top_k": s.top_k, "documents": list(s.documents)}
         self.store.set_params(s.id, stored)
@@ -184,35 +202,64 @@ class SessionManager:
     def turn(self, s: Session, text: str, params: SamplingParams) -> Iterator[str | Reply]:
         arrival = time.perf_counter()  # TTFT counts the restore from disk too
         self.spill_idle(keep=s)
+        window = self.engine.context_window
+        reserve = cw.reply_room(params.max_tokens, window)
         content, hits, query = text, [], None
         if s.knowledge is not None:
             query = rag_context.standalone_query(text, s.last_question)
             found = s.knowledge.search(query, k=s.top_k)
-            room = self.engine.max_context - min(params.max_tokens, self.engine.max_context // 4)
-            content, hits = rag_context.fit_sources(text, found, lambda m: len(self._prompt(s, m)) < room)
-        prompt = self._prompt(s, content)
-        kept, restored = (s.kept, 0) if s.kept is not None else self.snapshots.restore(s.id, prompt)
+            if s.window.policy == "error":
+                fits = lambda m: len(self._prompt(s, m)) < window - reserve  # noqa: E731
+            else:  # the history makes way for the sources
+                fits = lambda m: (s.window.prefix or 0) + len(self._delta(s, m)) < window - reserve  # noqa: E731
+            content, hits = rag_context.fit_sources(text, found, fits)
+        delta = self._delta(s, content)
+        st = copy.deepcopy(s.window)
+        plan = cw.plan(st, len(s.tokens), len(delta), reserve, window, self.kv.block_size, self.sink_tokens)
+        kept, restored = s.kept, 0
         s.kept = None
+        old_ns = self._namespace(s.id, st)
+        if kept is None and s.tokens and plan.kind != "truncate":
+            ns_arg = {"namespace": old_ns} if old_ns is not None else {}
+            kept, restored = self.snapshots.restore(s.id, s.tokens + delta, **ns_arg)
+        context = s.tokens
+        if plan.kind != "none":
+            context = cw.apply(st, plan, s.tokens)
+            kept, restored = self._move_window(s, plan, st, kept, restored, old_ns, context)
+            s.tokens, s.window = context, st  # the KV in memory is the new window's now
+        first_turn = not context
+        prompt = context + delta
+        ns = self._namespace(s.id, st)
         try:
-            seq = self.engine.add_request(prompt, params, retain=True, prefix=kept)  # validates before anything is saved
+            seq = self.engine.add_request(prompt, params, retain=True, prefix=kept, namespace=ns, max_context=window)
         except BaseException:
             s.kept = kept  # nothing happened: the session keeps its KV
             raise
         seq.num_restored = restored
         seq.arrival = arrival
+        st.turns.append(self._first_turn_start(prompt, content) if first_turn else len(context))
+        if first_turn:
+            st.prefix = st.turns[0]
         try:
             meta = {"query": query, "sources": [h.chunk_id for h in hits]} if query is not None else None
-            self.store.add_message(s.id, "user", text, meta=meta, token_ids=prompt)  # committed before generation
+            # committed before generation, with the window it was computed in
+            self.store.add_message(s.id, "user", text, meta=meta, token_ids=prompt, context=st.to_json())
         except BaseException:
+            st.turns.pop()
             s.kept, seq.prefix = seq.prefix, None  # not admitted yet: take the KV back, then drop the request
             self.engine.abort(seq)
             raise
         if not s.tokens and s.title == DEFAULT_TITLE:  # name a new chat after its first message
             s.title = " ".join(text.split())[:48] or DEFAULT_TITLE
             self.store.rename(s.id, s.title)
-        s.tokens = prompt
+        s.tokens, s.window = prompt, st
         s.last_question = text
         s.busy = True
+        info = cw.ContextInfo(
+            policy=st.policy, window=window, context_tokens=len(prompt), dropped_tokens=plan.drop,
+            dropped_turns=plan.turns, total_dropped_tokens=st.dropped_tokens, total_dropped_turns=st.dropped_turns,
+            sink_tokens=st.sink if st.private else 0, recomputed=plan.kind == "truncate",
+        )
         try:
             yield from self.engine.drive(seq)
         finally:
@@ -223,25 +270,65 @@ class SessionManager:
             s.last_used = time.monotonic()
             r = seq.result()
             sources = rag_context.sources_of(r.text, hits)
+            msg_meta = {"sources": [x.as_json() for x in sources]} if sources else {}
+            if plan.drop:
+                msg_meta["context"] = {"dropped_tokens": plan.drop, "dropped_turns": plan.turns, "policy": st.policy}
             msg = self.store.add_message(
                 s.id,
                 "assistant",
                 r.text,
                 status="complete" if r.finish_reason in ("stop", "length") else "interrupted",
-                meta={"sources": [x.as_json() for x in sources]} if sources else None,
+                meta=msg_meta or None,
                 token_ids=s.tokens,
+                context=st.to_json(),
                 **r.usage.message_columns(),
             )
             self._pin(s)
-        yield Reply(text=r.text, usage=r.usage, finish_reason=r.finish_reason, message_id=msg.id, sources=sources)
+        yield Reply(text=r.text, usage=r.usage, finish_reason=r.finish_reason, message_id=msg.id, sources=sources,
+                    context=info)
 
-    def _prompt(self, s: Session, content: str) -> list[int]:
-        """The whole prompt of a turn whose user message is ``content``."""
+    def _namespace(self, conv_id: str, st: cw.ContextState):
+        """The radix namespace of a conversation's KV: the shared one, or once an attention-sink
+        window has moved (keys re-rotated), one of its own per window epoch."""
+        return (self.kv.namespace, "window", conv_id, st.epoch) if st.private else None
+
+    def _move_window(self, s: Session, plan: cw.Plan, st: cw.ContextState, kept, restored: int, old_ns, context):
+        """Make the KV in memory match the new window: dropped turns drop it (recomputed once);
+        a sink move keeps the sink and the recent blocks, keys re-rotated."""
+        if plan.kind == "truncate":
+            self.kv.drop(kept)
+            if old_ns is not None:
+                self.kv.drop_namespace(old_ns)
+            return None, 0
+        if kept is None:
+            return None, 0
+        try:
+            kept = self.kv.slide(kept, context, plan.sink, plan.drop, self._namespace(s.id, st),
+                                 self.engine.shift_keys, old_namespace=old_ns)
+        except OutOfBlocks as e:  # kept is ended: the window is recomputed instead
+            log.warning("conversation %s: no room to move its KV window (%s); recomputing it", s.id, e)
+            return None, 0
+        return kept, min(restored, kept.kv_len if kept is not None else 0)
+
+    def _delta(self, s: Session, content: str) -> list[int]:
+        """The tokens a turn whose user message is ``content`` adds to the context."""
         if s.tokens:
-            return s.tokens + self.renderer.user_turn(content)
+            return self.renderer.user_turn(content)
         system = s.system_content
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
         return self.renderer.first(messages)
+
+    def _first_turn_start(self, prompt: list[int], content: str) -> int:
+        """Where the first user turn starts in a first prompt: everything before it (the system
+        prompt, pinned documents) is kept when old turns are dropped."""
+        turn = self.renderer.user_turn(content)
+        if len(turn) <= len(prompt) and prompt[len(prompt) - len(turn):] == turn:
+            return len(prompt) - len(turn)
+        return len(prompt)  # a template whose first turn renders differently: the first turn stays
+
+    def _prompt(self, s: Session, content: str) -> list[int]:
+        """The whole prompt of a turn whose user message is ``content`` (before any window move)."""
+        return s.tokens + self._delta(s, content)
 
     def _pin(self, s: Session) -> None:
         """Pin the shared system prompt's blocks while this session is open."""
