@@ -167,7 +167,7 @@ def apply(st: ContextState, p: Plan, context: list[int]) -> list[int]:
     if p.kind == "truncate":
         prefix = st.prefix or 0
         shift = p.cut - prefix
-        st.turns = [t for t in st.turns if t <= prefix] + [t - shift for t in st.turns if t >= p.cut]
+        st.turns = [t for t in st.turns if t < prefix] + [t - shift for t in st.turns if t >= p.cut]
         st.dropped_tokens += p.drop
         st.dropped_turns += p.turns
         st.private, st.sink = False, 0  # recomputed from scratch: shareable again
