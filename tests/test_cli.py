@@ -136,11 +136,12 @@ def test_the_app_opens_only_when_stdin_and_stdout_are_terminals(model_dir, tmp_p
     monkeypatch.setenv("CHATKV_HOME", str(tmp_path))
     monkeypatch.setattr("sys.stdin", _Stream("", tty=stdin_tty))  # line mode: at once at the end of input
     monkeypatch.setattr("sys.stdout", _Stream(tty=stdout_tty))
-    argv = ["--model", model_dir, "--data-dir", str(tmp_path / "d"), "--system", "Be terse.", "--temperature", "0.5"]
+    argv = ["--model", model_dir, "--data-dir", str(tmp_path / "d"), "--system", "Be terse.", "--temperature", "0.5",
+            "--overflow", "truncate"]
     assert main(argv) == 0
     if stdin_tty and stdout_tty:
         assert calls == [dict(model=model_dir, data_dir=str(tmp_path / "d"), resume=None, system="Be terse.", kb=None,
-                              sampling={"temperature": 0.5})]
+                              sampling={"temperature": 0.5}, engine_options={"overflow": "truncate"})]
     else:
         assert calls == []
 
@@ -153,8 +154,8 @@ def test_app_options_chat_subcommand_and_plain(model_dir, tmp_path, monkeypatch)
     assert main(["chat", "--resume"]) == 0
     assert main(["--resume", "abc123", "--kb", "docs", "--model", model_dir]) == 0
     assert calls == [
-        dict(model=None, data_dir=None, resume="latest", system=None, kb=None, sampling=None),
-        dict(model=model_dir, data_dir=None, resume="abc123", system=None, kb="docs", sampling=None),
+        dict(model=None, data_dir=None, resume="latest", system=None, kb=None, sampling=None, engine_options={}),
+        dict(model=model_dir, data_dir=None, resume="abc123", system=None, kb="docs", sampling=None, engine_options={}),
     ]
     assert main(["--plain", "--model", model_dir]) == 0  # line mode in a terminal
     assert main(["--model", model_dir, "--max-tokens", "2", "Hi"]) == 0  # a prompt: one-shot
@@ -287,6 +288,6 @@ def test_a_message_longer_than_the_context_is_one_error_line_and_the_chat_goes_o
         tok_log.removeHandler(collect)
     err = capsys.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("chatkv: ") and "conversation" not in line]
-    assert len(errors) == 1 and "context is 1024" in errors[0], err
+    assert len(errors) == 1 and "context window of 1024" in errors[0], err
     assert not [r for r in warned if "Token indices" in r.getMessage()]  # no extra lines from transformers
     assert err.count("generated") == 2 and "Traceback" not in err  # the message after it got a reply

@@ -78,7 +78,7 @@ class ChatApp(TurnsMixin, ConversationsMixin, CommandsMixin, App):
 
     def __init__(self, *, engine=None, model: str | None = None, data_dir: str | None = None,
                  resume: str | None = None, system: str | None = None, kb: str | None = None,
-                 sampling: dict | None = None, mask_volatile: bool = False):
+                 sampling: dict | None = None, mask_volatile: bool = False, engine_options: dict | None = None):
         super().__init__()
         self.engine = engine
         self._owns_engine = engine is None
@@ -87,6 +87,7 @@ class ChatApp(TurnsMixin, ConversationsMixin, CommandsMixin, App):
         self.kb_name = kb
         self.documents: list[str] = []
         self.params: dict = dict(sampling or {})
+        self.engine_options: dict = dict(engine_options or {})  # Engine.from_pretrained options (overflow, context_window)
         self.mask_volatile = mask_volatile
         self.session = None
         self.worker_thread = EngineThread()
@@ -141,6 +142,7 @@ class ChatApp(TurnsMixin, ConversationsMixin, CommandsMixin, App):
             label = self.model_path or "the default model (converted on first use)"
             self.query_one("#loading-label", Label).update(f"Loading {safe_text(str(label))}…")
             kw = {"data_dir": self.data_dir} if self.data_dir else {}
+            kw.update(self.engine_options)
             try:
                 from chatkv.engine import Engine
 
@@ -327,8 +329,10 @@ class ChatApp(TurnsMixin, ConversationsMixin, CommandsMixin, App):
 
 
 def run_app(*, model: str | None = None, data_dir: str | None = None, resume: str | None = None,
-            system: str | None = None, kb: str | None = None, sampling: dict | None = None) -> int:
+            system: str | None = None, kb: str | None = None, sampling: dict | None = None,
+            engine_options: dict | None = None) -> int:
     """Open the chat app. resume: a conversation id, "latest", or None (new chat). Returns the exit code."""
-    app = ChatApp(model=model, data_dir=data_dir, resume=resume or None, system=system, kb=kb, sampling=sampling)
+    app = ChatApp(model=model, data_dir=data_dir, resume=resume or None, system=system, kb=kb, sampling=sampling,
+                  engine_options=engine_options)
     result = app.run()
     return result if isinstance(result, int) else app.exit_code

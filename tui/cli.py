@@ -22,6 +22,7 @@ import argparse
 import sys
 
 from chatkv import ChatKVError, InvalidRequest
+from chatkv.config import OVERFLOW_POLICIES
 from chatkv.engine import Engine
 from chatkv.outputs import GenerationResult, Reply
 from chatkv.sampling import SamplingParams
@@ -61,6 +62,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pin", action="append", default=None, metavar="SOURCE",
                    help="line mode, with --kb: a document placed in full after the system prompt (repeatable)")
     p.add_argument("--plain", action="store_true", help="chat line by line even in a terminal (no app)")
+    p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default=None,
+                   help="when a chat outgrows the context: sink (default; keep the start and a recent window), "
+                        "truncate (drop the oldest turns) or error")
+    p.add_argument("--context-window", type=int, default=None, metavar="N",
+                   help="tokens a conversation's KV may hold (default: the model's context)")
     return p
 
 
@@ -138,6 +144,8 @@ def _chat(session, params: SamplingParams, show_stats: bool, script: list[str] |
         print(out.flush())
         if reply is not None and reply.sources:
             _print_sources(reply.sources)
+        if reply is not None and reply.context is not None and reply.context.dropped_tokens:
+            print(f"[{reply.context.summary()}]", file=sys.stderr)
         if show_stats and reply is not None:
             print(f"[{reply.usage.summary()}]", file=sys.stderr)
 
@@ -180,7 +188,14 @@ def _open_app(args: argparse.Namespace, sampling: dict) -> int:
         system=args.system,
         kb=args.kb,
         sampling=sampling or None,
+        engine_options=_engine_options(args),
     )
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    """Engine options given on the command line (the rest keep their defaults)."""
+    opts = {"overflow": args.overflow, "context_window": args.context_window}
+    return {k: v for k, v in opts.items() if v is not None}
 
 
 def _params_dict(params: SamplingParams) -> dict:
@@ -218,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         params.validate()
         if args.prompt is None and not args.list and not args.plain and _is_terminal():
             return _open_app(args, given)
-        engine = Engine.from_pretrained(args.model, dtype=args.dtype, data_dir=args.data_dir)
+        engine = Engine.from_pretrained(args.model, dtype=args.dtype, data_dir=args.data_dir, **_engine_options(args))
         if args.list:
             for c in engine.sessions():
                 print(f"{c.id}  {c.updated_at:%Y-%m-%d %H:%M}  {safe_text(c.title, oneline=True)}")
@@ -233,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
                 # the conversation's saved settings, then what was given now
                 params = SamplingParams.from_dict({**DEFAULTS, **session.params, **given})
                 params.validate()
+                if args.overflow is not None:
+                    session.set_overflow(args.overflow)
             else:
                 kb = engine.knowledge_base(args.kb) if args.kb else None
                 session = engine.session(

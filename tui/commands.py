@@ -67,6 +67,7 @@ class CommandsMixin:
 
         data_dir = self.data_dir or (getattr(self.engine.config, "data_dir", None) if self.engine else None)
         kw = {"data_dir": data_dir} if data_dir else {}
+        kw.update(self.engine_options)
         self.query_one("#loading").display = True
         self.query_one("#loading-label", Label).update(f"Loading {safe_text(arg)}…")
         try:

@@ -185,6 +185,9 @@ class TurnsMixin:
                 w.mark_interrupted()
             if msg.reply is not None and msg.reply.sources:
                 w.show_sources([s.as_json() if hasattr(s, "as_json") else dict(s) for s in msg.reply.sources])
+        ctx = getattr(msg.reply, "context", None)
+        if ctx is not None and ctx.dropped_tokens:  # the conversation outgrew the context: say what moved
+            self.notify(safe_text(ctx.summary()), title="Context", timeout=6)
         self.generating = False
         self._turn_future = None
         if msg.error:
