@@ -263,11 +263,14 @@ class KVStore:
         *,
         model_fingerprint: str,
         kv_dtype: str,
+        extra_meta: Mapping[str, str] | None = None,
     ) -> SnapshotMeta:
         """Write the snapshot of ``key`` atomically, replacing any older one.
 
         ``k[i]``/``v[i]``: layer i, shape ``[len(token_ids), num_kv_heads,
-        head_dim]``, dtype ``kv_dtype``. Bad arguments raise ``ValueError``; a
+        head_dim]``, dtype ``kv_dtype``. ``extra_meta``: more header fields (str -> str,
+        none of the standard ones), e.g. a segment's place in its conversation, which
+        ``load(expect=...)`` can require. Bad arguments raise ``ValueError``; a
         write that fails (full disk, read-only or missing directory) raises
         ``OSError`` and leaves any older snapshot of ``key`` as it was.
         """
@@ -305,6 +308,10 @@ class KVStore:
             "extra_tensors": "",
             "checksum": _checksum(tensors),
         }
+        for name, value in (extra_meta or {}).items():
+            if name in metadata or not isinstance(name, str) or not isinstance(value, str):
+                raise ValueError(f"snapshot {key}: extra header field {name!r}={value!r} is not a new str field")
+            metadata[name] = value
 
         make_private_dir(self.root)  # it may have been removed, or unwritable at start
         tmp = self.root / f".{key}.{os.getpid()}.{_PROCESS_NONCE}.{secrets.token_hex(4)}.tmp"
@@ -353,6 +360,7 @@ class KVStore:
         num_kv_heads: int,
         head_dim: int,
         min_tokens: int = 0,
+        expect: Mapping[str, str] | None = None,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
         """Load and verify the snapshot of ``key``; return ``(k_layers, v_layers, n)``.
 
@@ -364,7 +372,8 @@ class KVStore:
         :class:`SnapshotInvalid`. A valid snapshot of fewer than ``min_tokens``
         tokens raises :class:`SnapshotInvalid` too, but is kept. A snapshot
         declaring extra tensors (a layout this build does not read) raises
-        ``ValueError`` and is kept.
+        ``ValueError`` and is kept. ``expect``: header fields that must hold exactly
+        these values (any other value is a mismatch, as above).
         """
         path = self.path(key)
         _torch_dtype(kv_dtype)  # a bad argument is the caller's error, not the file's
@@ -376,7 +385,7 @@ class KVStore:
             raise SnapshotInvalid(msg) from None
         try:
             return self._read_verified(path, key, token_ids, model_fingerprint, kv_dtype, num_layers,
-                                       num_kv_heads, head_dim, min_tokens)
+                                       num_kv_heads, head_dim, min_tokens, expect or {})
         except _TooShort as e:
             log.info(str(e))
             raise SnapshotInvalid(str(e)) from None
@@ -395,11 +404,15 @@ class KVStore:
         raise SnapshotInvalid(reason) from cause
 
     def _read_verified(self, path, key, token_ids, model_fingerprint, kv_dtype, num_layers,
-                       num_kv_heads, head_dim, min_tokens):
+                       num_kv_heads, head_dim, min_tokens, expect):
         want_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         with safe_open(path, framework="pt") as f:
-            meta = self._meta_from(f.metadata(), path, 0)
+            raw = f.metadata()
+            meta = self._meta_from(raw, path, 0)
             bad = lambda what: SnapshotInvalid(f"snapshot {key}: {what}")  # noqa: E731
+            for name, value in expect.items():
+                if raw.get(name) != value:
+                    raise bad(f"header field {name} is {raw.get(name)!r}, expected {value!r}")
             if meta.format_version != FORMAT_VERSION:
                 raise bad(f"format version {meta.format_version}, this build reads {FORMAT_VERSION}")
             if meta.model_fingerprint != model_fingerprint:

@@ -1,0 +1,333 @@
+"""A conversation's KV on disk as append-only segments plus a manifest (write-behind snapshots).
+
+Layout, in one flat directory (``kv/``), for a conversation key ``K`` (``[A-Za-z0-9_-]``):
+
+    K.json                              the manifest: the only authority for what is on disk
+    K_<epoch>_<start>_<end>.safetensors a segment: the KV of tokens start:end of the conversation
+
+A segment is a ``KVStore`` snapshot (same format, checksum and checks) of its own tokens,
+with two more header fields, ``segment_start`` and ``epoch``, that a load requires. The
+manifest (JSON, never pickle) records the model fingerprint, kv dtype, geometry, the epoch,
+the hash of all its tokens, and per segment: file, start, end, token hash, checksum, size;
+plus a crc32 of its own text. Segments of one epoch are contiguous from token 0 and were all
+computed on the same history; a history that changed under them (truncated, a moved
+attention-sink window) starts a new epoch: one fresh base segment.
+
+Writing (``append``): the segment is written to a temp file, fsynced, renamed, the directory
+fsynced; then the manifest is replaced the same way; only then are files it no longer lists
+removed. A process killed at any moment leaves the old manifest or the new one, and every
+segment a manifest lists is complete (it was in place before the manifest naming it).
+Unlisted segments and temp files are leftovers, swept by the caller's reconcile on open.
+
+Compaction (why this policy). A segment of at least ``SEAL_TOKENS`` tokens is *sealed*:
+never rewritten. The trailing run of unsealed segments is merged with the new tokens into
+one segment when it would otherwise exceed ``MAX_OPEN`` segments. So a token is rewritten
+only while its segment is unsealed, once per ``MAX_OPEN`` turns: at most
+``1 + ceil(SEAL_TOKENS / (MAX_OPEN * t))`` writes in all for turns of ``t`` tokens, a
+constant that does not depend on the history's length; the bytes written per turn are
+amortised O(new tokens), whereas "merge the smallest pair when there are more than N
+segments" must keep rewriting ever larger segments as the history grows (O(history^(1/N))
+per token). A restore reads at most ``history / SEAL_TOKENS`` sealed segments plus
+``MAX_OPEN`` small ones (plus at most ``MAX_OPEN - 1`` small ones left before each turn
+that was itself sealed on arrival). A merge reads its segments back and verifies them
+first, so damage on disk is never laundered into a fresh checksum.
+
+Loading (``load``) verifies every segment in order (fingerprint, dtype, geometry, tokens,
+checksum, its place in the manifest) and stops at the first bad one: the segments before it
+are used, the bad one is deleted, and the caller repairs the manifest to that prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import zlib
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from chatkv.errors import SnapshotInvalid
+from chatkv.storage.files import atomic_write, make_private_dir
+from chatkv.storage.kv_store import _PROCESS_NONCE, KVStore, token_hash
+
+__all__ = ["Segment", "Manifest", "SegmentStore", "Diverged", "new_epoch"]
+
+log = logging.getLogger("chatkv.storage")
+
+MANIFEST_FORMAT = "chatkv-kv-manifest"
+MANIFEST_VERSION = 1
+SEGMENT_SUFFIX = ".safetensors"
+MANIFEST_SUFFIX = ".json"
+_SEGMENT_RE = re.compile(r"([A-Za-z0-9_-]+)_([0-9a-f]{8})_(\d+)_(\d+)\.safetensors")
+_MANIFEST_RE = re.compile(r"([A-Za-z0-9_-]{1,128})\.json")
+_LEGACY_RE = re.compile(r"([A-Za-z0-9_-]{1,128})\.safetensors")
+
+
+def new_epoch() -> str:
+    return secrets.token_hex(4)
+
+
+@dataclass(frozen=True)
+class Segment:
+    file: str
+    start: int
+    end: int
+    token_hash: str  # of the segment's own tokens
+    checksum: str  # the segment file's data checksum
+    nbytes: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Manifest:
+    key: str
+    epoch: str
+    model_fingerprint: str
+    kv_dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    token_hash: str  # of tokens[:end]
+    segments: tuple[Segment, ...]
+
+    @property
+    def end(self) -> int:
+        return self.segments[-1].end if self.segments else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    def geometry(self) -> tuple[int, int, int]:
+        return self.num_layers, self.num_kv_heads, self.head_dim
+
+    def to_json(self) -> str:
+        body = asdict(self)
+        body["segments"] = [asdict(s) for s in self.segments]
+        body = {"format": MANIFEST_FORMAT, "format_version": MANIFEST_VERSION, **body}
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        return json.dumps({**body, "checksum": f"crc32:{zlib.crc32(text.encode()):08x}"}, sort_keys=True, indent=0)
+
+    @classmethod
+    def from_json(cls, text: str, key: str) -> "Manifest":
+        """Parse and check a manifest; SnapshotInvalid naming what is wrong."""
+        bad = lambda what: SnapshotInvalid(f"snapshot {key}: manifest {what}")  # noqa: E731
+        try:
+            body = json.loads(text)
+        except ValueError as e:
+            raise bad(f"is not JSON ({e})") from None
+        if not isinstance(body, dict) or body.get("format") != MANIFEST_FORMAT:
+            raise bad("is not a chatkv KV manifest")
+        stored = body.pop("checksum", None)
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+        if stored != f"crc32:{zlib.crc32(text.encode()):08x}":
+            raise bad("checksum differs: the file is damaged")
+        if body.get("format_version") != MANIFEST_VERSION:
+            raise bad(f"format version {body.get('format_version')!r}, this build reads {MANIFEST_VERSION}")
+        if body.get("key") != key:
+            raise bad(f"belongs to {body.get('key')!r}")
+        try:
+            segs = tuple(Segment(**s) for s in body["segments"])
+            man = cls(**{f: body[f] for f in cls.__dataclass_fields__ if f != "segments"}, segments=segs)
+        except (KeyError, TypeError) as e:
+            raise bad(f"lacks a field or has an unknown one ({e})") from None
+        for obj in (man, *segs):
+            for f in obj.__dataclass_fields__:
+                value, want = getattr(obj, f), obj.__dataclass_fields__[f].type
+                if f != "segments" and not (type(value) is int if want == "int" else type(value) is str):
+                    raise bad(f"field {f} is {value!r}, not a {want}")
+        pos = 0
+        for s in segs:
+            if s.start != pos or s.end <= s.start or not _SEGMENT_RE.fullmatch(s.file) or not s.file.startswith(key + "_"):
+                raise bad(f"lists segment {s.file!r} [{s.start}, {s.end}) out of order")
+            pos = s.end
+        return man
+
+    def truncated(self, n_segments: int, prefix_hash: str) -> "Manifest":
+        return replace(self, segments=self.segments[:n_segments], token_hash=prefix_hash)
+
+
+class Diverged(Exception):
+    """An append does not continue what is on disk (another epoch, a gap, a damaged tail);
+    ``on_disk`` is the manifest there now (None: none)."""
+
+    def __init__(self, msg: str, on_disk: Manifest | None):
+        super().__init__(msg)
+        self.on_disk = on_disk
+
+
+class SegmentStore:
+    """Manifests and segments under one directory. File I/O only; any thread, one writer per key."""
+
+    SEAL_TOKENS = 1024
+    MAX_OPEN = 8
+
+    def __init__(self, root: Path):
+        self.files = KVStore(root)  # never raises; it sweeps temp files of dead writers
+        self.root = self.files.root
+
+    # ------------------------------------------------------------- names
+    def manifest_path(self, key: str) -> Path:
+        return self.root / (key + MANIFEST_SUFFIX)
+
+    def scan(self) -> tuple[set[str], dict[str, list[str]]]:
+        """(keys that have a manifest, key -> every other file of it: segments, legacy snapshots)."""
+        manifests, files = set(), {}
+        for entry in self.files._scan():
+            name = entry.name
+            m = _MANIFEST_RE.fullmatch(name)
+            if m:
+                manifests.add(m.group(1))
+                continue
+            m = _SEGMENT_RE.fullmatch(name) or _LEGACY_RE.fullmatch(name)
+            if m:
+                files.setdefault(m.group(1), []).append(name)
+        return manifests, files
+
+    # ------------------------------------------------------------- manifests
+    def read_manifest(self, key: str) -> Manifest | None:
+        """The manifest of ``key``; None if there is none. SnapshotInvalid if damaged, OSError if unreadable."""
+        try:
+            text = self.manifest_path(key).read_bytes().decode("utf-8", errors="replace")
+        except FileNotFoundError:
+            return None
+        return Manifest.from_json(text, key)
+
+    def write_manifest(self, man: Manifest) -> None:
+        make_private_dir(self.root)
+        data = man.to_json().encode()
+        # KVStore's temp-file pattern, so its sweep tells a dead writer's leftovers from a live one's
+        tmp = self.root / f".{man.key}.{os.getpid()}.{_PROCESS_NONCE}.{secrets.token_hex(4)}.tmp"
+        atomic_write(self.manifest_path(man.key), lambda p: p.write_bytes(data), tmp=tmp)
+
+    def remove(self, key: str, keep: Manifest | None = None) -> None:
+        """Remove the files of ``key`` not listed in ``keep`` (None: the manifest first, then all)."""
+        if keep is None:
+            self.manifest_path(key).unlink(missing_ok=True)
+        listed = {s.file for s in keep.segments} if keep is not None else set()
+        for name in self.scan()[1].get(key, []):
+            if name not in listed:
+                (self.root / name).unlink(missing_ok=True)
+
+    # ------------------------------------------------------------- write
+    def append(self, key: str, tokens: Sequence[int], start: int, k: list[torch.Tensor], v: list[torch.Tensor], *,
+               epoch: str, base: bool, model_fingerprint: str, kv_dtype: str) -> tuple[Manifest, int]:
+        """Store the KV ``k``/``v`` of ``tokens[start:]`` after what ``key`` holds, or (``base``) as the
+        first segment of epoch ``epoch`` (start must be 0), replacing every older file. Returns the new
+        manifest and the bytes written. Diverged if it does not continue the manifest on disk."""
+        end = len(tokens)
+        if k[0].shape[0] != end - start:
+            raise ValueError(f"snapshot {key}: {k[0].shape[0]} tokens of KV for [{start}, {end})")
+        old = self._readable_manifest(key)
+        geometry = (len(k), k[0].shape[1], k[0].shape[2])
+        if base:
+            if start != 0:
+                raise ValueError(f"snapshot {key}: a base segment must start at token 0, not {start}")
+            keep: tuple[Segment, ...] = ()
+        else:
+            if old is None or old.epoch != epoch or old.end != start:
+                have = "nothing" if old is None else f"epoch {old.epoch} [0, {old.end})"
+                raise Diverged(f"snapshot {key}: append of epoch {epoch} at {start} but the disk holds {have}", old)
+            if (old.model_fingerprint, old.kv_dtype, old.geometry()) != (model_fingerprint, kv_dtype, geometry):
+                raise Diverged(f"snapshot {key}: the manifest is of another model, dtype or geometry", old)
+            keep = old.segments
+            run = 0
+            while run < len(keep) and keep[-1 - run].size < self.SEAL_TOKENS:
+                run += 1
+            if run + 1 > self.MAX_OPEN:  # merge the trailing unsealed run with the new tokens
+                merged = keep[-run:]
+                pk, pv = self._read_run(old, merged, tokens)
+                k = [torch.cat([a, b]) for a, b in zip(pk, k)]
+                v = [torch.cat([a, b]) for a, b in zip(pv, v)]
+                start, keep = merged[0].start, keep[:-run]
+        name = f"{key}_{epoch}_{start}_{end}"
+        meta = self.files.save(name, tokens[start:end], k, v, model_fingerprint=model_fingerprint, kv_dtype=kv_dtype,
+                               extra_meta={"segment_start": str(start), "epoch": epoch})
+        seg = Segment(name + SEGMENT_SUFFIX, start, end, meta.token_hash, meta.checksum, meta.nbytes)
+        man = Manifest(key, epoch, model_fingerprint, kv_dtype, *geometry, token_hash(tokens), keep + (seg,))
+        self.write_manifest(man)
+        try:  # after the switch: files the manifest no longer lists
+            if base:
+                self.remove(key, keep=man)
+            else:
+                listed = {s.file for s in man.segments}
+                for s in old.segments:
+                    if s.file not in listed:
+                        (self.root / s.file).unlink(missing_ok=True)
+        except OSError as e:  # swept at the next open
+            log.warning("snapshot %s: old segments not removed (%s)", key, e)
+        return man, meta.nbytes
+
+    def _readable_manifest(self, key: str) -> Manifest | None:
+        try:
+            return self.read_manifest(key)
+        except SnapshotInvalid as e:
+            log.warning("%s; it will be replaced", e)
+            return None
+
+    def _read_run(self, man: Manifest, run: tuple[Segment, ...], tokens: Sequence[int]):
+        """The verified KV of the segments ``run`` (for a merge). A bad one: the manifest is cut
+        before it on disk and Diverged is raised."""
+        ks, vs = [], []
+        for s in run:
+            try:
+                k, v, _ = self._load_segment(man, s, tokens)
+            except (SnapshotInvalid, ValueError) as e:
+                i = man.segments.index(s)
+                cut = man.truncated(i, token_hash(tokens[: s.start]))
+                if cut.segments:
+                    self.write_manifest(cut)
+                    self.remove(man.key, keep=cut)
+                else:
+                    self.remove(man.key)
+                    cut = None
+                raise Diverged(f"{e}; the snapshot now ends at token {s.start}", cut) from e
+            ks.append(k)
+            vs.append(v)
+        return [torch.cat(x) for x in zip(*ks)], [torch.cat(x) for x in zip(*vs)]
+
+    # ------------------------------------------------------------- read
+    def _load_segment(self, man: Manifest, s: Segment, tokens: Sequence[int]):
+        stem = s.file[: -len(SEGMENT_SUFFIX)]
+        try:
+            return self.files.load(
+                stem, token_ids=tokens[s.start : s.end], model_fingerprint=man.model_fingerprint, kv_dtype=man.kv_dtype,
+                num_layers=man.num_layers, num_kv_heads=man.num_kv_heads, head_dim=man.head_dim,
+                expect={"token_count": str(s.size), "segment_start": str(s.start), "epoch": man.epoch,
+                        "checksum": s.checksum, "token_hash": s.token_hash},
+            )
+        except ValueError:  # a layout this build cannot use: discarded like damage
+            (self.root / s.file).unlink(missing_ok=True)
+            raise
+
+    def load(self, man: Manifest, tokens: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], Manifest, str]:
+        """The KV of the longest run of valid segments from token 0 (checked against ``tokens``):
+        ``(k, v, manifest of that run, why it stopped early or "")``. A bad segment is deleted;
+        the caller repairs the manifest on disk. OSError (an unreadable disk) propagates."""
+        ks, vs, why = [], [], ""
+        for i, s in enumerate(man.segments):
+            if s.end > len(tokens):
+                why = f"segment {s.file} ends at token {s.end}, past the conversation's {len(tokens)}"
+                break
+            try:
+                k, v, _ = self._load_segment(man, s, tokens)
+            except (SnapshotInvalid, ValueError) as e:
+                why = str(e)
+                break
+            ks.append(k)
+            vs.append(v)
+        n = len(ks)
+        kept = man if n == len(man.segments) else man.truncated(n, token_hash(tokens[: man.segments[n].start]))
+        if n == 0:
+            return [], [], kept, why
+        cat = lambda parts: [torch.cat(x) if len(x) > 1 else x[0] for x in zip(*parts)]  # noqa: E731
+        return cat(ks), cat(vs), kept, why
+
