@@ -195,6 +195,7 @@ class SessionManager:
                     self.close_session(s)
         finally:
             self.kv.on_pressure = None
+            self.snapshots.close()  # writes what is queued, records its rows
             self.store.close()
 
     # -- a turn -------------------------------------------------------------
@@ -284,6 +285,7 @@ class SessionManager:
                 **r.usage.message_columns(),
             )
             self._pin(s)
+            self.snapshots.write_behind(s.id, s.tokens, s.kept)  # the new KV reaches the disk in the background
         yield Reply(text=r.text, usage=r.usage, finish_reason=r.finish_reason, message_id=msg.id, sources=sources,
                     context=info)
 

@@ -1,15 +1,31 @@
-"""Conversations' KV on disk: spill, restore, the disk budget, the orphan sweep, and when to spill.
+"""Conversations' KV on disk: write-behind after every turn, spill, restore, the disk budget.
 
-One safetensors snapshot per conversation (``storage.KVStore``) with a database row
-(``storage.Store``). Snapshots are a cache, never a reason to fail a turn:
+(Past ~400 lines on purpose: write-behind, spill, restore, the budget and the reconcile on
+open all read and update the same per-conversation track of what the disk holds and drain
+the same writer queue; split apart they would reach into each other's state.)
 
-- a write that fails (full disk, read-only directory, database error) logs one
-  warning; the KV is then dropped and recomputed on the next turn;
-- a snapshot that is missing, damaged or does not match (model, tokens, format,
-  dtype, geometry) is logged, removed and recomputed: a slower turn, never a wrong one;
-- snapshot files without a database row, and rows without a file, are removed when
-  the directory is opened;
-- snapshots over the disk budget are deleted least recently used first.
+Each conversation's KV is stored as append-only segments plus a manifest
+(``storage.kv_segments``), written by one background thread (``storage.kv_writer``):
+
+- **write-behind**: after each turn ``write_behind`` copies only the tokens the disk lacks
+  out of the pool (``KVManager.export_kv(kept, start)``) and queues them; the reply is
+  not delayed by any file I/O. A clean interpreter exit, ``close`` and an explicit
+  ``spill`` wait for what is queued. If the stored tokens are no longer a prefix of the
+  conversation's (history truncated, a moved attention-sink window) the next write
+  starts a new epoch: the whole KV as one base segment, older files removed after.
+- **spill** releases a session's KV; the snapshot is usually current already, so it
+  writes nothing (``spill_idle`` and ``relieve`` never wait for the disk).
+- **restore** verifies every segment (fingerprint, dtype, geometry, tokens, checksum) and
+  uses the valid ones before the first bad one; the rest is recomputed and the manifest
+  repaired. Missing, damaged or mismatched: a slower turn, never a wrong one.
+- the **manifest is the authority** for what is on disk; the database row (LRU order,
+  the disk budget) is bookkeeping that may lag, reconciled when the directory is opened:
+  rows follow manifests, files no manifest lists (and manifests of deleted
+  conversations) are removed.
+- the **database** is touched only from the caller's (engine) thread: the writer reports
+  through a queue that every call here drains.
+- snapshots are a cache: a full or read-only disk logs one warning and never fails a turn;
+  snapshots over the disk budget are deleted least recently used first.
 
 Spilling works on anything with a session's ``id``, ``tokens``, ``kept`` (the
 RetainedKV in memory), ``busy`` and ``last_used``.
@@ -19,106 +35,312 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import queue
 import time
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Sequence
 
-from chatkv.errors import OutOfBlocks, SnapshotInvalid
+from chatkv.errors import OutOfBlocks, SessionError, SnapshotInvalid
 from chatkv.kv_manager import KVManager, RetainedKV
-from chatkv.storage.kv_store import KVStore, token_hash
+from chatkv.storage.kv_segments import MANIFEST_SUFFIX, Manifest, SegmentStore, new_epoch
+from chatkv.storage.kv_store import token_hash
+from chatkv.storage.kv_writer import AppendJob, SegmentWriter, Written
 from chatkv.storage.repository import Store
 
 log = logging.getLogger("chatkv.sessions")
+
+
+@dataclass
+class _Track:
+    """What a conversation's snapshot holds once every write queued for it is done."""
+
+    epoch: str
+    end: int
+    tokens: list[int] | None  # tokens[:end] when known, else only their hash
+    hash: str | None
+    seq: int = 0  # the last write queued for it
 
 
 class Snapshots:
     def __init__(self, kv: KVManager, store: Store, root: Path, fingerprint: str, kv_dtype: str, tenant: str, budget: int):
         self.kv = kv
         self.store = store
-        self.files = KVStore(root)  # never raises for the directory; a later save does
+        self.segments = SegmentStore(root)  # never raises for the directory; a later write does
+        self.files = self.segments.files
         self.fingerprint = fingerprint
         self.kv_dtype = kv_dtype
+        self.tenant = tenant
         self.budget = budget
         self._salt = hashlib.sha256(tenant.encode()).hexdigest()[:8]
-        self._sweep_orphans()
+        self._tracks: dict[str, _Track] = {}
+        self._pending: Counter[str] = Counter()
+        self._seq = 0
+        self._rows_changed = False
+        self._closed = False
+        self._writer = SegmentWriter(self.segments)
+        self.stats = Counter()  # jobs, bytes, merges, failures, writer_s, engine_s
+        self.written: list[Written] = []  # the writer's reports, oldest first (the last 1000)
+        self._reconcile()
 
     def key(self, conv_id: str) -> str:
         """Snapshot key: the conversation id salted with the tenant, so tenants never read each other's KV."""
         return f"{conv_id}-{self._salt}"
 
     def path(self, conv_id: str) -> Path:
-        return self.files.path(self.key(conv_id))
+        """The conversation's manifest."""
+        return self.segments.manifest_path(self.key(conv_id))
 
-    def _sweep_orphans(self) -> None:
-        rows = self.store.snapshots_lru()
-        names = {s.file for s in rows}
+    def segment_paths(self, conv_id: str) -> list[Path]:
+        """The segment files its manifest lists, in token order (none if it has no valid manifest)."""
         try:
-            keys = self.files.keys()
+            man = self.segments.read_manifest(self.key(conv_id))
+        except (SnapshotInvalid, OSError):
+            return []
+        return [self.segments.root / s.file for s in man.segments] if man else []
+
+    # -- open: rows follow the manifests; leftovers go ---------------------------------
+
+    def _reconcile(self) -> None:
+        try:
+            manifests, files = self.segments.scan()
         except OSError as e:  # an unreadable directory: the sweep waits for the next open
-            log.warning("snapshot directory %s cannot be listed (%s); orphans not swept", self.files.root, e)
+            log.warning("snapshot directory %s cannot be listed (%s); orphans not swept", self.segments.root, e)
             return
-        for key in keys:
-            if self.files.path(key).name not in names and key.endswith(self._salt):
-                log.warning("snapshot file %s has no database row; removed", key)
-                self._unlink(key)
-        for snap in rows:
-            if not (self.files.root / snap.file).exists():
-                log.warning("snapshot row of %s has no file; removed", snap.conversation_id)
-                self.store.delete_snapshot(snap.conversation_id)
+        rows = {r.conversation_id: r for r in self.store.snapshots_lru()}
+        convs = {c.id for c in self.store.list_conversations(include_archived=True, tenant=self.tenant)}
+        suffix = "-" + self._salt
+        gone = set()
+        for key in sorted(manifests):
+            if not key.endswith(suffix):
+                continue  # another tenant's
+            conv = key[: -len(suffix)]
+            try:
+                man = self.segments.read_manifest(key) if conv in convs else None
+            except (SnapshotInvalid, OSError) as e:
+                log.warning("%s; removed", e)
+                man = None
+            if man is None:
+                if conv not in convs:
+                    log.warning("snapshot %s belongs to no conversation; removed", key)
+                self._remove_files(key)
+                gone.add(key)
+                continue
+            self._tracks[conv] = _Track(man.epoch, man.end, None, man.token_hash)
+            row = rows.get(conv)
+            if row is None or (row.file, row.token_count, row.token_hash, row.nbytes) != (
+                key + MANIFEST_SUFFIX, man.end, man.token_hash, man.nbytes
+            ):
+                self._record(conv, man)
+            for name in sorted(set(files.get(key, [])) - {s.file for s in man.segments}):
+                log.info("snapshot file %s is listed by no manifest; removed", name)
+                self._unlink(name)
+        for key, names in files.items():
+            if key.endswith(suffix) and key not in manifests:
+                for name in names:
+                    log.warning("snapshot file %s has no manifest; removed", name)
+                    self._unlink(name)
+        present = {k + MANIFEST_SUFFIX for k in manifests - gone}
+        for conv, row in rows.items():
+            if row.file not in present:
+                log.warning("snapshot row of %s has no manifest; removed", conv)
+                self._forget_row(conv)
 
-    def _unlink(self, key: str) -> None:
+    def _unlink(self, name: str) -> None:
         try:
-            self.files.delete(key)
+            (self.segments.root / name).unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("cannot remove snapshot file %s (%s)", name, e)
+
+    def _remove_files(self, key: str) -> None:
+        try:
+            self.segments.remove(key)
         except OSError as e:
             log.warning("cannot remove snapshot %s (%s)", key, e)
 
-    def delete(self, conv_id: str) -> None:
-        self._unlink(self.key(conv_id))
+    def _forget_row(self, conv_id: str) -> None:
         try:
             self.store.delete_snapshot(conv_id)
-        except Exception as e:  # a cache: a row left without its file is swept at the next open
+        except Exception as e:  # bookkeeping: reconciled at the next open
             log.warning("snapshot row of %s not removed (%s: %s)", conv_id, type(e).__name__, e)
 
-    # -- spill ---------------------------------------------------------------------
-
-    def save(self, conv_id: str, tokens: list[int], kept: RetainedKV) -> bool:
-        """Write ``kept`` (the KV of ``tokens[:kept.kv_len]``) unless the snapshot already holds
-        exactly it. Never raises for the disk or the database: logs and returns False."""
-        n = kept.kv_len
-        if n == 0:
-            return False
+    def _record(self, conv_id: str, man: Manifest | None) -> None:
+        """Make the conversation's row say what its manifest says (None: no row)."""
+        if man is None:
+            self._forget_row(conv_id)
+            return
         try:
-            snap = self.store.get_snapshot(conv_id)
-            if snap is not None and snap.token_count == n and snap.token_hash == token_hash(tokens[:n]) and self.path(conv_id).exists():
-                return True
-            k, v = self.kv.export_kv(kept)
-            meta = self.files.save(self.key(conv_id), tokens[:n], k, v, model_fingerprint=self.fingerprint, kv_dtype=self.kv_dtype)
-            self.store.put_snapshot(conv_id, Path(meta.file).name, self.fingerprint, self.kv_dtype, n, meta.token_hash, meta.nbytes)
+            self.store.put_snapshot(conv_id, man.key + MANIFEST_SUFFIX, man.model_fingerprint, man.kv_dtype,
+                                    man.end, man.token_hash, man.nbytes)
+            self._rows_changed = True
+        except SessionError:  # the conversation was deleted meanwhile: its files go with it
+            pass
+        except Exception as e:  # bookkeeping: reconciled at the next open
+            log.warning("snapshot row of %s not recorded (%s: %s); fixed at the next open", conv_id, type(e).__name__, e)
+
+    def delete(self, conv_id: str) -> None:
+        self._wait(conv_id)
+        self._tracks.pop(conv_id, None)
+        self._remove_files(self.key(conv_id))
+        self._forget_row(conv_id)
+
+    # -- write-behind ------------------------------------------------------------------
+
+    def write_behind(self, conv_id: str, tokens: Sequence[int], kept: RetainedKV | None) -> None:
+        """After a turn: queue the KV of ``tokens[:kept.kv_len]`` the disk lacks. Copies only
+        those tokens' KV out of the pool; no file I/O, never waits for the disk, never raises."""
+        t0 = time.perf_counter()
+        try:
+            self._drain()
+            if kept is not None:
+                self._queue(conv_id, tokens, kept)
             self._enforce_budget(keep=conv_id)
-            return True
+        except Exception as e:  # a cache: never the turn
+            log.warning("KV of conversation %s not queued for disk (%s: %s)", conv_id, type(e).__name__, e)
+        self.stats["engine_s"] += time.perf_counter() - t0
+
+    def _continues(self, t: _Track, tokens: Sequence[int]) -> bool:
+        """Whether the tokens stored (or queued) are a prefix of ``tokens``."""
+        if len(tokens) < t.end:
+            return False
+        if t.tokens is not None:
+            return list(tokens[: t.end]) == t.tokens
+        if token_hash(tokens[: t.end]) != t.hash:
+            return False
+        t.tokens = list(tokens[: t.end])
+        return True
+
+    def _queue(self, conv_id: str, tokens: Sequence[int], kept: RetainedKV) -> bool:
+        """Queue what the snapshot lacks of ``kept``. True if it is (or will be) current."""
+        n = kept.kv_len
+        if n == 0 or self._closed:
+            return False
+        t = self._tracks.get(conv_id)
+        if t is not None and t.end and self._continues(t, tokens):
+            if t.end >= n:
+                return True
+            start, base, epoch = t.end, False, t.epoch
+        else:
+            start, base, epoch = 0, True, new_epoch()
+        k, v = self.kv.export_kv(kept, start)
+        self._seq += 1
+        toks = list(tokens[:n])
+        job = AppendJob(conv_id, self.key(conv_id), self._seq, toks, start, k, v, epoch, base,
+                        self.fingerprint, self.kv_dtype)
+        if not self._writer.submit(job):
+            return False
+        self._tracks[conv_id] = _Track(epoch, n, toks, None, self._seq)
+        self._pending[conv_id] += 1
+        return True
+
+    def _handle(self, w: Written) -> None:
+        self._pending[w.conv_id] -= 1
+        if self._pending[w.conv_id] <= 0:
+            del self._pending[w.conv_id]
+        self.written.append(w)
+        del self.written[:-1000]
+        self.stats["jobs"] += 1
+        self.stats["writer_s"] += w.seconds
+        self.stats["bytes"] += w.nbytes
+        self.stats["merges"] += w.merged
+        self.stats["failures"] += not w.ok
+        t = self._tracks.get(w.conv_id)
+        if not w.ok and t is not None and t.seq == w.seq:  # its latest write failed: believe the disk
+            m = w.manifest if w.known else None
+            if m is None:
+                del self._tracks[w.conv_id]
+            else:
+                self._tracks[w.conv_id] = _Track(m.epoch, m.end, None, m.token_hash, w.seq)
+        if w.known:
+            self._record(w.conv_id, w.manifest)
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                w = self._writer.done.get_nowait()
+            except queue.Empty:
+                return
+            self._handle(w)
+
+    def _wait(self, conv_id: str | None = None) -> None:
+        """Until the writes queued (for ``conv_id``, or all) are on disk and recorded."""
+        self._drain()
+        while self._pending[conv_id] > 0 if conv_id is not None else self._pending:
+            try:
+                w = self._writer.done.get(timeout=1.0)
+            except queue.Empty:
+                if not self._writer.alive():
+                    log.warning("the snapshot writer stopped; %d write(s) lost", sum(self._pending.values()))
+                    self._pending.clear()
+                    self._tracks.clear()
+                    return
+                continue
+            self._handle(w)
+
+    def flush(self, conv_id: str | None = None) -> None:
+        """Wait until what was queued (for ``conv_id``, or for every conversation) is on disk."""
+        self._wait(conv_id)
+        self._enforce_budget(keep=conv_id)
+
+    def close(self) -> None:
+        """Write what is queued, stop the writer and record the last rows. Never raises."""
+        try:
+            self._wait()
+        except Exception as e:
+            log.warning("snapshot writes not all recorded at close (%s: %s)", type(e).__name__, e)
+        finally:
+            self._closed = True
+            self._writer.close()
+            try:
+                self._drain()
+            except Exception as e:
+                log.warning("snapshot rows not all recorded at close (%s: %s)", type(e).__name__, e)
+
+    # -- spill -------------------------------------------------------------------------
+
+    def save(self, conv_id: str, tokens: Sequence[int], kept: RetainedKV) -> bool:
+        """Make the snapshot hold ``kept`` (the KV of ``tokens[:kept.kv_len]``) and wait until it
+        is on disk. Never raises for the disk or the database: logs and returns False."""
+        try:
+            self._drain()
+            if not self._queue(conv_id, tokens, kept):
+                return False
+            self._wait(conv_id)
+            self._enforce_budget(keep=conv_id)
+            t = self._tracks.get(conv_id)
+            return t is not None and t.end >= kept.kv_len
         except Exception as e:  # a cache: any failure to write it costs a recompute later, never the turn
             log.warning("KV of conversation %s not saved to disk (%s: %s); it will be recomputed", conv_id, type(e).__name__, e)
             return False
 
-    def spill(self, s) -> bool:
-        """Snapshot the session's KV in memory, then release it. True if it had KV in memory."""
+    def spill(self, s, wait: bool = True) -> bool:
+        """Make sure the session's KV reaches its snapshot (waiting for it with ``wait``), then
+        release it from memory. True if it had KV in memory."""
         kept = s.kept
         if kept is None:
             return False
         try:
-            self.save(s.id, s.tokens, kept)
+            if wait:
+                self.save(s.id, s.tokens, kept)
+            else:
+                try:
+                    self._queue(s.id, s.tokens, kept)
+                except Exception as e:
+                    log.warning("KV of conversation %s not saved to disk (%s: %s); it will be recomputed", s.id, type(e).__name__, e)
         finally:
             s.kept = None
             self.kv.drop(kept)
         return True
 
     def spill_idle(self, sessions: Iterable, idle_s: float, now: float | None = None, keep=None) -> int:
-        """Spill every session idle for ``idle_s`` or longer; returns how many."""
+        """Release every session idle for ``idle_s`` or longer (its snapshot is current, or queued); returns how many."""
         now = time.monotonic() if now is None else now
+        self._drain()
         done = 0
         for s in list(sessions):
             if s is not keep and not s.busy and s.kept is not None and now - s.last_used >= idle_s:
-                done += self.spill(s)
+                done += self.spill(s, wait=False)
         return done
 
     def relieve(self, sessions: Iterable, missing_blocks: int) -> None:
@@ -127,54 +349,67 @@ class Snapshots:
             if self.kv.cache.evictable_blocks >= missing_blocks:
                 break
             if not s.busy and s.kept is not None:
-                self.spill(s)
+                self.spill(s, wait=False)
 
-    def _enforce_budget(self, keep: str) -> None:
+    def _enforce_budget(self, keep: str | None) -> None:
+        if not self._rows_changed:
+            return
+        self._rows_changed = False
         total = self.store.total_snapshot_bytes()
         for snap in self.store.snapshots_lru():
             if total <= self.budget:
                 break
-            if snap.conversation_id == keep:
+            if snap.conversation_id == keep or not snap.file.endswith(self._salt + MANIFEST_SUFFIX):
                 continue
-            self._unlink(Path(snap.file).stem)
-            self.store.delete_snapshot(snap.conversation_id)
+            self.delete(snap.conversation_id)
             total -= snap.nbytes
             log.info("snapshot of %s deleted: over the disk budget", snap.conversation_id)
 
-    # -- restore -------------------------------------------------------------------
+    # -- restore -----------------------------------------------------------------------
 
-    def restore(self, conv_id: str, prompt: list[int]) -> tuple[RetainedKV | None, int]:
+    def restore(self, conv_id: str, prompt: list[int], namespace=None) -> tuple[RetainedKV | None, int]:
         """Bring the conversation's snapshot back into blocks. Returns the KV (None if nothing
         came back) and how many tokens of it came from disk rather than memory."""
         if not self.kv.sharing:
             return None, 0
-        snap = self.store.get_snapshot(conv_id)
-        if snap is None:
-            return None, 0
-        in_memory = self.kv.cached_len(prompt)
-        if in_memory >= snap.token_count:
-            return None, 0
-        pool = self.kv.pool
+        self._wait(conv_id)  # its queued writes reach the disk first
+        key = self.key(conv_id)
         try:
-            k, v, n = self.files.load(
-                self.key(conv_id),
-                token_ids=prompt,
-                model_fingerprint=self.fingerprint,
-                kv_dtype=self.kv_dtype,
-                num_layers=pool.num_layers,
-                num_kv_heads=pool.num_kv_heads,
-                head_dim=pool.head_dim,
-            )
-        except (SnapshotInvalid, ValueError) as err:  # ValueError: a layout this engine cannot use (e.g. extra tensors)
+            man = self.segments.read_manifest(key)
+        except SnapshotInvalid as err:
             log.warning("snapshot of %s unusable (%s); recomputing", conv_id, err)
-            self.delete(conv_id)
+            self._discard(conv_id)
             return None, 0
-        except OSError as err:  # an unreadable disk: keep the file, recompute this time
+        except OSError as err:  # an unreadable disk: keep the files, recompute this time
             log.warning("snapshot of %s cannot be read (%s); recomputing", conv_id, err)
             return None, 0
-        n = min(n, len(prompt) - 1)  # leave at least one token to compute, for the logits
+        if man is None:
+            self._tracks.pop(conv_id, None)
+            self._forget_row(conv_id)
+            return None, 0
+        pool = self.kv.pool
+        mine = (self.fingerprint, self.kv_dtype, (pool.num_layers, pool.num_kv_heads, pool.head_dim))
+        if (man.model_fingerprint, man.kv_dtype, man.geometry()) != mine:
+            log.warning("snapshot of %s unusable (stored for model %r, kv dtype %s, geometry %s; this engine: %r, %s, %s); "
+                        "recomputing", conv_id, man.model_fingerprint, man.kv_dtype, man.geometry(), *mine)
+            self._discard(conv_id)
+            return None, 0
+        ns = {} if namespace is None else {"namespace": namespace}
+        in_memory = self.kv.cached_len(prompt, **ns)
+        if in_memory >= min(man.end, len(prompt) - 1):
+            return None, 0
         try:
-            kept = self.kv.import_kv(prompt, n, k, v)
+            k, v, good, why = self.segments.load(man, prompt)
+        except OSError as err:  # an unreadable disk: keep the files, recompute this time
+            log.warning("snapshot of %s cannot be read (%s); recomputing", conv_id, err)
+            return None, 0
+        if good is not man:
+            self._repair(conv_id, good, why)
+        if not good.segments:
+            return None, 0
+        n = min(good.end, len(prompt) - 1)  # leave at least one token to compute, for the logits
+        try:
+            kept = self.kv.import_kv(prompt, n, k, v, **ns)
         except OutOfBlocks:
             log.warning("no room to restore %d tokens of %s; recomputing", n, conv_id)
             return None, 0
@@ -183,3 +418,24 @@ class Snapshots:
         except Exception as e:  # only the LRU order of the budget is lost
             log.warning("snapshot of %s: last use not recorded (%s)", conv_id, e)
         return kept, n - in_memory
+
+    def _discard(self, conv_id: str) -> None:
+        self._tracks.pop(conv_id, None)
+        self._remove_files(self.key(conv_id))
+        self._forget_row(conv_id)
+
+    def _repair(self, conv_id: str, good: Manifest, why: str) -> None:
+        """A segment was bad: the manifest keeps the valid ones before it."""
+        if not good.segments:
+            log.warning("snapshot of %s unusable (%s); recomputing", conv_id, why)
+            self._discard(conv_id)
+            return
+        log.warning("snapshot of %s: %s; restoring its first %d tokens, recomputing the rest", conv_id, why, good.end)
+        self._tracks[conv_id] = _Track(good.epoch, good.end, None, good.token_hash)
+        try:
+            self.segments.write_manifest(good)
+            self.segments.remove(good.key, keep=good)
+        except OSError as e:  # a read-only medium: the bad segment is refused again next time
+            log.warning("snapshot of %s: manifest not repaired (%s)", conv_id, e)
+            return
+        self._record(conv_id, good)

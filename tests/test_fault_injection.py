@@ -282,8 +282,12 @@ def test_spill_write_fault_never_fails_a_turn(model_dir, tmp_path, monkeypatch, 
             os.rmdir(root)
 
     sessions, out = pressure_scenario(e, arm, remove_root)
+    e.session_manager.snapshots.flush()  # the background writer has met the fault
     assert fault.hits > 0, f"the {point} fault never fired"
-    assert warned(caplog, "not saved to disk"), "a failed snapshot write is logged"
+    if point == "db_row":  # the files are written; only the row (bookkeeping) lags, fixed at the next open
+        assert warned(caplog, "not recorded"), "a failed snapshot row is logged"
+    else:
+        assert warned(caplog, "not saved to disk"), "a failed snapshot write is logged"
     assert out == pressure_reference[: len(out)], "a failed snapshot changes no reply"
     left = sorted(p.name for p in root.iterdir()) if root.exists() else []
     assert not [n for n in left if n.endswith(".tmp") or ".tmp" in n], f"a failed write left a temp file: {left}"
@@ -297,7 +301,8 @@ def test_spill_write_fault_never_fails_a_turn(model_dir, tmp_path, monkeypatch, 
     # the medium is fine again: the same conversations and a new one go on exactly
     s = e.resume(sessions[1].id)
     r = s.send(QUESTIONS[2])
-    assert r.usage.restored_tokens == 0  # nothing reached the disk: recomputed
+    if point != "db_row":  # there the manifest (the authority) was written and restores
+        assert r.usage.restored_tokens == 0  # nothing reached the disk: recomputed
     check_oracle(oracle, s, r)
     n = e.session(params=GREEDY)
     rn = n.send(QUESTIONS[3])
@@ -305,17 +310,22 @@ def test_spill_write_fault_never_fails_a_turn(model_dir, tmp_path, monkeypatch, 
     assert out + [reply_ids(s, r), reply_ids(n, rn)] == pressure_reference
     e.check_integrity()
     e.close()  # no traceback at exit
-    # a file left without its database row is swept when the directory is opened next
+    # on the next open rows follow the manifests, and files no manifest lists are swept
     e = make_engine(model_dir, tmp_path / "data")
+    snaps = e.session_manager.snapshots
     rows = {snap.file for snap in e.session_manager.store.snapshots_lru()}
-    assert {p.name for p in root.glob("*.safetensors")} == rows
+    assert {p.name for p in root.glob("*.json")} == rows
+    listed = {p.name for snap in e.session_manager.store.snapshots_lru() for p in snaps.segment_paths(snap.conversation_id)}
+    assert {p.name for p in root.glob("*.safetensors")} == listed
     e.close()
 
 
 @pytest.mark.parametrize("code", list(ERRNOS.values()), ids=list(ERRNOS))
 @pytest.mark.parametrize("point", WRITE_POINTS)
 def test_idle_spill_write_fault_never_fails_a_turn(model_dir, tmp_path, monkeypatch, caplog, oracle, point, code):
-    """The other spill trigger: a turn first spills every other idle session (idle_spill_s=0)."""
+    """The other spill trigger: a turn first spills every other idle session (idle_spill_s=0).
+    The disk fails from a's first turn on, so its write-behind fails, and the spill that
+    releases a's KV finds nothing on disk: it queues the KV again, which fails again."""
     caplog.set_level(logging.WARNING)
     e = make_engine(model_dir, tmp_path / "data", idle_spill_s=0.0)
     root = snapshot_root(e)
@@ -323,17 +333,20 @@ def test_idle_spill_write_fault_never_fails_a_turn(model_dir, tmp_path, monkeypa
     fault = Fault()
     install_write_fault(point, code, root, fault, monkeypatch)
     a, b = e.session(params=GREEDY), e.session(params=GREEDY)
-    check_oracle(oracle, a, a.send(QUESTIONS[0]))
     fault.armed = True
     if point == "mkdir":
         os.rmdir(root)
+    check_oracle(oracle, a, a.send(QUESTIONS[0]))
+    e.session_manager.snapshots.flush()
     check_oracle(oracle, b, b.send(QUESTIONS[1]))  # spills a first: the write fails, the turn goes on
+    e.session_manager.snapshots.flush()
     assert fault.hits > 0, f"the {point} fault never fired"
-    assert warned(caplog, "not saved to disk")
+    assert warned(caplog, "not recorded" if point == "db_row" else "not saved to disk")
     assert a.kept is None, "a's KV was released even though it could not be saved"
     e.check_integrity()
     r = a.send(QUESTIONS[2])
-    assert r.usage.restored_tokens == 0
+    if point != "db_row":  # there the manifest (the authority) was written and restores
+        assert r.usage.restored_tokens == 0
     check_oracle(oracle, a, r)
     for s in (a, b):
         assert [m.role for m in s.messages()] == ["user", "assistant"] * (2 if s is a else 1)
@@ -356,6 +369,7 @@ def test_full_disk_pressure_spill_then_every_session_keeps_going(model_dir, tmp_
             r = s.send(LONG[i] if round_ == 0 else QUESTIONS[i])
             check_oracle(oracle, s, r)
             e.check_integrity()
+    e.session_manager.snapshots.flush()  # the background writer has met the full disk
     assert fault.hits > 0 and warned(caplog, "not saved to disk")
     stats = e.kv_stats()
     assert stats["retained"] <= len(sessions)

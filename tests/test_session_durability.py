@@ -1,12 +1,14 @@
 """Damage never means a wrong answer, and nothing committed is lost.
 
-1. The damaged-snapshot matrix: a conversation of 3 greedy turns is spilled by
-   closing the engine; its snapshot is then damaged (or mismatched) on disk; a
-   new Engine resumes it and sends turn 4. The reply must equal the reply of an
-   uninterrupted run, of an uncached run of the same prompt, and transformers'
-   greedy; the KV must have been recomputed (nothing restored); the bad snapshot
-   must be gone (file and row); the engine's invariants hold; and the next spill
-   and restore work again.
+1. The damaged-snapshot matrix: a conversation of 3 greedy turns is written
+   behind (one segment per turn, and a manifest) and the engine closed; a segment
+   or the manifest is then damaged (or mismatched) on disk; a new Engine resumes
+   it and sends turn 4. The reply must equal the reply of an uninterrupted run,
+   of an uncached run of the same prompt, and transformers' greedy. Damage to the
+   first segment or the manifest: the KV is recomputed (nothing restored) and the
+   bad snapshot is gone (files and row). Damage to a later segment: the segments
+   before it are restored, the rest recomputed, the manifest repaired. The
+   engine's invariants hold, and the next write and restore work again.
 2. kill -9 during spill: a worker process sends turns and spills in a loop and is
    SIGKILLed at random moments, many of them inside a spill. After each kill every
    message the worker reported committed is in the DB, and the next turn's reply
@@ -26,6 +28,7 @@ import struct
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -38,6 +41,7 @@ from chatkv.engine import Engine
 from chatkv.weights import model_fingerprint
 from chatkv.sampling import SamplingParams
 from chatkv.storage import kv_store
+from chatkv.storage.kv_segments import Manifest
 from chatkv.storage.repository import Store
 from tests import session_kill_child as child
 from tests.tiny import make_model
@@ -71,8 +75,14 @@ def turn_tokens(session, reply) -> tuple[list[int], list[int]]:
 
 
 def snap_path(engine, conv_id) -> Path:
+    """The conversation's manifest."""
     m = engine.session_manager
     return m.snapshots.path(conv_id)
+
+
+def snap_files(kv: Path, conv_id: str) -> dict[str, bytes]:
+    """Every file of the conversation's snapshot (manifest and segments): name -> bytes."""
+    return {p.name: p.read_bytes() for p in sorted(kv.iterdir()) if p.name.startswith(conv_id + "-")}
 
 
 def header_end(blob: bytes) -> int:
@@ -140,11 +150,17 @@ def world(model, tmp_path_factory):
             b.send(q)
         a_id, b_id = a.id, b.id
         a_path, b_path = snap_path(e, a_id), snap_path(e, b_id)
+        e.session_manager.snapshots.flush()  # the background writer is done
+        a_segs = e.session_manager.snapshots.segment_paths(a_id)
+        b_segs = e.session_manager.snapshots.segment_paths(b_id)
         a_history, b_history = list(a.tokens), list(b.tokens)
         last = first3[-1].usage
         history_kv = last.prompt_tokens + last.generated_tokens - 1
+        a_ends = [int(p.stem.rsplit("_", 1)[1]) for p in a_segs]
     assert [r.text for r in first3] == [r.text for r in straight[:3]]
-    assert a_path.exists() and b_path.exists()  # closing spilled both
+    assert a_path.exists() and b_path.exists()  # written behind each turn
+    assert len(a_segs) == 3 and len(b_segs) == 2, "one segment per turn"
+    assert a_ends[-1] == history_kv
     # the test can see wrong KV: turn 4's reply changes if the history's KV were B's,
     # or shifted by a block
     assert prompt4[: len(a_history)] == a_history
@@ -153,7 +169,8 @@ def world(model, tmp_path_factory):
     assert hf_greedy(ref, prompt4[16:], GREEDY["max_tokens"])[: len(gen4)] != gen4
     return dict(
         ref=ref, model_dir=model_dir, base=base, a=a_id, b=b_id,
-        a_file=a_path.name, b_file=b_path.name, a_blob=a_path.read_bytes(), b_blob=b_path.read_bytes(),
+        a_file=a_path.name, b_file=b_path.name, a_segs=[p.name for p in a_segs], b_segs=[p.name for p in b_segs],
+        a_files=snap_files(base / "kv", a_id), b_files=snap_files(base / "kv", b_id), a_ends=a_ends,
         history_kv=history_kv, straight=straight, prompt4=prompt4, gen4=gen4,
     )
 
@@ -224,15 +241,28 @@ def _flip_header_value(blob: bytes, field: str) -> bytes:
     return blob[: 8 + at] + new + blob[8 + at + 1 :]
 
 
+def _rewrite_manifest(path: Path, **over) -> None:
+    """Rewrite a manifest with changed fields and a valid checksum of its own."""
+    body = json.loads(path.read_text())
+    body.pop("checksum")
+    body.update(over)
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    body["checksum"] = f"crc32:{zlib.crc32(text.encode()):08x}"
+    path.write_text(json.dumps(body))
+
+
 def damage(case: str, data: Path, w: dict) -> None:
-    """Damage conversation A's snapshot in the (closed) data dir ``data``."""
+    """Damage conversation A's snapshot in the (closed) data dir ``data``: its first segment,
+    unless the case names the manifest or another segment."""
     kv = data / "kv"
-    path = kv / w["a_file"]
-    blob = w["a_blob"]
+    seg_name = w["a_segs"][-1] if case.startswith("last_segment") else w["a_segs"][1] if case.startswith("middle_") else w["a_segs"][0]
+    path = kv / seg_name
+    blob = w["a_files"][seg_name]
     he = header_end(blob)
-    if case == "intact":
-        return
-    if case == "data_flip":
+    man = kv / w["a_file"]
+    if case in ("intact", "other_model", "other_weights", "other_dtype"):
+        return  # the files are fine; the engine reading them differs
+    if case in ("data_flip", "last_segment_flip"):
         span = len(blob) - he
         path.write_bytes(flip(blob, [he + span // 4, he + span // 2, he + 3 * span // 4, len(blob) - 1]))
     elif case == "header_flip_json":
@@ -243,23 +273,30 @@ def damage(case: str, data: Path, w: dict) -> None:
         path.write_bytes(_flip_header_value(blob, "checksum"))
     elif case == "header_flip_token_hash":
         path.write_bytes(_flip_header_value(blob, "token_hash"))
-    elif case == "truncated":
+    elif case in ("truncated", "middle_segment_truncated"):
         path.write_bytes(blob[: (he + len(blob)) // 2])
     elif case == "truncated_in_header":
         path.write_bytes(blob[: he // 2])
     elif case == "empty":
         path.write_bytes(b"")
-    elif case == "missing_file":
+    elif case in ("missing_segment", "last_segment_missing"):
         path.unlink()
+    elif case == "missing_manifest":
+        man.unlink()
     elif case == "file_without_row":
         with Store.open(None, data) as store:
             assert store.delete_snapshot(w["a"]) == w["a_file"]
+    elif case == "orphans_beside":  # leftovers of killed writers: an unlisted segment and temp files
+        (kv / seg_name.replace("_0_", "_7_")).write_bytes(blob)
+        (kv / f".{w['a_file'][:-5]}.{2**22 + 17}.{'0' * 16}.{'0' * 8}.tmp").write_bytes(b"half a manifest")
     elif case == "other_tokens":
-        path.write_bytes(w["b_blob"])  # conversation B's snapshot under A's name
+        path.write_bytes(w["b_files"][w["b_segs"][0]])  # conversation B's first segment under A's name
     elif case == "other_version":
         _rewrite_header(path, format_version="2")
+    elif case == "other_epoch":  # a well-formed segment whose header names another epoch
+        _rewrite_header(path, epoch="00000000")
     elif case == "extra_tensors":
-        # a well-formed snapshot that also declares a tensor this build does not write
+        # a well-formed segment that also declares a tensor this build does not write
         # (e.g. from a build with quantised KV scales): checksum valid, names consistent
         tensors = {n: t.clone() for n, t in load_file(path).items()}
         tensors["k_scale.0"] = torch.ones(4)
@@ -267,8 +304,22 @@ def damage(case: str, data: Path, w: dict) -> None:
             meta = dict(f.metadata())
         meta.update(extra_tensors="k_scale.0", checksum=kv_store._checksum(tensors))
         save_file(tensors, path, metadata=meta)
-    elif case in ("other_model", "other_weights", "other_dtype"):
-        return  # the file is fine; the engine reading it differs
+    elif case == "manifest_flip":
+        text = man.read_bytes()
+        at = text.index(b'"end"') + 8  # a digit of the first segment's end
+        man.write_bytes(flip(text, [at], mask=0x01))
+    elif case == "manifest_truncated":
+        man.write_bytes(man.read_bytes()[:100])
+    elif case == "manifest_empty":
+        man.write_bytes(b"")
+    elif case == "manifest_other_version":
+        _rewrite_manifest(man, format_version=2)
+    elif case == "manifest_of_b":
+        man.write_bytes(w["b_files"][w["b_file"]])  # B's manifest under A's name
+    elif case == "manifest_out_of_order":  # checksum valid, segments not contiguous
+        body = json.loads(man.read_text())
+        segs = body["segments"]
+        _rewrite_manifest(man, segments=[segs[1], segs[0], segs[2]])
     else:
         raise AssertionError(case)
 
@@ -276,11 +327,26 @@ def damage(case: str, data: Path, w: dict) -> None:
 CASES = [
     "intact",  # control: nothing damaged, the history is restored
     "data_flip", "header_flip_json", "header_flip_length", "header_flip_checksum", "header_flip_token_hash",
-    "truncated", "truncated_in_header", "empty", "missing_file", "file_without_row",
-    "other_model", "other_tokens", "other_version", "other_dtype",
+    "truncated", "truncated_in_header", "empty", "missing_segment", "missing_manifest", "file_without_row",
+    "other_model", "other_tokens", "other_version", "other_epoch", "other_dtype",
     "extra_tensors",  # a layout this engine cannot use: discarded like damage
     "other_weights",  # weights changed between the first and last MiB: the fingerprint covers every byte
+    "manifest_flip", "manifest_truncated", "manifest_empty", "manifest_other_version", "manifest_of_b",
+    "manifest_out_of_order",
+    # a later segment bad: the ones before it are used, the rest recomputed
+    "last_segment_flip", "last_segment_missing", "middle_segment_truncated",
+    "orphans_beside",  # leftovers are swept, the snapshot restores
 ]
+FULL = ("intact", "file_without_row", "orphans_beside")  # the whole history restores
+
+
+def partial_tokens(case: str, w: dict) -> int | None:
+    """Tokens a partly damaged snapshot still restores (None: a case that restores nothing or all)."""
+    if case.startswith("last_segment"):
+        return w["a_ends"][-2]
+    if case.startswith("middle_segment"):
+        return w["a_ends"][0]
+    return None
 
 
 def resume_config(case: str, request, w: dict) -> tuple[Path, dict]:
@@ -310,32 +376,48 @@ def test_damaged_snapshot_is_recomputed_never_wrong(world, request, tmp_path, ca
     damage(case, data, w)
     model_dir, kw = resume_config(case, request, w)
     own_reference = case in ("other_weights", "other_dtype")  # another model: the straight run does not apply
+    partial = partial_tokens(case, w)
 
     caplog.set_level(logging.WARNING, logger="chatkv")
     e = engine_at(model_dir, data, **kw)
-    m = e.session_manager  # opening the manager sweeps orphan files and rows
+    m = e.session_manager  # opening the manager reconciles rows with manifests and sweeps leftovers
     a_path = m.snapshots.path(w["a"])
+    kv = data / "kv"
     if case == "file_without_row":
-        assert not a_path.exists(), "a snapshot file without a database row must be removed on open"
-    if case == "missing_file":
-        assert m.store.get_snapshot(w["a"]) is None, "a snapshot row without a file must be removed on open"
+        assert m.store.get_snapshot(w["a"]) is not None, "the manifest is the authority: its row is recorded on open"
+    if case == "missing_manifest":
+        assert m.store.get_snapshot(w["a"]) is None, "a snapshot row without a manifest must be removed on open"
+        assert not snap_files(kv, w["a"]), "segments without a manifest must be removed on open"
+    if case == "orphans_beside":
+        assert set(snap_files(kv, w["a"])) == set(w["a_files"]), "unlisted files must be removed on open"
+        assert not [p for p in kv.iterdir() if p.name.endswith(".tmp")]
 
     s = e.resume(w["a"])
     r = s.send(QUESTIONS_A[3])  # must not raise
     prompt, gen = turn_tokens(s, r)
     assert prompt == w["prompt4"], "the resumed history differs from the uninterrupted run's"
+    warned = any(w["a"] in rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING)
 
-    if case == "intact":
+    if case in FULL:
         assert r.usage.restored_tokens == w["history_kv"]
         assert a_path.exists() and m.store.get_snapshot(w["a"]) is not None
+    elif partial is not None:
+        assert r.usage.restored_tokens == partial, "the valid segments before the bad one are used"
+        assert r.usage.computed_tokens == r.usage.prompt_tokens - partial
+        assert warned, "the bad segment was not logged"
     else:
         assert r.usage.restored_tokens == 0, "a bad snapshot was used"
         assert r.usage.cached_tokens == 0 and r.usage.computed_tokens == r.usage.prompt_tokens
-        assert not a_path.exists(), "the bad snapshot file is still there"
-        assert m.store.get_snapshot(w["a"]) is None, "the bad snapshot's row is still there"
-        assert any(w["a"] in rec.getMessage() for rec in caplog.records if rec.levelno >= logging.WARNING), (
-            "the discarded snapshot was not logged"
-        )
+        assert warned, "the discarded snapshot was not logged"
+    # turn 4 was written behind: the manifest lists the good old segments (all, the ones
+    # before the bad one, or none: a new epoch) then the new ones; no other file is left
+    m.snapshots.flush()
+    listed = [p.name for p in m.snapshots.segment_paths(w["a"])]
+    good = len(w["a_segs"]) if case in FULL else w["a_ends"].index(partial) + 1 if partial else 0
+    assert [x for x in listed if x in w["a_files"]] == w["a_segs"][:good]
+    assert set(snap_files(kv, w["a"])) == set(listed) | {w["a_file"]}, "a file no manifest lists is left"
+    row = m.store.get_snapshot(w["a"])
+    assert row.file == w["a_file"] and row.token_count == r.usage.prompt_tokens + r.usage.generated_tokens - 1
 
     if own_reference:  # an uncached run of the same prompt with the same model and dtype
         want = uncached(model_dir, kw, prompt, tmp_path / "ref4")
@@ -348,7 +430,7 @@ def test_damaged_snapshot_is_recomputed_never_wrong(world, request, tmp_path, ca
     assert [x.role for x in s.messages()] == ["user", "assistant"] * 4
     assert [x.content for x in s.messages()[::2]] == QUESTIONS_A[:4]
     assert len(e.resume(w["b"]).messages()) == 4
-    assert m.snapshots.path(w["b"]).read_bytes() == w["b_blob"]
+    assert snap_files(kv, w["b"]) == w["b_files"]
     e.check_integrity()
     e.close()  # spills A again
 
@@ -396,13 +478,19 @@ def _wait_for(log: Path, pred, timeout: float, what: str, err: Path) -> list[dic
         time.sleep(0.0005)
 
 
-def _snapshot_header_tokens(path: Path) -> int | None:
-    """token_count in the snapshot file's header, None if absent or unreadable (reads only)."""
-    try:
-        with safe_open(path, framework="pt") as f:
-            return int(f.metadata()["token_count"])
-    except Exception:
+def _snapshot_on_disk(kv: Path) -> int | None:
+    """Tokens the manifest on disk lists, after checking (reading only) that it parses and that
+    every segment it lists is complete: its header readable and its token count the manifest's.
+    None if there is no manifest; AssertionError naming a torn one."""
+    mans = [p for p in kv.iterdir() if p.name.endswith(".json")] if kv.exists() else []
+    assert len(mans) <= 1, mans
+    if not mans:
         return None
+    man = Manifest.from_json(mans[0].read_text(), mans[0].name[:-5])  # raises if torn
+    for seg in man.segments:
+        with safe_open(kv / seg.file, framework="pt") as f:
+            assert int(f.metadata()["token_count"]) == seg.size, f"segment {seg.file} is torn"
+    return man.end
 
 
 class ForkServer:
@@ -494,13 +582,9 @@ def test_kill_9_during_spill_loses_nothing_and_never_loads_garbage(model, fork_s
         stats["mid_write_temp_file"] += bool(temps)
         with Store.open(None, data) as store:
             row = store.get_snapshot(conv)
-        files = [p for p in kv.iterdir() if p.name.endswith(".safetensors")] if kv.exists() else []
-        assert len(files) <= 1, files
-        file_tokens = _snapshot_header_tokens(files[0]) if files else None
-        if files:
-            assert file_tokens is not None, f"trial {trial}: a torn snapshot file {files[0].name} is visible"
+        file_tokens = _snapshot_on_disk(kv)  # the old manifest or the new one, every segment complete
         if file_tokens is not None and (row is None or row.token_count != file_tokens):
-            stats["file_ahead_of_row"] += 1  # killed between the rename and the DB row
+            stats["file_ahead_of_row"] += 1  # killed between the manifest switch and the DB row
 
         # a new engine: nothing committed is lost, the next turn is exactly right
         e = engine_at(model_dir, data, num_blocks=KILL_BLOCKS)
@@ -523,7 +607,7 @@ def test_kill_9_during_spill_loses_nothing_and_never_loads_garbage(model, fork_s
         )
         if r.usage.restored_tokens:
             stats["restored"] += 1
-            assert r.usage.restored_tokens == file_tokens, "restored something other than the file on disk"
+            assert r.usage.restored_tokens == file_tokens, "restored something other than the manifest on disk"
         else:
             stats["recomputed"] += 1
         if had_snapshot:
