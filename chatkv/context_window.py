@@ -22,8 +22,9 @@ stored with ``token_ids`` in one transaction (``conversations.context``).
 
 Sizes: a turn keeps room for its reply, ``min(max_tokens, window // 4)`` tokens (a reply
 that runs longer is cut at the window, finish_reason "length"). A sink window moves by
-at least ``window // 8`` tokens at a time, so it moves (and its snapshot gets a new
-epoch) once every several turns rather than every turn. Drops are whole blocks, so the
+at least ``window // 8`` tokens at a time, and truncation drops turns until that much is
+free too where it can, so the window moves (the snapshot gets a new epoch, truncation
+recomputes) once every several turns rather than every turn. Drops are whole blocks, so the
 kept blocks are reused as they are and only their keys are rotated.
 """
 
@@ -142,9 +143,10 @@ def plan(st: ContextState, context_len: int, new_len: int, reserve: int, window:
     if st.policy == "truncate" and st.prefix is not None and st.turns:
         prefix = st.prefix
         cuts = sorted(t for t in st.turns if t > prefix) + [context_len]
-        for n, cut in enumerate(cuts, start=1):
-            if prefix + context_len - cut + new_len + reserve <= window:
-                return Plan("truncate", drop=cut - prefix, turns=n, cut=cut)
+        for room in (reserve + window // 8, reserve):  # room to spare first: the next turns need no recompute
+            for n, cut in enumerate(cuts, start=1):
+                if prefix + context_len - cut + new_len + room <= window:
+                    return Plan("truncate", drop=cut - prefix, turns=n, cut=cut)
         if prefix + new_len < window:  # only a shorter reply fits: drop every earlier turn
             return Plan("truncate", drop=context_len - prefix, turns=len(cuts), cut=context_len)
         raise ContextOverflow(

@@ -235,9 +235,10 @@ class LlamaModel:
         half = angle.shape[0]
         sin[:half] = -sin[:half]
         idx = torch.tensor(blocks, dtype=torch.long, device=kv.device)
-        keys = kv[:, 0]  # [layers, blocks, block_size, kv_heads, head_dim], a view of the pool
-        k = keys.index_select(1, idx).float()
-        keys.index_copy_(1, idx, (k * cos + torch.cat((k[..., half:], k[..., :half]), dim=-1) * sin).to(kv.dtype))
+        for layer in range(kv.shape[0]):
+            keys = kv[layer, 0]  # [blocks, block_size, kv_heads, head_dim], contiguous
+            k = keys.index_select(0, idx).float()
+            keys.index_copy_(0, idx, (k * cos + torch.cat((k[..., half:], k[..., :half]), dim=-1) * sin).to(kv.dtype))
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

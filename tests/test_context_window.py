@@ -124,11 +124,14 @@ def test_truncate_at_the_exact_boundary_drops_whole_turns_and_matches_a_fresh_co
     exact = message_with_delta(s, 256 - reserve - len(ctx))
     r = a.send(exact, greedy)  # prompt + reply room == window: nothing dropped
     assert r.context.dropped_tokens == 0 and r.usage.prompt_tokens == 256 - reserve
-    r = s.send(message_with_delta(s, 256 - reserve - len(ctx) + 1), greedy)  # one token over: the oldest turn goes
-    assert r.context.dropped_turns == 1 and r.context.recomputed
-    assert r.context.dropped_tokens == turns[1] - prefix
+    over = 256 - reserve - len(ctx) + 1
+    r = s.send(message_with_delta(s, over), greedy)  # one token over: the oldest whole turns go
+    # as few as leave window // 8 = 32 tokens to spare (so the next turns need no recompute)
+    n = next(n for n in range(1, len(turns)) if prefix + len(ctx) - turns[n] + over + reserve + 32 <= 256)
+    assert r.context.dropped_turns == n and r.context.recomputed
+    assert r.context.dropped_tokens == turns[n] - prefix
     prompt = s.tokens[: r.usage.prompt_tokens]
-    assert prompt[:prefix] == ctx[:prefix] and prompt[prefix : len(ctx) - turns[1] + prefix] == ctx[turns[1] :]
+    assert prompt[:prefix] == ctx[:prefix] and prompt[prefix : len(ctx) - turns[n] + prefix] == ctx[turns[n] :]
     assert r.usage.prompt_tokens + reserve <= 256
     assert r.usage.cached_tokens >= prefix // BS * BS  # the system prompt still hits the cache
     out = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0)
