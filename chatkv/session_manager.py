@@ -130,6 +130,8 @@ class SessionManager:
         overflow = params.pop(OVERFLOW_KEY, None)
         s = Session(self, info.id, info.title, info.system_prompt or None, params, list(info.token_ids or []))
         s.window = cw.ContextState.from_json(info.context, self.overflow)
+        if info.context is None and s.tokens:  # saved before turn boundaries were recorded
+            s.window.prefix = self._known_prefix(s)
         if overflow in OVERFLOW_POLICIES:
             s.window.policy = overflow
         msgs = self.store.messages(s.id)
@@ -148,6 +150,11 @@ class SessionManager:
             s.last_question = users[-1] if users else None
         self.live[s.id] = s
         return s
+
+    def _known_prefix(self, s: Session) -> int | None:
+        """The length of the system prefix at the start of ``s.tokens``, if it can be told."""
+        sys_tokens = self.renderer.system_prefix(s.system)
+        return len(sys_tokens) if sys_tokens and s.tokens[: len(sys_tokens)] == sys_tokens else None
 
     def _system_content(self, system: str | None, knowledge, documents: list[str]) -> str | None:
         return rag_context.documents_block(system, [(d, knowledge.chunks_of(d)) for d in documents])
@@ -221,8 +228,7 @@ class SessionManager:
         s.kept = None
         old_ns = self._namespace(s.id, st)
         if kept is None and s.tokens and plan.kind != "truncate":
-            ns_arg = {"namespace": old_ns} if old_ns is not None else {}
-            kept, restored = self.snapshots.restore(s.id, s.tokens + delta, **ns_arg)
+            kept, restored = self.snapshots.restore(s.id, s.tokens + delta, namespace=old_ns)
         context = s.tokens
         if plan.kind != "none":
             context = cw.apply(st, plan, s.tokens)

@@ -212,6 +212,38 @@ def test_a_20k_token_conversation_runs_in_the_memory_of_its_window(model, tmp_pa
     eng.close()
 
 
+def test_a_sink_window_restores_from_disk_to_the_same_window(model, tmp_path):
+    _, d = model
+    greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    qs = [f"Question {i}: what is the capital of France, and why is the quick brown fox so quick?" for i in range(11)]
+
+    def engine(home):
+        return engine_at(d, home, context_window=256, sink_tokens=4, overflow="sink")
+
+    eng = engine(tmp_path / "a")
+    s = eng.session(system="You are a helpful assistant.")
+    for q in qs[:-1]:
+        s.send(q, greedy)
+    assert s.window.private and s.window.epoch >= 2
+    sid, window_tokens = s.id, list(s.tokens)
+    eng.close()  # no KV stays in memory
+    eng = engine(tmp_path / "a")
+    s = eng.resume(sid)
+    assert s.tokens == window_tokens and s.window.private
+    restored = s.send(qs[-1], greedy)
+    # everything the window kept came from disk (this turn may have moved it further)
+    assert restored.usage.restored_tokens >= 0.95 * (len(window_tokens) - restored.context.dropped_tokens)
+    assert restored.usage.computed_tokens == restored.usage.prompt_tokens - restored.usage.restored_tokens
+    eng.check_integrity()
+    eng.close()
+    eng = engine(tmp_path / "b")  # the same conversation, never interrupted
+    u = eng.session(system="You are a helpful assistant.")
+    for q in qs:
+        last = u.send(q, greedy)
+    assert last.text == restored.text and last.usage.prompt_tokens == restored.usage.prompt_tokens
+    eng.close()
+
+
 def test_overflow_is_per_session_and_saved(model, tmp_path):
     _, d = model
     eng = engine_at(d, tmp_path, context_window=256)

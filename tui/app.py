@@ -201,7 +201,7 @@ class ChatApp(TurnsMixin, ConversationsMixin, CommandsMixin, App):
         # in flight, otherwise the figures come from the engine thread with the turn's end.
         ctx = len(self.session.tokens) if self.session is not None else 0
         kv = self._kv if hasattr(self, "_kv") else None
-        self.query_one(StatusLine).update(status_text(ctx, self.engine.max_context, kv, self.last_usage, self.mask_volatile))
+        self.query_one(StatusLine).update(status_text(ctx, self.engine.context_window, kv, self.last_usage, self.mask_volatile))
 
     async def _refresh_status(self) -> None:
         if self.engine is not None:

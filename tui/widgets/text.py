@@ -20,6 +20,8 @@ def status_text(ctx_used: int, ctx_max: int, kv: dict | None, usage=None, mask: 
         total, free = kv.get("blocks_total", 0), kv.get("blocks_free", 0)
         parts.append(f"KV {total - free}/{total} blk ({100 * (total - free) / max(total, 1):.0f}%)")
     if usage is not None:
-        parts.append(f"{usage.cached_tokens} cached · {usage.restored_tokens} restored · {usage.computed_tokens} computed")
+        host = getattr(usage, "host_tokens", 0)
+        tiers = [f"{usage.cached_tokens} cached"] + ([f"{host} host"] if host else [])
+        parts.append(" · ".join(tiers + [f"{usage.restored_tokens} restored", f"{usage.computed_tokens} computed"]))
         parts.append("TTFT -- ms · -- tok/s" if mask else f"TTFT {usage.ttft_s * 1000:.0f} ms · {usage.tokens_per_s:.1f} tok/s")
     return " │ ".join(parts)
