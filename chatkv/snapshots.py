@@ -18,14 +18,17 @@ Each conversation's KV is stored as append-only segments plus a manifest
 - **restore** verifies every segment (fingerprint, dtype, geometry, tokens, checksum) and
   uses the valid ones before the first bad one; the rest is recomputed and the manifest
   repaired. Missing, damaged or mismatched: a slower turn, never a wrong one.
-- the **manifest is the authority** for what is on disk; the database row (LRU order,
-  the disk budget) is bookkeeping that may lag, reconciled when the directory is opened:
-  rows follow manifests, files no manifest lists (and manifests of deleted
-  conversations) are removed.
+- the **manifest is the authority** for what is on disk; the database row (LRU order)
+  is bookkeeping that may lag: written when a spill, flush or close waits for the writer,
+  on restore, and at least every ``ROW_SYNC_S`` (not on every turn: a transaction per turn
+  would cost the engine thread more than the copy of the KV), and reconciled when the
+  directory is opened: rows follow manifests; files no manifest lists, and manifests of
+  deleted conversations, are removed.
 - the **database** is touched only from the caller's (engine) thread: the writer reports
   through a queue that every call here drains.
 - snapshots are a cache: a full or read-only disk logs one warning and never fails a turn;
-  snapshots over the disk budget are deleted least recently used first.
+  over the disk budget (this tenant's snapshots, sizes from their manifests) the least
+  recently used are deleted.
 
 Spilling works on anything with a session's ``id``, ``tokens``, ``kept`` (the
 RetainedKV in memory), ``busy`` and ``last_used``.
@@ -50,6 +53,8 @@ from chatkv.storage.kv_writer import AppendJob, SegmentWriter, Written
 from chatkv.storage.repository import Store
 
 log = logging.getLogger("chatkv.sessions")
+
+ROW_SYNC_S = 30.0  # the writer's reports reach the database rows at least this often (and at spill, flush, close)
 
 
 @dataclass
@@ -77,7 +82,9 @@ class Snapshots:
         self._tracks: dict[str, _Track] = {}
         self._pending: Counter[str] = Counter()
         self._seq = 0
-        self._rows_changed = False
+        self._sizes: dict[str, int] = {}  # bytes on disk per conversation, from its manifest
+        self._dirty: dict[str, Manifest | None] = {}  # rows to bring up to date (None: delete)
+        self._dirty_since: float | None = None
         self._closed = False
         self._writer = SegmentWriter(self.segments)
         self.stats = Counter()  # jobs, bytes, merges, failures, writer_s, engine_s
@@ -128,6 +135,7 @@ class Snapshots:
                 gone.add(key)
                 continue
             self._tracks[conv] = _Track(man.epoch, man.end, None, man.token_hash)
+            self._sizes[conv] = man.nbytes
             row = rows.get(conv)
             if row is None or (row.file, row.token_count, row.token_hash, row.nbytes) != (
                 key + MANIFEST_SUFFIX, man.end, man.token_hash, man.nbytes
@@ -173,15 +181,32 @@ class Snapshots:
         try:
             self.store.put_snapshot(conv_id, man.key + MANIFEST_SUFFIX, man.model_fingerprint, man.kv_dtype,
                                     man.end, man.token_hash, man.nbytes)
-            self._rows_changed = True
         except SessionError:  # the conversation was deleted meanwhile: its files go with it
             pass
         except Exception as e:  # bookkeeping: reconciled at the next open
             log.warning("snapshot row of %s not recorded (%s: %s); fixed at the next open", conv_id, type(e).__name__, e)
 
+    def _note(self, conv_id: str, man: Manifest | None) -> None:
+        """The disk now holds ``man`` for the conversation: its row is written at the next sync."""
+        if man is None:
+            self._sizes.pop(conv_id, None)
+        else:
+            self._sizes[conv_id] = man.nbytes
+        self._dirty[conv_id] = man
+        if self._dirty_since is None:
+            self._dirty_since = time.monotonic()
+
+    def _sync_rows(self) -> None:
+        """Write the rows the writer's reports changed (a database transaction each)."""
+        dirty, self._dirty, self._dirty_since = self._dirty, {}, None
+        for conv_id, man in dirty.items():
+            self._record(conv_id, man)
+
     def delete(self, conv_id: str) -> None:
         self._wait(conv_id)
         self._tracks.pop(conv_id, None)
+        self._sizes.pop(conv_id, None)
+        self._dirty.pop(conv_id, None)
         self._remove_files(self.key(conv_id))
         self._forget_row(conv_id)
 
@@ -195,6 +220,8 @@ class Snapshots:
             self._drain()
             if kept is not None:
                 self._queue(conv_id, tokens, kept)
+            if self._dirty_since is not None and time.monotonic() - self._dirty_since > ROW_SYNC_S:
+                self._sync_rows()
             self._enforce_budget(keep=conv_id)
         except Exception as e:  # a cache: never the turn
             log.warning("KV of conversation %s not queued for disk (%s: %s)", conv_id, type(e).__name__, e)
@@ -253,7 +280,7 @@ class Snapshots:
             else:
                 self._tracks[w.conv_id] = _Track(m.epoch, m.end, None, m.token_hash, w.seq)
         if w.known:
-            self._record(w.conv_id, w.manifest)
+            self._note(w.conv_id, w.manifest)
 
     def _drain(self) -> None:
         while True:
@@ -281,6 +308,7 @@ class Snapshots:
     def flush(self, conv_id: str | None = None) -> None:
         """Wait until what was queued (for ``conv_id``, or for every conversation) is on disk."""
         self._wait(conv_id)
+        self._sync_rows()
         self._enforce_budget(keep=conv_id)
 
     def close(self) -> None:
@@ -294,6 +322,7 @@ class Snapshots:
             self._writer.close()
             try:
                 self._drain()
+                self._sync_rows()
             except Exception as e:
                 log.warning("snapshot rows not all recorded at close (%s: %s)", type(e).__name__, e)
 
@@ -307,6 +336,7 @@ class Snapshots:
             if not self._queue(conv_id, tokens, kept):
                 return False
             self._wait(conv_id)
+            self._sync_rows()
             self._enforce_budget(keep=conv_id)
             t = self._tracks.get(conv_id)
             return t is not None and t.end >= kept.kv_len
@@ -352,17 +382,16 @@ class Snapshots:
                 self.spill(s, wait=False)
 
     def _enforce_budget(self, keep: str | None) -> None:
-        if not self._rows_changed:
+        """Over the budget (this tenant's snapshots): delete the least recently used ones."""
+        if sum(self._sizes.values()) <= self.budget:
             return
-        self._rows_changed = False
-        total = self.store.total_snapshot_bytes()
+        self._sync_rows()
         for snap in self.store.snapshots_lru():
-            if total <= self.budget:
+            if sum(self._sizes.values()) <= self.budget:
                 break
-            if snap.conversation_id == keep or not snap.file.endswith(self._salt + MANIFEST_SUFFIX):
+            if snap.conversation_id == keep or snap.conversation_id not in self._sizes:
                 continue
             self.delete(snap.conversation_id)
-            total -= snap.nbytes
             log.info("snapshot of %s deleted: over the disk budget", snap.conversation_id)
 
     # -- restore -----------------------------------------------------------------------
@@ -414,6 +443,7 @@ class Snapshots:
             log.warning("no room to restore %d tokens of %s; recomputing", n, conv_id)
             return None, 0
         try:
+            self._sync_rows()
             self.store.touch_snapshot(conv_id)
         except Exception as e:  # only the LRU order of the budget is lost
             log.warning("snapshot of %s: last use not recorded (%s)", conv_id, e)
@@ -421,6 +451,8 @@ class Snapshots:
 
     def _discard(self, conv_id: str) -> None:
         self._tracks.pop(conv_id, None)
+        self._sizes.pop(conv_id, None)
+        self._dirty.pop(conv_id, None)
         self._remove_files(self.key(conv_id))
         self._forget_row(conv_id)
 
@@ -438,4 +470,4 @@ class Snapshots:
         except OSError as e:  # a read-only medium: the bad segment is refused again next time
             log.warning("snapshot of %s: manifest not repaired (%s)", conv_id, e)
             return
-        self._record(conv_id, good)
+        self._note(conv_id, good)
