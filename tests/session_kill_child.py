@@ -15,7 +15,8 @@ A worker opens an Engine on DATA_DIR and resumes CONV_ID (or starts a new
 conversation). MODE "loop": then it forever sends a turn and spills the
 session. MODE "midreply": it sends one turn, then starts a second and stops
 generating after two engine steps (the user message is committed, the reply is
-not), printing "generating", and waits to be killed. Its stdout is
+not), printing "generating", and waits to be killed. MODE "behind": it sends turns
+forever and never spills; only write-behind puts the KV on disk. Its stdout is
 LOG (stderr LOG.err); it prints one JSON line per event, each with a single
 write() after the event happened (or before it starts), with "t" its time.monotonic():
 
@@ -90,6 +91,16 @@ def _worker(mode: str, model_dir: str, data_dir: str, num_blocks: int, conv: str
         s.send(QUESTIONS[1], engine_params(max_tokens=16, ignore_eos=True))
         raise AssertionError("the reply should never have finished")
     i = 0
+    while not _orphaned(started) and mode == "behind":
+        if len(s.tokens) >= MAX_HISTORY:
+            time.sleep(0.01)
+            continue
+        q = f"{QUESTIONS[i % len(QUESTIONS)]} ({tag}.{i})"
+        _emit(ev="turn", n=i, q=q)
+        r = s.send(q)
+        count += 2
+        _emit(ev="committed", messages=count, id=r.message_id, text=r.text, tokens=len(s.tokens))
+        i += 1
     while not _orphaned(started):
         if len(s.tokens) < MAX_HISTORY:
             q = f"{QUESTIONS[i % len(QUESTIONS)]} ({tag}.{i})"
