@@ -1,9 +1,5 @@
 """Conversations' KV on disk: write-behind after every turn, spill, restore, the disk budget.
 
-(Past ~400 lines on purpose: write-behind, spill, restore, the budget and the reconcile on
-open all read and update the same per-conversation track of what the disk holds and drain
-the same writer queue; split apart they would reach into each other's state.)
-
 Each conversation's KV is stored as append-only segments plus a manifest
 (``storage.kv_segments``), written by one background thread (``storage.kv_writer``):
 
@@ -22,8 +18,7 @@ Each conversation's KV is stored as append-only segments plus a manifest
   is bookkeeping that may lag: written when a spill, flush or close waits for the writer,
   on restore, and at least every ``ROW_SYNC_S`` (not on every turn: a transaction per turn
   would cost the engine thread more than the copy of the KV), and reconciled when the
-  directory is opened: rows follow manifests; files no manifest lists, and manifests of
-  deleted conversations, are removed.
+  directory is opened (``chatkv.snapshot_rows``).
 - the **database** is touched only from the caller's (engine) thread: the writer reports
   through a queue that every call here drains.
 - snapshots are a cache: a full or read-only disk logs one warning and never fails a turn;
@@ -45,9 +40,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from chatkv.errors import OutOfBlocks, SessionError, SnapshotInvalid
+from chatkv import snapshot_rows as rows
+from chatkv.errors import OutOfBlocks, SnapshotInvalid
 from chatkv.kv_manager import KVManager, RetainedKV
-from chatkv.storage.kv_segments import MANIFEST_SUFFIX, Manifest, SegmentStore, new_epoch
+from chatkv.storage.kv_segments import Manifest, SegmentStore, new_epoch
 from chatkv.storage.kv_store import token_hash
 from chatkv.storage.kv_writer import AppendJob, SegmentWriter, Written
 from chatkv.storage.repository import Store
@@ -89,7 +85,10 @@ class Snapshots:
         self._writer = SegmentWriter(self.segments)
         self.stats = Counter()  # jobs, bytes, merges, failures, writer_s, engine_s
         self.written: list[Written] = []  # the writer's reports, oldest first (the last 1000)
-        self._reconcile()
+        for conv, man in rows.reconcile(self.segments, store, tenant, self._salt).items():
+            self._sizes[conv] = man.nbytes
+            if self._mine(man):  # another model's is kept for it; this engine's first write replaces it
+                self._tracks[conv] = _Track(man.epoch, man.end, None, man.token_hash)
 
     def key(self, conv_id: str) -> str:
         """Snapshot key: the conversation id salted with the tenant, so tenants never read each other's KV."""
@@ -107,85 +106,6 @@ class Snapshots:
             return []
         return [self.segments.root / s.file for s in man.segments] if man else []
 
-    # -- open: rows follow the manifests; leftovers go ---------------------------------
-
-    def _reconcile(self) -> None:
-        try:
-            manifests, files = self.segments.scan()
-        except OSError as e:  # an unreadable directory: the sweep waits for the next open
-            log.warning("snapshot directory %s cannot be listed (%s); orphans not swept", self.segments.root, e)
-            return
-        rows = {r.conversation_id: r for r in self.store.snapshots_lru()}
-        convs = {c.id for c in self.store.list_conversations(include_archived=True, tenant=self.tenant)}
-        suffix = "-" + self._salt
-        gone = set()
-        for key in sorted(manifests):
-            if not key.endswith(suffix):
-                continue  # another tenant's
-            conv = key[: -len(suffix)]
-            try:
-                man = self.segments.read_manifest(key) if conv in convs else None
-            except (SnapshotInvalid, OSError) as e:
-                log.warning("%s; removed", e)
-                man = None
-            if man is None:
-                if conv not in convs:
-                    log.warning("snapshot %s belongs to no conversation; removed", key)
-                self._remove_files(key)
-                gone.add(key)
-                continue
-            self._tracks[conv] = _Track(man.epoch, man.end, None, man.token_hash)
-            self._sizes[conv] = man.nbytes
-            row = rows.get(conv)
-            if row is None or (row.file, row.token_count, row.token_hash, row.nbytes) != (
-                key + MANIFEST_SUFFIX, man.end, man.token_hash, man.nbytes
-            ):
-                self._record(conv, man)
-            for name in sorted(set(files.get(key, [])) - {s.file for s in man.segments}):
-                log.info("snapshot file %s is listed by no manifest; removed", name)
-                self._unlink(name)
-        for key, names in files.items():
-            if key.endswith(suffix) and key not in manifests:
-                for name in names:
-                    log.warning("snapshot file %s has no manifest; removed", name)
-                    self._unlink(name)
-        present = {k + MANIFEST_SUFFIX for k in manifests - gone}
-        for conv, row in rows.items():
-            if row.file not in present:
-                log.warning("snapshot row of %s has no manifest; removed", conv)
-                self._forget_row(conv)
-
-    def _unlink(self, name: str) -> None:
-        try:
-            (self.segments.root / name).unlink(missing_ok=True)
-        except OSError as e:
-            log.warning("cannot remove snapshot file %s (%s)", name, e)
-
-    def _remove_files(self, key: str) -> None:
-        try:
-            self.segments.remove(key)
-        except OSError as e:
-            log.warning("cannot remove snapshot %s (%s)", key, e)
-
-    def _forget_row(self, conv_id: str) -> None:
-        try:
-            self.store.delete_snapshot(conv_id)
-        except Exception as e:  # bookkeeping: reconciled at the next open
-            log.warning("snapshot row of %s not removed (%s: %s)", conv_id, type(e).__name__, e)
-
-    def _record(self, conv_id: str, man: Manifest | None) -> None:
-        """Make the conversation's row say what its manifest says (None: no row)."""
-        if man is None:
-            self._forget_row(conv_id)
-            return
-        try:
-            self.store.put_snapshot(conv_id, man.key + MANIFEST_SUFFIX, man.model_fingerprint, man.kv_dtype,
-                                    man.end, man.token_hash, man.nbytes)
-        except SessionError:  # the conversation was deleted meanwhile: its files go with it
-            pass
-        except Exception as e:  # bookkeeping: reconciled at the next open
-            log.warning("snapshot row of %s not recorded (%s: %s); fixed at the next open", conv_id, type(e).__name__, e)
-
     def _note(self, conv_id: str, man: Manifest | None) -> None:
         """The disk now holds ``man`` for the conversation: its row is written at the next sync."""
         if man is None:
@@ -200,15 +120,15 @@ class Snapshots:
         """Write the rows the writer's reports changed (a database transaction each)."""
         dirty, self._dirty, self._dirty_since = self._dirty, {}, None
         for conv_id, man in dirty.items():
-            self._record(conv_id, man)
+            rows.record(self.store, conv_id, man)
 
     def delete(self, conv_id: str) -> None:
         self._wait(conv_id)
         self._tracks.pop(conv_id, None)
         self._sizes.pop(conv_id, None)
         self._dirty.pop(conv_id, None)
-        self._remove_files(self.key(conv_id))
-        self._forget_row(conv_id)
+        rows.remove_files(self.segments, self.key(conv_id))
+        rows.forget(self.store, conv_id)
 
     # -- write-behind ------------------------------------------------------------------
 
@@ -226,6 +146,12 @@ class Snapshots:
         except Exception as e:  # a cache: never the turn
             log.warning("KV of conversation %s not queued for disk (%s: %s)", conv_id, type(e).__name__, e)
         self.stats["engine_s"] += time.perf_counter() - t0
+
+    def _mine(self, man: Manifest) -> bool:
+        """Whether ``man`` holds KV this engine computes (model, kv dtype, geometry)."""
+        pool = self.kv.pool
+        return (man.model_fingerprint, man.kv_dtype, man.geometry()) == (
+            self.fingerprint, self.kv_dtype, (pool.num_layers, pool.num_kv_heads, pool.head_dim))
 
     def _continues(self, t: _Track, tokens: Sequence[int]) -> bool:
         """Whether the tokens stored (or queued) are a prefix of ``tokens``."""
@@ -275,7 +201,7 @@ class Snapshots:
         t = self._tracks.get(w.conv_id)
         if not w.ok and t is not None and t.seq == w.seq:  # its latest write failed: believe the disk
             m = w.manifest if w.known else None
-            if m is None:
+            if m is None or not self._mine(m):  # nothing (of this model) to append to: a new epoch next
                 del self._tracks[w.conv_id]
             else:
                 self._tracks[w.conv_id] = _Track(m.epoch, m.end, None, m.token_hash, w.seq)
@@ -414,13 +340,13 @@ class Snapshots:
             return None, 0
         if man is None:
             self._tracks.pop(conv_id, None)
-            self._forget_row(conv_id)
+            rows.forget(self.store, conv_id)
             return None, 0
-        pool = self.kv.pool
-        mine = (self.fingerprint, self.kv_dtype, (pool.num_layers, pool.num_kv_heads, pool.head_dim))
-        if (man.model_fingerprint, man.kv_dtype, man.geometry()) != mine:
+        if not self._mine(man):
+            pool = self.kv.pool
             log.warning("snapshot of %s unusable (stored for model %r, kv dtype %s, geometry %s; this engine: %r, %s, %s); "
-                        "recomputing", conv_id, man.model_fingerprint, man.kv_dtype, man.geometry(), *mine)
+                        "recomputing", conv_id, man.model_fingerprint, man.kv_dtype, man.geometry(), self.fingerprint,
+                        self.kv_dtype, (pool.num_layers, pool.num_kv_heads, pool.head_dim))
             self._discard(conv_id)
             return None, 0
         ns = {} if namespace is None else {"namespace": namespace}
@@ -453,8 +379,8 @@ class Snapshots:
         self._tracks.pop(conv_id, None)
         self._sizes.pop(conv_id, None)
         self._dirty.pop(conv_id, None)
-        self._remove_files(self.key(conv_id))
-        self._forget_row(conv_id)
+        rows.remove_files(self.segments, self.key(conv_id))
+        rows.forget(self.store, conv_id)
 
     def _repair(self, conv_id: str, good: Manifest, why: str) -> None:
         """A segment was bad: the manifest keeps the valid ones before it."""

@@ -167,7 +167,7 @@ class Diverged(Exception):
 class SegmentStore:
     """Manifests and segments under one directory. File I/O only; any thread, one writer per key."""
 
-    SEAL_TOKENS = 1024
+    SEAL_TOKENS = 512
     MAX_OPEN = 8
 
     def __init__(self, root: Path):
@@ -224,6 +224,7 @@ class SegmentStore:
         first segment of epoch ``epoch`` (start must be 0), replacing every older file. Returns the new
         manifest and the bytes written. Diverged if it does not continue the manifest on disk."""
         end = len(tokens)
+        k, v = [t.to("cpu") for t in k], [t.to("cpu") for t in v]  # from a device pool: copied here, off the engine thread
         if k[0].shape[0] != end - start:
             raise ValueError(f"snapshot {key}: {k[0].shape[0]} tokens of KV for [{start}, {end})")
         old = self._readable_manifest(key)
