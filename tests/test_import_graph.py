@@ -281,7 +281,7 @@ def test_nothing_imports_the_faces(graph):
         f"{e.src} imports {e.dst} at {e.where()}"
         for e in edges
         for face in faces
-        if _inside(e.dst, face) and not _inside(e.src, face)
+        if _inside(e.dst, face) and not any(_inside(e.src, f) for f in faces)  # a face may dispatch to another
     ]
     assert not bad, "\n".join(bad)
 

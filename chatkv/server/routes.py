@@ -1,0 +1,196 @@
+"""The HTTP routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
+``/v1/models``, ``/health``, ``/metrics``. Each handler checks the key, reads and validates
+the body, takes a concurrency slot, runs the request (``generation.py``) and answers in
+OpenAI's shape (``responses.py``); every refusal is an OpenAI error (``errors.py``)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import time
+
+import numpy as np
+from anyio import to_thread
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from chatkv.server import generation as gen
+from chatkv.server.errors import APIError, from_chatkv
+from chatkv.server.guards import check_api_key, read_body
+from chatkv.server.responses import Chat, Completion, sse, sum_usage
+from chatkv.server.schemas import parse_chat, parse_completion, parse_embedding, parse_json
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+async def _body(request: Request) -> dict:
+    state = request.app.state.chatkv
+    state.check_open()
+    check_api_key(request, state.api_key)
+    return parse_json(await read_body(request, state.max_request_bytes))
+
+
+def _check_model(state, model: str) -> None:
+    if model not in state.model_names:
+        raise APIError(404, f"The model `{model}` does not exist (this server has {state.model_name!r}).",
+                       "model_not_found", "model")
+
+
+def _stream_response(chunks, events, slot, state, headers=None) -> StreamingResponse:
+    """SSE of ``chunks`` (made from ``events``); an error after the first byte is an error event."""
+
+    async def body():
+        try:
+            async for item in chunks:
+                yield item
+        except APIError as e:
+            yield sse(e.body())
+            yield sse("[DONE]")
+        finally:
+            try:
+                await events.aclose()  # the client went away: stop the request now
+            except RuntimeError:  # already closing (the cancellation went through it)
+                pass
+            slot.release()
+            state.metrics_tick()
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
+
+
+async def chat_completions(request: Request) -> Response:
+    state = request.app.state.chatkv
+    req = parse_chat(await _body(request))
+    _check_model(state, req.model)
+    session_id = request.headers.get("x-session-id") or req.session_id
+    slot = state.limit.acquire()
+    streaming = False
+    try:
+        if session_id:
+            sid, events = await gen.session_chat(state, req.messages, req.params, req.max_tokens, session_id)
+        else:
+            sid, events = None, await gen.stateless_chat(state, req.messages, req.params, req.max_tokens)
+        chat = Chat(state.model_name, sid, req.include_usage)
+        headers = {"X-Session-Id": sid} if sid else None
+        if req.stream:
+            streaming = True
+            return _stream_response(_chat_sse(chat, events), events, slot, state, headers)
+        pieces, done = [], None
+        async for item in events:
+            if isinstance(item, gen.Done):
+                done = item
+            else:
+                pieces.append(item)
+        return JSONResponse(chat.completion(done.text, done.finish_reason, done.usage), headers=headers)
+    finally:
+        if not streaming:
+            slot.release()
+            state.metrics_tick()
+
+
+async def _chat_sse(chat: Chat, events):
+    yield sse(chat.chunk({"role": "assistant", "content": ""}))
+    async for item in events:
+        if isinstance(item, gen.Done):
+            yield sse(chat.chunk({}, item.finish_reason))
+            if chat.include_usage:
+                yield sse(chat.usage_chunk(item.usage))
+        else:
+            yield sse(chat.chunk({"content": item}))
+    yield sse("[DONE]")
+
+
+async def completions(request: Request) -> Response:
+    state = request.app.state.chatkv
+    req = parse_completion(await _body(request))
+    _check_model(state, req.model)
+    slot = state.limit.acquire()
+    streaming = False
+    runs = []
+    try:
+        prompts = [gen.completion_prompt(state, p, req.max_tokens) for p in req.prompts]  # all checked first
+        for ids, max_tokens in prompts:
+            params = dataclasses.replace(req.params, stop=list(req.params.stop), max_tokens=max_tokens)
+            runs.append(await gen.completion(state, ids, params))
+        out = Completion(state.model_name, req.include_usage)
+        if req.stream:
+            streaming = True
+            return _stream_response(_completion_sse(out, runs[0]), runs[0], slot, state)
+
+        async def finish(events):
+            async for item in events:
+                if isinstance(item, gen.Done):
+                    return item
+
+        dones = await asyncio.gather(*(finish(e) for e in runs))
+        return JSONResponse(out.completion([(d.text, d.finish_reason) for d in dones],
+                                           sum_usage([d.usage for d in dones])))
+    finally:
+        if not streaming:
+            for events in runs:
+                await events.aclose()  # a failed batch: cancel the others
+            slot.release()
+            state.metrics_tick()
+
+
+async def _completion_sse(out: Completion, events):
+    async for item in events:
+        if isinstance(item, gen.Done):
+            yield sse(out.chunk("", item.finish_reason))
+            if out.include_usage:
+                yield sse(out.usage_chunk(item.usage))
+        else:
+            yield sse(out.chunk(item))
+    yield sse("[DONE]")
+
+
+async def embeddings(request: Request) -> Response:
+    state = request.app.state.chatkv
+    req = parse_embedding(await _body(request))
+    slot = state.limit.acquire()
+    try:
+        embedder = await to_thread.run_sync(state.get_embedder)
+        if req.model not in state.embedding_names | {embedder.model_id}:
+            raise APIError(404, f"The model `{req.model}` does not exist (embeddings: {state.embedding_name!r}).",
+                           "model_not_found", "model")
+        if req.dimensions is not None and req.dimensions != embedder.dim:
+            raise APIError(400, f"dimensions must be the model's own ({embedder.dim}), got {req.dimensions}",
+                           "unsupported_parameter", "dimensions")
+        try:
+            vectors, tokens = await to_thread.run_sync(
+                lambda: (embedder.encode(req.inputs), sum(embedder.count_tokens(t) for t in req.inputs)))
+        except Exception as e:  # noqa: BLE001
+            raise from_chatkv(e) from e
+    finally:
+        slot.release()
+    data = []
+    for i, v in enumerate(np.asarray(vectors, dtype=np.float32)):
+        emb = base64.b64encode(v.astype("<f4").tobytes()).decode() if req.encoding_format == "base64" else v.tolist()
+        data.append({"object": "embedding", "index": i, "embedding": emb})
+    return JSONResponse({"object": "list", "data": data, "model": state.embedding_name,
+                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+
+
+async def models(request: Request) -> Response:
+    state = request.app.state.chatkv
+    check_api_key(request, state.api_key)
+    created = int(state.started_at)
+    data = [{"id": state.model_name, "object": "model", "created": created, "owned_by": "chatkv",
+             "max_model_len": state.context}]
+    if state.embedding_available():
+        data.append({"id": state.embedding_name, "object": "model", "created": created, "owned_by": "chatkv"})
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def health(request: Request) -> Response:
+    state = request.app.state.chatkv
+    if state.stopping or not state.engine.started:
+        return JSONResponse({"status": "unavailable"}, status_code=503)
+    return JSONResponse({"status": "ok", "model": state.model_name, "uptime_s": round(time.time() - state.started_at, 3)})
+
+
+async def metrics(request: Request) -> Response:
+    state = request.app.state.chatkv
+    text = await to_thread.run_sync(state.metrics.render)
+    return Response(text, media_type=CONTENT_TYPE_LATEST)

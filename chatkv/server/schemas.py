@@ -1,0 +1,267 @@
+"""Request bodies of the OpenAI API, validated by hand so every refusal is OpenAI's own
+(status 400, ``param`` naming the field, ``code`` saying why; see ``errors.py``).
+
+What is taken, besides OpenAI's own fields: vLLM's sampling extensions ``top_k``,
+``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, and chatkv's ``session_id``.
+Fields a client library commonly sends that change nothing here (``user``, ``metadata``,
+``store``, ``service_tier``) are accepted and ignored. Anything asking for what chatkv does
+not do (``n`` > 1, ``logprobs``, tools, non-zero penalties, ``logit_bias``, images) is
+refused with ``unsupported_parameter`` instead of being silently dropped; an unknown field
+is refused with ``unknown_parameter``, as OpenAI does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+
+from chatkv.errors import InvalidRequest
+from chatkv.sampling import SamplingParams
+from chatkv.server.errors import APIError, bad_value, unsupported
+
+IGNORED = {"user", "metadata", "store", "service_tier"}
+_SAMPLING = {"temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
+             "max_tokens", "n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "stream",
+             "stream_options", "model"}
+CHAT_FIELDS = _SAMPLING | IGNORED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                                     "functions", "function_call", "parallel_tool_calls", "response_format",
+                                     "modalities", "session_id"}
+COMPLETION_FIELDS = _SAMPLING | IGNORED | {"prompt", "echo", "suffix", "best_of"}
+EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+@dataclass
+class ChatRequest:
+    model: str
+    messages: list[dict]  # [{"role": system|user|assistant, "content": str}]
+    params: SamplingParams
+    max_tokens: int | None  # None: what the context leaves
+    stream: bool = False
+    include_usage: bool = False
+    session_id: str | None = None
+
+
+@dataclass
+class CompletionRequest:
+    model: str
+    prompts: list  # each a str or a list of token ids
+    params: SamplingParams
+    max_tokens: int
+    stream: bool = False
+    include_usage: bool = False
+
+
+@dataclass
+class EmbeddingRequest:
+    model: str
+    inputs: list[str] = field(default_factory=list)
+    encoding_format: str = "float"
+    dimensions: int | None = None  # must be the model's own when given
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", "invalid_json")
+    return body
+
+
+def _check_fields(body: dict, known: set[str]) -> None:
+    extra = sorted(k for k in body if k not in known)
+    if extra:
+        raise APIError(400, f"Unrecognized request argument supplied: {extra[0]}", "unknown_parameter", extra[0])
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _model(body: dict) -> str:
+    model = body.get("model")
+    if model is None:
+        raise APIError(400, "you must provide a model parameter", "missing_parameter", "model")
+    if not isinstance(model, str) or not model:
+        raise bad_value("model", f"model must be a non-empty string, got {model!r}")
+    return model
+
+
+def _bool(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad_value(name, f"{name} must be a boolean, got {v!r}")
+    return v
+
+
+def _max_tokens(body: dict, *names: str) -> int | None:
+    for name in names:
+        v = body.get(name)
+        if v is None:
+            continue
+        if not _is_int(v) or v < 1:
+            raise bad_value(name, f"{name} must be an integer >= 1, got {v!r}")
+        return v
+    return None
+
+
+def _refuse_unless(body: dict, name: str, ok, what: str) -> None:
+    if name in body and body[name] is not None and not ok(body[name]):
+        raise unsupported(name, f"{name}={body[name]!r} is not supported by chatkv ({what})")
+
+
+def _params(body: dict) -> SamplingParams:
+    """SamplingParams from OpenAI's fields (max_tokens is set later, once the prompt's length is known)."""
+    _refuse_unless(body, "n", lambda v: v == 1 and _is_int(v), "one choice per request; send n=1")
+    _refuse_unless(body, "best_of", lambda v: v == 1 and _is_int(v), "send best_of=1")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if name in body and body[name] is not None and not _is_number(body[name]):
+            raise bad_value(name, f"{name} must be a number, got {body[name]!r}")
+        _refuse_unless(body, name, lambda v: v == 0, "use repetition_penalty")
+    _refuse_unless(body, "logit_bias", lambda v: v == {}, "no logit bias")
+    _refuse_unless(body, "logprobs", lambda v: v is False or v == 0, "no log probabilities")
+    temperature = body.get("temperature")
+    if temperature is None:
+        temperature = 1.0
+    if not _is_number(temperature) or not math.isfinite(temperature) or not 0 <= temperature <= 2:
+        raise bad_value("temperature", f"temperature must be a number in [0, 2], got {temperature!r}")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise bad_value("stop", f"stop must be a non-empty string or a list of at most 4 of them, got {stop!r}")
+    values = {"temperature": float(temperature), "stop": stop, "max_tokens": 1}
+    for name in ("top_p", "top_k", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos"):
+        if body.get(name) is not None:
+            values[name] = body[name]
+    try:
+        params = SamplingParams.from_dict(values)
+    except InvalidRequest as e:
+        name = str(e).split(" ", 1)[0]
+        raise bad_value(name if name in values else None, str(e)) from None
+    return params
+
+
+def _stream(body: dict) -> tuple[bool, bool]:
+    stream = _bool(body, "stream")
+    opts = body.get("stream_options")
+    if opts is None:
+        return stream, False
+    if not stream:
+        raise bad_value("stream_options", "stream_options is only allowed when stream is true")
+    if not isinstance(opts, dict) or set(opts) - {"include_usage", "continuous_usage_stats"}:
+        raise bad_value("stream_options", f"stream_options must be {{'include_usage': bool}}, got {opts!r}")
+    include = opts.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise bad_value("stream_options", f"stream_options.include_usage must be a boolean, got {include!r}")
+    return stream, include
+
+
+def _content(i: int, m: dict) -> str:
+    c = m.get("content")
+    if isinstance(c, str):
+        return c
+    if isinstance(c, list):  # content parts: text only
+        texts = []
+        for part in c:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise unsupported(f"messages[{i}].content", f"content part of type {kind!r}: only text parts are supported")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise bad_value(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts, got {c!r}")
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs = body.get("messages")
+    if msgs is None:
+        raise APIError(400, "messages is required", "missing_parameter", "messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad_value("messages", "messages must be a non-empty array of {role, content}")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict):
+            raise bad_value(f"messages[{i}]", f"messages[{i}] must be an object, got {type(m).__name__}")
+        role = m.get("role")
+        if role not in ROLES:
+            if role in ("tool", "function"):
+                raise unsupported(f"messages[{i}].role", f"messages[{i}].role {role!r}: tool calls are not supported")
+            raise bad_value(f"messages[{i}].role", f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}")
+        if m.get("tool_calls") or m.get("function_call"):
+            raise unsupported(f"messages[{i}].tool_calls", "tool calls are not supported")
+        out.append({"role": ROLES[role], "content": _content(i, m)})
+    if out[-1]["role"] != "user":
+        raise bad_value("messages", f"the last message must be the user's, got {out[-1]['role']!r}")
+    return out
+
+
+def parse_chat(body: dict) -> ChatRequest:
+    _check_fields(body, CHAT_FIELDS)
+    model = _model(body)
+    messages = _messages(body)
+    for name in ("tools", "functions"):
+        _refuse_unless(body, name, lambda v: v == [], "no tool calls")
+    _refuse_unless(body, "tool_choice", lambda v: v == "none", "no tool calls")
+    _refuse_unless(body, "top_logprobs", lambda v: v == 0, "no log probabilities")
+    _refuse_unless(body, "response_format", lambda v: v == {"type": "text"}, "text output only")
+    _refuse_unless(body, "modalities", lambda v: v == ["text"], "text output only")
+    session_id = body.get("session_id")
+    if session_id is not None and (not isinstance(session_id, str) or not session_id):
+        raise bad_value("session_id", f"session_id must be a non-empty string, got {session_id!r}")
+    stream, include_usage = _stream(body)
+    return ChatRequest(model, messages, _params(body), _max_tokens(body, "max_completion_tokens", "max_tokens"),
+                       stream, include_usage, session_id)
+
+
+def parse_completion(body: dict) -> CompletionRequest:
+    _check_fields(body, COMPLETION_FIELDS)
+    model = _model(body)
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise APIError(400, "prompt is required", "missing_parameter", "prompt")
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(
+        isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p)) for p in prompt
+    ):
+        prompts = list(prompt)
+    else:
+        raise bad_value("prompt", "prompt must be a string, an array of token ids, or a non-empty array of either")
+    if len(prompts) > 64:
+        raise bad_value("prompt", f"at most 64 prompts in one request, got {len(prompts)}")
+    _refuse_unless(body, "echo", lambda v: v is False, "the prompt is not echoed")
+    _refuse_unless(body, "suffix", lambda v: v == "", "no insertion")
+    stream, include_usage = _stream(body)
+    if stream and len(prompts) > 1:
+        raise unsupported("prompt", "streaming takes one prompt per request")
+    return CompletionRequest(model, prompts, _params(body), _max_tokens(body, "max_tokens") or 16, stream, include_usage)
+
+
+def parse_embedding(body: dict) -> EmbeddingRequest:
+    _check_fields(body, EMBEDDING_FIELDS)
+    model = _model(body)
+    inp = body.get("input")
+    if isinstance(inp, str):
+        inp = [inp]
+    if not isinstance(inp, list) or not inp or not all(isinstance(t, str) for t in inp):
+        raise bad_value("input", "input must be a string or a non-empty array of strings (token arrays are not supported)")
+    if len(inp) > 2048:
+        raise bad_value("input", f"at most 2048 inputs in one request, got {len(inp)}")
+    fmt = body.get("encoding_format") or "float"
+    if fmt not in ("float", "base64"):
+        raise bad_value("encoding_format", f"encoding_format must be 'float' or 'base64', got {fmt!r}")
+    dims = body.get("dimensions")
+    if dims is not None and (not _is_int(dims) or dims < 1):
+        raise bad_value("dimensions", f"dimensions must be an integer >= 1, got {dims!r}")
+    return EmbeddingRequest(model, inp, fmt, dims)
