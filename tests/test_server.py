@@ -1,115 +1,33 @@
-"""chatkv serve over loopback, driven by the official ``openai`` client (and raw HTTP where a
-client would not send what is tested: malformed JSON, a body too large).
+"""chatkv serve over loopback, driven by the official ``openai`` client: plain and streamed chat
+completions equal to the engine's own greedy replies, cached tokens in ``usage``, text
+completions, embeddings, 8 concurrent streams, a stateless 10-turn chat that hits its whole
+history, session continuity by header, and ``/metrics`` read with prometheus_client's parser.
 
-One tiny random llama (tests/tiny.py) and one started engine serve two apps on free loopback
-ports, each in a uvicorn thread: an open one, and one with an API key, a concurrency limit
-of 1 and a 4 KiB body limit. Replies are compared with the engine's own greedy results.
+One tiny random llama (tests/tiny.py) on one started engine; the server is uvicorn in a thread
+on a free loopback port (tests/serving.py).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import socket
 import threading
-import time
-import urllib.error
-import urllib.request
 
+import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-openai = pytest.importorskip("openai")  # the test extra (scripts/install.sh installs it)
-import uvicorn  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from chatkv.metrics import engine_stats
+from chatkv.sampling import SamplingParams
+from chatkv.server import create_app
+from tests.serving import BLOCK, MODEL, Running, client, engine, raw, server, user  # noqa: F401 - fixtures
 
-from chatkv.engine import Engine  # noqa: E402
-from chatkv.sampling import SamplingParams  # noqa: E402
-from chatkv.server import create_app  # noqa: E402
-from tests.tiny import make_model  # noqa: E402
-
-MODEL = "tiny"
-KEY = "sekret-key"
-BLOCK = 4
 # a long system prompt, as a RAG client's documents would be: the new message is a small part of each turn
 SYSTEM = ("You are a helpful assistant. " + "The quick brown fox jumps over the lazy dog. " * 36).strip()
 
 
-class Running:
-    """A uvicorn server in a thread on a free loopback port."""
-
-    def __init__(self, app):
-        self.app = app
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-        assert not self.thread.is_alive()
-
-
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("model")
-    make_model(model_dir, "llama", max_position_embeddings=4096)
-    eng = Engine.from_pretrained(str(model_dir), data_dir=str(tmp_path_factory.mktemp("data")), block_size=BLOCK,
-                                 num_blocks=2048, dtype="float32")
-    yield eng
-    eng.check_integrity()
-    eng.close()
-    assert not any(t.name == "chatkv-engine" and t.is_alive() for t in threading.enumerate())
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    run = Running(create_app(engine, model_name=MODEL))
-    yield run
-    run.stop()
-
-
-@pytest.fixture(scope="module")
-def guarded(engine):
-    run = Running(create_app(engine, model_name=MODEL, api_key=KEY, max_concurrency=1, max_request_bytes=4096))
-    yield run
-    run.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def raw(url: str, path: str, body=None, headers=None, method=None) -> tuple[int, dict | str, dict]:
-    """(status, JSON body or text, headers) of one HTTP request; ``body``: bytes or JSON-able."""
-    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, method=method or ("POST" if data is not None else "GET"),
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=60) as r:
-            status, text, hdrs = r.status, r.read().decode(), r.headers
-    except urllib.error.HTTPError as e:
-        status, text, hdrs = e.code, e.read().decode(), e.headers
-    hdrs = {k.lower(): v for k, v in hdrs.items()}
-    try:
-        return status, json.loads(text), hdrs
-    except ValueError:
-        return status, text, hdrs
-
-
 def greedy(engine, messages, max_tokens):
     return engine.generate(engine.encode_chat(messages), SamplingParams(max_tokens=max_tokens, temperature=0))
-
-
-def user(text):
-    return [{"role": "user", "content": text}]
 
 
 # ------------------------------------------------------------------ completions
@@ -280,110 +198,6 @@ def test_session_continuity_by_header(engine, client, server):
     assert e.value.body["code"] == "session_not_found"
 
 
-# ------------------------------------------------------------------ refusals
-
-OK = {"model": MODEL, "messages": user("Hi"), "max_tokens": 4}
-CHAT = "/v1/chat/completions"
-BAD = [  # (what, path, body, status, code, param)
-    ("malformed JSON", CHAT, b'{"model": "tiny", "messages": [', 400, "invalid_json", None),
-    ("not an object", CHAT, b"[1, 2]", 400, "invalid_json", None),
-    ("unknown model", CHAT, {**OK, "model": "gpt-4o"}, 404, "model_not_found", "model"),
-    ("no model", CHAT, {"messages": user("Hi")}, 400, "missing_parameter", "model"),
-    ("no messages", CHAT, {**OK, "messages": []}, 400, "invalid_value", "messages"),
-    ("ends with the assistant", CHAT, {**OK, "messages": [{"role": "assistant", "content": "x"}]}, 400,
-     "invalid_value", "messages"),
-    ("unknown role", CHAT, {**OK, "messages": [{"role": "robot", "content": "x"}]}, 400, "invalid_value",
-     "messages[0].role"),
-    ("an image", CHAT, {**OK, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     400, "unsupported_parameter", "messages[0].content"),
-    ("n > 1", CHAT, {**OK, "n": 2}, 400, "unsupported_parameter", "n"),
-    ("temperature NaN", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}',
-     400, "invalid_value", "temperature"),
-    ("temperature 3", CHAT, {**OK, "temperature": 3}, 400, "invalid_value", "temperature"),
-    ("temperature a string", CHAT, {**OK, "temperature": "0.5"}, 400, "invalid_value", "temperature"),
-    ("top_p 0", CHAT, {**OK, "top_p": 0}, 400, "invalid_value", "top_p"),
-    ("max_tokens 0", CHAT, {**OK, "max_tokens": 0}, 400, "invalid_value", "max_tokens"),
-    ("max_tokens true", CHAT, {**OK, "max_tokens": True}, 400, "invalid_value", "max_tokens"),
-    ("five stop strings", CHAT, {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value", "stop"),
-    ("seed negative", CHAT, {**OK, "seed": -1}, 400, "invalid_value", "seed"),
-    ("logprobs", CHAT, {**OK, "logprobs": True}, 400, "unsupported_parameter", "logprobs"),
-    ("tools", CHAT, {**OK, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "unsupported_parameter",
-     "tools"),
-    ("presence penalty", CHAT, {**OK, "presence_penalty": 0.5}, 400, "unsupported_parameter", "presence_penalty"),
-    ("an unknown field", CHAT, {**OK, "frobnicate": 1}, 400, "unknown_parameter", "frobnicate"),
-    ("stream_options without stream", CHAT, {**OK, "stream_options": {"include_usage": True}}, 400, "invalid_value",
-     "stream_options"),
-    ("too long", CHAT, {**OK, "messages": user("fox " * 5000)}, 400, "context_length_exceeded", "messages"),
-    ("too long with max_tokens", CHAT, {**OK, "max_tokens": 4090}, 400, "context_length_exceeded", "messages"),
-    ("a lone surrogate", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
-     "invalid_value", None),
-    ("completion without prompt", "/v1/completions", {"model": MODEL}, 400, "missing_parameter", "prompt"),
-    ("token id outside the vocabulary", "/v1/completions", {"model": MODEL, "prompt": [1, 99999]}, 400,
-     "invalid_value", None),
-    ("echo", "/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "unsupported_parameter", "echo"),
-    ("no embedding input", "/v1/embeddings", {"model": "all-MiniLM-L6-v2", "input": []}, 400, "invalid_value", "input"),
-    ("chat model for embeddings", "/v1/embeddings", {"model": MODEL, "input": "x"}, 404, "model_not_found", "model"),
-    ("unknown path", "/v1/engines", {}, 404, "not_found", None),
-    ("GET a POST route", CHAT, None, 405, "method_not_allowed", None),
-]
-
-
-@pytest.mark.parametrize("what,path,body,status,code,param", BAD, ids=[b[0] for b in BAD])
-def test_bad_requests_get_openai_errors(server, what, path, body, status, code, param):
-    got, err, _ = raw(server.url, path, body)
-    assert got == status, err
-    assert set(err) == {"error"} and set(err["error"]) == {"message", "type", "param", "code"}
-    e = err["error"]
-    assert e["code"] == code and e["param"] == param and e["type"] == "invalid_request_error"
-    assert isinstance(e["message"], str) and len(e["message"]) > 10
-
-
-def test_the_openai_client_raises_its_own_errors(client):
-    with pytest.raises(openai.NotFoundError) as e:
-        client.chat.completions.create(model="gpt-4o", messages=user("Hi"))
-    assert e.value.body["code"] == "model_not_found"
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=user("Hi"), n=3)
-    assert e.value.body["param"] == "n"
-
-
-def test_api_key_body_size_and_concurrency_limits(guarded):
-    status, body, _ = raw(guarded.url, CHAT, OK)
-    assert status == 401 and body["error"]["code"] == "invalid_api_key"
-    status, body, _ = raw(guarded.url, CHAT, OK, {"Authorization": "Bearer wrong"})
-    assert status == 401 and body["error"]["code"] == "invalid_api_key"
-    with pytest.raises(openai.AuthenticationError):
-        openai.OpenAI(base_url=guarded.url + "/v1", api_key="wrong", max_retries=0).models.list()
-    assert raw(guarded.url, "/health")[0] == 200 and raw(guarded.url, "/metrics")[0] == 200  # probes need no key
-    c = openai.OpenAI(base_url=guarded.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-    assert c.chat.completions.create(**OK).choices[0].message.content is not None
-
-    big = {**OK, "messages": user("x" * 5000)}
-    status, body, _ = raw(guarded.url, CHAT, big, {"Authorization": f"Bearer {KEY}"})
-    assert status == 413 and body["error"]["code"] == "request_too_large"
-    # without a Content-Length (chunked): read up to the limit only
-    import http.client
-
-    conn = http.client.HTTPConnection(guarded.url.removeprefix("http://"), timeout=30)
-    payload = json.dumps(big).encode()
-    conn.request("POST", CHAT, body=iter([payload[i:i + 1000] for i in range(0, len(payload), 1000)]),
-                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, encode_chunked=True)
-    resp = conn.getresponse()
-    assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "request_too_large"
-    conn.close()
-
-    # the one slot taken (as a running request holds it): the next request is refused at once
-    slot = guarded.app.state.chatkv.limit.acquire()
-    try:
-        with pytest.raises(openai.RateLimitError) as e:
-            c.chat.completions.create(**OK)
-        assert e.value.status_code == 429 and e.value.body["code"] == "rate_limit_exceeded"
-    finally:
-        slot.release()
-    assert c.chat.completions.create(**OK).choices[0].finish_reason in ("stop", "length")
-    assert guarded.app.state.chatkv.limit.running == 0
-
-
 # ------------------------------------------------------------------ metrics
 
 
@@ -430,3 +244,26 @@ def test_metrics_parse_and_count_what_the_requests_report(server, client):
     assert delta("chatkv:request_success_total", finished_reason=r1.choices[0].finish_reason) == 2
     assert 0 <= value(after, "chatkv:kv_cache_usage_perc") <= 1
     assert value(after, "chatkv:num_requests_running") == value(after, "chatkv:num_requests_waiting") == 0
+
+
+def test_a_client_that_goes_away_mid_stream_frees_its_request(engine, server):
+    """The connection closed after the first chunk of a 3,000-token reply: the request is
+    cancelled, its blocks freed and its concurrency slot returned (waited for, not timed)."""
+    import http.client
+    import time
+
+    conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=30)
+    body = {"model": MODEL, "messages": user("Go on forever."), "max_tokens": 3000, "ignore_eos": True, "stream": True}
+    conn.request("POST", "/v1/chat/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    conn.sock.shutdown(2)
+    conn.close()
+    state = server.app.state.chatkv
+    deadline = time.monotonic() + 30
+    while state.limit.running or engine_stats(engine)["num_running"]:
+        assert time.monotonic() < deadline, "the abandoned request is still running"
+        time.sleep(0.05)
+    engine.check_integrity()
+    m = scrape(server.url)
+    assert value(m, "chatkv:request_success_total", finished_reason="aborted") >= 1

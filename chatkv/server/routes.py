@@ -49,12 +49,12 @@ def _stream_response(chunks, events, slot, state, headers=None) -> StreamingResp
             yield sse(e.body())
             yield sse("[DONE]")
         finally:
+            slot.release()  # first: a cancelled task may not get past the next await
+            state.metrics_tick()
             try:
                 await events.aclose()  # the client went away: stop the request now
             except RuntimeError:  # already closing (the cancellation went through it)
                 pass
-            slot.release()
-            state.metrics_tick()
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={**SSE_HEADERS, **(headers or {})})
 
@@ -128,10 +128,10 @@ async def completions(request: Request) -> Response:
                                            sum_usage([d.usage for d in dones])))
     finally:
         if not streaming:
-            for events in runs:
-                await events.aclose()  # a failed batch: cancel the others
             slot.release()
             state.metrics_tick()
+            for events in runs:
+                await events.aclose()  # a failed batch: cancel the others
 
 
 async def _completion_sse(out: Completion, events):
