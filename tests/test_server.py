@@ -244,6 +244,8 @@ def test_metrics_parse_and_count_what_the_requests_report(server, client):
     assert delta("chatkv:request_success_total", finished_reason=r1.choices[0].finish_reason) == 2
     assert 0 <= value(after, "chatkv:kv_cache_usage_perc") <= 1
     assert value(after, "chatkv:num_requests_running") == value(after, "chatkv:num_requests_waiting") == 0
+    assert value(after, "chatkv:server_requests_in_flight") == 0
+    assert value(after, "chatkv:server_history_hits_total") == server.app.state.chatkv.history.hits
 
 
 def test_a_client_that_goes_away_mid_stream_frees_its_request(engine, server):

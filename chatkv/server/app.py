@@ -11,6 +11,7 @@ import threading
 import time
 
 from anyio import to_thread
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -40,6 +41,7 @@ class ServerState:
         self.context = engine.context_window  # prompt + reply of one request, in tokens
         self.history = HistoryTokens(engine.tokenizer, history_tokens)
         self.metrics = EngineMetrics(engine, model_name)
+        self.metrics.registry.register(_ServerCollector(self))
         self.owns_engine = owns_engine
         self.stopping = False
         self.started_at = time.time()
@@ -73,6 +75,26 @@ class ServerState:
                 except Exception as e:  # noqa: BLE001 - not installed or damaged
                     raise APIError(404, f"no embedding model is available: {e}", "model_not_found", "model") from e
             return self._embedder
+
+
+class _ServerCollector:
+    """The server's own figures, beside the engine's: requests holding a concurrency slot, and
+    how often a stateless client's history was found in the canonical-token map."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    def collect(self):
+        st, labels = self.state, [self.state.model_name]
+        running = GaugeMetricFamily("chatkv:server_requests_in_flight", "HTTP requests holding a concurrency slot",
+                                    labels=["model_name"])
+        running.add_metric(labels, st.limit.running)
+        yield running
+        for name, value, doc in (("history_hits", st.history.hits, "Requests whose history was mapped to canonical tokens"),
+                                 ("history_misses", st.history.misses, "Requests with a history not found in the map")):
+            family = CounterMetricFamily(f"chatkv:server_{name}", doc, labels=["model_name"])
+            family.add_metric(labels, value)
+            yield family
 
 
 async def _api_error(request: Request, exc: APIError):
