@@ -1,5 +1,9 @@
 """KVManager: the one owner of every KV block's lifetime.
 
+(Past ~400 lines on purpose: every owner's rules - sequences, retained turns, pins, the
+tiers, namespaces, moving windows - and the integrity proof that checks them together
+share one set of reference and lock counts; split apart, each part would reach into the others'.)
+
 Everything that holds KV memory holds it through this manager; nothing outside it
 and ``BlockPool`` touches a reference count, a radix lock or the pool tensor.
 
@@ -29,6 +33,22 @@ Contracts
 * ``make_room`` frees blocks by evicting unlocked cached blocks, then asking
   ``on_pressure`` (the session layer spills idle conversations, making their blocks
   evictable), then evicting again.
+
+Tiers
+-----
+With a ``HostPool`` (``host``; only with prefix caching) evicted cached blocks move to
+host memory instead of away (see ``RadixCache``): device -> host -> disk (the session
+layer's snapshots). A lookup that continues into host-resident nodes copies them back
+into device blocks (``attach``, ``import_kv``; room made first, else only the device
+part is used) and records how many tokens came from host (``seq.num_host``,
+``RetainedKV.host_len``). ``offload`` moves an ended handle's path to host eagerly.
+Without a host pool everything behaves as if the tier did not exist.
+
+Namespaces
+----------
+Every tree lookup and insert is in a radix namespace: a sequence's ``namespace``, or
+the manager's default ``namespace`` when that is None. Namespaces never share nodes;
+``drop_namespace`` discards one's unlocked KV.
 """
 
 from __future__ import annotations
@@ -41,7 +61,8 @@ import torch
 
 from chatkv.block_pool import BlockPool
 from chatkv.errors import OutOfBlocks
-from chatkv.radix_cache import NoPrefixCache, Node, RadixCache
+from chatkv.host_pool import HostPool
+from chatkv.radix_cache import MatchResult, NoPrefixCache, Node, RadixCache
 
 if TYPE_CHECKING:
     from chatkv.sequence import Sequence
@@ -51,19 +72,23 @@ if TYPE_CHECKING:
 class RetainedKV:
     """KV a conversation holds between turns: the locked radix ``node`` ending at its last
     full block (None if it had none), and its own partial last block ``tail_block`` holding
-    ``tail_len`` tokens. ``kv_len = full blocks * block_size + tail_len`` tokens have KV."""
+    ``tail_len`` tokens. ``kv_len = full blocks * block_size + tail_len`` tokens have KV.
+    ``host_len``: how many of them ``import_kv`` copied back from the host tier."""
 
     node: Node | None
     tail_block: int | None
     tail_len: int
     kv_len: int
+    host_len: int = 0
 
 
 class KVManager:
-    def __init__(self, pool: BlockPool, namespace: Hashable, prefix_caching: bool = True):
+    def __init__(self, pool: BlockPool, namespace: Hashable, prefix_caching: bool = True, host: HostPool | None = None):
+        """``host``: the host-memory tier (None: no tier; ignored without prefix caching)."""
         self.pool = pool
         self.block_size = pool.block_size
-        self.cache = RadixCache(pool) if prefix_caching else NoPrefixCache(pool)
+        self.host = host if prefix_caching else None
+        self.cache = RadixCache(pool, self.host) if prefix_caching else NoPrefixCache(pool)
         self.namespace = namespace
         self.sharing = prefix_caching
         self.on_pressure: Callable[[int], None] | None = None  # called with the blocks still missing
@@ -72,23 +97,52 @@ class KVManager:
 
     # -- lookups ------------------------------------------------------------------
 
-    def cached_len(self, token_ids: list[int]) -> int:
-        """Tokens of ``token_ids`` whose KV is in the tree, leaving at least one to compute."""
-        return self.cache.match(self.namespace, token_ids, max_tokens=len(token_ids) - 1).num_tokens
+    def cached_len(self, token_ids: list[int], namespace: Hashable | None = None) -> int:
+        """Tokens of ``token_ids`` whose KV is in the tree, on the device or on host, leaving at
+        least one to compute (``namespace`` None: the default one)."""
+        m = self.cache.match(self._ns(namespace), token_ids, max_tokens=len(token_ids) - 1)
+        return m.num_tokens + m.host_tokens
+
+    def _ns(self, namespace: Hashable | None) -> Hashable:
+        return self.namespace if namespace is None else namespace
+
+    def _match(self, namespace: Hashable, token_ids: list[int], max_tokens: int) -> tuple[MatchResult, int]:
+        """``cache.match``, with the part of the match on host copied back to the device as far
+        as ``make_room`` finds blocks for it. Returns (the match, tokens copied back). Raises
+        only what ``on_pressure`` raises, having changed no reference or lock."""
+        m = self.cache.match(namespace, token_ids, max_tokens)
+        if not m.host_tokens:
+            return m, 0
+        self.cache.lock(m.node)  # the device part must stay while room is made for the rest
+        try:
+            self.make_room(m.host_tokens // self.block_size)
+        finally:
+            self.cache.unlock(m.node)
+        m = self.cache.match(namespace, token_ids, max_tokens)  # room-making may have dropped some of it from host
+        n = min(m.host_tokens // self.block_size, self.pool.num_free)
+        if n == 0:
+            return m, 0
+        return self.cache.load(m, self.pool.allocate(n)), n * self.block_size
 
     # -- sequences ----------------------------------------------------------------
 
     def attach(self, seq: "Sequence") -> None:
-        """Give ``seq`` the cached prefix of its tokens (locked, referenced) and, when its handed
+        """Give ``seq`` the cached prefix of its tokens in its namespace (locked, referenced; a
+        part on host is copied back first, as far as room allows) and, when its handed
         ``seq.prefix`` continues exactly where that prefix ends, that handle's own tail block.
-        The handle is ended either way. Cannot fail."""
+        The handle is ended either way. Before the first admission (``num_cached < 0``) the
+        tokens that came from host are added to ``seq.num_host``. Raises only what
+        ``on_pressure`` raises, with ``seq`` unchanged (without a host tier it cannot fail)."""
         assert not seq.block_table and seq.lock_node is None, "attach of a sequence that holds KV"
-        m = self.cache.match(self.namespace, seq.token_ids, max_tokens=len(seq.token_ids) - 1)
+        m, loaded = self._match(self._ns(seq.namespace), seq.token_ids, len(seq.token_ids) - 1)
         self.cache.lock(m.node)
         self.pool.incref(m.block_ids)
         seq.lock_node, seq.block_table, seq.num_computed = m.node, list(m.block_ids), m.num_tokens
         p = seq.prefix
-        if p is not None and p.tail_block is not None and m.num_tokens == p.kv_len - p.tail_len < p.kv_len < len(seq.token_ids):
+        if seq.num_cached < 0:
+            seq.num_host += loaded + (min(p.host_len, m.num_tokens) if p is not None else 0)
+        continues = p is not None and (m.node is p.node if p.node is not None else m.num_tokens == 0)
+        if continues and p.tail_block is not None and m.num_tokens == p.kv_len - p.tail_len < p.kv_len < len(seq.token_ids):
             seq.block_table.append(p.tail_block)  # the conversation's own partial block continues its history
             seq.num_computed = p.kv_len
             p.tail_block = None
@@ -115,7 +169,7 @@ class KVManager:
         bs = self.block_size
         full = seq.num_computed // bs
         table = seq.block_table
-        node = self.cache.insert(self.namespace, seq.token_ids[: full * bs], table[:full]) if full else None
+        node = self.cache.insert(self._ns(seq.namespace), seq.token_ids[: full * bs], table[:full]) if full else None
         kept = None
         if retain and self.sharing and seq.num_computed:
             if node is not None:
@@ -148,6 +202,26 @@ class KVManager:
             kept.tail_block = None
         self._live.discard(kept)
 
+    def offload(self, kept: RetainedKV | None) -> int:
+        """End ``kept`` (as ``drop``) and move its path, from its last node upward while each node
+        is unlocked and all below it is on host, to the host tier now, freeing device blocks
+        (its partial tail block is dropped: under a block of tokens, recomputed). Returns the
+        device blocks freed. Without a host tier it is ``drop``: the path stays, evictable."""
+        if kept is None:
+            return 0
+        node = kept.node
+        free = self.pool.num_free
+        self.drop(kept)
+        if node is not None:
+            self.cache.offload(node)
+        return self.pool.num_free - free
+
+    def drop_namespace(self, namespace: Hashable) -> int:
+        """Discard every unlocked node of ``namespace``, on the device and on host (KV nothing will
+        match again), freeing their blocks instead of moving them down a tier. Returns the
+        device blocks freed."""
+        return self.cache.drop_namespace(namespace)
+
     def export_kv(self, kept: RetainedKV, start: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Per-layer keys and values ``[kv_len - start, kv_heads, head_dim]`` of the tokens
         ``start:kv_len`` of a RetainedKV (copies; only the blocks holding them are read)."""
@@ -160,13 +234,19 @@ class KVManager:
         kv = self.pool.read(blocks[first:], kept.kv_len - first * self.block_size)[:, :, start - first * self.block_size :]
         return [kv[i, 0] for i in range(kv.shape[0])], [kv[i, 1] for i in range(kv.shape[0])]
 
-    def import_kv(self, token_ids: list[int], num_tokens: int, k: list[torch.Tensor], v: list[torch.Tensor]) -> RetainedKV:
+    def import_kv(
+        self, token_ids: list[int], num_tokens: int, k: list[torch.Tensor], v: list[torch.Tensor],
+        namespace: Hashable | None = None,
+    ) -> RetainedKV:
         """Put the KV of ``token_ids[:num_tokens]`` (per-layer tensors, at least that long) into
-        blocks, reusing whatever of it the tree already has; return it as a RetainedKV.
-        Raises OutOfBlocks (changing nothing) when there is no room even after ``make_room``."""
+        blocks of ``namespace`` (None: the default), reusing whatever of it the tree already has
+        (a part on host is copied back, counted in ``host_len``); return it as a RetainedKV.
+        Raises OutOfBlocks (holding nothing new; blocks copied back from host stay cached)
+        when there is no room even after ``make_room``."""
         assert self.sharing, "import_kv needs prefix caching: imported blocks live in the tree"
         bs = self.block_size
-        m = self.cache.match(self.namespace, token_ids, max_tokens=num_tokens)
+        ns = self._ns(namespace)
+        m, loaded = self._match(ns, token_ids, num_tokens)
         start = m.num_tokens
         need = -(-num_tokens // bs) - start // bs
         self.cache.lock(m.node)  # the part already in memory must stay while we add the rest
@@ -185,11 +265,11 @@ class KVManager:
         n_new_full = full - start // bs
         node = None
         if full:
-            node = self.cache.insert(self.namespace, token_ids[: full * bs], m.block_ids + new[:n_new_full])
+            node = self.cache.insert(ns, token_ids[: full * bs], m.block_ids + new[:n_new_full])
             self.cache.lock(node)
         self.pool.decref(new[:n_new_full])  # the tree holds those now
         tail_len = num_tokens - full * bs
-        kept = RetainedKV(node, new[-1] if tail_len else None, tail_len, num_tokens)
+        kept = RetainedKV(node, new[-1] if tail_len else None, tail_len, num_tokens, host_len=loaded)
         self._live.add(kept)
         return kept
 
@@ -237,8 +317,11 @@ class KVManager:
         self.cache.clear()
 
     def stats(self) -> dict[str, int]:
-        """Block and tree counts, for status lines and metrics."""
-        return {
+        """Block and tree counts, for status lines and metrics. With a host tier also
+        ``host_blocks_total``/``host_blocks_used`` and the lifetime block counters
+        ``evicted_to_host`` (device -> host), ``host_hits`` (host -> device) and
+        ``host_evicted`` (dropped from host for room)."""
+        out = {
             "blocks_total": self.pool.num_blocks,
             "blocks_free": self.pool.num_free,
             "blocks_cached": self.cache.cached_blocks,
@@ -247,12 +330,20 @@ class KVManager:
             "pins": len(self._pins),
             "retained": len(self._live),
         }
+        if self.host is not None:
+            c = self.cache
+            out.update(
+                host_blocks_total=self.host.num_blocks, host_blocks_used=self.host.num_used,
+                evicted_to_host=c.evicted_to_host, host_hits=c.host_hits, host_evicted=c.host_evicted,
+            )
+        return out
 
     # -- integrity ------------------------------------------------------------------
 
     def check_integrity(self, sequences: Iterable["Sequence"], handles: Iterable[RetainedKV | None]) -> None:
         """Assert the pool and tree invariants, and that the references and locks held are
-        exactly those of the tree, ``sequences``, ``handles`` and the pins (call when idle)."""
+        exactly those of the tree, ``sequences``, ``handles`` and the pins, and the host
+        pool's blocks in use exactly those of host-resident nodes (call when idle)."""
         self.pool.check_integrity()
         self.cache.check_integrity()
         handles = [h for h in handles if h is not None]

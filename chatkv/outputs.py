@@ -8,11 +8,12 @@ from dataclasses import asdict, dataclass, field, fields
 
 @dataclass
 class Usage:
-    """The statistics of one request or turn. ``prompt_tokens = cached + restored + computed``
-    (plus any tokens recomputed after a preemption)."""
+    """The statistics of one request or turn. ``prompt_tokens = cached + host + restored +
+    computed`` (plus any tokens recomputed after a preemption)."""
 
     prompt_tokens: int = 0  # the whole prompt (for a turn: history + new message)
-    cached_tokens: int = 0  # of which already in memory (a prefix-cache hit)
+    cached_tokens: int = 0  # of which already in device memory (a prefix-cache hit)
+    host_tokens: int = 0  # of which copied back from the host-memory tier
     restored_tokens: int = 0  # of which loaded from a snapshot on disk
     computed_tokens: int = 0  # of which computed before the first generated token
     generated_tokens: int = 0
@@ -35,9 +36,10 @@ class Usage:
         return cls(**{k: (v if v is not None else 0) for k, v in values.items()})
 
     def summary(self) -> str:
-        """One line for people: ``12 prompt tokens (8 cached, 0 restored, 4 computed), ...``."""
+        """One line for people: ``12 prompt tokens (8 cached, 2 host, 0 restored, 2 computed), ...``."""
         return (
-            f"{self.prompt_tokens} prompt tokens ({self.cached_tokens} cached, {self.restored_tokens} restored, "
+            f"{self.prompt_tokens} prompt tokens ({self.cached_tokens} cached, {self.host_tokens} host, "
+            f"{self.restored_tokens} restored, "
             f"{self.computed_tokens} computed), {self.generated_tokens} generated, "
             f"TTFT {self.ttft_s * 1000:.0f} ms, {self.tokens_per_s:.1f} tok/s"
         )

@@ -115,7 +115,7 @@ class Scheduler:
         blocked = None  # the sequence whose turn it was and that could not start for want of blocks
         if self.waiting and budget > 0 and len(self.running) < self.max_running:
             # longest cached prefix first: those cost the least to start
-            ranked = sorted(self.waiting, key=lambda s: -self.kv.cached_len(s.token_ids))
+            ranked = sorted(self.waiting, key=lambda s: -self.kv.cached_len(s.token_ids, s.namespace))
             for seq in ranked:
                 if budget <= 0 or len(self.running) >= self.max_running:
                     break

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Hashable
 
 import torch
 
@@ -43,6 +43,8 @@ class Sequence:
     num_computed: int = 0  # leading tokens whose KV is in the pool
     num_cached: int = -1  # prefix-hit tokens at first admission (-1: not admitted yet)
     num_restored: int = 0  # tokens brought back from disk before admission (sessions)
+    num_host: int = 0  # tokens copied back from the host-memory tier before its first admission
+    namespace: Hashable | None = None  # radix namespace of its KV; None: the KV manager's default
     num_prefilled: int = 0  # tokens this request actually computed before its first sample
     finish_reason: str | None = None  # "stop" | "length" | "aborted" | "error"
     error: Exception | None = None  # why it ended with finish_reason "error"
@@ -73,9 +75,11 @@ class Sequence:
         decode_s = end - first
         cached = max(self.num_cached, 0)
         restored = min(self.num_restored, cached)  # restored KV was put in the tree before admission
+        host = min(self.num_host, cached - restored)  # so was KV copied back from host
         return Usage(
             prompt_tokens=self.num_prompt_tokens,
-            cached_tokens=cached - restored,
+            cached_tokens=cached - restored - host,
+            host_tokens=host,
             restored_tokens=restored,
             computed_tokens=self.num_prefilled,
             generated_tokens=self.num_generated,
