@@ -29,6 +29,7 @@ class EngineConfig:
     db_url: str | None = None  # any SQLAlchemy URL; None: SQLite file in data_dir
     idle_spill_s: float = 300.0  # a session idle this long is spilled to disk on the next engine activity
     snapshot_budget_bytes: int = 4 * 2**30  # disk budget of KV snapshots, LRU deletion beyond it
+    host_cache_bytes: int = 256 * 2**20  # host-memory tier between the KV pool and disk (pinned on CUDA); 0: off
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -47,6 +48,8 @@ class EngineConfig:
             raise InvalidRequest(f"context_window must be an int >= 2 or None, got {cfg.context_window!r}")
         if isinstance(cfg.sink_tokens, bool) or not isinstance(cfg.sink_tokens, int) or cfg.sink_tokens < 0:
             raise InvalidRequest(f"sink_tokens must be an int >= 0, got {cfg.sink_tokens!r}")
+        if isinstance(cfg.host_cache_bytes, bool) or not isinstance(cfg.host_cache_bytes, int) or cfg.host_cache_bytes < 0:
+            raise InvalidRequest(f"host_cache_bytes must be an int >= 0, got {cfg.host_cache_bytes!r}")
         if cfg.max_batch_tokens < 1:
             raise InvalidRequest(f"max_batch_tokens must be >= 1, got {cfg.max_batch_tokens}")
         return cfg

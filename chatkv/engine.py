@@ -48,7 +48,8 @@ class Engine:
         self.kv_dtype = str(self.model.dtype).removeprefix("torch.")
         self.runner = ModelRunner(self.model, self.config)
         self.kv = KVManager(
-            self.runner.pool, (self.fingerprint, self.kv_dtype, self.config.tenant), self.config.enable_prefix_caching
+            self.runner.pool, (self.fingerprint, self.kv_dtype, self.config.tenant), self.config.enable_prefix_caching,
+            host=self.runner.host_pool,
         )
         self.scheduler = Scheduler(self.kv, self.config.max_batch_tokens, self.config.max_running)
         self.max_context = int(getattr(hf_config, "max_position_embeddings", 2048))
@@ -345,7 +346,8 @@ class Engine:
     # -- state ----------------------------------------------------------------
 
     def kv_stats(self) -> dict[str, int]:
-        """KV pool and prefix-cache counts (blocks total/free/cached/evictable, tree nodes, pins, retained)."""
+        """KV pool and prefix-cache counts (blocks total/free/cached/evictable, tree nodes, pins, retained;
+        with the host tier: host_blocks_total/used, evicted_to_host, host_hits, host_evicted)."""
         return self.kv.stats()
 
     def check_integrity(self) -> None:

@@ -16,6 +16,7 @@ import torch
 
 from chatkv.block_pool import BlockPool
 from chatkv.config import EngineConfig
+from chatkv.host_pool import HostPool
 from chatkv.kernels import AttentionMetadata, build_metadata
 from chatkv.model import LlamaModel
 from chatkv.sampling import sample
@@ -50,6 +51,8 @@ class ModelRunner:
             pool_blocks(model, config), config.block_size, model.num_layers, model.num_kv_heads, model.head_dim,
             dtype=model.dtype, device=config.device,
         )
+        # the host-memory tier backs the shared prefix cache: none without it
+        self.host_pool = HostPool.for_pool(self.pool, config.host_cache_bytes) if config.enable_prefix_caching else None
 
     def build_batch(self, items: list[BatchItem]) -> Batch:
         ids, pos, tables, qlens, ctx, rows = [], [], [], [], [], []
