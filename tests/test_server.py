@@ -196,6 +196,17 @@ def test_session_continuity_by_header(engine, client, server):
         client.chat.completions.create(model=MODEL, messages=user("Hi"), extra_headers={"X-Session-Id": "0" * 32},
                                        **params)
     assert e.value.body["code"] == "session_not_found"
+    # while the conversation answers someone else (here the SDK, mid-reply): 409, nothing stored
+    turn = engine.resume(sid).stream("Busy?", SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+    next(turn)
+    try:
+        with pytest.raises(openai.ConflictError) as e:
+            client.chat.completions.create(model=MODEL, messages=user("Me too?"), extra_headers={"X-Session-Id": sid},
+                                           **params)
+        assert e.value.body["code"] == "session_busy"
+    finally:
+        turn.close()  # the SDK's reply stops there, kept as interrupted
+    assert [m.content for m in engine.resume(sid).messages()].count("Me too?") == 0
 
 
 # ------------------------------------------------------------------ metrics

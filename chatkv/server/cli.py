@@ -1,8 +1,9 @@
 """``chatkv serve``: parse the options, load the engine, run uvicorn until SIGINT/SIGTERM.
 
-Shutdown is uvicorn's graceful one (no new connections; requests in flight get up to
-``--graceful-timeout`` seconds), then the app's lifespan closes the engine: open sessions are
-spilled to disk and the engine thread is joined.
+Shutdown (SIGINT or SIGTERM) is uvicorn's graceful one (no new connections; requests in flight
+get up to ``--graceful-timeout`` seconds), then the app's lifespan closes the engine: open
+sessions are spilled to disk and the engine thread is joined; the exit status is 0. A second
+Ctrl+C skips the wait for requests in flight.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import signal
 import sys
 
 
@@ -68,6 +70,11 @@ def main(argv: list[str]) -> int:
     print(f"chatkv serve: model {name!r} at http://{args.host}:{args.port}/v1", file=sys.stderr)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=args.graceful_timeout, lifespan="on"))
+    # uvicorn re-raises the signal that stopped it once it has shut down; these handlers take
+    # it, so a graceful stop ends with status 0 (and no KeyboardInterrupt traceback on Ctrl+C)
+    stopped_by: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: stopped_by.append(signum))
     try:
         server.run()
     finally:
