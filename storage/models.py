@@ -1,8 +1,9 @@
 """The conversation database's ORM schema (SQLAlchemy 2, portable SQL only).
 
-Three tables: ``conversations``, their ``messages`` and at most one current
-``kv_snapshots`` row per conversation. Deleting a conversation cascades to both
-in the database itself (``ON DELETE CASCADE``; SQLite needs ``foreign_keys=ON``,
+Four tables: ``conversations``, their ``messages``, at most one current
+``kv_snapshots`` row per conversation, and at most one ``conversation_leases`` row (the
+process generating its turn now, migration 0004). Deleting a conversation cascades to
+the others in the database itself (``ON DELETE CASCADE``; SQLite needs ``foreign_keys=ON``,
 which :mod:`chatkv.storage.db` sets on every connection).
 
 Knowledge bases (retrieval) add three more: ``knowledge_bases``, their
@@ -178,6 +179,23 @@ class KVSnapshot(Base):
     last_used_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
 
     conversation: Mapped[Conversation] = relationship(back_populates="snapshot")
+
+
+class ConversationLease(Base):
+    """Which process may write a conversation's turns now (see :mod:`chatkv.storage.leases`):
+    one row while a process generates a turn, deleted on release and with the conversation."""
+
+    __tablename__ = "conversation_leases"
+
+    conversation_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("conversations.id", ondelete="CASCADE"), primary_key=True
+    )
+    owner: Mapped[str] = mapped_column(String(255))  # host/pid/nonce: one Store in one process
+    machine: Mapped[str] = mapped_column(String(255))  # hostname|boot id|pid namespace: where ``pid`` means something
+    pid: Mapped[int] = mapped_column(Integer)
+    pid_start: Mapped[Optional[int]] = mapped_column(BigInteger)  # the process's start time (clock ticks since boot)
+    acquired_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime] = mapped_column(UTCDateTime)
 
 
 # ---------------------------------------------------------------- knowledge bases

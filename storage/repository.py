@@ -13,7 +13,10 @@
   within a process (see ``_Clock``), so activity order is exact even for two
   operations in the same microsecond;
 - snapshot files are recorded by bare file name (relative to the snapshot dir,
-  which this module knows nothing of); the caller owns the files.
+  which this module knows nothing of); the caller owns the files;
+- several processes may share one database: ``store.leases`` (``storage.leases``) says
+  which one may write a conversation's turns, and ``add_message`` and
+  ``delete_conversation`` are fenced by it (``ConversationBusy``, ``LeaseLost``).
 
 A ``Store`` is safe to share between threads (one Session per call).
 """
@@ -32,6 +35,7 @@ from sqlalchemy.orm import Session, defer
 
 from chatkv.errors import InvalidRequest, SessionError, StorageError
 from chatkv.storage import db
+from chatkv.storage.leases import Leases
 from chatkv.storage.migrations import migrate
 from chatkv.storage.models import Conversation, KVSnapshot, Message
 from chatkv.storage.records import (
@@ -95,6 +99,7 @@ class Store:
         self._read = db.read_sessions(engine)
         self._write = db.write_sessions(engine)
         self._closed = False
+        self.leases = Leases(self._read, self._write)
         with self._read() as s:
             CLOCK.seed(s.scalar(select(func.max(Conversation.updated_at))))
             CLOCK.seed(s.scalar(select(func.max(KVSnapshot.last_used_at))))
@@ -133,8 +138,9 @@ class Store:
             raise
 
     def close(self) -> None:
-        """Release every connection. The Store is unusable afterwards."""
+        """Release every lease and connection. The Store is unusable afterwards."""
         self._closed = True
+        self.leases.close()
         self.engine.dispose()
 
     def __enter__(self) -> Store:
@@ -158,11 +164,12 @@ class Store:
 
     @staticmethod
     def _conversation(
-        s: Session, conv_id: str, tenant: Optional[str] = None, tokens: bool = False
+        s: Session, conv_id: str, tenant: Optional[str] = None, tokens: bool = False, lock: bool = False
     ) -> Conversation:
-        """The row, or SessionError. Its token history is loaded only if ``tokens``."""
+        """The row, or SessionError. Its token history is loaded only if ``tokens``; ``lock``:
+        locked for this transaction (FOR UPDATE; SQLite's write transactions are exclusive)."""
         options = [] if tokens else [defer(Conversation.token_ids)]
-        conv = s.get(Conversation, check_conversation_id(conv_id), options=options)
+        conv = s.get(Conversation, check_conversation_id(conv_id), options=options, with_for_update=lock)
         if conv is None or (tenant is not None and conv.tenant != tenant):
             raise SessionError(f"unknown conversation id '{conv_id}'")
         return conv
@@ -240,7 +247,8 @@ class Store:
         """Delete the conversation, its messages and snapshot row. Returns the snapshot
         file name the caller should now delete, or None."""
         with self._writing() as s:
-            conv = self._conversation(s, conv_id)
+            conv = self._conversation(s, conv_id, lock=True)
+            self.leases.check_write(s, conv.id)  # not while another process generates it
             file = s.scalar(select(KVSnapshot.file).where(KVSnapshot.conversation_id == conv.id))
             s.delete(conv)  # messages and snapshot go by ON DELETE CASCADE
             return file
@@ -262,7 +270,9 @@ class Store:
         computed_tokens, generated_tokens, ttft_ms, tokens_per_s) and bump the
         conversation's activity time. ``token_ids``, when given, replaces the
         conversation's canonical token history in the same transaction, so the
-        messages and the tokens never disagree after a crash. ``context`` (a JSON object, or
+        messages and the tokens never disagree after a crash. Fenced by the conversation's
+        lease: ``LeaseLost`` if this store's lease on it was broken, ``ConversationBusy`` if
+        another process holds a live one (``storage.leases``). ``context`` (a JSON object, or
         None), when given, replaces the conversation's KV-window state in that same
         transaction (it describes ``token_ids``)."""
         if role not in ROLES:
@@ -275,7 +285,8 @@ class Store:
             context = check_json("context", context)
         check_stats(stats, "add_message")
         with self._writing() as s:
-            conv = self._conversation(s, conv_id)
+            conv = self._conversation(s, conv_id, lock=True)
+            self.leases.check_write(s, conv.id)  # under this process's lease, or no live one
             now = CLOCK.now()
             msg = Message(conversation_id=conv.id, role=role, content=content, status=status,
                           meta=meta, created_at=now, **stats)
@@ -320,7 +331,7 @@ class Store:
             if isinstance(n, bool) or not isinstance(n, int) or n < 0:
                 raise InvalidRequest(f"{what} must be a non-negative int, got {n!r}")
         with self._writing() as s:
-            conv = self._conversation(s, conv_id)
+            conv = self._conversation(s, conv_id, lock=True)  # two processes' upserts: one at a time
             now = CLOCK.now()
             snap = s.scalar(select(KVSnapshot).where(KVSnapshot.conversation_id == conv.id))
             if snap is None:

@@ -1,4 +1,5 @@
-"""The conversation database (chatkv.storage), against real SQLite files."""
+"""The conversation database (chatkv.storage), against real SQLite files and a real
+PostgreSQL server (tests/pg.py): every test using the ``store`` fixture runs on both."""
 
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ from chatkv.storage.db import DB_FILENAME, make_engine
 from chatkv.storage.models import Base
 from chatkv.storage.records import ConversationInfo, MessageInfo, SnapshotInfo
 from chatkv.storage.repository import Store
+from tests.pg import postgres  # noqa: F401  (a fixture)
 
 
-@pytest.fixture
-def store(tmp_path):
-    s = Store.open(data_dir=tmp_path)
+@pytest.fixture(params=["sqlite", "postgres"])
+def store(request, tmp_path):
+    url = request.getfixturevalue("postgres").database() if request.param == "postgres" else None
+    s = Store.open(url, data_dir=tmp_path)
     yield s
     s.close()
 
@@ -364,11 +367,13 @@ def test_head_constant_matches_alembic_scripts():
     assert script.get_heads() == [migrations.HEAD]
 
 
-def test_migrated_schema_matches_models(tmp_path):
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_migrated_schema_matches_models(backend, request, tmp_path):
     from alembic.autogenerate import compare_metadata
     from alembic.runtime.migration import MigrationContext
 
-    s = Store.open(data_dir=tmp_path)
+    url = request.getfixturevalue("postgres").database() if backend == "postgres" else None
+    s = Store.open(url, data_dir=tmp_path)
     try:
         with s.engine.connect() as conn:
             opts = {"compare_type": True, "include_name": migrations.include_name}  # the FTS5 index is no model
@@ -388,16 +393,18 @@ def test_newer_schema_is_refused_clearly(tmp_path):
         Store.open(data_dir=tmp_path)
 
 
-def test_concurrent_openers_and_writers(tmp_path):
-    """Two processes' worth of Stores on one file: first open races, then writes
-    from several threads; nothing fails with 'database is locked'."""
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_concurrent_openers_and_writers(backend, request, tmp_path):
+    """Two processes' worth of Stores on one database: first open (and migration) races, then
+    writes from several threads; nothing fails with 'database is locked' or a duplicate row."""
+    url = request.getfixturevalue("postgres").database() if backend == "postgres" else None
     errors: list[BaseException] = []
     stores: list[Store] = []
     lock = threading.Lock()
 
     def opener():
         try:
-            st = Store.open(data_dir=tmp_path)
+            st = Store.open(url, data_dir=tmp_path)
             with lock:
                 stores.append(st)
         except BaseException as e:  # pragma: no cover - reported below
@@ -410,9 +417,11 @@ def test_concurrent_openers_and_writers(tmp_path):
         t.join()
     assert not errors, errors
     conv = _conv(stores[0])
+    start = threading.Barrier(len(stores))  # every writer's first snapshot upsert at once
 
     def writer(st: Store, n: int):
         try:
+            start.wait()
             for i in range(15):
                 st.add_message(conv.id, "user", f"{n}-{i}")
                 _snap(st, conv.id, f"{n}-{i}.safetensors")
@@ -429,3 +438,44 @@ def test_concurrent_openers_and_writers(tmp_path):
     assert len(stores[2].snapshots_lru()) == 1
     for st in stores:
         st.close()
+
+
+
+FIRST_OPEN = """
+import os, sys, time
+from pathlib import Path
+from chatkv.storage.repository import Store
+url, go, data, me = sys.argv[1:5]
+Path(data, "ready-" + me).touch()
+while not os.path.exists(go):
+    time.sleep(0.002)
+Store.open(None if url == "-" else url, data_dir=data).close()
+"""
+
+
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+def test_concurrent_first_open_from_processes(backend, request, tmp_path):
+    """Processes opening one new database at once (replicas starting together) migrate it one
+    after another: every one opens it, none fails on another's CREATE TABLE."""
+    import subprocess
+    import sys
+    import time
+
+    url = request.getfixturevalue("postgres").database() if backend == "postgres" else "-"
+    go, n = tmp_path / "go", 4
+    procs = [subprocess.Popen([sys.executable, "-c", FIRST_OPEN, url, str(go), str(tmp_path), str(i)],
+                              stderr=subprocess.PIPE, text=True) for i in range(n)]
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("ready-*"))) < n and all(p.poll() is None for p in procs):
+            assert time.monotonic() < deadline, "the openers never got ready"
+            time.sleep(0.01)
+        go.touch()  # all open at once
+        results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [code for code, _ in results] == [0] * n, [err.strip().splitlines()[-1:] for _, err in results]
+    with Store.open(None if url == "-" else url, data_dir=tmp_path) as s:
+        assert migrations.current_revisions(s.engine) == {migrations.HEAD}

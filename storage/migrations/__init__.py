@@ -25,10 +25,13 @@ from sqlalchemy.exc import DBAPIError
 from chatkv.errors import ChatKVError
 from chatkv.storage.models import FTS_TABLE
 
-HEAD = "0003"
+HEAD = "0004"
 SCRIPT_LOCATION = Path(__file__).resolve().parent
 # Alembic's `context`/`op` are process-global proxies: one migration at a time.
 _ALEMBIC_LOCK = threading.Lock()
+# PostgreSQL advisory lock id taken for a migration, so processes opening one new
+# database at once migrate it one after another (their CREATE TABLEs would collide)
+PG_MIGRATION_LOCK = 0x63686B76  # "chkv"
 
 
 def config(url: Optional[str] = None, connection: Optional[Connection] = None):
@@ -81,9 +84,11 @@ def migrate(engine: Engine) -> bool:
 
     from chatkv.storage.db import write_engine
 
-    # One transaction (BEGIN IMMEDIATE on SQLite), so concurrent openers
-    # serialise and a crash mid-way leaves the old schema intact.
+    # One transaction (BEGIN IMMEDIATE on SQLite, an advisory lock on PostgreSQL), so
+    # concurrent openers serialise and a crash mid-way leaves the old schema intact.
     with _ALEMBIC_LOCK, write_engine(engine).begin() as conn:
+        if conn.dialect.name == "postgresql":
+            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PG_MIGRATION_LOCK})
         before = _revisions_in(conn)
         if before == {HEAD}:
             return False
