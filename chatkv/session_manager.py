@@ -13,7 +13,9 @@ drive it, abort it. It never imports the engine (the engine creates it). Contrac
 - an idle session, or any idle session when blocks run short, is spilled to disk and
   its KV released; the next turn restores it (see ``chatkv.snapshots``);
 - a history longer than the context window is handled by the session's overflow policy
-  before anything is stored (see ``chatkv.context_window``); messages are never deleted.
+  before anything is stored (see ``chatkv.context_window``); messages are never deleted;
+- a turn runs under the conversation's lease, so processes sharing the store never
+  interleave a conversation (see ``chatkv.session_leases``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import copy
 
 from chatkv import context_window as cw
 from chatkv import rag as rag_context
+from chatkv import session_leases as leased
 from chatkv.config import OVERFLOW_POLICIES
 from chatkv.errors import InvalidRequest, OutOfBlocks, SessionError, check_text
 from chatkv.kv_manager import RetainedKV
@@ -74,6 +77,7 @@ class SessionManager:
             self.kv, self.store, data_dir / "kv", engine.fingerprint, engine.kv_dtype, cfg.tenant, cfg.snapshot_budget_bytes
         )
         self.live: dict[str, Session] = {}
+        self.marks: dict = {}  # conversation id -> the stored state last seen (chatkv.session_leases)
         self.overflow = cfg.overflow
         self.sink_tokens = cfg.sink_tokens
         self.kv.on_pressure = lambda missing: self.snapshots.relieve(self.live.values(), missing)
@@ -136,9 +140,8 @@ class SessionManager:
             s.window.policy = overflow
         msgs = self.store.messages(s.id)
         if msgs and msgs[-1].role == "user" and s.tokens:
-            # the process died while replying: close the turn as an interrupted, empty reply
-            s.tokens = s.tokens + self.renderer.close_reply([])
-            self.store.add_message(s.id, "assistant", "", status="interrupted", token_ids=s.tokens)
+            # a turn without its reply: closed as interrupted unless another process is generating it now
+            leased.settle(self, s)
         if rag:
             s.knowledge = self.engine.knowledge_base(rag["kb"])
             s.top_k, s.documents = rag["top_k"], list(rag["documents"])
@@ -163,7 +166,7 @@ class SessionManager:
         if s.busy:
             raise SessionError(f"session '{s.id}' is generating; finish or interrupt the reply first")
         try:
-            self.snapshots.spill(s)
+            leased.spill(self, s)  # under the lease, only if current
         finally:
             self.kv.unpin(s.pinned)
             s.pinned = None
@@ -171,6 +174,13 @@ class SessionManager:
             self.live.pop(s.id, None)
 
     def delete(self, s: Session) -> None:
+        self.store.leases.acquire(s.id)  # ConversationBusy while another process generates it
+        try:
+            self._delete(s)
+        finally:
+            self.store.leases.release(s.id)  # its row went with the conversation
+
+    def _delete(self, s: Session) -> None:
         self.kv.drop(s.kept)
         s.kept = None
         self.kv.unpin(s.pinned)
@@ -188,8 +198,14 @@ class SessionManager:
             stored[RAG_KEY] = {"kb": s.knowledge.name, "top_k": s.top_k, "documents": list(s.documents)}
         self.store.set_params(s.id, stored)
 
+    def stored_settings(self, info) -> tuple[dict, str | None]:
+        """A conversation's stored sampling params (without the settings kept beside them) and overflow policy."""
+        params = dict(info.params)
+        params.pop(RAG_KEY, None)
+        return params, params.pop(OVERFLOW_KEY, None)
+
     def spill(self, s: Session) -> bool:
-        return self.snapshots.spill(s)
+        return leased.spill(self, s)
 
     def spill_idle(self, now: float | None = None, keep: Session | None = None) -> int:
         """Spill every session idle for longer than ``idle_spill_s``; returns how many."""
@@ -208,6 +224,11 @@ class SessionManager:
     # -- a turn -------------------------------------------------------------
 
     def turn(self, s: Session, text: str, params: SamplingParams) -> Iterator[str | Reply]:
+        """A turn under the conversation's lease: ConversationBusy while another process generates
+        it; a session behind the stored conversation is reloaded first (chatkv.session_leases)."""
+        return leased.turn(self, s, self._turn(s, text, params))
+
+    def _turn(self, s: Session, text: str, params: SamplingParams) -> Iterator[str | Reply]:
         arrival = time.perf_counter()  # TTFT counts the restore from disk too
         self.spill_idle(keep=s)
         window = self.engine.context_window
