@@ -273,6 +273,64 @@ class KVManager:
         self._live.add(kept)
         return kept
 
+    def slide(self, kept: RetainedKV, tokens: list[int], sink: int, drop: int, namespace: Hashable,
+              shift: Callable[[list[int], int], None], old_namespace: Hashable | None = None) -> RetainedKV | None:
+        """Move a conversation's attention-sink window: of the KV in ``kept``, keep tokens
+        ``[0, sink)`` as they are and ``[sink + drop, kv_len)`` with their keys moved ``drop``
+        positions back (``shift(blocks, delta)`` re-rotates keys in place); the blocks of the
+        dropped tokens are released. Returns the kept KV as a RetainedKV of ``tokens`` (the new
+        context, ``old[:sink] + old[sink + drop:]``) in radix ``namespace`` (a private one: this
+        KV matches no from-scratch computation), or None if none is kept. ``sink`` and ``drop``
+        are whole blocks. ``kept`` is ended. ``old_namespace`` (the previous window's private
+        namespace) is dropped from the tree: nothing will match it again. A moved block that
+        someone else still references (the shared tree, the first time) is copied first.
+        Raises OutOfBlocks (with ``kept`` ended and nothing else held) when a copy finds no room."""
+        bs = self.block_size
+        assert sink % bs == 0 and drop % bs == 0, "a window moves by whole blocks"
+        blocks = self._path_blocks(kept.node) + ([kept.tail_block] if kept.tail_block is not None else [])
+        n = kept.kv_len
+        if n > sink + drop:
+            head, moved, new_len = blocks[: sink // bs], blocks[(sink + drop) // bs :], n - drop
+        else:  # no KV after the dropped part: keep the sink's whole blocks only
+            new_len = min(n, sink) // bs * bs
+            head, moved = blocks[: new_len // bs], []
+        assert new_len <= len(tokens), "the new context is shorter than the KV kept"
+        self.pool.incref(head + moved)  # ours while the old owners let go
+        self.drop(kept)
+        if old_namespace is not None:
+            self.drop_namespace(old_namespace)
+        table = head + moved
+        try:
+            # copy-on-write: a block another owner still holds (the shared tree, the first time)
+            # is copied, so keys another owner reads are never rotated and no block sits in two
+            # namespaces; later moves find the window's blocks its own and rotate them in place
+            shared = [i for i, b in enumerate(table) if self.pool.ref_counts[b] > 1]
+            if shared:
+                if not self.make_room(len(shared)):
+                    raise OutOfBlocks(f"no room to copy {len(shared)} KV blocks of a moving window")
+                fresh = self.pool.allocate(len(shared))
+                self.pool.copy_blocks([table[i] for i in shared], fresh)
+                self.pool.decref([table[i] for i in shared])
+                for i, b in zip(shared, fresh):
+                    table[i] = b
+            shift(table[len(head) :], -drop)
+        except BaseException:
+            self.pool.decref(table)
+            raise
+        if new_len == 0:
+            self.pool.decref(table)
+            return None
+        full = new_len // bs
+        node = None
+        if full:
+            node = self.cache.insert(namespace, tokens[: full * bs], table[:full])
+            self.cache.lock(node)
+        self.pool.decref(table[:full])  # the tree holds those now
+        tail_len = new_len - full * bs
+        new = RetainedKV(node, table[full] if tail_len else None, tail_len, new_len)
+        self._live.add(new)
+        return new
+
     # -- pins ---------------------------------------------------------------------
 
     def pin(self, token_ids: list[int]) -> tuple[int, ...] | None:
