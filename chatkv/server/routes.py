@@ -45,8 +45,8 @@ def _stream_response(chunks, events, slot, state, headers=None) -> StreamingResp
         try:
             async for item in chunks:
                 yield item
-        except APIError as e:
-            yield sse(e.body())
+        except Exception as e:  # noqa: BLE001 - the status is sent: the error goes in the stream, as OpenAI's does
+            yield sse(from_chatkv(e).body())
             yield sse("[DONE]")
         finally:
             slot.release()  # first: a cancelled task may not get past the next await
@@ -76,12 +76,10 @@ async def chat_completions(request: Request) -> Response:
         if req.stream:
             streaming = True
             return _stream_response(_chat_sse(chat, events), events, slot, state, headers)
-        pieces, done = [], None
+        done = None
         async for item in events:
             if isinstance(item, gen.Done):
                 done = item
-            else:
-                pieces.append(item)
         return JSONResponse(chat.completion(done.text, done.finish_reason, done.usage), headers=headers)
     finally:
         if not streaming:
