@@ -286,7 +286,7 @@ class Snapshots:
                     log.warning("KV of conversation %s not saved to disk (%s: %s); it will be recomputed", s.id, type(e).__name__, e)
         finally:
             s.kept = None
-            self.kv.drop(kept)
+            self.kv.offload(kept)  # down a tier: host memory (if any), else evictable cache
         return True
 
     def spill_idle(self, sessions: Iterable, idle_s: float, now: float | None = None, keep=None) -> int:
