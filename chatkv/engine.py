@@ -13,6 +13,7 @@ import itertools
 import json
 import operator
 import os
+import threading
 from pathlib import Path
 from typing import Iterator, Sequence as Seq
 
@@ -20,6 +21,7 @@ import torch
 
 from chatkv.config import EngineConfig
 from chatkv.detokenize import TextStream
+from chatkv.engine_loop import EngineLoop, RequestStream
 from chatkv.errors import InvalidRequest, ModelNotFound, StorageError, check_text
 from chatkv.kv_manager import KVManager, RetainedKV
 from chatkv.model import LlamaModel
@@ -59,6 +61,9 @@ class Engine:
         self._sessions: SessionManager | None = None
         self._kbs: dict = {}  # open knowledge bases by name
         self._embedder = None  # the embedding model, loaded once for every knowledge base
+        self._loop = EngineLoop(self)  # started by start(); until then the caller's thread steps
+        self.scheduler.can_wait = lambda: self._loop.running
+        self._open_lock = threading.Lock()  # the store and knowledge bases open once, whichever thread asks first
 
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, **config) -> "Engine":
@@ -142,6 +147,7 @@ class Engine:
         prefix: RetainedKV | None = None,
         namespace=None,
         max_context: int | None = None,
+        priority: int = 0,
     ) -> Sequence:
         """Queue one request; it runs on the next ``step`` calls. Validates before queueing.
 
@@ -150,12 +156,19 @@ class Engine:
         (sessions use both). On an error nothing is queued and ``prefix`` is left to the caller.
         ``namespace``: the radix namespace of its KV (None: the engine's shared one; a moved
         attention-sink window has a private one). ``max_context``: a tighter bound than the
-        model's context on prompt + reply (a session's context window).
+        model's context on prompt + reply (a session's context window). ``priority``: lower
+        runs first (session turns 0, ``generate`` batches 1); see the scheduler.
+        After ``start()`` call it on the loop thread (``on_loop``); ``submit`` does.
         """
+        if self._loop.running and not self._loop.on_loop_thread():
+            return self.on_loop(lambda: self.add_request(
+                prompt, params, retain=retain, prefix=prefix, namespace=namespace, max_context=max_context, priority=priority))
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
         params.validate()
+        if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
+            raise InvalidRequest(f"priority must be an int in [-1000, 1000], got {priority!r}")
         ids = self._to_ids(prompt)
         limit = min(self.max_context, max_context or self.max_context)
         if len(ids) >= limit:
@@ -183,12 +196,59 @@ class Engine:
             prefix=prefix,
         )
         seq.namespace = namespace
+        seq.priority = priority
+        if self._loop.running:  # its output reaches the caller through a stream
+            seq.stream = RequestStream(self._loop, seq)
+            self._loop._streams[seq] = seq.stream
         self.scheduler.add(seq)
         return seq
 
     def abort(self, seq: Sequence) -> None:
         """Stop a request now; what it generated so far stays in its result."""
-        self.scheduler.abort(seq)
+        self.on_loop(lambda: self.scheduler.abort(seq))
+
+    # -- the engine loop (threads and asyncio) ---------------------------------
+
+    def start(self) -> "Engine":
+        """Run the steps on one background thread. Afterwards requests (``submit``, ``generate``,
+        ``stream``, ``agenerate``) and session turns (``send``/``stream``/``asend``/``astream``)
+        may come from any thread or from asyncio; concurrent ones share the running batch.
+        ``close()`` stops it. Returns the engine."""
+        self._loop.start()
+        return self
+
+    @property
+    def started(self) -> bool:
+        return self._loop.running
+
+    def on_loop(self, fn):
+        """Run ``fn()`` where the engine's state may be touched: on the loop thread between steps
+        once started (waiting for it), else right here."""
+        return self._loop.call(fn)
+
+    def submit(self, prompt: str | Seq[int], params: SamplingParams | None = None, *, priority: int = 0) -> RequestStream:
+        """Queue one request and return its ``RequestStream`` (iterate it, ``async for`` it,
+        ``cancel()`` it, ``result()``). Bad input raises here. Before ``start()`` iterating the
+        stream steps the engine on the caller's thread."""
+        return self._loop.submit(lambda: self._add_streamed(prompt, params, priority))
+
+    def _add_streamed(self, prompt, params, priority) -> Sequence:
+        seq = self.add_request(prompt, params, priority=priority)
+        if getattr(seq, "stream", None) is not None:
+            self._loop._streams.pop(seq, None)  # submit registers its own
+        return seq
+
+    async def agenerate(self, prompt: str | Seq[int], params: SamplingParams | None = None, *, priority: int = 0) -> GenerationResult:
+        """Run one request from asyncio (starts the loop if needed); its GenerationResult."""
+        import asyncio
+
+        self.start()
+        stream = await asyncio.get_running_loop().run_in_executor(None, lambda: self.submit(prompt, params, priority=priority))
+        return await stream.aresult()
+
+    def add_finish_listener(self, fn) -> None:
+        """Call ``fn(result, seq)`` on the loop thread whenever a request finishes (keep it cheap)."""
+        self._loop.listeners.append(fn)
 
     def shift_keys(self, blocks: list[int], delta: int) -> None:
         """Re-rotate the keys in ``blocks`` of the KV pool by ``delta`` positions (attention-sink windows)."""
@@ -225,10 +285,16 @@ class Engine:
             raise InvalidRequest(f"{len(plist)} sampling params for {len(batch)} prompts")
         seqs = []
         try:
-            for p, sp in zip(batch, plist):
-                seqs.append(self.add_request(p, sp))
-            while not all(s.finished for s in seqs):
-                self.step()
+            if self.started:
+                streams = [self.submit(p, sp, priority=1) for p, sp in zip(batch, plist)]
+                seqs = [st.seq for st in streams]
+                for st in streams:
+                    st.wait()
+            else:
+                for p, sp in zip(batch, plist):
+                    seqs.append(self.add_request(p, sp, priority=1))
+                while not all(s.finished for s in seqs):
+                    self.step()
         except BaseException:
             for s in seqs:
                 self.abort(s)
@@ -241,7 +307,7 @@ class Engine:
 
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[str | GenerationResult]:
         """Yield text pieces as they are generated, then the GenerationResult."""
-        seq = self.add_request(prompt, params)
+        seq = self.submit(prompt, params).seq if self.started else self.add_request(prompt, params)
         try:
             yield from self.drive(seq)
             yield seq.result()
@@ -251,6 +317,10 @@ class Engine:
     def drive(self, seq: Sequence) -> Iterator[str]:
         """Step the engine until ``seq`` finishes, yielding its settled new text as it appears.
         Raises the request's own error if it ended with one."""
+        stream = getattr(seq, "stream", None) or self._loop._streams.get(seq)
+        if stream is not None and self.started:  # the loop steps; its pieces arrive here
+            yield from stream
+            return
         while not seq.finished:
             self.step()
             piece = seq.out.take()
@@ -276,7 +346,9 @@ class Engine:
     def session_manager(self) -> SessionManager:
         """The conversation store and snapshot directory, opened on first use."""
         if self._sessions is None:
-            self._sessions = SessionManager(self, self._data_root())
+            with self._open_lock:
+                if self._sessions is None:
+                    self._sessions = SessionManager(self, self._data_root())
         return self._sessions
 
     def session(
@@ -303,6 +375,12 @@ class Engine:
         """Open (or create) the knowledge base ``name`` in this engine's data directory and database."""
         from chatkv.retrieval import Embedder, KnowledgeBase
 
+        with self._open_lock:
+            return self._knowledge_base(name)
+
+    def _knowledge_base(self, name: str):
+        from chatkv.retrieval import Embedder, KnowledgeBase
+
         kb = self._kbs.get(name)
         if kb is None:
             if self._embedder is None:
@@ -324,11 +402,12 @@ class Engine:
 
     def spill_idle(self) -> int:
         """Spill sessions idle past ``idle_spill_s`` to disk now; returns how many."""
-        return self.session_manager.spill_idle() if self._sessions is not None else 0
+        return self.on_loop(self.session_manager.spill_idle) if self._sessions is not None else 0
 
     def close(self) -> None:
         """Spill and close every open session and the database, then release the prefix cache.
         The engine is unusable afterwards."""
+        self._loop.stop()  # requests in flight finish first
         if self._sessions is not None:
             self._sessions.close()
             self._sessions = None
@@ -348,11 +427,14 @@ class Engine:
     def kv_stats(self) -> dict[str, int]:
         """KV pool and prefix-cache counts (blocks total/free/cached/evictable, tree nodes, pins, retained;
         with the host tier: host_blocks_total/used, evicted_to_host, host_hits, host_evicted)."""
-        return self.kv.stats()
+        return self.on_loop(self.kv.stats)
 
     def check_integrity(self) -> None:
         """Assert the pool and cache invariants, and that every block reference and radix lock is
         owned by a live request, open session or pin (call when idle)."""
+        self.on_loop(self._check_integrity)
+
+    def _check_integrity(self) -> None:
         seqs = self.scheduler.sequences()
         handles = [s.prefix for s in seqs] + (self._sessions.held_kv() if self._sessions is not None else [])
         self.kv.check_integrity(seqs, handles)

@@ -19,16 +19,26 @@ holding none (waiting, finished).
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
+from typing import Callable
 
 from chatkv.errors import OutOfBlocks
 from chatkv.kv_manager import KVManager
 from chatkv.sequence import Sequence, Status
 
 
+AGE_ROUNDS = 32  # a request passed over this many times goes first, whatever its priority
+
+
 class Scheduler:
-    def __init__(self, kv: KVManager, max_batch_tokens: int, max_running: int):
+    def __init__(self, kv: KVManager, max_batch_tokens: int, max_running: int, age_rounds: int = AGE_ROUNDS):
         self.kv = kv
+        self.age_rounds = age_rounds
+        # finished requests whose retained KV their conversation has not taken yet (the engine
+        # loop hands it over between steps): while any exist, "cannot fit" may be transient
+        self._handing_over: weakref.WeakSet[Sequence] = weakref.WeakSet()
+        self.can_wait: Callable[[], bool] = lambda: False  # True while another thread settles turns (engine loop)
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.waiting: deque[Sequence] = deque()
@@ -59,6 +69,8 @@ class Scheduler:
             seq.out.finish()
         finally:  # a finished sequence holds no KV, whatever the detokenizer raised
             seq.retained = self.kv.release(seq, retain=seq.retain and reason != "error")
+            if seq.retained is not None:
+                self._handing_over.add(seq)
 
     def abort(self, seq: Sequence) -> None:
         """End a request now, waiting or running; what it generated so far stays in its result."""
@@ -114,8 +126,7 @@ class Scheduler:
                 budget -= want
         blocked = None  # the sequence whose turn it was and that could not start for want of blocks
         if self.waiting and budget > 0 and len(self.running) < self.max_running:
-            # longest cached prefix first: those cost the least to start
-            ranked = sorted(self.waiting, key=lambda s: -self.kv.cached_len(s.token_ids, s.namespace))
+            ranked = sorted(self.waiting, key=self._rank)
             for seq in ranked:
                 if budget <= 0 or len(self.running) >= self.max_running:
                     break
@@ -128,6 +139,12 @@ class Scheduler:
                 self.running.append(seq)
                 plan.append((seq, chunk))
                 budget -= chunk
+            for seq in self.waiting:  # passed over this round
+                seq.passed_over = getattr(seq, "passed_over", 0) + 1
+        if not plan and self.waiting and not self.running and self._free_waiting_prefixes(blocked):
+            return plan  # KV handed to waiting requests went down a tier: the next step retries
+        if not plan and self.can_wait() and any(s.retained is not None for s in list(self._handing_over)):
+            return plan  # a finished turn's KV is on its way to its session, which may release it
         if not plan and self.waiting and not self.running:
             # nothing runs and the one whose turn it was cannot start: it never will (not waiting[0],
             # which may rank behind it and fit)
@@ -141,6 +158,25 @@ class Scheduler:
                 "kv_cache_bytes / num_blocks"
             ))
         return plan
+
+    def _rank(self, seq: Sequence) -> tuple:
+        """Admission order: requests passed over ``age_rounds`` times first (nothing starves),
+        then lower ``priority`` (interactive turns 0 before batch jobs 1), then the longest
+        cached prefix (those cost the least to start), then arrival."""
+        aged = getattr(seq, "passed_over", 0) >= self.age_rounds
+        return (not aged, getattr(seq, "priority", 0), -self.kv.cached_len(seq.token_ids, seq.namespace), seq.seq_id)
+
+    def _free_waiting_prefixes(self, keep: Sequence | None) -> bool:
+        """Nothing runs and a request cannot start: the KV other waiting requests were handed
+        (their conversations' histories, locked while they wait) moves down a tier (host memory,
+        else evictable; its snapshot is on disk) so blocks come free. True if any did."""
+        freed = False
+        for seq in reversed(self.waiting):
+            if seq is not keep and seq.prefix is not None:
+                self.kv.offload(seq.prefix)
+                seq.prefix = None
+                freed = True
+        return freed
 
     # -- after the forward --------------------------------------------------------------
 

@@ -10,10 +10,12 @@ committed before the turn reports done.
 
 from __future__ import annotations
 
+import asyncio
 import json
+import threading
 import time
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, AsyncIterator, Iterator
 
 from chatkv.context_window import check_overflow
 from chatkv.errors import InvalidRequest, SessionError, check_text
@@ -23,6 +25,14 @@ from chatkv.sampling import SamplingParams
 if TYPE_CHECKING:
     from chatkv.kv_manager import RetainedKV
     from chatkv.session_manager import SessionManager
+
+
+_DONE = object()
+
+
+class _Failed:
+    def __init__(self, error: BaseException):
+        self.error = error
 
 
 class Session:
@@ -72,6 +82,49 @@ class Session:
         if self.busy:
             raise SessionError(f"session '{self.id}' is already generating a reply")
         yield from self._m.turn(self, text, params or self._default_params())
+
+    async def asend(self, text: str, params: SamplingParams | None = None) -> Reply:
+        """asyncio form of ``send`` (starts the engine loop if needed)."""
+        reply = None
+        async for piece in self.astream(text, params):
+            if isinstance(piece, Reply):
+                reply = piece
+        assert reply is not None
+        return reply
+
+    async def astream(self, text: str, params: SamplingParams | None = None) -> AsyncIterator[str | Reply]:
+        """asyncio form of ``stream``: the turn runs on a thread of its own (its database work
+        and waits never block the event loop) while the engine loop computes it with every
+        other request. Closing the iterator early interrupts the reply, as with ``stream``."""
+        self._m.engine.start()
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        stop = threading.Event()
+
+        def work() -> None:
+            try:
+                for piece in self.stream(text, params):
+                    loop.call_soon_threadsafe(queue.put_nowait, piece)
+                    if stop.is_set():
+                        break  # closes the turn: what was produced is kept, marked interrupted
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting side
+                loop.call_soon_threadsafe(queue.put_nowait, _Failed(e))
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, _DONE)
+
+        worker = threading.Thread(target=work, name=f"chatkv-turn-{self.id[:8]}", daemon=True)
+        worker.start()
+        try:
+            while True:
+                item = await queue.get()
+                if item is _DONE:
+                    break
+                if isinstance(item, _Failed):
+                    raise item.error
+                yield item
+        finally:
+            stop.set()
+            await asyncio.get_running_loop().run_in_executor(None, worker.join)
 
     def _default_params(self) -> SamplingParams:
         return SamplingParams.from_dict(self.params) if self.params else SamplingParams(temperature=0.0)

@@ -230,7 +230,9 @@ class SessionManager:
 
     def _turn(self, s: Session, text: str, params: SamplingParams) -> Iterator[str | Reply]:
         arrival = time.perf_counter()  # TTFT counts the restore from disk too
-        self.spill_idle(keep=s)
+        params.validate()
+        on_loop = self.engine.on_loop  # KV work runs where the engine's state lives (the loop thread once started)
+        on_loop(lambda: self.spill_idle(keep=s))
         window = self.engine.context_window
         reserve = cw.reply_room(params.max_tokens, window)
         content, hits, query = text, [], None
@@ -245,24 +247,29 @@ class SessionManager:
         delta = self._delta(s, content)
         st = copy.deepcopy(s.window)
         plan = cw.plan(st, len(s.tokens), len(delta), reserve, window, self.kv.block_size, self.sink_tokens)
-        kept, restored = s.kept, 0
-        s.kept = None
-        old_ns = self._namespace(s.id, st)
-        if kept is None and s.tokens and plan.kind != "truncate":
-            kept, restored = self.snapshots.restore(s.id, s.tokens + delta, namespace=old_ns)
-        context = s.tokens
-        if plan.kind != "none":
-            context = cw.apply(st, plan, s.tokens)
-            kept, restored = self._move_window(s, plan, st, kept, restored, old_ns, context)
-            s.tokens, s.window = context, st  # the KV in memory is the new window's now
+
+        def admit():
+            kept, restored = s.kept, 0
+            s.kept = None
+            old_ns = self._namespace(s.id, st)
+            if kept is None and s.tokens and plan.kind != "truncate":
+                kept, restored = self.snapshots.restore(s.id, s.tokens + delta, namespace=old_ns)
+            context = s.tokens
+            if plan.kind != "none":
+                context = cw.apply(st, plan, s.tokens)
+                kept, restored = self._move_window(s, plan, st, kept, restored, old_ns, context)
+                s.tokens, s.window = context, st  # the KV in memory is the new window's now
+            try:
+                seq = self.engine.add_request(context + delta, params, retain=True, prefix=kept,
+                                              namespace=self._namespace(s.id, st), max_context=window)
+            except BaseException:
+                s.kept = kept  # nothing happened: the session keeps its KV
+                raise
+            return seq, context, restored
+
+        seq, context, restored = on_loop(admit)
         first_turn = not context
         prompt = context + delta
-        ns = self._namespace(s.id, st)
-        try:
-            seq = self.engine.add_request(prompt, params, retain=True, prefix=kept, namespace=ns, max_context=window)
-        except BaseException:
-            s.kept = kept  # nothing happened: the session keeps its KV
-            raise
         seq.num_restored = restored
         seq.arrival = arrival
         st.turns.append(self._first_turn_start(prompt, content) if first_turn else len(context))
@@ -274,8 +281,7 @@ class SessionManager:
             self.store.add_message(s.id, "user", text, meta=meta, token_ids=prompt, context=st.to_json())
         except BaseException:
             st.turns.pop()
-            s.kept, seq.prefix = seq.prefix, None  # not admitted yet: take the KV back, then drop the request
-            self.engine.abort(seq)
+            on_loop(lambda: self._take_back(s, seq))
             raise
         if not s.tokens and s.title == DEFAULT_TITLE:  # name a new chat after its first message
             s.title = " ".join(text.split())[:48] or DEFAULT_TITLE
@@ -291,11 +297,7 @@ class SessionManager:
         try:
             yield from self.engine.drive(seq)
         finally:
-            self.engine.abort(seq)  # no-op when it finished
-            s.busy = False
-            s.kept, seq.retained = seq.retained, None
-            s.tokens = seq.token_ids + self.renderer.close_reply(seq.generated_ids)
-            s.last_used = time.monotonic()
+            on_loop(lambda: self._settle(s, seq))
             r = seq.result()
             sources = rag_context.sources_of(r.text, hits)
             msg_meta = {"sources": [x.as_json() for x in sources]} if sources else {}
@@ -311,10 +313,33 @@ class SessionManager:
                 context=st.to_json(),
                 **r.usage.message_columns(),
             )
-            self._pin(s)
-            self.snapshots.write_behind(s.id, s.tokens, s.kept)  # the new KV reaches the disk in the background
+            on_loop(lambda: self._after_turn(s))
         yield Reply(text=r.text, usage=r.usage, finish_reason=r.finish_reason, message_id=msg.id, sources=sources,
                     context=info)
+
+    def _take_back(self, s: Session, seq) -> None:
+        """The user message was not stored: the request goes, the session keeps its KV if the
+        request was not admitted yet (loop thread)."""
+        kept, seq.prefix = seq.prefix, None
+        self.engine.abort(seq)
+        self.kv.drop(seq.retained)
+        seq.retained = None
+        s.kept = kept
+
+    def _settle(self, s: Session, seq) -> None:
+        """End the turn's request; the session keeps its KV for the next turn, and is no longer
+        busy: from here memory pressure may spill it, even before its reply is stored (loop thread)."""
+        self.engine.abort(seq)  # no-op when it finished
+        s.tokens = seq.token_ids + self.renderer.close_reply(seq.generated_ids)
+        s.kept, seq.retained = seq.retained, None
+        s.last_used = time.monotonic()
+        s.busy = False
+
+    def _after_turn(self, s: Session) -> None:
+        """Pin the shared prefix; the new KV reaches the disk in the background (loop thread)."""
+        self._pin(s)
+        if s.kept is not None:  # else a spill (memory pressure) already queued it
+            self.snapshots.write_behind(s.id, s.tokens, s.kept)
 
     def _namespace(self, conv_id: str, st: cw.ContextState):
         """The radix namespace of a conversation's KV: the shared one, or once an attention-sink

@@ -1,0 +1,286 @@
+"""The engine loop: one background thread owns the engine's state and runs its steps.
+
+After ``engine.start()`` every request, session turn and KV operation reaches the engine
+through this loop, from any thread or from asyncio:
+
+- ``call(fn)`` runs ``fn`` on the loop thread between two steps and returns its result
+  (or raises its exception) to the caller; on the loop thread itself, or before the loop
+  is started, it just calls ``fn``. Everything that touches the scheduler, the KV manager,
+  the block pool or the snapshots goes through it, so nothing else ever races the step;
+- ``submit(...)`` queues a request (validated on the loop thread; a bad one raises to the
+  caller) and returns a ``RequestStream``: iterate it from a thread or ``async for`` it from
+  asyncio; ``cancel()`` aborts the request on the next step, freeing its blocks;
+- each step's settled text is pushed to the streams of the requests that produced it;
+  finished requests call the engine's finish listeners (metrics) on the loop thread;
+- ``stop()`` lets the requests in flight finish (or aborts them after ``timeout``), runs
+  the commands still queued, and joins the thread.
+
+The loop sleeps on a condition variable while there is no work: an idle engine costs no CPU.
+A step that raises (a bug, not a request's own error: those end that request alone) fails
+every request in it with that error and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections import deque
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any, Callable
+
+if TYPE_CHECKING:
+    from chatkv.engine import Engine
+    from chatkv.sequence import Sequence
+
+log = logging.getLogger("chatkv.engine")
+
+
+class RequestStream:
+    """The output of one submitted request: text pieces as they settle, then the result."""
+
+    def __init__(self, loop: "EngineLoop", seq: "Sequence"):
+        self._loop = loop
+        self.seq = seq
+        self.request_id = seq.seq_id
+        self._cv = threading.Condition()
+        self._items: deque[str] = deque()
+        self._done = False
+        self._wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    # -- the loop thread's side ---------------------------------------------------------
+
+    def _push(self, piece: str, done: bool) -> None:
+        with self._cv:
+            if piece:
+                self._items.append(piece)
+            self._done = self._done or done
+            self._cv.notify_all()
+            wakers = list(self._wakers)
+        for loop, ev in wakers:
+            try:
+                loop.call_soon_threadsafe(ev.set)
+            except RuntimeError:  # that event loop is closed: its consumer is gone
+                pass
+
+    # -- the consumer's side -------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        with self._cv:
+            return self._done and not self._items
+
+    def cancel(self) -> None:
+        """Stop the request; its blocks are freed on the next step. What it produced stays."""
+        if not self._done:
+            self._loop.post(lambda: self._loop.engine.abort(self.seq))
+
+    def __iter__(self):
+        try:
+            while True:
+                with self._cv:
+                    if self._items:
+                        piece = self._items.popleft()
+                    elif self._done:
+                        break
+                    elif self._loop.running:
+                        self._cv.wait()
+                        continue
+                    else:
+                        piece = None
+                if piece is None:  # no loop thread: this one steps
+                    self._loop.step_here()
+                    continue
+                yield piece
+        finally:
+            if not self._done:  # the consumer stopped early
+                self.cancel()
+        if self.seq.error is not None:
+            raise self.seq.error
+
+    async def __aiter__(self):
+        ev = asyncio.Event()
+        waker = (asyncio.get_running_loop(), ev)
+        with self._cv:
+            self._wakers.append(waker)
+        try:
+            while True:
+                with self._cv:
+                    piece = self._items.popleft() if self._items else None
+                    done = self._done
+                    if piece is None and not done:
+                        ev.clear()  # set again by the next push, even one racing this line
+                if piece is not None:
+                    yield piece
+                elif done:
+                    break
+                else:
+                    await ev.wait()
+        finally:
+            with self._cv:
+                self._wakers.remove(waker)
+            if not self._done:
+                self.cancel()
+        if self.seq.error is not None:
+            raise self.seq.error
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the request finished (stepping here if the loop is not started)."""
+        while not self._loop.running and not self._done:
+            self._loop.step_here()
+        with self._cv:
+            return self._cv.wait_for(lambda: self._done, timeout)
+
+    def result(self):
+        """Wait for the request to finish; its GenerationResult (raises the request's own error)."""
+        for _ in self:
+            pass
+        return self.seq.result()
+
+    async def aresult(self):
+        async for _ in self:
+            pass
+        return self.seq.result()
+
+
+class EngineLoop:
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+        self._cv = threading.Condition()
+        self._commands: deque[tuple[Callable[[], Any], Future | None]] = deque()
+        self._streams: dict["Sequence", RequestStream] = {}
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.listeners: list[Callable] = []  # fn(result, seq) when a request finishes (loop thread)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def on_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def start(self) -> None:
+        if self.running:
+            return
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="chatkv-engine", daemon=True)
+        self._thread.start()
+
+    # -- from any thread ---------------------------------------------------------------
+
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the loop thread between steps and return its result (or raise)."""
+        if not self.running or self.on_loop_thread():
+            return fn()
+        fut: Future = Future()
+        with self._cv:
+            if self._stopping and not self.running:
+                raise RuntimeError("the engine loop has stopped")
+            self._commands.append((fn, fut))
+            self._cv.notify()
+        return fut.result()
+
+    def post(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` on the loop thread soon, without waiting (errors are logged)."""
+        if not self.running or self.on_loop_thread():
+            fn()
+            return
+        with self._cv:
+            self._commands.append((fn, None))
+            self._cv.notify()
+
+    def submit(self, make_seq: Callable[[], "Sequence"]) -> RequestStream:
+        """Queue the request ``make_seq()`` builds (on the loop thread) and stream its output."""
+
+        def add() -> RequestStream:
+            seq = make_seq()
+            stream = RequestStream(self, seq)
+            self._streams[seq] = stream
+            return stream
+
+        stream = self.call(add)
+        with self._cv:
+            self._cv.notify()
+        return stream
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Finish the requests in flight (abort them after ``timeout``), run the queued
+        commands, join the thread."""
+        if not self.running:
+            return
+        if self.on_loop_thread():
+            raise RuntimeError("the engine loop cannot stop itself; call close() from another thread")
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self.post(self._abort_all)
+            self._thread.join()
+        self._thread = None
+
+    def step_here(self) -> None:
+        """One step on the caller's thread (the loop is not started)."""
+        if self.engine.has_work():
+            self.engine.step()
+        self._publish()
+
+    # -- the loop thread -------------------------------------------------------------------
+
+    def _abort_all(self) -> None:
+        for seq in list(self._streams):
+            self.engine.abort(seq)
+
+    def _run(self) -> None:
+        eng = self.engine
+        while True:
+            with self._cv:
+                while not self._commands and not eng.has_work() and not self._stopping:
+                    self._cv.wait()
+                commands = list(self._commands)
+                self._commands.clear()
+                if self._stopping and not commands and not eng.has_work():
+                    return
+            for fn, fut in commands:
+                if fut is not None and not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    out = fn()
+                except BaseException as e:  # noqa: BLE001 - it belongs to whoever asked
+                    if fut is not None:
+                        fut.set_exception(e)
+                    else:
+                        log.warning("engine loop: a posted command failed (%s: %s)", type(e).__name__, e)
+                else:
+                    if fut is not None:
+                        fut.set_result(out)
+            if eng.has_work():
+                try:
+                    if not eng.step() and not eng.scheduler.running:
+                        # waiting requests, none can start yet (a finished turn's KV is being
+                        # handed over): let the threads that hand it over run
+                        with self._cv:
+                            if not self._commands:
+                                self._cv.wait(0.002)
+                except Exception as e:  # noqa: BLE001 - a bug in the step: its requests fail, the loop goes on
+                    log.exception("engine step failed; failing its requests")
+                    for seq in eng.scheduler.sequences():
+                        eng.scheduler.fail(seq, e)
+            self._publish()
+
+    def _publish(self) -> None:
+        for seq, stream in list(self._streams.items()):
+            piece = seq.out.take()
+            if seq.finished:
+                piece += seq.out.take()
+                del self._streams[seq]
+                stream._push(piece, True)
+                result = seq.result()
+                for fn in self.listeners:
+                    try:
+                        fn(result, seq)
+                    except Exception as e:  # noqa: BLE001 - a listener never breaks the loop
+                        log.warning("finish listener failed (%s: %s)", type(e).__name__, e)
+            elif piece:
+                stream._push(piece, False)

@@ -1,0 +1,123 @@
+"""The engine loop: many chats at once from threads and asyncio, cancellation, admission errors.
+
+The oracle for every concurrent reply is the same request run alone (greedy) on an engine
+without the loop; the pool invariant and the owners of every block are checked afterwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from chatkv import InvalidRequest
+from chatkv.config import EngineConfig
+from chatkv.engine import Engine
+from chatkv.sampling import SamplingParams
+from tests.tiny import make_model
+
+G = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("model")
+    make_model(d, "llama", seed=5)
+    return d
+
+
+def question(i: int) -> str:
+    return f"Question {i}: what is the capital of France, and why is the fox quick?"
+
+
+def solo_replies(model_dir, home, n: int) -> list[list[int]]:
+    eng = Engine(model_dir, EngineConfig(data_dir=str(home), num_blocks=256))
+    out = []
+    for i in range(n):
+        s = eng.session(system="You are a helpful assistant.")
+        first = s.send(question(i), G)
+        second = s.send("And then?", G)
+        out.append((first.text, second.text))
+    eng.close()
+    return out
+
+
+def test_32_sessions_from_threads_and_asyncio_share_a_small_pool(model_dir, tmp_path):
+    n = 32
+    want = solo_replies(model_dir, tmp_path / "solo", n)
+    before = threading.active_count()
+    # 24 blocks of 16 tokens: about a third of what 32 chats hold at once
+    eng = Engine(model_dir, EngineConfig(data_dir=str(tmp_path / "many"), num_blocks=24)).start()
+    got: dict[int, tuple[str, str]] = {}
+    errors: list[BaseException] = []
+
+    def chat(i: int) -> None:
+        try:
+            s = eng.session(system="You are a helpful assistant.")
+            got[i] = (s.send(question(i), G).text, s.send("And then?", G).text)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    async def achat(i: int) -> None:
+        s = eng.session(system="You are a helpful assistant.")
+        first = await s.asend(question(i), G)
+        pieces = [p async for p in s.astream("And then?", G)]
+        got[i] = (first.text, pieces[-1].text)
+        assert "".join(p for p in pieces if isinstance(p, str)) == pieces[-1].text
+
+    async def many() -> None:
+        await asyncio.gather(*(achat(i) for i in range(n // 2, n)))
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=chat, args=(i,)) for i in range(n // 2)]
+    for t in threads:
+        t.start()
+    asyncio.run(many())
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors[:3]
+    assert time.monotonic() - t0 < 600  # bounded: nothing hangs
+    assert [got[i] for i in range(n)] == want
+    eng.check_integrity()
+    stats = eng.kv_stats()
+    eng.close()
+    assert stats["blocks_total"] == 24
+    deadline = time.monotonic() + 10
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)  # asyncio's executor threads wind down
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("chatkv-engine")]
+
+
+def test_submit_streams_cancel_frees_blocks_at_once_and_too_large_is_refused(model_dir, tmp_path):
+    eng = Engine(model_dir, EngineConfig(data_dir=str(tmp_path), num_blocks=16)).start()
+    long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+    stream = eng.submit("Hello, how are you today?", long)
+    it = iter(stream)
+    next(it)
+    stream.cancel()
+    r = stream.result()
+    assert r.finish_reason == "aborted" and 0 < r.usage.generated_tokens < 200
+    eng.check_integrity()
+    st = eng.kv_stats()
+    assert st["blocks_free"] + st["blocks_evictable"] == st["blocks_total"]  # nothing held by the request
+    with pytest.raises(InvalidRequest, match="KV pool can hold"):
+        eng.submit([5] * 400, G)  # 16 blocks of 16 tokens cannot hold it
+    with pytest.raises(InvalidRequest, match="priority"):
+        eng.submit("Hello", G, priority=1.5)
+    eng.close()
+
+
+def test_asyncio_generate_and_stream_equal_the_synchronous_results(model_dir, tmp_path):
+    eng = Engine(model_dir, EngineConfig(data_dir=str(tmp_path), num_blocks=64))
+    want = [eng.generate(question(i), G).token_ids for i in range(6)]
+
+    async def main():
+        rs = await asyncio.gather(*(eng.agenerate(question(i), G) for i in range(6)))
+        pieces = [p async for p in eng.submit(question(0), G)]
+        return [r.token_ids for r in rs], "".join(pieces)
+
+    got, text = asyncio.run(main())
+    assert got == want and text == eng.generate(question(0), G).text
+    eng.close()
