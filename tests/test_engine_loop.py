@@ -121,3 +121,26 @@ def test_asyncio_generate_and_stream_equal_the_synchronous_results(model_dir, tm
     got, text = asyncio.run(main())
     assert got == want and text == eng.generate(question(0), G).text
     eng.close()
+
+
+@pytest.mark.parametrize("age_rounds", [4, 10_000])
+def test_priority_first_and_aging_so_nothing_starves(model_dir, tmp_path, age_rounds):
+    eng = Engine(model_dir, EngineConfig(data_dir=str(tmp_path), num_blocks=64, max_running=1))
+    eng.scheduler.age_rounds = age_rounds
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    low = eng.add_request("A batch job.", one, priority=5)
+    started_at = None
+    for step in range(30):  # an interactive request arrives every step: the batch job waits behind them
+        eng.add_request(f"Interactive {step}", one, priority=0)
+        eng.step()
+        if low.num_cached >= 0 and started_at is None:
+            started_at = step
+    while eng.has_work():
+        eng.step()
+    if age_rounds == 4:
+        assert started_at is not None and started_at <= age_rounds + 1  # aged past the newer, higher-priority ones
+    else:
+        assert started_at is None  # without aging it would wait as long as interactive requests keep coming
+    assert low.finished and low.finish_reason == "length"
+    eng.check_integrity()
+    eng.close()
