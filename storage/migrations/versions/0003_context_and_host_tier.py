@@ -24,14 +24,12 @@ depends_on: Union[str, Sequence[str], None] = None
 
 
 def upgrade() -> None:
-    with op.batch_alter_table("conversations") as batch:
-        batch.add_column(sa.Column("context", sa.JSON(none_as_null=True), nullable=True))
-    with op.batch_alter_table("messages") as batch:
-        batch.add_column(sa.Column("host_tokens", sa.Integer(), nullable=True))
+    op.add_column("conversations", sa.Column("context", sa.JSON(none_as_null=True), nullable=True))
+    op.add_column("messages", sa.Column("host_tokens", sa.Integer(), nullable=True))
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("messages") as batch:
-        batch.drop_column("host_tokens")
-    with op.batch_alter_table("conversations") as batch:
-        batch.drop_column("context")
+    # plain DROP COLUMN (SQLite >= 3.35): batch mode would recreate the tables on SQLite, and
+    # dropping the old conversations table with foreign keys on cascades to every message
+    op.drop_column("messages", "host_tokens")
+    op.drop_column("conversations", "context")
