@@ -158,10 +158,16 @@ class Leases:
 
     @property
     def me(self) -> _Identity:
-        """This owner; a new one in a forked child (the parent's leases are not the child's)."""
-        if self._me is None or self._me.pid != os.getpid():
-            self._me, self._held, self._thread = _identity(), set(), None
-        return self._me
+        """This owner; a new one in a forked child (the parent's leases are not the child's).
+        Made once under the lock: two threads asking first at once must not make two owners
+        (the second would reset the first's held leases and then find them "taken")."""
+        me = self._me
+        if me is not None and me.pid == os.getpid():
+            return me
+        with self._lock:
+            if self._me is None or self._me.pid != os.getpid():
+                self._me, self._held, self._thread = _identity(), set(), None
+            return self._me
 
     def holds(self, conv_id: str) -> bool:
         return conv_id in self._held and self._me is not None and self._me.pid == os.getpid()
