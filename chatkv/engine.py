@@ -26,7 +26,7 @@ from chatkv.errors import InvalidRequest, ModelNotFound, StorageError, check_tex
 from chatkv.kv_manager import KVManager, RetainedKV
 from chatkv.model import LlamaModel
 from chatkv.model_runner import ModelRunner
-from chatkv.outputs import GenerationResult
+from chatkv.outputs import EngineStats, GenerationResult
 from chatkv.sampling import SamplingParams, make_generator
 from chatkv.scheduler import Scheduler
 from chatkv.sequence import Sequence
@@ -428,6 +428,29 @@ class Engine:
         """KV pool and prefix-cache counts (blocks total/free/cached/evictable, tree nodes, pins, retained;
         with the host tier: host_blocks_total/used, evicted_to_host, host_hits, host_evicted)."""
         return self.on_loop(self.kv.stats)
+
+    def stats(self) -> EngineStats:
+        """The engine's state and lifetime counters as one ``EngineStats`` (what /metrics exports)."""
+
+        def collect() -> EngineStats:
+            kv = self.kv.stats()
+            out = EngineStats(
+                num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                **{k: kv[k] for k in ("blocks_total", "blocks_free", "blocks_cached", "host_blocks_total",
+                                      "host_blocks_used", "evicted_to_host", "host_hits") if k in kv},
+            )
+            out.kv_cache_usage = 1 - out.blocks_free / max(out.blocks_total, 1)
+            sm = self._sessions
+            if sm is not None:
+                out.sessions_open = len(sm.live)
+                out.sessions_in_memory = sum(s.kept is not None for s in sm.live.values())
+                snap = sm.snapshots
+                out.sessions_on_disk = len(snap._sizes)
+                out.spills, out.spill_bytes = snap.stats["jobs"], snap.stats["bytes"]
+                out.restores, out.restore_bytes = snap.stats["restores"], snap.stats["restore_bytes"]
+            return out
+
+        return self.on_loop(collect)
 
     def check_integrity(self) -> None:
         """Assert the pool and cache invariants, and that every block reference and radix lock is

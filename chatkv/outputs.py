@@ -67,3 +67,27 @@ class Reply:
     message_id: int
     sources: list = field(default_factory=list)
     context: object = None  # chatkv.context_window.ContextInfo: what the KV window kept and dropped
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's state and lifetime counters (``engine.stats()``; the
+    server's /metrics exports them)."""
+
+    blocks_total: int = 0  # device KV blocks
+    blocks_free: int = 0
+    blocks_cached: int = 0  # held by the prefix cache
+    kv_cache_usage: float = 0.0  # 1.0 = every device block in use
+    host_blocks_total: int = 0  # the host-memory tier
+    host_blocks_used: int = 0
+    evicted_to_host: int = 0  # blocks, lifetime
+    host_hits: int = 0  # blocks copied back from host, lifetime
+    num_running: int = 0
+    num_waiting: int = 0
+    sessions_open: int = 0  # open sessions in this process
+    sessions_in_memory: int = 0  # of which holding KV in memory
+    sessions_on_disk: int = 0  # conversations with a KV snapshot on disk (this tenant)
+    spills: int = 0  # snapshot writes (write-behind segments and spills), lifetime
+    spill_bytes: int = 0
+    restores: int = 0  # snapshots restored from disk, lifetime
+    restore_bytes: int = 0

@@ -368,6 +368,8 @@ class Snapshots:
         except OutOfBlocks:
             log.warning("no room to restore %d tokens of %s; recomputing", n, conv_id)
             return None, 0
+        self.stats["restores"] += 1
+        self.stats["restore_bytes"] += sum(x[:n].nbytes for x in k) + sum(x[:n].nbytes for x in v)
         try:
             self._sync_rows()
             self.store.touch_snapshot(conv_id)

@@ -144,3 +144,21 @@ def test_priority_first_and_aging_so_nothing_starves(model_dir, tmp_path, age_ro
     assert low.finished and low.finish_reason == "length"
     eng.check_integrity()
     eng.close()
+
+
+def test_engine_stats_count_sessions_spills_and_restores(model_dir, tmp_path):
+    eng = Engine(model_dir, EngineConfig(data_dir=str(tmp_path), num_blocks=64))
+    s = eng.session()
+    s.send("Hello there", G)
+    st = eng.stats()
+    assert (st.sessions_open, st.sessions_in_memory, st.num_running, st.num_waiting) == (1, 1, 0, 0)
+    assert st.blocks_total == 64 and 0 < st.kv_cache_usage < 1
+    sid = s.id
+    eng.close()
+    eng = Engine(model_dir, EngineConfig(data_dir=str(tmp_path), num_blocks=64, host_cache_bytes=0)).start()
+    r = eng.resume(sid).send("And then?", G)
+    eng.on_loop(eng.session_manager.snapshots.flush)  # the turn's write-behind has reached the disk
+    st = eng.stats()
+    assert st.sessions_on_disk == 1 and st.spills >= 1 and st.spill_bytes > 0
+    assert st.restores == 1 and st.restore_bytes > 0 and r.usage.restored_tokens > 0
+    eng.close()
