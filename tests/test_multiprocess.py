@@ -38,6 +38,7 @@ from chatkv.turns import TurnRenderer
 from chatkv.weights import load_tokenizer
 from tests import multiprocess_child as child
 from tests.pg import postgres  # noqa: F401  (a fixture)
+from tests.processes import one_torch_thread, quit_child
 from tests.tiny import make_model
 
 SYSTEM = "You are a helpful assistant."
@@ -52,10 +53,8 @@ TURNS_EACH = 3
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -86,16 +85,7 @@ class Workers:
         return int(self._ask(f"reap {pid}").split()[1])
 
     def close(self) -> None:
-        try:
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.flush()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        quit_child(self.proc, timeout=30)
 
 
 @pytest.fixture(scope="module")

@@ -44,6 +44,7 @@ from chatkv.storage import kv_store
 from chatkv.storage.kv_segments import Manifest
 from chatkv.storage.repository import Store
 from tests import session_kill_child as child
+from tests.processes import one_torch_thread, quit_child
 from tests.tiny import make_model
 
 GREEDY = dict(max_tokens=6, temperature=0.0)
@@ -108,12 +109,8 @@ MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_at
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy 2-core machine
-    OpenMP threads spinning against other processes make every forward 10-50x slower."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -518,16 +515,7 @@ class ForkServer:
         )
 
     def close(self) -> None:
-        try:
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.flush()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        quit_child(self.proc, timeout=10)
 
 
 @pytest.fixture(scope="module")

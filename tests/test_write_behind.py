@@ -40,6 +40,7 @@ from chatkv.sampling import SamplingParams
 from chatkv.storage.repository import Store
 from tests import write_behind_child as child
 from tests.test_session_durability import MODEL, ForkServer, _read_events, _snapshot_on_disk, _wait_for
+from tests.processes import one_torch_thread
 from tests.tiny import make_model
 
 GREEDY = child.GREEDY
@@ -70,10 +71,8 @@ def kv_len(reply) -> int:
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield
 
 
 @pytest.fixture(scope="module")
