@@ -1,5 +1,9 @@
 """Engine: the SDK's entry point, and the wiring of model runner, KV manager and scheduler.
 
+(Past ~400 lines on purpose: it is the one place a user looks for what the SDK can do -
+requests, the engine loop, sessions, knowledge bases, state - and each method is a few
+lines handing the work to its owner: scheduler, engine_loop, session_manager, kv_manager.)
+
 ``Engine.from_pretrained(model=None, **config)`` loads a Hugging Face directory of the
 Llama family (None = the packaged SmolLM2-135M-Instruct). ``generate`` runs prompts to
 completion, batched together; ``stream`` yields text pieces and then the

@@ -1,5 +1,9 @@
 """RadixCache: the prefix tree that shares KV blocks between requests.
 
+(Past ~400 lines on purpose: the host tier's moves - evict to host, load back, promote,
+offload, drop a namespace - must each keep the same counters and the one prefix-closure
+invariant, and belong next to the walk and split they share.)
+
 A radix tree keyed by token ids at *block* granularity. Each node holds a run of
 token ids (always a whole number of blocks) and the block ids that hold their
 KV. Only full blocks ever enter the tree; a sequence's partial last block stays
@@ -33,9 +37,6 @@ match continues on host; ``load`` copies such a continuation back into device
 blocks; ``insert`` of tokens a host node holds promotes it with the caller's blocks.
 The tree owns every host block of its host nodes (``HostPool`` ownership is a flag).
 
-This file is over ~400 lines because the tier's moves (evict to host, load back,
-promote, offload, drop a namespace) must each keep the same counters and the one
-prefix-closure invariant, and belong next to the walk and split they share.
 """
 
 from __future__ import annotations

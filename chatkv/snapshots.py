@@ -368,8 +368,7 @@ class Snapshots:
         except OutOfBlocks:
             log.warning("no room to restore %d tokens of %s; recomputing", n, conv_id)
             return None, 0
-        self.stats["restores"] += 1
-        self.stats["restore_bytes"] += sum(x[:n].nbytes for x in k) + sum(x[:n].nbytes for x in v)
+        self.stats.update(restores=1, restore_bytes=sum(x[:n].nbytes for x in k + v))
         try:
             self._sync_rows()
             self.store.touch_snapshot(conv_id)
