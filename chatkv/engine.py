@@ -202,8 +202,7 @@ class Engine:
         seq.namespace = namespace
         seq.priority = priority
         if self._loop.running:  # its output reaches the caller through a stream
-            seq.stream = RequestStream(self._loop, seq)
-            self._loop._streams[seq] = seq.stream
+            self._loop.track(seq)
         self.scheduler.add(seq)
         return seq
 
@@ -234,13 +233,7 @@ class Engine:
         """Queue one request and return its ``RequestStream`` (iterate it, ``async for`` it,
         ``cancel()`` it, ``result()``). Bad input raises here. Before ``start()`` iterating the
         stream steps the engine on the caller's thread."""
-        return self._loop.submit(lambda: self._add_streamed(prompt, params, priority))
-
-    def _add_streamed(self, prompt, params, priority) -> Sequence:
-        seq = self.add_request(prompt, params, priority=priority)
-        if getattr(seq, "stream", None) is not None:
-            self._loop._streams.pop(seq, None)  # submit registers its own
-        return seq
+        return self._loop.submit(lambda: self.add_request(prompt, params, priority=priority))
 
     async def agenerate(self, prompt: str | Seq[int], params: SamplingParams | None = None, *, priority: int = 0) -> GenerationResult:
         """Run one request from asyncio (starts the loop if needed); its GenerationResult."""
@@ -290,10 +283,10 @@ class Engine:
         seqs = []
         try:
             if self.started:
-                streams = [self.submit(p, sp, priority=1) for p, sp in zip(batch, plist)]
-                seqs = [st.seq for st in streams]
-                for st in streams:
-                    st.wait()
+                for p, sp in zip(batch, plist):  # one at a time: a bad prompt aborts those already queued
+                    seqs.append(self.submit(p, sp, priority=1).seq)
+                for s in seqs:
+                    s.stream.wait()
             else:
                 for p, sp in zip(batch, plist):
                     seqs.append(self.add_request(p, sp, priority=1))
@@ -321,7 +314,7 @@ class Engine:
     def drive(self, seq: Sequence) -> Iterator[str]:
         """Step the engine until ``seq`` finishes, yielding its settled new text as it appears.
         Raises the request's own error if it ended with one."""
-        stream = getattr(seq, "stream", None) or self._loop._streams.get(seq)
+        stream = getattr(seq, "stream", None)
         if stream is not None and self.started:  # the loop steps; its pieces arrive here
             yield from stream
             return

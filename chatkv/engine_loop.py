@@ -193,15 +193,17 @@ class EngineLoop:
     def submit(self, make_seq: Callable[[], "Sequence"]) -> RequestStream:
         """Queue the request ``make_seq()`` builds (on the loop thread) and stream its output."""
 
-        def add() -> RequestStream:
-            seq = make_seq()
-            stream = RequestStream(self, seq)
-            self._streams[seq] = stream
-            return stream
-
-        stream = self.call(add)
+        stream = self.call(lambda: self.track(make_seq()))
         with self._cv:
             self._cv.notify()
+        return stream
+
+    def track(self, seq: "Sequence") -> RequestStream:
+        """The stream that carries ``seq``'s output (made once; loop thread or no loop)."""
+        stream = getattr(seq, "stream", None)
+        if stream is None:
+            stream = seq.stream = RequestStream(self, seq)
+            self._streams[seq] = stream
         return stream
 
     def stop(self, timeout: float | None = 30.0) -> None:

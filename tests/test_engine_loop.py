@@ -162,3 +162,12 @@ def test_engine_stats_count_sessions_spills_and_restores(model_dir, tmp_path):
     assert st.sessions_on_disk == 1 and st.spills >= 1 and st.spill_bytes > 0
     assert st.restores == 1 and st.restore_bytes > 0 and r.usage.restored_tokens > 0
     eng.close()
+
+
+def test_a_bad_prompt_in_a_started_batch_leaves_nothing_running(model_dir, tmp_path):
+    eng = Engine(model_dir, EngineConfig(data_dir=str(tmp_path), num_blocks=64)).start()
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        eng.generate(["Hello", [10**9]], G)  # the first is queued before the second is refused
+    eng.check_integrity()  # the first was aborted: nothing holds KV
+    assert eng.stats().num_running == eng.stats().num_waiting == 0
+    eng.close()
