@@ -34,8 +34,6 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Iterator
 
-from chatkv import context_window as cw
-from chatkv.config import OVERFLOW_POLICIES
 from chatkv.errors import ConversationBusy
 
 if TYPE_CHECKING:
@@ -45,13 +43,6 @@ if TYPE_CHECKING:
     from chatkv.storage.records import ConversationInfo
 
 log = logging.getLogger("chatkv.sessions")
-
-
-def _on_loop(m: "SessionManager", fn):
-    """Run KV work where the engine's state lives: its loop thread once started (``Engine.on_loop``),
-    else right here (an engine without a loop)."""
-    run = getattr(m.engine, "on_loop", None)
-    return run(fn) if run is not None else fn()
 
 
 def turn(m: "SessionManager", s: "Session", inner: Iterator) -> Iterator:
@@ -105,16 +96,12 @@ def reload(m: "SessionManager", s: "Session", info: "ConversationInfo") -> None:
     log.info("conversation %s: another process stored turns since this one looked (%d -> %d tokens); reloading",
              s.id, len(s.tokens), info.token_count)
     old_ns = m._namespace(s.id, s.window) if s.window is not None else None
-    _on_loop(m, lambda: _drop(m, s))
+    m.engine.on_loop(lambda: _drop(m, s))
     s.params, overflow = m.stored_settings(info)
     s.tokens = list(info.token_ids or ())
-    s.window = cw.ContextState.from_json(info.context, m.overflow)
-    if info.context is None and s.tokens:
-        s.window.prefix = m._known_prefix(s)
-    if overflow in OVERFLOW_POLICIES:
-        s.window.policy = overflow
+    s.window = m.stored_window(s, info, overflow)
     if old_ns is not None and old_ns != m._namespace(s.id, s.window):
-        _on_loop(m, lambda: m.kv.drop_namespace(old_ns))  # a moved sink window's re-rotated keys match nothing now
+        m.engine.on_loop(lambda: m.kv.drop_namespace(old_ns))  # a moved sink window's re-rotated keys match nothing now
     s.title = info.title
     if s.knowledge is not None:
         users = [x.content for x in m.store.messages(s.id) if x.role == "user"]
@@ -150,16 +137,16 @@ def spill(m: "SessionManager", s: "Session") -> bool:
         mark = m.store.leases.acquire(s.id)
     except Exception as e:  # busy elsewhere, deleted, or no database: the snapshot is not ours to write
         log.info("conversation %s: KV released without a snapshot write (%s: %s)", s.id, type(e).__name__, e)
-        _on_loop(m, lambda: _drop(m, s))
+        m.engine.on_loop(lambda: _drop(m, s))
         return True
     current = False
     try:
         current = behind(m, s, mark) is None
         if current:
-            return _on_loop(m, lambda: m.snapshots.spill(s))
+            return m.engine.on_loop(lambda: m.snapshots.spill(s))
         log.info("conversation %s: behind the stored conversation; KV released without a snapshot write", s.id)
         return True
     finally:
         if not current:
-            _on_loop(m, lambda: _drop(m, s))
+            m.engine.on_loop(lambda: _drop(m, s))
         release(m, s, current)

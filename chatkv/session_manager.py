@@ -133,11 +133,7 @@ class SessionManager:
         rag = params.pop(RAG_KEY, None)
         overflow = params.pop(OVERFLOW_KEY, None)
         s = Session(self, info.id, info.title, info.system_prompt or None, params, list(info.token_ids or []))
-        s.window = cw.ContextState.from_json(info.context, self.overflow)
-        if info.context is None and s.tokens:  # saved before turn boundaries were recorded
-            s.window.prefix = self._known_prefix(s)
-        if overflow in OVERFLOW_POLICIES:
-            s.window.policy = overflow
+        s.window = self.stored_window(s, info, overflow)
         msgs = self.store.messages(s.id)
         if msgs and msgs[-1].role == "user" and s.tokens:
             # a turn without its reply: closed as interrupted unless another process is generating it now
@@ -153,6 +149,16 @@ class SessionManager:
             s.last_question = users[-1] if users else None
         self.live[s.id] = s
         return s
+
+    def stored_window(self, s: Session, info, overflow: str | None) -> cw.ContextState:
+        """The KV window's state stored with ``info`` (``s.tokens`` already its token ids), under
+        the conversation's saved overflow policy (``overflow``; None: the engine's)."""
+        window = cw.ContextState.from_json(info.context, self.overflow)
+        if info.context is None and s.tokens:  # saved before turn boundaries were recorded
+            window.prefix = self._known_prefix(s)
+        if overflow in OVERFLOW_POLICIES:
+            window.policy = overflow
+        return window
 
     def _known_prefix(self, s: Session) -> int | None:
         """The length of the system prefix at the start of ``s.tokens``, if it can be told."""
