@@ -319,7 +319,7 @@ class SessionManager:
                 context=st.to_json(),
                 **r.usage.message_columns(),
             )
-            on_loop(lambda: self._after_turn(s))
+            on_loop(lambda: self._after_turn(s, msg.id))
         yield Reply(text=r.text, usage=r.usage, finish_reason=r.finish_reason, message_id=msg.id, sources=sources,
                     context=info)
 
@@ -341,11 +341,11 @@ class SessionManager:
         s.last_used = time.monotonic()
         s.busy = False
 
-    def _after_turn(self, s: Session) -> None:
+    def _after_turn(self, s: Session, message_id: int) -> None:
         """Pin the shared prefix; the new KV reaches the disk in the background (loop thread)."""
         self._pin(s)
         if s.kept is not None:  # else a spill (memory pressure) already queued it
-            self.snapshots.write_behind(s.id, s.tokens, s.kept)
+            self.snapshots.write_behind(s.id, s.tokens, s.kept, fence=message_id)
 
     def _namespace(self, conv_id: str, st: cw.ContextState):
         """The radix namespace of a conversation's KV: the shared one, or once an attention-sink

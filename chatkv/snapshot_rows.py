@@ -62,7 +62,13 @@ def _unlink(segments: SegmentStore, name: str) -> None:
 
 
 def reconcile(segments: SegmentStore, store: Store, tenant: str, salt: str) -> dict[str, Manifest]:
-    """Bring rows and files in line with the manifests; returns conversation id -> its manifest."""
+    """Bring rows and files in line with the manifests; returns conversation id -> its manifest.
+    Under the directory's lock: another process's write in progress is never taken for a leftover."""
+    with segments.locked():
+        return _reconcile(segments, store, tenant, salt)
+
+
+def _reconcile(segments: SegmentStore, store: Store, tenant: str, salt: str) -> dict[str, Manifest]:
     try:
         manifests, files = segments.scan()
     except OSError as e:  # an unreadable directory: the sweep waits for the next open

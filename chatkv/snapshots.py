@@ -62,6 +62,7 @@ class _Track:
     tokens: list[int] | None  # tokens[:end] when known, else only their hash
     hash: str | None
     seq: int = 0  # the last write queued for it
+    fence: int = 0  # the id of the last stored message of that history (SegmentStore's fence)
 
 
 class Snapshots:
@@ -88,7 +89,7 @@ class Snapshots:
         for conv, man in rows.reconcile(self.segments, store, tenant, self._salt).items():
             self._sizes[conv] = man.nbytes
             if self._mine(man):  # another model's is kept for it; this engine's first write replaces it
-                self._tracks[conv] = _Track(man.epoch, man.end, None, man.token_hash)
+                self._tracks[conv] = _Track(man.epoch, man.end, None, man.token_hash, fence=man.fence)
 
     def key(self, conv_id: str) -> str:
         """Snapshot key: the conversation id salted with the tenant, so tenants never read each other's KV."""
@@ -132,14 +133,16 @@ class Snapshots:
 
     # -- write-behind ------------------------------------------------------------------
 
-    def write_behind(self, conv_id: str, tokens: Sequence[int], kept: RetainedKV | None) -> None:
+    def write_behind(self, conv_id: str, tokens: Sequence[int], kept: RetainedKV | None, fence: int = 0) -> None:
         """After a turn: queue the KV of ``tokens[:kept.kv_len]`` the disk lacks. Copies only
-        those tokens' KV out of the pool; no file I/O, never waits for the disk, never raises."""
+        those tokens' KV out of the pool; no file I/O, never waits for the disk, never raises.
+        ``fence``: the id of the turn's last stored message (a snapshot of a newer history on
+        disk is never replaced by this one)."""
         t0 = time.perf_counter()
         try:
             self._drain()
             if kept is not None:
-                self._queue(conv_id, tokens, kept)
+                self._queue(conv_id, tokens, kept, fence)
             if self._dirty_since is not None and time.monotonic() - self._dirty_since > ROW_SYNC_S:
                 self._sync_rows()
             self._enforce_budget(keep=conv_id)
@@ -164,12 +167,13 @@ class Snapshots:
         t.tokens = list(tokens[: t.end])
         return True
 
-    def _queue(self, conv_id: str, tokens: Sequence[int], kept: RetainedKV) -> bool:
+    def _queue(self, conv_id: str, tokens: Sequence[int], kept: RetainedKV, fence: int = 0) -> bool:
         """Queue what the snapshot lacks of ``kept``. True if it is (or will be) current."""
         n = kept.kv_len
         if n == 0 or self._closed:
             return False
         t = self._tracks.get(conv_id)
+        fence = max(fence, t.fence if t is not None else 0)
         if t is not None and t.end and self._continues(t, tokens):
             if t.end >= n:
                 return True
@@ -180,10 +184,10 @@ class Snapshots:
         self._seq += 1
         toks = list(tokens[:n])
         job = AppendJob(conv_id, self.key(conv_id), self._seq, toks, start, k, v, epoch, base,
-                        self.fingerprint, self.kv_dtype)
+                        self.fingerprint, self.kv_dtype, fence)
         if not self._writer.submit(job):
             return False
-        self._tracks[conv_id] = _Track(epoch, n, toks, None, self._seq)
+        self._tracks[conv_id] = _Track(epoch, n, toks, None, self._seq, fence)
         self._pending[conv_id] += 1
         return True
 
@@ -204,7 +208,7 @@ class Snapshots:
             if m is None or not self._mine(m):  # nothing (of this model) to append to: a new epoch next
                 del self._tracks[w.conv_id]
             else:
-                self._tracks[w.conv_id] = _Track(m.epoch, m.end, None, m.token_hash, w.seq)
+                self._tracks[w.conv_id] = _Track(m.epoch, m.end, None, m.token_hash, w.seq, m.fence)
         if w.known:
             self._note(w.conv_id, w.manifest)
 
@@ -328,6 +332,10 @@ class Snapshots:
         if not self.kv.sharing:
             return None, 0
         self._wait(conv_id)  # its queued writes reach the disk first
+        with self.segments.locked():  # no other process changes its files while they are read
+            return self._restore(conv_id, prompt, namespace)
+
+    def _restore(self, conv_id: str, prompt: list[int], namespace) -> tuple[RetainedKV | None, int]:
         key = self.key(conv_id)
         try:
             man = self.segments.read_manifest(key)
@@ -390,7 +398,7 @@ class Snapshots:
             self._discard(conv_id)
             return
         log.warning("snapshot of %s: %s; restoring its first %d tokens, recomputing the rest", conv_id, why, good.end)
-        self._tracks[conv_id] = _Track(good.epoch, good.end, None, good.token_hash)
+        self._tracks[conv_id] = _Track(good.epoch, good.end, None, good.token_hash, fence=good.fence)
         try:
             self.segments.write_manifest(good)
             self.segments.remove(good.key, keep=good)

@@ -19,6 +19,15 @@ removed. A process killed at any moment leaves the old manifest or the new one, 
 segment a manifest lists is complete (it was in place before the manifest naming it).
 Unlisted segments and temp files are leftovers, swept by the caller's reconcile on open.
 
+Several processes, one directory. Every change of a key's files (append, remove) and the
+sweep on open (``locked``) run under one exclusive ``flock`` on ``.lock`` in the directory, so
+a process's sweep never removes a segment another process has written but not yet listed,
+and an append's check of the manifest and its switch are one step. Each manifest carries a
+``fence``: the id of the last stored message of the history it holds (message ids only
+grow). An append whose fence is lower than the one on disk is refused (``Diverged``): a
+process whose write-behind lands after another process stored newer turns of the same
+conversation (its lease long given back) never replaces the newer snapshot with its older one.
+
 Compaction (why this policy). A segment of at least ``SEAL_TOKENS`` tokens is *sealed*:
 never rewritten. The trailing run of unsealed segments is merged with the new tokens into
 one segment when it would otherwise exceed ``MAX_OPEN`` segments. So a token is rewritten
@@ -44,10 +53,17 @@ import logging
 import os
 import re
 import secrets
+import threading
 import zlib
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: one process per directory
+    fcntl = None  # type: ignore[assignment]
 
 import torch
 
@@ -61,6 +77,7 @@ log = logging.getLogger("chatkv.storage")
 
 MANIFEST_FORMAT = "chatkv-kv-manifest"
 MANIFEST_VERSION = 1
+LOCK_NAME = ".lock"
 SEGMENT_SUFFIX = ".safetensors"
 MANIFEST_SUFFIX = ".json"
 _SEGMENT_RE = re.compile(r"([A-Za-z0-9_-]+)_([0-9a-f]{8})_(\d+)_(\d+)\.safetensors")
@@ -97,6 +114,7 @@ class Manifest:
     head_dim: int
     token_hash: str  # of tokens[:end]
     segments: tuple[Segment, ...]
+    fence: int = 0  # the id of the history's last stored message (0: unknown); see the module doc
 
     @property
     def end(self) -> int:
@@ -136,7 +154,8 @@ class Manifest:
             raise bad(f"belongs to {body.get('key')!r}")
         try:
             segs = tuple(Segment(**s) for s in body["segments"])
-            man = cls(**{f: body[f] for f in cls.__dataclass_fields__ if f != "segments"}, segments=segs)
+            fields = {f: body[f] for f in cls.__dataclass_fields__ if f not in ("segments", "fence")}
+            man = cls(**fields, segments=segs, fence=body.get("fence", 0))
         except (KeyError, TypeError) as e:
             raise bad(f"lacks a field or has an unknown one ({e})") from None
         for obj in (man, *segs):
@@ -173,6 +192,32 @@ class SegmentStore:
     def __init__(self, root: Path):
         self.files = KVStore(root)  # never raises; it sweeps temp files of dead writers
         self.root = self.files.root
+        self._held = threading.local()
+
+    @contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the directory's exclusive lock (every process, every thread); re-entrant per thread.
+        Without a lock where none can be had (not POSIX; a read-only or missing medium, where
+        nothing can be written either)."""
+        depth = getattr(self._held, "depth", 0)
+        fd = None
+        if depth == 0 and fcntl is not None:
+            try:
+                make_private_dir(self.root)
+                fd = os.open(self.root / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:
+                log.debug("snapshot directory %s: no lock (%s)", self.root, e)
+                if fd is not None:
+                    os.close(fd)
+                fd = None
+        self._held.depth = depth + 1
+        try:
+            yield
+        finally:
+            self._held.depth = depth
+            if fd is not None:
+                os.close(fd)  # releases the lock
 
     # ------------------------------------------------------------- names
     def manifest_path(self, key: str) -> Path:
@@ -210,6 +255,10 @@ class SegmentStore:
 
     def remove(self, key: str, keep: Manifest | None = None) -> None:
         """Remove the files of ``key`` not listed in ``keep`` (None: the manifest first, then all)."""
+        with self.locked():
+            self._remove(key, keep)
+
+    def _remove(self, key: str, keep: Manifest | None) -> None:
         if keep is None:
             self.manifest_path(key).unlink(missing_ok=True)
         listed = {s.file for s in keep.segments} if keep is not None else set()
@@ -219,15 +268,25 @@ class SegmentStore:
 
     # ------------------------------------------------------------- write
     def append(self, key: str, tokens: Sequence[int], start: int, k: list[torch.Tensor], v: list[torch.Tensor], *,
-               epoch: str, base: bool, model_fingerprint: str, kv_dtype: str) -> tuple[Manifest, int]:
+               epoch: str, base: bool, model_fingerprint: str, kv_dtype: str,
+               fence: int = 0) -> tuple[Manifest, int]:
         """Store the KV ``k``/``v`` of ``tokens[start:]`` after what ``key`` holds, or (``base``) as the
         first segment of epoch ``epoch`` (start must be 0), replacing every older file. Returns the new
-        manifest and the bytes written. Diverged if it does not continue the manifest on disk."""
+        manifest and the bytes written. Diverged if it does not continue the manifest on disk, or if
+        the disk holds a newer history's snapshot (a higher ``fence``)."""
         end = len(tokens)
         k, v = [t.to("cpu") for t in k], [t.to("cpu") for t in v]  # from a device pool: copied here, off the engine thread
         if k[0].shape[0] != end - start:
             raise ValueError(f"snapshot {key}: {k[0].shape[0]} tokens of KV for [{start}, {end})")
+        with self.locked():
+            return self._append(key, tokens, start, k, v, epoch, base, model_fingerprint, kv_dtype, fence)
+
+    def _append(self, key, tokens, start, k, v, epoch, base, model_fingerprint, kv_dtype, fence) -> tuple[Manifest, int]:
+        end = len(tokens)
         old = self._readable_manifest(key)
+        if old is not None and old.fence > fence:
+            raise Diverged(f"snapshot {key}: the disk holds a newer history (message {old.fence} > {fence}); "
+                           "this write is dropped", old)
         geometry = (len(k), k[0].shape[1], k[0].shape[2])
         if base:
             if start != 0:
@@ -253,11 +312,12 @@ class SegmentStore:
         meta = self.files.save(name, tokens[start:end], k, v, model_fingerprint=model_fingerprint, kv_dtype=kv_dtype,
                                extra_meta={"segment_start": str(start), "epoch": epoch})
         seg = Segment(name + SEGMENT_SUFFIX, start, end, meta.token_hash, meta.checksum, meta.nbytes)
-        man = Manifest(key, epoch, model_fingerprint, kv_dtype, *geometry, token_hash(tokens), keep + (seg,))
+        man = Manifest(key, epoch, model_fingerprint, kv_dtype, *geometry, token_hash(tokens), keep + (seg,),
+                       fence=max(fence, old.fence if old is not None else 0))
         self.write_manifest(man)
         try:  # after the switch: files the manifest no longer lists
             if base:
-                self.remove(key, keep=man)
+                self._remove(key, man)
             else:
                 listed = {s.file for s in man.segments}
                 for s in old.segments:

@@ -50,6 +50,7 @@ class AppendJob:
     base: bool  # the first segment of a new epoch (start == 0): older files are replaced
     model_fingerprint: str
     kv_dtype: str
+    fence: int = 0  # the id of the history's last stored message (see kv_segments)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class SegmentWriter:
         try:
             man, nbytes = self.store.append(
                 job.key, job.tokens, job.start, job.k, job.v, epoch=job.epoch, base=job.base,
-                model_fingerprint=job.model_fingerprint, kv_dtype=job.kv_dtype,
+                model_fingerprint=job.model_fingerprint, kv_dtype=job.kv_dtype, fence=job.fence,
             )
         except Diverged as e:  # an earlier write failed, or the disk holds another epoch: the engine restarts
             log.debug("%s", e)

@@ -279,6 +279,7 @@ def test_spill_write_fault_never_fails_a_turn(model_dir, tmp_path, monkeypatch, 
 
     def remove_root():
         if point == "mkdir":  # the directory is gone: save() must make it again, and cannot
+            (root / ".lock").unlink(missing_ok=True)  # the directory's lock file, left empty by every writer
             os.rmdir(root)
 
     sessions, out = pressure_scenario(e, arm, remove_root)
@@ -289,7 +290,7 @@ def test_spill_write_fault_never_fails_a_turn(model_dir, tmp_path, monkeypatch, 
     else:
         assert warned(caplog, "not saved to disk"), "a failed snapshot write is logged"
     assert out == pressure_reference[: len(out)], "a failed snapshot changes no reply"
-    left = sorted(p.name for p in root.iterdir()) if root.exists() else []
+    left = sorted(p.name for p in root.iterdir() if p.name != ".lock") if root.exists() else []  # the directory's lock file stays
     assert not [n for n in left if n.endswith(".tmp") or ".tmp" in n], f"a failed write left a temp file: {left}"
     if point not in ("dir_fsync", "db_row"):  # those fail after the file is complete and in place
         assert not left, f"a failed write left {left}"
@@ -335,6 +336,7 @@ def test_idle_spill_write_fault_never_fails_a_turn(model_dir, tmp_path, monkeypa
     a, b = e.session(params=GREEDY), e.session(params=GREEDY)
     fault.armed = True
     if point == "mkdir":
+        (root / ".lock").unlink(missing_ok=True)
         os.rmdir(root)
     check_oracle(oracle, a, a.send(QUESTIONS[0]))
     e.session_manager.snapshots.flush()
