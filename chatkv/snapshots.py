@@ -27,6 +27,9 @@ Each conversation's KV is stored as append-only segments plus a manifest
 
 Spilling works on anything with a session's ``id``, ``tokens``, ``kept`` (the
 RetainedKV in memory), ``busy`` and ``last_used``.
+
+Past 400 lines: the write-behind queue, the writer's reports, restore and the disk budget
+share the per-conversation tracks; split, each half would reach into the other's state.
 """
 
 from __future__ import annotations
