@@ -150,6 +150,7 @@ class Leases:
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._held: set[str] = set()
+        self._taking: set[str] = set()  # acquires in flight in this process (their transaction not done yet)
         self._me: Optional[_Identity] = None
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -166,7 +167,7 @@ class Leases:
             return me
         with self._lock:
             if self._me is None or self._me.pid != os.getpid():
-                self._me, self._held, self._thread = _identity(), set(), None
+                self._me, self._held, self._taking, self._thread = _identity(), set(), set(), None
             return self._me
 
     def holds(self, conv_id: str) -> bool:
@@ -181,29 +182,37 @@ class Leases:
         me = self.me
         if self._closed:
             raise SessionError("the conversation store is closed")
-        if conv_id in self._held:
-            raise ConversationBusy(f"conversation '{conv_id}' is already generating a reply in this process",
-                                   conv_id, "this process")
-        with self._write.begin() as s:
-            conv = s.get(Conversation, conv_id, options=[defer(Conversation.token_ids)], with_for_update=True)
-            if conv is None:
-                raise SessionError(f"unknown conversation id '{conv_id}'")
-            now = _now()
-            row = s.get(ConversationLease, conv_id)
-            if row is None:
-                row = ConversationLease(conversation_id=conv_id)
-                s.add(row)
-            elif row.owner != me.owner:
-                why = self._gone(row, now)
-                if why is None:
-                    raise self._busy(conv_id, row)
-                log.warning("conversation %s: the lease of %s was broken (%s)", conv_id, _info(row).describe(), why)
-            row.owner, row.machine, row.pid, row.pid_start = me.owner, me.machine, me.pid, me.pid_start
-            row.acquired_at, row.expires_at = now, now + timedelta(seconds=self.ttl_s)
-            s.flush()
-            mark = _mark(s, conv)
+        # checked and claimed at once: two threads of this process (two requests for one
+        # conversation on one server) both passing the check would both find the row theirs
         with self._lock:
-            self._held.add(conv_id)
+            if conv_id in self._held or conv_id in self._taking:
+                raise ConversationBusy(f"conversation '{conv_id}' is already generating a reply in this process",
+                                       conv_id, "this process")
+            self._taking.add(conv_id)
+        try:
+            with self._write.begin() as s:
+                conv = s.get(Conversation, conv_id, options=[defer(Conversation.token_ids)], with_for_update=True)
+                if conv is None:
+                    raise SessionError(f"unknown conversation id '{conv_id}'")
+                now = _now()
+                row = s.get(ConversationLease, conv_id)
+                if row is None:
+                    row = ConversationLease(conversation_id=conv_id)
+                    s.add(row)
+                elif row.owner != me.owner:
+                    why = self._gone(row, now)
+                    if why is None:
+                        raise self._busy(conv_id, row)
+                    log.warning("conversation %s: the lease of %s was broken (%s)", conv_id, _info(row).describe(), why)
+                row.owner, row.machine, row.pid, row.pid_start = me.owner, me.machine, me.pid, me.pid_start
+                row.acquired_at, row.expires_at = now, now + timedelta(seconds=self.ttl_s)
+                s.flush()
+                mark = _mark(s, conv)
+            with self._lock:
+                self._held.add(conv_id)
+        finally:
+            with self._lock:
+                self._taking.discard(conv_id)
         self._keep_renewing()
         return mark
 
@@ -211,14 +220,18 @@ class Leases:
         """Give the lease back (a no-op for one this owner no longer holds); the stored state
         after it, or None if the conversation is gone."""
         check_conversation_id(conv_id)
-        with self._lock:
-            self._held.discard(conv_id)
         me = self.me
-        with self._write.begin() as s:
-            s.execute(delete(ConversationLease).where(ConversationLease.conversation_id == conv_id,
-                                                      ConversationLease.owner == me.owner))
-            conv = s.get(Conversation, conv_id, options=[defer(Conversation.token_ids)])
-            return None if conv is None else _mark(s, conv)
+        # the row goes before the claim: a thread of this process taking the lease in between
+        # would get this owner's row and then lose it to this delete
+        try:
+            with self._write.begin() as s:
+                s.execute(delete(ConversationLease).where(ConversationLease.conversation_id == conv_id,
+                                                          ConversationLease.owner == me.owner))
+                conv = s.get(Conversation, conv_id, options=[defer(Conversation.token_ids)])
+                return None if conv is None else _mark(s, conv)
+        finally:
+            with self._lock:
+                self._held.discard(conv_id)
 
     def holder(self, conv_id: str) -> Optional[LeaseInfo]:
         """The conversation's lease row (live, expired or dead), or None."""

@@ -23,6 +23,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="a local Hugging Face model directory (default: the packaged SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model directory's name)")
     p.add_argument("--data-dir", metavar="DIR", default=None, help="conversations and KV snapshots (default: $CHATKV_HOME)")
+    p.add_argument("--db-url", metavar="URL", default=os.environ.get("CHATKV_DB_URL"),
+                   help="the conversation database, any SQLAlchemy URL (postgresql+psycopg://user@host/chatkv): replicas "
+                        "on one database and one --data-dir share conversations (default: $CHATKV_DB_URL, else SQLite "
+                        "in the data dir)")
     p.add_argument("--api-key", default=os.environ.get("CHATKV_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: $CHATKV_API_KEY; none: open)")
     p.add_argument("--max-concurrency", type=int, default=64, help="requests running at once; more get 429 (default 64)")
@@ -53,7 +57,7 @@ def main(argv: list[str]) -> int:
     from chatkv.engine import Engine
     from chatkv.server.app import create_app
 
-    config = {"dtype": args.dtype, "data_dir": args.data_dir}
+    config = {"dtype": args.dtype, "data_dir": args.data_dir, "db_url": args.db_url or None}
     if args.context_window is not None:
         config["context_window"] = args.context_window
     try:
