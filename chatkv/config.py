@@ -18,6 +18,8 @@ class EngineConfig:
     max_running: int = 32
     dtype: str = "auto"  # "auto" = the model's own dtype (bfloat16 for the packaged default), or float32/bfloat16/float16
     device: str = "cpu"
+    weights: str = "auto"  # auto | bf16 | fp32 | int4 | int8 (chatkv.weight_modes: auto = a GGUF's own int4, else the float model)
+    head_weights: str = "auto"  # the output matrix: auto (= float) | float | int8 | int4
     tenant: str = ""  # salt of the prefix-cache namespace: tenants never share KV
     enable_prefix_caching: bool = True
     # conversations longer than the context (chatkv.context_window)

