@@ -1,5 +1,8 @@
 """SessionManager: saved conversations and their turns.
 
+(Past 400 lines: a turn's phases (plan, restore, store, drive, settle, write-behind) share the
+session's state and run in order; split across modules they would hand that state around.)
+
 It owns the conversation database (``storage.Store``) of one data directory and the
 conversations' snapshots (``chatkv.snapshots``), holds each open session's KV between
 turns through the KV manager, and runs a turn with three engine calls: add a request,
@@ -21,6 +24,7 @@ drive it, abort it. It never imports the engine (the engine creates it). Contrac
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -77,6 +81,7 @@ class SessionManager:
             self.kv, self.store, data_dir / "kv", engine.fingerprint, engine.kv_dtype, cfg.tenant, cfg.snapshot_budget_bytes
         )
         self.live: dict[str, Session] = {}
+        self._resume_lock = threading.RLock()
         self.marks: dict = {}  # conversation id -> the stored state last seen (chatkv.session_leases)
         self.overflow = cfg.overflow
         self.sink_tokens = cfg.sink_tokens
@@ -126,8 +131,12 @@ class SessionManager:
         return s
 
     def resume(self, conv_id: str) -> Session:
-        if isinstance(conv_id, str) and conv_id in self.live:
-            return self.live[conv_id]
+        with self._resume_lock:  # two threads resuming one conversation get one Session (and one KV)
+            if isinstance(conv_id, str) and conv_id in self.live:
+                return self.live[conv_id]
+            return self._resume(conv_id)
+
+    def _resume(self, conv_id: str) -> Session:
         info = self.store.get_conversation(conv_id, tenant=self.tenant)
         params = dict(info.params)
         rag = params.pop(RAG_KEY, None)

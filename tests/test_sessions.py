@@ -330,3 +330,30 @@ def test_update_params_is_validated_saved_and_resumed(model, tmp_path):
     e2 = engine_at(d, tmp_path)
     assert e2.resume(conv).params["max_tokens"] == 3
     e2.close()
+
+
+def test_threads_resuming_one_conversation_share_one_session(model, tmp_path):
+    """A server's first requests for a stored conversation arrive together: one Session, one KV."""
+    import threading
+
+    _, d = model
+    e = engine_at(d, tmp_path / "data")
+    s = e.session(params={"max_tokens": 4, "temperature": 0})
+    s.send("hello there")
+    conv = s.id
+    e.close()
+    e = engine_at(d, tmp_path / "data")
+    got, barrier = [], threading.Barrier(4)
+
+    def resume():
+        barrier.wait()
+        got.append(e.resume(conv))
+
+    threads = [threading.Thread(target=resume) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(got) == 4 and all(x is got[0] for x in got)
+    assert list(e.session_manager.live) == [conv]
+    e.close()

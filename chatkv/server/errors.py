@@ -19,7 +19,7 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 
 from chatkv.context_window import ContextOverflow
-from chatkv.errors import ChatKVError, ConversationBusy, InvalidRequest, SessionError, StorageError
+from chatkv.errors import ChatKVError, ConversationBusy, InvalidRequest, LeaseLost, SessionError, StorageError
 
 
 class APIError(Exception):
@@ -59,7 +59,7 @@ def from_chatkv(e: Exception) -> APIError:
         too_long = isinstance(e, ContextOverflow) or "tokens; the context is" in msg or "the KV pool can hold at most" in msg
         return APIError(400, msg, "context_length_exceeded" if too_long else "invalid_value",
                         "messages" if too_long else None)
-    if isinstance(e, ConversationBusy):
+    if isinstance(e, (ConversationBusy, LeaseLost)):  # another process has the conversation now: retry
         return APIError(409, str(e), "session_busy", "session_id")
     if isinstance(e, SessionError):
         msg = str(e)
