@@ -1,24 +1,53 @@
-"""Batch-1 decode speed: chatkv vs transformers ``generate`` (same weights, dtype, threads) and llama.cpp.
+"""Decode speed per weight mode: chatkv vs transformers ``generate`` (bf16) and llama.cpp, same threads.
 
-A short chat prompt, then N greedy tokens with EOS ignored, so every engine produces
-exactly N tokens. The decode rate excludes the prefill: (N - 1) / (time of token N -
-time of token 1), which is chatkv's ``decode_tokens_per_s``; transformers and llama.cpp
-are timestamped per token the same way. llama.cpp runs the packaged GGUF itself
-(Q4_1 weights, its own kernels), so that ratio compares engines, not identical math.
+For each weight mode (``--modes``; ``int4`` on the default model computes the GGUF's own
+Q4_1 weights, ``h8``/``h4`` = the output matrix in int8/int4 too):
 
-    .venv/bin/python benchmarks/bench_decode.py [--dtype bf16|fp32|both] [--tokens 128] [--repeats 3]
+- batch 1: a short chat prompt, then N greedy tokens with EOS ignored; the rate excludes the
+  prefill: (N - 1) / (time of token N - time of token 1), chatkv's ``decode_tokens_per_s``.
+  transformers and llama.cpp (llama-cpp-python on the packaged GGUF: Q4_1, its own kernels)
+  are timestamped per token the same way. Repeats are interleaved, medians reported.
+- batch 8: 8 different chat prompts decoded together; aggregate tokens/s of the decode
+  (8 x each sequence's decode rate). transformers: one left-padded ``generate`` of the 8.
+  llama.cpp's batched peer is its server (benchmarks/bench_serve.py).
+- TTFT of a 1k-token prompt (prefill and the first token; no cached prefix).
+- peak resident memory of a process that loads the mode and decodes (a child process each).
+
+    .venv/bin/python benchmarks/bench_decode.py [--modes bf16,int8,int4,int4/h8] [--tokens 128] [--repeats 3]
 """
 
 from __future__ import annotations
 
+import json
+import resource
+import subprocess
+import sys
 import time
+from pathlib import Path
 
-from common import (
-    CHAT, OtherLoad, dtypes, goal, hf_generate, load_average, load_engine, load_hf, load_llama_cpp, median, parser,
-    print_table, setup,
-)
+import torch
+from common import CHAT, OtherLoad, goal, hf_generate, load_average, load_hf, load_llama_cpp, median, parser, print_table, setup
 
-GOAL_HF, GOAL_LLAMA = 1.5, 0.6
+GOAL_HF, GOAL_LLAMA = 3.0, 1.0
+PROMPTS = ["Explain in a few paragraphs why the sky is blue.", "Write a short story about a lighthouse keeper.",
+           "What are the main causes of the French Revolution?", "Describe how a bicycle works.",
+           "Give me a recipe for pancakes.", "Why do cats purr?", "Explain how vaccines train the immune system.",
+           "What is the difference between weather and climate?"]
+
+
+def spec(mode: str) -> dict:
+    """``int4/h8`` -> weights=int4, head_weights=int8."""
+    weights, _, head = mode.partition("/")
+    kw = {"weights": weights}
+    if head:
+        kw["head_weights"] = {"h8": "int8", "h4": "int4", "hf": "float"}[head]
+    return kw
+
+
+def load(model_dir: Path, mode: str):
+    from chatkv.engine import Engine
+
+    return Engine.from_pretrained(model_dir, **spec(mode))
 
 
 def chatkv_decode(engine, ids, n):
@@ -29,9 +58,43 @@ def chatkv_decode(engine, ids, n):
     return r.usage.tokens_per_s, r.token_ids
 
 
+def chatkv_batch(engine, prompts, n):
+    from chatkv.sampling import SamplingParams
+
+    outs = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    return sum(o.usage.tokens_per_s for o in outs)
+
+
+def chatkv_ttft(engine, ids):
+    from chatkv.sampling import SamplingParams
+
+    t = time.perf_counter()
+    engine.generate(ids, SamplingParams(max_tokens=1, temperature=0))
+    return time.perf_counter() - t
+
+
 def hf_decode(model, ids, n):
     new, _, stamps = hf_generate(model, ids, n)
     return (n - 1) / (stamps[-1] - stamps[0]), new
+
+
+def hf_batch(model, prompts, n):
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    stamps: list[float] = []
+
+    class Stamp(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            stamps.append(time.perf_counter())
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                       pad_token_id=0, stopping_criteria=StoppingCriteriaList([Stamp()]))
+    return len(prompts) * (n - 1) / (stamps[-1] - stamps[0])
 
 
 def llama_decode(llm, ids, n):
@@ -44,8 +107,14 @@ def llama_decode(llm, ids, n):
     return (n - 1) / (stamps[-1] - stamps[0]), toks
 
 
+def llama_ttft(llm, ids):
+    llm.reset()
+    t = time.perf_counter()
+    next(iter(llm.generate(ids, temp=0.0, top_k=1, reset=True)))
+    return time.perf_counter() - t
+
+
 def agree(a: list[int], b: list[int]) -> int:
-    """Length of the common prefix of two token lists."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -54,50 +123,116 @@ def agree(a: list[int], b: list[int]) -> int:
     return n
 
 
+def long_prompt(tokenizer, n: int) -> list[int]:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.llama_cpp_reference import ppl_text  # Python's own pydoc topics
+
+    return tokenizer(ppl_text())["input_ids"][:n]
+
+
+def peak_rss(mode: str, args) -> float:
+    """MiB: a child process loads ``mode`` (or llama.cpp) and decodes 32 tokens."""
+    cmd = [sys.executable, __file__, "--child", mode, "--threads", str(args.threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        return float("nan")
+    return json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
+
+
+def child(mode: str, threads: int) -> None:
+    torch.set_num_threads(threads)
+    if mode == "llama.cpp":
+        llm = load_llama_cpp(threads)
+        from chatkv.weights import ensure_default_model, load_tokenizer
+
+        ids = load_tokenizer(ensure_default_model()).apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+        llama_decode(llm, llm.tokenize(ids.encode(), special=True), 32)
+    else:
+        from chatkv.weights import ensure_default_model
+
+        engine = load(ensure_default_model(), mode)
+        chatkv_decode(engine, engine.encode_chat(CHAT), 32)
+    print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
 def main() -> None:
-    p = parser(__doc__.splitlines()[0], default_dtype="both")
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--modes", default="bf16,int8,int4,int4/h8", help="weight modes, comma-separated")
     p.add_argument("--tokens", type=int, default=128, help="generated tokens per run")
+    p.add_argument("--prefill-tokens", type=int, default=1024)
     p.add_argument("--no-llama-cpp", action="store_true")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
+    p.add_argument("--child", default=None, help=argparse_hidden())
     args = p.parse_args()
-    run_dtypes = dtypes(args)
+    if args.child:
+        return child(args.child, args.threads)
     model_dir = setup(args)
     other = OtherLoad()
-    n = args.tokens
-
-    # llama.cpp runs the packaged GGUF, so only against the default model
+    n, modes = args.tokens, args.modes.split(",")
     llm = None if args.no_llama_cpp or args.model else load_llama_cpp(args.threads)
-    rows, notes = [], []
-    for dtype in run_dtypes:
-        engine = load_engine(model_dir, dtype)
-        hf = load_hf(model_dir, dtype)
-        ids = engine.encode_chat(CHAT)
-        chatkv_decode(engine, ids, 8)  # warm up all
-        hf_decode(hf, ids, 8)
-        if llm is not None:
-            llama_decode(llm, ids, 8)
-        ck, ref, lc = [], [], []
-        for _ in range(args.repeats):  # interleaved, so background load hits all alike
-            rate, ck_toks = chatkv_decode(engine, ids, n)
-            ck.append(rate)
-            rate, hf_toks = hf_decode(hf, ids, n)
-            ref.append(rate)
-            if llm is not None:
-                lc.append(llama_decode(llm, ids, n)[0])
-        ck_rate, hf_rate = median(ck), median(ref)
-        notes.append(f"{dtype}: chatkv and transformers agree on the first {agree(ck_toks, hf_toks)}/{n} greedy tokens")
-        rows.append([dtype, "transformers generate", f"{hf_rate:.1f}", f"{ck_rate:.1f}", f"{ck_rate / hf_rate:.2f}x", goal(ck_rate / hf_rate, GOAL_HF)])
-        if lc:
-            lc_rate = median(lc)
-            rows.append([dtype, "llama.cpp (GGUF Q4_1)", f"{lc_rate:.1f}", f"{ck_rate:.1f}", f"{ck_rate / lc_rate:.2f}x", goal(ck_rate / lc_rate, GOAL_LLAMA)])
-        del engine, hf
+    engines = {m: load(model_dir, m) for m in modes}
+    hf = load_hf(model_dir, "bf16")
+    first = engines[modes[0]]
+    ids = first.encode_chat(CHAT)
+    batch = [first.encode_chat([{"role": "user", "content": q}]) for q in PROMPTS]
+    longp = long_prompt(first.tokenizer, args.prefill_tokens)
+    for e in engines.values():  # warm up all
+        chatkv_decode(e, ids, 8)
+        chatkv_batch(e, batch, 4)
+    hf_decode(hf, ids, 8)
+    if llm is not None:
+        llama_decode(llm, ids, 8)
 
-    print(f"\nbatch-1 decode, {len(ids)}-token chat prompt, {n} greedy tokens (EOS ignored), "
-          f"threads={args.threads}, median of {args.repeats}, load average {load_average()}, {other}")
-    if llm is None and not args.no_llama_cpp and not args.model:
-        print("llama.cpp: llama_cpp not importable, skipped (pip install llama-cpp-python)")
-    print_table("decode tokens/s (prefill excluded)", ["dtype", "baseline", "baseline tok/s", "chatkv tok/s", "ratio", "goal"], rows)
-    for line in notes:
-        print(line)
+    rate = {m: [] for m in modes}
+    rate_b = {m: [] for m in modes}
+    ttft = {m: [] for m in modes}
+    toks: dict[str, list[int]] = {}
+    ref, ref_b, lc, lc_ttft = [], [], [], []
+    for _ in range(args.repeats):  # interleaved, so background load hits all alike
+        for m, e in engines.items():
+            r, toks[m] = chatkv_decode(e, ids, n)
+            rate[m].append(r)
+            rate_b[m].append(chatkv_batch(e, batch, n // 2))
+            ttft[m].append(chatkv_ttft(e, [100 + len(ttft[m])] + longp))  # a fresh first token: no cached prefix
+        r, toks["hf"] = hf_decode(hf, ids, n)
+        ref.append(r)
+        ref_b.append(hf_batch(hf, batch, n // 2))
+        if llm is not None:
+            r, toks["llama.cpp"] = llama_decode(llm, ids, n)
+            lc.append(r)
+            lc_ttft.append(llama_ttft(llm, longp))
+    mem = {} if args.no_memory else {m: peak_rss(m, args) for m in modes + (["llama.cpp"] if llm is not None else [])}
+
+    hf_rate, hf_b = median(ref), median(ref_b)
+    lc_rate = median(lc) if lc else None
+    rows, rows_b, rows_t = [], [], []
+    for m in modes:
+        r = median(rate[m])
+        row = [m, f"{r:.1f}", f"{r / hf_rate:.2f}x", goal(r / hf_rate, GOAL_HF)]
+        row += [f"{r / lc_rate:.2f}x", goal(r / lc_rate, GOAL_LLAMA)] if lc_rate else ["-", ""]
+        row += [f"{mem[m]:.0f}" if m in mem else "-", f"{agree(toks[m], toks['hf'])}/{n}"]
+        rows.append(row)
+        rb = median(rate_b[m])
+        rows_b.append([m, f"{rb:.1f}", f"{rb / hf_b:.2f}x"])
+        t = median(ttft[m])
+        rows_t.append([m, f"{t * 1000:.0f}", f"{t / median(lc_ttft):.2f}x" if lc_ttft else "-"])
+    print(f"\n{len(ids)}-token chat prompt, {n} greedy tokens (EOS ignored), threads={args.threads}, "
+          f"median of {args.repeats}, load average {load_average()}, {other}")
+    print(f"transformers bf16: {hf_rate:.1f} tok/s batch 1, {hf_b:.1f} batch 8" + (
+        f"; llama.cpp (GGUF Q4_1): {lc_rate:.1f} tok/s batch 1, peak {mem.get('llama.cpp', float('nan')):.0f} MiB" if lc_rate else
+        "; llama.cpp: llama_cpp not importable, skipped (pip install llama-cpp-python==0.3.36)"))
+    print_table("batch-1 decode tokens/s (prefill excluded)",
+                ["weights", "chatkv tok/s", "vs transformers bf16", "goal", "vs llama.cpp", "goal", "peak MiB",
+                 "greedy = transformers bf16"], rows)
+    print_table(f"batch-8 decode, aggregate tokens/s ({n // 2} tokens each)", ["weights", "chatkv tok/s", "vs transformers bf16"], rows_b)
+    print_table(f"TTFT of a {len(longp)}-token prompt, ms" + (f" (llama.cpp {median(lc_ttft) * 1000:.0f} ms)" if lc_ttft else ""),
+                ["weights", "chatkv ms", "vs llama.cpp"], rows_t)
+
+
+def argparse_hidden():
+    import argparse
+
+    return argparse.SUPPRESS
 
 
 if __name__ == "__main__":

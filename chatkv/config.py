@@ -20,6 +20,7 @@ class EngineConfig:
     device: str = "cpu"
     weights: str = "auto"  # auto | bf16 | fp32 | int4 | int8 (chatkv.weight_modes: auto = a GGUF's own int4, else the float model)
     head_weights: str = "auto"  # the output matrix: auto (= float) | float | int8 | int4
+    quant_dense_rows: int = 8  # int4/int8: steps of this many rows or more use a bf16 copy (faster prefill; 0: 4-bit only, less memory)
     tenant: str = ""  # salt of the prefix-cache namespace: tenants never share KV
     enable_prefix_caching: bool = True
     # conversations longer than the context (chatkv.context_window)
@@ -52,6 +53,8 @@ class EngineConfig:
             raise InvalidRequest(f"sink_tokens must be an int >= 0, got {cfg.sink_tokens!r}")
         if isinstance(cfg.host_cache_bytes, bool) or not isinstance(cfg.host_cache_bytes, int) or cfg.host_cache_bytes < 0:
             raise InvalidRequest(f"host_cache_bytes must be an int >= 0, got {cfg.host_cache_bytes!r}")
+        if isinstance(cfg.quant_dense_rows, bool) or not isinstance(cfg.quant_dense_rows, int) or cfg.quant_dense_rows < 0:
+            raise InvalidRequest(f"quant_dense_rows must be an int >= 0, got {cfg.quant_dense_rows!r}")
         if cfg.max_batch_tokens < 1:
             raise InvalidRequest(f"max_batch_tokens must be >= 1, got {cfg.max_batch_tokens}")
         return cfg

@@ -50,7 +50,8 @@ class Engine:
         self.weights = choose_weights(c.weights, c.head_weights, c.dtype, c.device, self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.model = LlamaModel.from_pretrained(self.model_dir, dtype=self.weights.dtype, device=c.device,
-                                                weights_mode=self.weights.weights, head_mode=self.weights.head)
+                                                weights_mode=self.weights.weights, head_mode=self.weights.head,
+                                                dense_rows=c.quant_dense_rows)
         log.info("weights: %s", self.weights.label)
         self.fingerprint = self.weights.fingerprint(
             model_fingerprint(self.model_dir, self.config.data_dir or os.environ.get("CHATKV_HOME")))
