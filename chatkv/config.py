@@ -7,6 +7,8 @@ from dataclasses import dataclass, fields
 from chatkv.errors import InvalidRequest
 
 OVERFLOW_POLICIES = ("sink", "truncate", "error")
+WEIGHTS = ("auto", "bf16", "fp32", "int4", "int8")  # chatkv.weight_modes
+HEADS = ("auto", "float", "int8", "int4")
 
 
 @dataclass

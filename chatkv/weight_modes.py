@@ -26,12 +26,11 @@ from pathlib import Path
 
 import torch
 
+from chatkv.config import HEADS, WEIGHTS
 from chatkv.errors import InvalidRequest
 from chatkv.quant import int4_supported, int8_supported
 from chatkv.weights.gguf import QUANT_FILE
 
-WEIGHTS = ("auto", "bf16", "fp32", "int4", "int8")
-HEADS = ("auto", "float", "int8", "int4")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FLOAT = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -23,7 +23,7 @@ import argparse
 import sys
 
 from chatkv import ChatKVError, InvalidRequest
-from chatkv.config import OVERFLOW_POLICIES
+from chatkv.config import HEADS, OVERFLOW_POLICIES, WEIGHTS
 from chatkv.engine import Engine
 from chatkv.outputs import GenerationResult, Reply
 from chatkv.sampling import SamplingParams
@@ -68,6 +68,11 @@ def _parser() -> argparse.ArgumentParser:
                         "truncate (drop the oldest turns) or error")
     p.add_argument("--context-window", type=int, default=None, metavar="N",
                    help="tokens a conversation's KV may hold (default: the model's context)")
+    p.add_argument("--weights", choices=WEIGHTS, default=None,
+                   help="how the model's projections are computed: auto (default: a GGUF's own int4, else the float "
+                        "model), bf16, fp32, int4 or int8")
+    p.add_argument("--head-weights", choices=HEADS, default=None,
+                   help="the output matrix: auto (default: int8 with a GGUF's int4, else float), float, int8 or int4")
     return p
 
 
@@ -110,7 +115,9 @@ def _read_line() -> str | None:
 def _chat(session, params: SamplingParams, show_stats: bool, script: list[str] | None = None) -> int:
     """Chat on stdin, or answer the messages of ``script`` and return."""
     if script is None:
-        print(f"chatkv: conversation {session.id}. Type a message; /exit or Ctrl-D to leave.", file=sys.stderr)
+        weights = getattr(getattr(getattr(session, "_m", None), "engine", None), "weights", None)
+        how = f" (weights: {weights.label})" if weights is not None else ""
+        print(f"chatkv: conversation {session.id}{how}. Type a message; /exit or Ctrl-D to leave.", file=sys.stderr)
     lines = iter(script) if script is not None else None
     while True:
         try:
@@ -195,7 +202,8 @@ def _open_app(args: argparse.Namespace, sampling: dict) -> int:
 
 def _engine_options(args: argparse.Namespace) -> dict:
     """Engine options given on the command line (the rest keep their defaults)."""
-    opts = {"overflow": args.overflow, "context_window": args.context_window}
+    opts = {"overflow": args.overflow, "context_window": args.context_window, "weights": args.weights,
+            "head_weights": args.head_weights}
     return {k: v for k, v in opts.items() if v is not None}
 
 

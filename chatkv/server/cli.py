@@ -14,6 +14,8 @@ import os
 import signal
 import sys
 
+from chatkv.config import HEADS, WEIGHTS
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="chatkv serve", description="Serve a model over an OpenAI-compatible HTTP API "
@@ -33,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="largest request body; larger get 413 (default 4 MiB)")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--context-window", type=int, default=None, metavar="N", help="tokens one request or conversation may hold")
+    p.add_argument("--weights", choices=WEIGHTS, default="auto", help="auto (a GGUF's own int4, else the float model), bf16, fp32, int4, int8")
+    p.add_argument("--head-weights", choices=HEADS, default="auto", help="the output matrix: auto, float, int8, int4")
     p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds requests in flight get at shutdown")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     return p
@@ -57,7 +61,8 @@ def main(argv: list[str]) -> int:
     from chatkv.engine import Engine
     from chatkv.server.app import create_app
 
-    config = {"dtype": args.dtype, "data_dir": args.data_dir, "db_url": args.db_url or None}
+    config = {"dtype": args.dtype, "data_dir": args.data_dir, "db_url": args.db_url or None, "weights": args.weights,
+              "head_weights": args.head_weights}
     if args.context_window is not None:
         config["context_window"] = args.context_window
     try:
