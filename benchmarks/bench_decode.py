@@ -11,7 +11,8 @@ Q4_1 weights, ``h8``/``h4`` = the output matrix in int8/int4 too):
   (8 x each sequence's decode rate). transformers: one left-padded ``generate`` of the 8.
   llama.cpp's batched peer is its server (benchmarks/bench_serve.py).
 - TTFT of a 1k-token prompt (prefill and the first token; no cached prefix).
-- peak resident memory of a process that loads the mode and decodes (a child process each).
+- peak resident memory (VmHWM) of a process that loads the mode and decodes, with a KV pool of
+  2,048 tokens and no host tier, as llama.cpp's context of 2,048 (a child process each).
 
     .venv/bin/python benchmarks/bench_decode.py [--modes bf16,int8,int4,int4/h8] [--tokens 128] [--repeats 3]
 """
@@ -19,7 +20,6 @@ Q4_1 weights, ``h8``/``h4`` = the output matrix in int8/int4 too):
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -36,11 +36,14 @@ PROMPTS = ["Explain in a few paragraphs why the sky is blue.", "Write a short st
 
 
 def spec(mode: str) -> dict:
-    """``int4/h8`` -> weights=int4, head_weights=int8."""
-    weights, _, head = mode.partition("/")
-    kw = {"weights": weights}
-    if head:
-        kw["head_weights"] = {"h8": "int8", "h4": "int4", "hf": "float"}[head]
+    """``int4/h8`` -> weights=int4, head_weights=int8; ``/lean``: no bf16 copy for prefill (quant_dense_rows=0)."""
+    weights, *opts = mode.split("/")
+    kw: dict = {"weights": weights}
+    for o in opts:
+        if o == "lean":
+            kw["quant_dense_rows"] = 0
+        else:
+            kw["head_weights"] = {"h8": "int8", "h4": "int4", "hf": "float"}[o]
     return kw
 
 
@@ -130,13 +133,14 @@ def long_prompt(tokenizer, n: int) -> list[int]:
     return tokenizer(ppl_text())["input_ids"][:n]
 
 
-def peak_rss(mode: str, args) -> float:
-    """MiB: a child process loads ``mode`` (or llama.cpp) and decodes 32 tokens."""
+def peak_rss(mode: str, args) -> str:
+    """"peak / after" MiB: a child process loads ``mode`` (or llama.cpp) and decodes 32 tokens."""
     cmd = [sys.executable, __file__, "--child", mode, "--threads", str(args.threads)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
-        return float("nan")
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak_mib"]
+        return "failed"
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    return f"{got['peak_mib']:.0f} / {got['rss_mib']:.0f}"
 
 
 def child(mode: str, threads: int) -> None:
@@ -150,9 +154,19 @@ def child(mode: str, threads: int) -> None:
     else:
         from chatkv.weights import ensure_default_model
 
-        engine = load(ensure_default_model(), mode)
+        from chatkv.engine import Engine
+
+        # llama.cpp's context here: 2,048 tokens of KV, no host tier
+        engine = Engine.from_pretrained(ensure_default_model(), num_blocks=128, host_cache_bytes=0, **spec(mode))
         chatkv_decode(engine, engine.encode_chat(CHAT), 32)
-    print(json.dumps({"peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over fork and execve, so a child
+    # of this (big) benchmark process would report the parent's peak
+    import gc
+
+    gc.collect()
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    mib = lambda key: int(status[key].split()[0]) / 1024  # noqa: E731
+    print(json.dumps({"peak_mib": mib("VmHWM"), "rss_mib": mib("VmRSS")}))
 
 
 def main() -> None:
@@ -210,7 +224,7 @@ def main() -> None:
         r = median(rate[m])
         row = [m, f"{r:.1f}", f"{r / hf_rate:.2f}x", goal(r / hf_rate, GOAL_HF)]
         row += [f"{r / lc_rate:.2f}x", goal(r / lc_rate, GOAL_LLAMA)] if lc_rate else ["-", ""]
-        row += [f"{mem[m]:.0f}" if m in mem else "-", f"{agree(toks[m], toks['hf'])}/{n}"]
+        row += [mem.get(m, "-"), f"{agree(toks[m], toks['hf'])}/{n}"]
         rows.append(row)
         rb = median(rate_b[m])
         rows_b.append([m, f"{rb:.1f}", f"{rb / hf_b:.2f}x"])
@@ -219,10 +233,10 @@ def main() -> None:
     print(f"\n{len(ids)}-token chat prompt, {n} greedy tokens (EOS ignored), threads={args.threads}, "
           f"median of {args.repeats}, load average {load_average()}, {other}")
     print(f"transformers bf16: {hf_rate:.1f} tok/s batch 1, {hf_b:.1f} batch 8" + (
-        f"; llama.cpp (GGUF Q4_1): {lc_rate:.1f} tok/s batch 1, peak {mem.get('llama.cpp', float('nan')):.0f} MiB" if lc_rate else
+        f"; llama.cpp (GGUF Q4_1): {lc_rate:.1f} tok/s batch 1, memory peak / after {mem.get('llama.cpp', '-')} MiB" if lc_rate else
         "; llama.cpp: llama_cpp not importable, skipped (pip install llama-cpp-python==0.3.36)"))
     print_table("batch-1 decode tokens/s (prefill excluded)",
-                ["weights", "chatkv tok/s", "vs transformers bf16", "goal", "vs llama.cpp", "goal", "peak MiB",
+                ["weights", "chatkv tok/s", "vs transformers bf16", "goal", "vs llama.cpp", "goal", "MiB peak / after",
                  "greedy = transformers bf16"], rows)
     print_table(f"batch-8 decode, aggregate tokens/s ({n // 2} tokens each)", ["weights", "chatkv tok/s", "vs transformers bf16"], rows_b)
     print_table(f"TTFT of a {len(longp)}-token prompt, ms" + (f" (llama.cpp {median(lc_ttft) * 1000:.0f} ms)" if lc_ttft else ""),

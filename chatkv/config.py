@@ -22,7 +22,7 @@ class EngineConfig:
     device: str = "cpu"
     weights: str = "auto"  # auto | bf16 | fp32 | int4 | int8 (chatkv.weight_modes: auto = a GGUF's own int4, else the float model)
     head_weights: str = "auto"  # the output matrix: auto (= float) | float | int8 | int4
-    quant_dense_rows: int = 8  # int4/int8: steps of this many rows or more use a bf16 copy (faster prefill; 0: 4-bit only, less memory)
+    quant_dense_rows: int = 16  # int4/int8: steps of this many rows or more use a bf16 copy (faster prefill; 0: 4-bit only, less memory)
     tenant: str = ""  # salt of the prefix-cache namespace: tenants never share KV
     enable_prefix_caching: bool = True
     # conversations longer than the context (chatkv.context_window)

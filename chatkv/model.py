@@ -129,7 +129,7 @@ class LlamaModel:
 
     def __init__(self, config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu",
                  weights_mode: str = "float", head_mode: str = "float", q4: dict[str, Q4Weight] | None = None,
-                 dense_rows: int = 8):
+                 dense_rows: int = 16):
         """``weights_mode``/``head_mode``: how the layers' projections / the output matrix are
         stored and computed (``WEIGHT_MODES``; the quantised ones need bfloat16 on CPU); ``q4``:
         a GGUF's own 4-bit weights by name, used as they are in int4 mode (others are quantised);
@@ -228,7 +228,7 @@ class LlamaModel:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype | None = None, device: str = "cpu",
-                        weights_mode: str = "float", head_mode: str = "float", dense_rows: int = 8) -> "LlamaModel":
+                        weights_mode: str = "float", head_mode: str = "float", dense_rows: int = 16) -> "LlamaModel":
         config = load_config(model_dir)
         if dtype is None:
             dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
