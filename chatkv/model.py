@@ -331,7 +331,8 @@ class LlamaModel:
         k_caches, v_caches = kv[:, 0].unbind(0), kv[:, 1].unbind(0)
         o_pad = h.new_zeros(rows - t, nh * d) if rows > t else None
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
-            qkv = layer.qkv(self._rms(h, layer.input_norm))[:t].view(t, nh + 2 * nkv, d)
+            qkv = layer.qkv(self._rms(h, layer.input_norm))
+            qkv = (qkv[:t] if rows > t else qkv).view(t, nh + 2 * nkv, d)
             qk = qkv[:, : nh + nkv]  # q and k heads get the same normalisation and rotation
             if layer.qk_norm is not None:
                 qk = self._rms(qk, layer.qk_norm)
@@ -341,7 +342,7 @@ class LlamaModel:
             o = self.attention(q, k_cache, v_cache, metas[layer.window], self.scale).reshape(t, nh * d)
             if o_pad is not None:
                 o = torch.cat((o, o_pad))
-            h = h + layer.o(o)
+            h.add_(layer.o(o))  # in place: h is the step's own tensor (the embedding's output), same math
             g, u = layer.gate_up(self._rms(h, layer.post_norm)).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(g) * u)
+            h.add_(layer.down(F.silu(g) * u))
         return self.lm_head(self._rms(h.index_select(0, logits_rows), self.norm)).float()
