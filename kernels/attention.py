@@ -22,7 +22,7 @@ about even); for prefill chunks the grouped form is as fast or faster (20 querie
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +53,10 @@ class AttentionMetadata:
     decode_blocks: torch.Tensor | None  # [B * n] long: n block ids per row (the blocks the row attends to, padded)
     decode_kv_len: int  # keys gathered per row: the longest row's span, <= n * block_size
     decode_mask: torch.Tensor | None  # [B, 1, 1, decode_kv_len] bool (True = attend), None when every key is valid
+    # the same masks as bounds, for kernels that compute them (kernels/triton_attention.py):
+    sliding_window: int | None = None  # a query at position p sees keys (p - window, p]
+    decode_bounds: list[tuple[int, int]] | None = None  # per decode row: its keys are [lo, hi) of its gathered blocks
+    scratch: dict = field(default_factory=dict, repr=False, compare=False)  # a backend's per-step packing, shared by layers
 
 
 def _window_mask(q_len: int, kv_len: int, window: int | None) -> torch.Tensor:
@@ -116,6 +120,8 @@ def build_metadata(
         decode_blocks=decode_blocks,
         decode_kv_len=decode_kv_len,
         decode_mask=decode_mask,
+        sliding_window=sliding_window,
+        decode_bounds=[(lo, hi) for _, _, lo, hi in decodes] or None,
     )
 
 
