@@ -405,3 +405,17 @@ def test_missing_package_raises_model_not_found(monkeypatch, tmp_path: Path) -> 
     with pytest.raises(ModelNotFound):
         ensure_default_model(tmp_path)
     assert not (tmp_path / "models").exists()
+
+
+def test_a_directory_converted_by_an_older_format_is_converted_again(tiny, tmp_path: Path, monkeypatch) -> None:
+    """Format 2 added the 4-bit numbers (weights=int4): a format-1 directory is rebuilt once."""
+    path, _ = tiny
+    monkeypatch.setattr(weights_gguf, "packaged_gguf_path", lambda: path)
+    first = ensure_default_model(tmp_path)
+    marker = json.loads((first / MARKER).read_text())
+    assert marker["format_version"] == weights_gguf.FORMAT_VERSION == 2
+    (first / MARKER).write_text(json.dumps({**marker, "format_version": 1}))
+    mtime = (first / "model.safetensors").stat().st_mtime_ns
+    assert ensure_default_model(tmp_path) == first
+    assert json.loads((first / MARKER).read_text())["format_version"] == 2
+    assert (first / "model.safetensors").stat().st_mtime_ns != mtime

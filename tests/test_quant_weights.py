@@ -242,3 +242,17 @@ def test_steps_of_many_rows_use_the_dense_copy_with_the_same_weights():
     one = torch.cat([lin(x[i : i + 1]) for i in range(8)]).float()
     assert dense_calls == [8]  # the 8-row step went dense, the 1-row ones to the int4 kernel
     assert torch.allclose(many, one, rtol=1e-2, atol=2e-2), (many - one).abs().max()
+
+
+def test_damaged_4_bit_file_is_a_clear_error(default_model_dir, tmp_path):
+    import shutil
+
+    from chatkv.errors import ModelNotFound
+
+    d = tmp_path / "model"
+    shutil.copytree(default_model_dir, d)
+    q = d / QUANT_FILE
+    q.write_bytes(q.read_bytes()[: q.stat().st_size // 2])
+    with pytest.raises(ModelNotFound, match="4-bit weights .* unreadable.*convert the model again"):
+        Engine(d, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=8))
+    assert Engine(d, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=8, weights="bf16")).weights.weights == "float"
