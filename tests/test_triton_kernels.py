@@ -145,3 +145,58 @@ def test_dispatch(monkeypatch):
     monkeypatch.setenv("CHATKV_ATTENTION", "cuda")
     with pytest.raises(ValueError, match="CHATKV_ATTENTION"):
         attention_backend("cpu")
+
+
+def triton_runner(tmp_path, model_type, block_size, **overrides):
+    """transformers' model (the oracle, CPU) and a Runner (tests/test_model_equivalence.py) whose model
+    runs on DEVICE with the Triton kernels forced."""
+    from chatkv.config import EngineConfig
+    from chatkv.model import LlamaModel
+    from chatkv.model_runner import ModelRunner
+    from tests.test_model_equivalence import Runner
+    from tests.tiny import make_model
+
+    ref_model = make_model(tmp_path, model_type, seed=3, **overrides)
+    ref_model.config._attn_implementation = "eager"
+    model = LlamaModel.from_pretrained(tmp_path, dtype=torch.float32, device=DEVICE)
+    model.store_kv, model.attention = attention_backend(DEVICE, "triton")
+    r = Runner(model, block_size)
+    if DEVICE != "cpu":
+        r.runner = ModelRunner(model, EngineConfig(block_size=block_size, num_blocks=256, device=DEVICE))
+        r.pool = r.runner.pool
+    return ref_model, r
+
+
+def test_model_forward_with_triton_matches_transformers(tmp_path):
+    """chatkv's forward with the Triton kernels, against transformers (fp32, max abs err <= 1e-4 as in
+    test_model_equivalence): a mixed step of a decode, a chunk over a prefix ending mid-block and a fresh
+    prompt, then decodes."""
+    from tests.test_model_equivalence import TOL as MODEL_TOL
+    from tests.test_model_equivalence import ref_logits, tokens
+
+    ref_model, r = triton_runner(tmp_path, "llama", 5)
+    seqs = {n: tokens(L, 30 + i) for i, (n, L) in enumerate([("a", 14), ("b", 23), ("c", 9)])}
+    r.step([("a", seqs["a"][:13]), ("b", seqs["b"][:12])])
+    outs = r.step([("a", seqs["a"][13:]), ("b", seqs["b"][12:20]), ("c", seqs["c"][:8])])
+    for (name, start), out in zip({"a": 13, "b": 12, "c": 0}.items(), outs):
+        want = ref_logits(ref_model, seqs[name])[start : start + out.shape[0]]
+        assert (out - want).abs().max().item() <= MODEL_TOL, name
+    outs = r.step([("b", [seqs["b"][20]]), ("c", [seqs["c"][8]])])  # two decodes
+    assert (outs[0][0] - ref_logits(ref_model, seqs["b"])[20]).abs().max().item() <= MODEL_TOL
+    assert (outs[1][0] - ref_logits(ref_model, seqs["c"])[8]).abs().max().item() <= MODEL_TOL
+
+
+def test_model_sliding_window_with_triton_matches_transformers(tmp_path):
+    """Mistral with a window of 8 shorter than the prompt: prefill and batched decodes past the window."""
+    from tests.test_model_equivalence import TOL as MODEL_TOL
+    from tests.test_model_equivalence import ref_logits, tokens
+
+    ref_model, r = triton_runner(tmp_path, "mistral", 5, sliding_window=8, num_hidden_layers=2)
+    seqs = {n: tokens(L, 40 + i) for i, (n, L) in enumerate([("a", 22), ("b", 6)])}
+    expected = {n: ref_logits(ref_model, ids) for n, ids in seqs.items()}
+    (out_a, out_b) = r.step([(n, ids[:-2]) for n, ids in seqs.items()])
+    assert (out_a - expected["a"][:20]).abs().max().item() <= MODEL_TOL
+    for back in (2, 1):
+        outs = r.step([(n, [ids[-back]]) for n, ids in seqs.items()])
+        for (n, ids), out in zip(seqs.items(), outs):
+            assert (out[0] - expected[n][len(ids) - back]).abs().max().item() <= MODEL_TOL, (n, back)
