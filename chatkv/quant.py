@@ -21,6 +21,7 @@ with gguf's own reference dequantisation. Activations are bfloat16 in both modes
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,6 +138,7 @@ def _probe(fn) -> bool:
         return False
 
 
+@functools.cache
 def int4_supported() -> bool:
     """Whether this torch build has the CPU int4 kernel and it computes ``(code - 8) * s + z``."""
     def check():
@@ -149,6 +151,7 @@ def int4_supported() -> bool:
     return _probe(check)
 
 
+@functools.cache
 def int8_supported() -> bool:
     def check():
         g = torch.Generator().manual_seed(0)

@@ -64,7 +64,8 @@ def choose(weights: str, head: str, dtype: str, device: str, model_dir: Path) ->
         if gguf_q4 and cpu and want in (None, torch.bfloat16) and int4_supported():
             weights, label = "int4", "int4 (the GGUF's own 4-bit weights)"
         else:
-            return _quantised_head(WeightChoice(want, "float", head, f"{dtype} (the float model)"), cpu, want)
+            label = "the float model in " + ("its own dtype" if want is None else dtype)
+            return _quantised_head(WeightChoice(want, "float", head, label), cpu, want)
     elif weights in _FLOAT:
         if want is not None and want != _FLOAT[weights]:
             raise InvalidRequest(f"weights {weights} and dtype {dtype} disagree; give one of them")
