@@ -16,6 +16,8 @@ through this loop, from any thread or from asyncio:
   the commands still queued, and joins the thread.
 
 The loop sleeps on a condition variable while there is no work: an idle engine costs no CPU.
+``start()`` first releases the OpenMP worker threads of the thread that calls it (see
+``release_openmp_pool``): the steps then run alone on the machine's cores at full speed.
 A step that raises (a bug, not a request's own error: those end that request alone) fails
 every request in it with that error and the loop goes on.
 """
@@ -23,7 +25,11 @@ every request in it with that error and the loop goes on.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import logging
+import os
+import sys
 import threading
 from collections import deque
 from concurrent.futures import Future
@@ -34,6 +40,48 @@ if TYPE_CHECKING:
     from chatkv.sequence import Sequence
 
 log = logging.getLogger("chatkv.engine")
+
+_OMP_PAUSE_HARD = 2  # omp_pause_resource_t
+
+
+@functools.lru_cache(maxsize=1)
+def _libgomp():
+    """The GNU OpenMP runtime torch computes with, if it is already loaded; else None."""
+    if not sys.platform.startswith("linux") or "torch" not in sys.modules:
+        return None
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split(None, 5)[5].strip() for line in f if "libgomp" in line and "/" in line}
+    except (OSError, IndexError):
+        return None
+    torch_lib = os.path.join(os.path.dirname(sys.modules["torch"].__file__), "lib") + os.sep
+    ours = sorted(p for p in paths if p.startswith(torch_lib)) or sorted(paths)
+    if len(ours) != 1:  # none, or several runtimes and none of them torch's own: leave them be
+        return None
+    try:
+        lib = ctypes.CDLL(ours[0])  # already loaded: the same library, not a second copy
+        fn = lib.omp_pause_resource_all
+    except (OSError, AttributeError):  # an OpenMP older than 5.0
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def release_openmp_pool() -> bool:
+    """End the OpenMP worker threads this thread's multithreaded torch ops started (they start
+    again if it runs such ops again). True if there was a GNU OpenMP runtime to ask.
+
+    Why: GNU OpenMP (torch's intra-op threads on Linux) keeps one pool of workers per thread
+    that ever ran a parallel op, and once the threads it manages outnumber the CPUs it stops
+    spinning between parallel regions and puts them to sleep after each: every small op of a
+    decode step then waits for a futex wake-up. An engine loaded on the main thread, then
+    stepped by the loop thread, holds two pools, which on 2 cores doubled the time of a
+    decode step. Called on the thread that calls ``start()`` (where the engine was loaded),
+    before the loop thread's first step."""
+    fn = _libgomp()
+    if fn is None:
+        return False
+    return fn(_OMP_PAUSE_HARD) == 0
 
 
 class RequestStream:
@@ -164,6 +212,7 @@ class EngineLoop:
         if self.running:
             return
         self._stopping = False
+        release_openmp_pool()
         self._thread = threading.Thread(target=self._run, name="chatkv-engine", daemon=True)
         self._thread.start()
 

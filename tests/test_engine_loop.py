@@ -7,12 +7,14 @@ without the loop; the pool invariant and the owners of every block are checked a
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import threading
 import time
 
 import pytest
 
-from chatkv import InvalidRequest
+from chatkv import InvalidRequest, engine_loop
 from chatkv.config import EngineConfig
 from chatkv.engine import Engine
 from chatkv.sampling import SamplingParams
@@ -170,4 +172,50 @@ def test_a_bad_prompt_in_a_started_batch_leaves_nothing_running(model_dir, tmp_p
         eng.generate(["Hello", [10**9]], G)  # the first is queued before the second is refused
     eng.check_integrity()  # the first was aborted: nothing holds KV
     assert eng.stats().num_running == eng.stats().num_waiting == 0
+    eng.close()
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GNU OpenMP and /proc: Linux")
+def test_release_openmp_pool_ends_this_threads_workers():
+    """GNU OpenMP keeps a pool of workers per thread that ran a parallel op; once the pools hold
+    more workers than there are cores, every parallel region sleeps and wakes its workers (a
+    decode step on the loop thread took twice as long). ``release_openmp_pool`` ends the
+    calling thread's pool (counted here in OS threads, not timed)."""
+    import torch
+
+    if engine_loop._libgomp() is None or torch.get_num_threads() < 2:
+        pytest.skip("not torch's GNU OpenMP, or a single intra-op thread")
+    seen: dict[str, int] = {}
+
+    def work() -> None:
+        seen["before"] = _os_threads()
+        x = torch.ones(1 << 22)
+        (x * 2).sum()  # a parallel op: this thread's pool starts
+        seen["with pool"] = _os_threads()
+        seen["released"] = engine_loop.release_openmp_pool()
+        seen["after"] = _os_threads()
+        (x * 2).sum()  # and comes back when needed
+        seen["again"] = _os_threads()
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert seen["with pool"] > seen["before"], seen
+    assert seen["released"] is True
+    assert seen["after"] < seen["with pool"], seen
+    assert seen["again"] > seen["after"], seen
+
+
+def test_start_releases_the_openmp_pool_of_the_thread_that_starts_it(model_dir, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(engine_loop, "release_openmp_pool", lambda: calls.append(threading.current_thread()))
+    eng = Engine(model_dir, EngineConfig(data_dir=str(tmp_path), num_blocks=64))
+    eng.start()
+    eng.start()  # already running: nothing more
+    assert calls == [threading.current_thread()]
+    assert len(eng.generate("Hello", G).token_ids) == G.max_tokens
     eng.close()
