@@ -116,8 +116,8 @@ def _chat(session, params: SamplingParams, show_stats: bool, script: list[str] |
     """Chat on stdin, or answer the messages of ``script`` and return."""
     if script is None:
         weights = getattr(getattr(getattr(session, "_m", None), "engine", None), "weights", None)
-        how = f" (weights: {weights.label})" if weights is not None else ""
-        print(f"chatkv: conversation {session.id}{how}. Type a message; /exit or Ctrl-D to leave.", file=sys.stderr)
+        how = f" Weights: {weights.label}." if weights is not None else ""
+        print(f"chatkv: conversation {session.id}. Type a message; /exit or Ctrl-D to leave.{how}", file=sys.stderr)
     lines = iter(script) if script is not None else None
     while True:
         try:
