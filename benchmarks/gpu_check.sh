@@ -8,7 +8,7 @@
 # `pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128`), triton, and
 # the test extras (pytest, transformers: pip install -e '.[test]').
 #
-# 1. tests/test_triton_kernels.py natively (TRITON_INTERPRET unset): every kernel against the torch
+# 1. tests/triton_kernel_cases.py natively (TRITON_INTERPRET unset): every kernel against the torch
 #    reference, and chatkv's forward on CUDA with the Triton kernels against transformers.
 # 2. the engine equivalence tests, tests/test_model_equivalence.py. They take no device: they build
 #    their LlamaModel on the CPU (from_pretrained without device=, EngineConfig's default "cpu"), so
@@ -43,7 +43,7 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, remember a failure,
     [ $rc -eq 0 ] || status=1
 }
 
-step "kernel tests, native" 100 "$PY" -m pytest -q -x tests/test_triton_kernels.py
+step "kernel tests, native" 100 "$PY" -m pytest -q -x tests/triton_kernel_cases.py
 step "engine equivalence (CPU path: these tests take no device)" 90 "$PY" -m pytest -q tests/test_model_equivalence.py
 step "decode attention benchmark" 100 "$PY" benchmarks/bench_triton_decode.py
 echo "gpu_check: $([ $status -eq 0 ] && echo all steps passed || echo SOME STEPS FAILED)"

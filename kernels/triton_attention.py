@@ -2,7 +2,7 @@
 
 The contract is kernels/attention.py's (cache layout ``[num_blocks, block_size, kv_heads, head_dim]``,
 ``AttentionMetadata`` from ``build_metadata``); the torch reference there is the oracle these kernels
-are tested against (tests/test_triton_kernels.py, under ``TRITON_INTERPRET=1`` on CPU).
+are tested against (tests/triton_kernel_cases.py, under ``TRITON_INTERPRET=1`` on CPU).
 
 - ``store_kv``: one program per new token copies its K and V rows into its slot.
 - decode (one query per sequence), flash-decoding style: grid (rows, kv heads, splits). A program

@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -175,8 +176,28 @@ def test_a_bad_prompt_in_a_started_batch_leaves_nothing_running(model_dir, tmp_p
     eng.close()
 
 
-def _os_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+_POOL_CHILD = r"""
+import json, os, threading, torch
+from chatkv import engine_loop
+torch.set_num_threads(2)
+count = lambda: len(os.listdir("/proc/self/task"))
+seen = {"gomp": engine_loop._libgomp() is not None}
+
+def work():
+    seen["before"] = count()
+    x = torch.ones(1 << 22)
+    (x * 2).sum()  # a parallel op: this thread's pool starts
+    seen["with pool"] = count()
+    seen["released"] = engine_loop.release_openmp_pool()
+    seen["after"] = count()
+    (x * 2).sum()  # and comes back when needed
+    seen["again"] = count()
+
+t = threading.Thread(target=work)
+t.start()
+t.join()
+print(json.dumps(seen))
+"""
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="GNU OpenMP and /proc: Linux")
@@ -184,26 +205,18 @@ def test_release_openmp_pool_ends_this_threads_workers():
     """GNU OpenMP keeps a pool of workers per thread that ran a parallel op; once the pools hold
     more workers than there are cores, every parallel region sleeps and wakes its workers (a
     decode step on the loop thread took twice as long). ``release_openmp_pool`` ends the
-    calling thread's pool (counted here in OS threads, not timed)."""
-    import torch
+    calling thread's pool (counted here in OS threads, not timed, in a fresh process: other
+    tests' background threads come and go in this one)."""
+    import json
+    import subprocess
 
-    if engine_loop._libgomp() is None or torch.get_num_threads() < 2:
-        pytest.skip("not torch's GNU OpenMP, or a single intra-op thread")
-    seen: dict[str, int] = {}
-
-    def work() -> None:
-        seen["before"] = _os_threads()
-        x = torch.ones(1 << 22)
-        (x * 2).sum()  # a parallel op: this thread's pool starts
-        seen["with pool"] = _os_threads()
-        seen["released"] = engine_loop.release_openmp_pool()
-        seen["after"] = _os_threads()
-        (x * 2).sum()  # and comes back when needed
-        seen["again"] = _os_threads()
-
-    t = threading.Thread(target=work)
-    t.start()
-    t.join()
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("one core: torch runs one intra-op thread, there is no pool")
+    out = subprocess.run([sys.executable, "-c", _POOL_CHILD], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == 0, out.stderr[-2000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["gomp"], "torch's libgomp was not found: the fix does nothing on this machine"
     assert seen["with pool"] > seen["before"], seen
     assert seen["released"] is True
     assert seen["after"] < seen["with pool"], seen
