@@ -131,34 +131,25 @@ def quantize_int8(w: torch.Tensor, rows: int = 4096) -> Q8Weight:
 # --------------------------------------------------------------------------- kernels
 
 
-def _probe(fn) -> bool:
+@functools.cache
+def _kernel_works(quantize, linear) -> bool:
+    """Whether ``linear`` (over ``quantize``'s weights) runs in this torch build and agrees with
+    a float matmul over the dequantised weights (int4: the kernel computes ``(code - 8) * s + z``)."""
     try:
-        return bool(fn())
+        g = torch.Generator().manual_seed(0)
+        q = quantize(torch.randn(64, 64, generator=g))
+        x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
+        return torch.allclose(linear(q)(x).float(), x.float() @ q.dequantize().t(), rtol=2e-2, atol=5e-2)
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
 
 
-@functools.cache
 def int4_supported() -> bool:
-    """Whether this torch build has the CPU int4 kernel and it computes ``(code - 8) * s + z``."""
-    def check():
-        g = torch.Generator().manual_seed(0)
-        q = quantize_int4(torch.randn(64, 64, generator=g))
-        x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
-        y = Int4Linear(q)(x).float()
-        ref = x.float() @ q.dequantize().t()
-        return torch.allclose(y, ref, rtol=2e-2, atol=5e-2)
-    return _probe(check)
+    return _kernel_works(quantize_int4, Int4Linear)
 
 
-@functools.cache
 def int8_supported() -> bool:
-    def check():
-        g = torch.Generator().manual_seed(0)
-        q = quantize_int8(torch.randn(64, 64, generator=g))
-        x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
-        return torch.allclose(Int8Linear(q)(x).float(), x.float() @ q.dequantize().t(), rtol=2e-2, atol=5e-2)
-    return _probe(check)
+    return _kernel_works(quantize_int8, Int8Linear)
 
 
 class Int4Linear:
