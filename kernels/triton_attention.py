@@ -87,6 +87,32 @@ def _dot(a, b, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, block_size, stride_cb, stride_cs, kvh, stride_ch, d,
+             D: tl.constexpr):
+    """The keys and values of context positions ``pos`` (``valid`` ones; zeros elsewhere) through the block table."""
+    blk = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
+    off = blk * stride_cb + (pos % block_size).to(tl.int64) * stride_cs + kvh * stride_ch
+    kv_mask = valid[:, None] & (d[None, :] < D)
+    k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _online_softmax(scores, v, m_i, l_i, acc, DOT_F32: tl.constexpr):
+    """One tile of the running softmax: the new max, normaliser and weighted sum of values."""
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp(m_i - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_F32:
+        acc = acc * alpha[:, None] + _dot(p, v, DOT_F32)
+    else:
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, rows_ptr, tables_ptr, bounds_ptr, part_o_ptr, part_ml_ptr,
     scale, split_len, num_splits, table_stride, block_size,
@@ -120,22 +146,10 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
-        blk = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
-        off = blk * stride_cb + (pos % block_size).to(tl.int64) * stride_cs + kvh * stride_ch
-        kv_mask = valid[:, None] & (d[None, :] < D)
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, block_size, stride_cb, stride_cs, kvh, stride_ch, d, D)
         scores = _dot(q, tl.trans(k), DOT_F32) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + _dot(p, v, DOT_F32)
-        else:
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(scores, v, m_i, l_i, acc, DOT_F32)
 
     # partials laid out [rows, heads, splits, ...]
     part = (b.to(tl.int64) * HEADS + head) * num_splits + s
@@ -208,25 +222,13 @@ def _prefill_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < hi
-        blk = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
-        off = blk * stride_cb + (pos % block_size).to(tl.int64) * stride_cs + kvh * stride_ch
-        kv_mask = valid[:, None] & (d[None, :] < D)
-        k = tl.load(k_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, table, pos, valid, block_size, stride_cb, stride_cs, kvh, stride_ch, d, D)
         scores = _dot(q, tl.trans(k), DOT_F32) * scale
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             allowed = allowed & (pos[None, :] > q_pos[:, None] - window)
         scores = tl.where(allowed, scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + _dot(p, v, DOT_F32)
-        else:
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_F32)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax(scores, v, m_i, l_i, acc, DOT_F32)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
              mask=q_ok[:, None] & (d[None, :] < D))
