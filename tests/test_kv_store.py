@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from chatkv.errors import SnapshotInvalid
 from chatkv.storage import kv_store
 from chatkv.storage.kv_store import FORMAT_VERSION, KVStore, SnapshotMeta, token_hash
+from tests.processes import quit_child
 
 FP = "model-fp-1"
 LAYERS, HEADS, HEAD_DIM = 3, 2, 16
@@ -555,16 +556,7 @@ def test_kill_9_never_leaves_a_partial_snapshot(tmp_path):
             seen[name] += 1
             had_snapshot = True
     finally:
-        try:
-            proc.stdin.write("quit\n")
-            proc.stdin.flush()
-        except OSError:
-            pass
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        quit_child(proc, 10)
     print(f"kill -9 outcomes over {trials} trials: {seen}, killed mid-write {temps_removed}x")
     assert seen["A"] + seen["B"] >= trials // 5, seen
     assert temps_removed >= 1, "no kill landed inside a write: the test did not test atomicity"
