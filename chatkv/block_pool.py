@@ -9,7 +9,13 @@ free + referenced == total and no block is both.
 
 Only this module and the attention kernels (which get ``kv`` from the model
 runner) know the tensor's layout: everyone else moves KV in and out with
-``read`` and ``write``, as per-token ``[layers, 2, tokens, kv_heads, head_dim]``.
+``read`` and ``write``, as per-token ``[layers, 2, tokens, kv_heads, row_dim]``.
+
+Quantised KV (``quant`` = ``int8`` or ``fp8_e4m3``, chatkv.kernels.kv_quant): the tensor
+holds bytes, and a row (one token, one head) is ``head_dim`` quantised values followed by
+their float32 scale, so ``row_dim = head_dim + 4``; unquantised, ``row_dim = head_dim``.
+``read``, ``write``, ``copy_blocks`` and the host tier move rows as they are, so the
+quantised form and its scales travel together wherever KV goes.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from collections import deque
 import torch
 
 from chatkv.errors import OutOfBlocks
+from chatkv.kernels import kv_quant
 
 
 class BlockPool:
@@ -31,13 +38,21 @@ class BlockPool:
         head_dim: int = 0,
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
+        quant: str | None = None,
     ) -> None:
+        """``dtype``: the KV's float dtype; with ``quant`` the pool stores quantised rows (uint8)
+        instead, and ``dtype`` is what they dequantise to for callers that ask for floats."""
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.quant = quant
+        self.float_dtype = dtype
+        self._head_dim = head_dim
+        row = kv_quant.row_width(quant, head_dim) if num_layers else head_dim
         # with num_layers == 0 the pool only manages ids (used by cache-only tests)
         self.kv = torch.zeros(
-            num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device
+            num_layers, 2, num_blocks, block_size, num_kv_heads, row,
+            dtype=kv_quant.STORAGE if quant else dtype, device=device,
         )
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
@@ -52,7 +67,18 @@ class BlockPool:
 
     @property
     def head_dim(self) -> int:
+        """The model's head dim (the width of a key or value)."""
+        return self._head_dim
+
+    @property
+    def row_dim(self) -> int:
+        """Elements of one stored row: ``head_dim``, plus 4 scale bytes when quantised."""
         return self.kv.shape[5]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token takes in this pool, every layer, keys and values (scales included)."""
+        return self.kv.shape[0] * 2 * self.kv.shape[4] * self.kv.shape[5] * self.kv.element_size()
 
     @property
     def num_free(self) -> int:
@@ -87,13 +113,15 @@ class BlockPool:
 
     def read(self, blocks: list[int], num_tokens: int) -> torch.Tensor:
         """KV of the first ``num_tokens`` tokens held in ``blocks`` (in order), as one new
-        tensor ``[layers, 2, num_tokens, kv_heads, head_dim]`` (one gather copy)."""
+        tensor ``[layers, 2, num_tokens, kv_heads, row_dim]`` in the stored form (one gather copy)."""
         assert num_tokens <= len(blocks) * self.block_size, "more tokens than the blocks hold"
         return self.kv[:, :, blocks].flatten(2, 3)[:, :, :num_tokens]
 
     def write(self, blocks: list[int], first: int, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
-        """Store per-layer keys and values ``[tokens, kv_heads, head_dim]`` into consecutive slots of
-        ``blocks``, starting at offset ``first`` of ``blocks[0]`` (converted to the pool's dtype)."""
+        """Store per-layer keys and values ``[tokens, kv_heads, row_dim]`` in the stored form (as
+        ``read`` gives them) into consecutive slots of ``blocks``, starting at offset ``first`` of
+        ``blocks[0]``. Unquantised, any float dtype is converted; a quantised pool also takes
+        float ``[tokens, kv_heads, head_dim]`` and quantises it."""
         n = k[0].shape[0] if k else 0
         assert len(k) == len(v) == self.kv.shape[0], "one key and one value tensor per layer"
         assert first + n <= len(blocks) * self.block_size, "more tokens than the blocks hold"
@@ -102,8 +130,24 @@ class BlockPool:
         slots = (ids[:, None] * bs + torch.arange(bs)).flatten()[first : first + n].to(self.kv.device)
         flat = self.kv.flatten(2, 3)  # [layers, 2, slots, kv_heads, head_dim], a view
         for i in range(len(k)):
-            flat[i, 0].index_copy_(0, slots, k[i].to(flat.dtype))
-            flat[i, 1].index_copy_(0, slots, v[i].to(flat.dtype))
+            flat[i, 0].index_copy_(0, slots, self._stored(k[i]))
+            flat[i, 1].index_copy_(0, slots, self._stored(v[i]))
+
+    def _stored(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is None:
+            return x.to(self.kv.dtype)
+        if x.dtype == self.kv.dtype and x.shape[-1] == self.row_dim:
+            return x
+        assert x.is_floating_point() and x.shape[-1] == self.head_dim, (
+            f"a {self.quant} pool takes stored rows (uint8, {self.row_dim} wide) or floats {self.head_dim} wide, "
+            f"not {x.dtype} {x.shape[-1]} wide")
+        return kv_quant.quantize(x, self.quant)
+
+    def dequantized(self, stored: torch.Tensor) -> torch.Tensor:
+        """Rows in the stored form (from ``read``) as float values ``[..., head_dim]``."""
+        if self.quant is None:
+            return stored
+        return kv_quant.dequantize(stored, self.quant, self.float_dtype)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy the KV of blocks ``src`` into blocks ``dst`` (pairwise; copy-on-write)."""

@@ -9,6 +9,7 @@ from chatkv.errors import InvalidRequest
 OVERFLOW_POLICIES = ("sink", "truncate", "error")
 WEIGHTS = ("auto", "bf16", "fp32", "int4", "int8")  # chatkv.weight_modes
 HEADS = ("auto", "float", "int8", "int4")
+KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8", "fp8")  # chatkv.model_runner.kv_format
 
 
 @dataclass
@@ -22,6 +23,7 @@ class EngineConfig:
     device: str = "cpu"
     weights: str = "auto"  # auto | bf16 | fp32 | int4 | int8 (chatkv.weight_modes: auto = a GGUF's own int4, else the float model)
     head_weights: str = "auto"  # the output matrix: auto (= float) | float | int8 | int4
+    kv_dtype: str = "auto"  # the KV cache: auto (= the model's dtype) | bf16 | fp16 | fp32 | int8 | fp8 (e4m3, per-token scales)
     quant_dense_rows: int = 16  # int4/int8: steps of this many rows or more use a bf16 copy (faster prefill; 0: 4-bit only, less memory)
     tenant: str = ""  # salt of the prefix-cache namespace: tenants never share KV
     enable_prefix_caching: bool = True
@@ -57,6 +59,8 @@ class EngineConfig:
             raise InvalidRequest(f"host_cache_bytes must be an int >= 0, got {cfg.host_cache_bytes!r}")
         if isinstance(cfg.quant_dense_rows, bool) or not isinstance(cfg.quant_dense_rows, int) or cfg.quant_dense_rows < 0:
             raise InvalidRequest(f"quant_dense_rows must be an int >= 0, got {cfg.quant_dense_rows!r}")
+        if cfg.kv_dtype not in KV_DTYPES:
+            raise InvalidRequest(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {cfg.kv_dtype!r}")
         if cfg.max_batch_tokens < 1:
             raise InvalidRequest(f"max_batch_tokens must be >= 1, got {cfg.max_batch_tokens}")
         return cfg

@@ -55,8 +55,8 @@ class Engine:
         log.info("weights: %s", self.weights.label)
         self.fingerprint = self.weights.fingerprint(
             model_fingerprint(self.model_dir, self.config.data_dir or os.environ.get("CHATKV_HOME")))
-        self.kv_dtype = str(self.model.dtype).removeprefix("torch.")
         self.runner = ModelRunner(self.model, self.config)
+        self.kv_dtype = self.runner.kv_format.name  # in the cache namespace and every snapshot header
         self.kv = KVManager(
             self.runner.pool, (self.fingerprint, self.kv_dtype, self.config.tenant), self.config.enable_prefix_caching,
             host=self.runner.host_pool,
@@ -253,7 +253,7 @@ class Engine:
 
     def shift_keys(self, blocks: list[int], delta: int) -> None:
         """Re-rotate the keys in ``blocks`` of the KV pool by ``delta`` positions (attention-sink windows)."""
-        self.model.shift_key_positions(self.runner.pool.kv, blocks, delta)
+        self.model.shift_key_positions(self.runner.pool.kv, blocks, delta, self.runner.pool.quant)
 
     # -- the loop -----------------------------------------------------------
 

@@ -1,7 +1,8 @@
 """HostPool: the host-memory tier of KV blocks, between the device pool and disk.
 
 Blocks of the same geometry as the device ``BlockPool`` they back
-(``kv[layer, 0|1 (k|v), block, offset, kv_head, head_dim]``, same dtype), in host
+(``kv[layer, 0|1 (k|v), block, offset, kv_head, row_dim]``, same dtype: quantised KV stays
+quantised, its scales in its rows), in host
 memory, with their own count (``for_pool`` derives it from a byte budget) and free
 list. A host block has at most one owner, a host-resident radix node, so ownership
 is a flag, not a count. Invariant (``check_integrity``): free + used == total and no
@@ -67,7 +68,7 @@ class HostPool:
         n = budget_bytes // per_block if per_block else 0
         if n < 1:
             return None
-        return cls(n, pool.block_size, pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.kv.dtype, pool.kv.device)
+        return cls(n, pool.block_size, pool.num_layers, pool.num_kv_heads, pool.row_dim, pool.kv.dtype, pool.kv.device)
 
     @property
     def num_free(self) -> int:

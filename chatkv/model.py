@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from chatkv.errors import ModelNotFound, UnsupportedModel
-from chatkv.kernels import AttentionMetadata, attention_backend
+from chatkv.kernels import AttentionMetadata, attention_backend, kv_quant
 from chatkv.quant import GROUP, Int4Linear, Int8Linear, Q4Weight, quantize_int4, quantize_int8
 from chatkv.weights.gguf import read_q4
 from chatkv.weights.loading import load_config, read_weights
@@ -239,6 +239,7 @@ class LlamaModel:
 
     @property
     def kv_bytes_per_token(self) -> int:
+        """KV bytes per token at the model's own dtype (the pool's actual figure: BlockPool.bytes_per_token)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -274,7 +275,7 @@ class LlamaModel:
         return cs[:, 0:1], cs[:, 1:2]
 
     @torch.inference_mode()
-    def shift_key_positions(self, kv: torch.Tensor, blocks: list[int], delta: int) -> None:
+    def shift_key_positions(self, kv: torch.Tensor, blocks: list[int], delta: int, quant: str | None = None) -> None:
         """Move the keys held in ``blocks`` of the pool tensor ``kv`` by ``delta`` positions, in place.
 
         RoPE rotations compose, R(p + delta) = R(delta) R(p), so a key stored at position p
@@ -282,6 +283,7 @@ class LlamaModel:
         window re-assigns positions after dropping tokens (StreamingLLM). The angle is taken in
         float64 and the rotation computed in float32; only the rotation (not any RoPE attention
         scaling, which both positions share) is applied. Values are position-free: untouched.
+        Quantised keys (``quant``) are dequantised, rotated and quantised again (new scales).
         """
         if not blocks or delta == 0:
             return
@@ -292,9 +294,11 @@ class LlamaModel:
         sin[:half] = -sin[:half]
         idx = torch.tensor(blocks, dtype=torch.long, device=kv.device)
         for layer in range(kv.shape[0]):
-            keys = kv[layer, 0]  # [blocks, block_size, kv_heads, head_dim], contiguous
-            k = keys.index_select(0, idx).float()
-            keys.index_copy_(0, idx, (k * cos + torch.cat((k[..., half:], k[..., :half]), dim=-1) * sin).to(kv.dtype))
+            keys = kv[layer, 0]  # [blocks, block_size, kv_heads, row], contiguous
+            stored = keys.index_select(0, idx)
+            k = kv_quant.dequantize(stored, quant, torch.float32) if quant else stored.float()
+            k = k * cos + torch.cat((k[..., half:], k[..., :half]), dim=-1) * sin
+            keys.index_copy_(0, idx, kv_quant.quantize(k, quant) if quant else k.to(kv.dtype))
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -310,10 +314,12 @@ class LlamaModel:
         kv: torch.Tensor,
         metas: dict[int | None, AttentionMetadata],
         logits_rows: torch.Tensor,
+        quant: str | None = None,
     ) -> torch.Tensor:
         """Compute one flattened step.
 
-        input_ids, positions: ``[T]``; kv: the pool tensor ``[layers, 2, blocks, block_size, kv_heads, head_dim]``;
+        input_ids, positions: ``[T]``; kv: the pool tensor ``[layers, 2, blocks, block_size, kv_heads, row]``
+        (quantised rows when ``quant`` is set: chatkv.kernels.kv_quant);
         metas: attention metadata per sliding-window value (None = full attention);
         logits_rows: indices into the T tokens whose next-token logits are wanted.
         Returns float32 logits ``[len(logits_rows), vocab]``.
@@ -338,8 +344,8 @@ class LlamaModel:
                 qk = self._rms(qk, layer.qk_norm)
             qk = self._rotate(qk, cos, sin)
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
-            self.store_kv(k_cache, v_cache, slot_mapping, k, v)
-            o = self.attention(q, k_cache, v_cache, metas[layer.window], self.scale).reshape(t, nh * d)
+            self.store_kv(k_cache, v_cache, slot_mapping, k, v, quant=quant)
+            o = self.attention(q, k_cache, v_cache, metas[layer.window], self.scale, quant=quant).reshape(t, nh * d)
             if o_pad is not None:
                 o = torch.cat((o, o_pad))
             h.add_(layer.o(o))  # in place: h is the step's own tensor (the embedding's output), same math

@@ -17,7 +17,7 @@ import torch
 from chatkv.block_pool import BlockPool
 from chatkv.config import EngineConfig
 from chatkv.host_pool import HostPool
-from chatkv.kernels import AttentionMetadata, build_metadata
+from chatkv.kernels import AttentionMetadata, build_metadata, kv_quant
 from chatkv.model import LlamaModel
 from chatkv.sampling import sample
 from chatkv.sequence import Sequence
@@ -39,17 +39,53 @@ class Batch:
     logits_rows: torch.Tensor  # rows of the T tokens whose logits are computed
 
 
-def pool_blocks(model: LlamaModel, config: EngineConfig) -> int:
+@dataclass(frozen=True)
+class KVFormat:
+    """How the KV cache is stored: a float dtype, or quantised rows (``quant``) that dequantise to ``dtype``."""
+
+    dtype: torch.dtype
+    quant: str | None
+    name: str  # the kv dtype in the cache namespace and in snapshot headers
+
+    def bytes_per_token(self, model: LlamaModel) -> int:
+        row = kv_quant.row_width(self.quant, model.head_dim)
+        size = 1 if self.quant else torch.finfo(self.dtype).bits // 8
+        return 2 * model.num_layers * model.num_kv_heads * row * size
+
+
+_FLOAT_KV = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+_QUANT_KV = {"int8": "int8", "fp8": "fp8_e4m3"}
+
+
+def kv_format(kv_dtype: str, model_dtype: torch.dtype) -> KVFormat:
+    """The KV format of the option ``kv_dtype`` (EngineConfig) for a model computing in ``model_dtype``.
+
+    Its ``name`` is the model dtype's for ``auto`` (``bfloat16``: what snapshots always said);
+    any other format also names the model dtype (``int8@bfloat16``), because the same KV
+    computed in another dtype is other KV."""
+    model_name = str(model_dtype).removeprefix("torch.")
+    if kv_dtype == "auto" or _FLOAT_KV.get(kv_dtype) == model_dtype:
+        return KVFormat(model_dtype, None, model_name)
+    if kv_dtype in _FLOAT_KV:
+        dt = _FLOAT_KV[kv_dtype]
+        return KVFormat(dt, None, f"{str(dt).removeprefix('torch.')}@{model_name}")
+    quant = _QUANT_KV[kv_dtype]
+    return KVFormat(model_dtype, quant, f"{quant}@{model_name}")
+
+
+def pool_blocks(model: LlamaModel, config: EngineConfig, fmt: KVFormat | None = None) -> int:
     """Blocks in the pool: ``num_blocks`` if given, else what ``kv_cache_bytes`` holds."""
-    return config.num_blocks or max(2, config.kv_cache_bytes // (model.kv_bytes_per_token * config.block_size))
+    per_token = (fmt or kv_format(config.kv_dtype, model.dtype)).bytes_per_token(model)
+    return config.num_blocks or max(2, config.kv_cache_bytes // (per_token * config.block_size))
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, config: EngineConfig):
         self.model = model
+        self.kv_format = kv_format(config.kv_dtype, model.dtype)
         self.pool = BlockPool(
-            pool_blocks(model, config), config.block_size, model.num_layers, model.num_kv_heads, model.head_dim,
-            dtype=model.dtype, device=config.device,
+            pool_blocks(model, config, self.kv_format), config.block_size, model.num_layers, model.num_kv_heads,
+            model.head_dim, dtype=self.kv_format.dtype, device=config.device, quant=self.kv_format.quant,
         )
         # the host-memory tier backs the shared prefix cache: none without it
         self.host_pool = HostPool.for_pool(self.pool, config.host_cache_bytes) if config.enable_prefix_caching else None
@@ -79,7 +115,8 @@ class ModelRunner:
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Float32 logits ``[len(logits_rows), vocab]`` on the CPU; stores the new tokens' KV."""
-        return self.model.forward(batch.input_ids, batch.positions, self.pool.kv, batch.metas, batch.logits_rows).cpu()
+        return self.model.forward(batch.input_ids, batch.positions, self.pool.kv, batch.metas, batch.logits_rows,
+                                  self.pool.quant).cpu()
 
     def run(self, plan: list[tuple[Sequence, int]]) -> dict[Sequence, int | Exception]:
         """Compute a scheduler plan; return the next token of every sequence whose prompt is now

@@ -157,7 +157,7 @@ class Snapshots:
         """Whether ``man`` holds KV this engine computes (model, kv dtype, geometry)."""
         pool = self.kv.pool
         return (man.model_fingerprint, man.kv_dtype, man.geometry()) == (
-            self.fingerprint, self.kv_dtype, (pool.num_layers, pool.num_kv_heads, pool.head_dim))
+            self.fingerprint, self.kv_dtype, (pool.num_layers, pool.num_kv_heads, pool.row_dim))
 
     def _continues(self, t: _Track, tokens: Sequence[int]) -> bool:
         """Whether the tokens stored (or queued) are a prefix of ``tokens``."""
@@ -357,7 +357,7 @@ class Snapshots:
             pool = self.kv.pool
             log.warning("snapshot of %s unusable (stored for model %r, kv dtype %s, geometry %s; this engine: %r, %s, %s); "
                         "recomputing", conv_id, man.model_fingerprint, man.kv_dtype, man.geometry(), self.fingerprint,
-                        self.kv_dtype, (pool.num_layers, pool.num_kv_heads, pool.head_dim))
+                        self.kv_dtype, (pool.num_layers, pool.num_kv_heads, pool.row_dim))
             self._discard(conv_id)
             return None, 0
         ns = {} if namespace is None else {"namespace": namespace}

@@ -1,7 +1,8 @@
 """Attention over paged KV: the torch reference (CPU, and the oracle for Triton).
 
 Layout (owned by chatkv.block_pool, restated here as the kernel contract):
-``k_cache`` and ``v_cache`` of one layer are ``[num_blocks, block_size, kv_heads, head_dim]``;
+``k_cache`` and ``v_cache`` of one layer are ``[num_blocks, block_size, kv_heads, head_dim]``
+(quantised KV: uint8 rows of ``head_dim + 4``, the values then their scale; kernels/kv_quant.py);
 token ``t`` of a sequence lives in slot ``block_table[t // block_size] * block_size + t % block_size``.
 
 One step flattens a batch of sequences: sequence ``i`` brings ``query_lens[i]`` new tokens
@@ -26,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from chatkv.kernels import kv_quant
 
 
 @dataclass
@@ -125,17 +128,28 @@ def build_metadata(
     )
 
 
-def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Write new keys/values ``[tokens, kv_heads, head_dim]`` into their slots."""
-    kv_heads, head_dim = k_cache.shape[-2:]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+def store_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    quant: str | None = None,
+) -> None:
+    """Write new keys/values ``[tokens, kv_heads, head_dim]`` into their slots; with ``quant``
+    (``int8``, ``fp8_e4m3``) the caches hold quantised rows and the new ones are quantised here
+    (chatkv.kernels.kv_quant)."""
+    kv_heads, row = k_cache.shape[-2:]
+    if quant is not None:
+        k, v = kv_quant.quantize(k, quant), kv_quant.quantize(v, quant)
+    k_cache.view(-1, kv_heads, row).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, row).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, rows: int, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """Keys (or values) of ``blocks`` as ``[rows, kv_heads, kv_len, head_dim]`` (a view after one copy)."""
-    num_blocks, block_size, kv_heads, head_dim = cache.shape
-    x = cache.index_select(0, blocks).view(rows, -1, kv_heads, head_dim)[:, :kv_len]
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, rows: int, kv_len: int, dtype: torch.dtype,
+            quant: str | None = None) -> torch.Tensor:
+    """Keys (or values) of ``blocks`` as ``[rows, kv_heads, kv_len, head_dim]`` in ``dtype`` (one
+    gather copy; quantised rows are dequantised after the gather, so only what is read is)."""
+    num_blocks, block_size, kv_heads, row = cache.shape
+    x = cache.index_select(0, blocks).view(rows, -1, kv_heads, row)[:, :kv_len]
+    if quant is not None:
+        return kv_quant.dequantize(x, quant, dtype).transpose(1, 2)
     return x.transpose(1, 2).to(dtype)
 
 
@@ -145,10 +159,12 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    quant: str | None = None,
 ) -> torch.Tensor:
     """Attention of the step's queries ``[tokens, heads, head_dim]`` over their paged contexts.
 
-    The new tokens' K/V must already be stored (``store_kv``). Returns ``[tokens, heads, head_dim]``.
+    The new tokens' K/V must already be stored (``store_kv``, with the same ``quant``).
+    Returns ``[tokens, heads, head_dim]``.
     """
     tokens, heads, head_dim = q.shape
     kv_heads = k_cache.shape[-2]
@@ -161,8 +177,8 @@ def paged_attention(
         # [kv_heads, group * q_len, head_dim]: the query heads of one KV head stacked
         qs = q[p.start : p.start + p.q_len].view(p.q_len, kv_heads, group, head_dim).permute(1, 2, 0, 3)
         qs = qs.reshape(kv_heads, group * p.q_len, head_dim)
-        ks = _gather(k_cache, p.blocks, 1, p.kv_len, q.dtype)[0]
-        vs = _gather(v_cache, p.blocks, 1, p.kv_len, q.dtype)[0]
+        ks = _gather(k_cache, p.blocks, 1, p.kv_len, q.dtype, quant)[0]
+        vs = _gather(v_cache, p.blocks, 1, p.kv_len, q.dtype, quant)[0]
         # 4-D inputs: with 3-D ones CPU SDPA takes its slow generic path (~3x slower for long prefixes)
         o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=p.mask.repeat(group, 1), scale=scale)[0]
         out[p.start : p.start + p.q_len] = o.view(kv_heads, group, p.q_len, head_dim).permute(2, 0, 1, 3).reshape(
@@ -172,8 +188,8 @@ def paged_attention(
         b = meta.decode_rows.shape[0]
         qs = q if out is None else q.index_select(0, meta.decode_rows)
         qs = qs.view(b, kv_heads, group, head_dim)
-        ks = _gather(k_cache, meta.decode_blocks, b, meta.decode_kv_len, q.dtype)
-        vs = _gather(v_cache, meta.decode_blocks, b, meta.decode_kv_len, q.dtype)
+        ks = _gather(k_cache, meta.decode_blocks, b, meta.decode_kv_len, q.dtype, quant)
+        vs = _gather(v_cache, meta.decode_blocks, b, meta.decode_kv_len, q.dtype, quant)
         o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.decode_mask, scale=scale).view(b, heads, head_dim)
         if out is None:
             return o

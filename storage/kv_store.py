@@ -5,7 +5,9 @@ and the checks on load cannot drift apart.)
 
 A snapshot holds, for every layer ``i``, the keys ``k.i`` and values ``v.i`` of
 the first ``T`` tokens of a conversation, laid out by token (shape
-``[T, num_kv_heads, head_dim]``, independent of the engine's block size), plus
+``[T, num_kv_heads, head_dim]``, independent of the engine's block size; quantised
+kv dtypes, ``int8@...`` and ``fp8_e4m3@...``, store uint8 rows whose last 4 bytes are
+the row's scale, and ``head_dim`` is that row's width), plus
 the tensor ``token_ids`` (int64 ``[T]``). The safetensors header metadata
 (str -> str) records:
 
@@ -69,6 +71,9 @@ from chatkv.storage.files import atomic_write, make_private_dir
 __all__ = ["FORMAT_VERSION", "SnapshotMeta", "KVStore", "token_hash"]
 
 FORMAT_VERSION = 1
+# kv dtypes whose tensors are rows of bytes: head_dim quantised values, then the row's float32
+# scale (chatkv.kernels.kv_quant); the header's head_dim is then the row's width (head_dim + 4)
+QUANTISED = ("int8", "fp8_e4m3")
 SUFFIX = ".safetensors"
 
 log = logging.getLogger("chatkv.storage")
@@ -119,7 +124,17 @@ def _check_key(key: str) -> str:
 
 
 def _torch_dtype(kv_dtype: str) -> torch.dtype:
-    dt = getattr(torch, kv_dtype, None) if isinstance(kv_dtype, str) else None
+    """The tensors' dtype for a kv dtype name: a torch dtype name (``bfloat16``), optionally
+    ``@`` the dtype the KV was computed in (``float32@bfloat16``); quantised KV
+    (``int8@...``, ``fp8_e4m3@...``) is stored as its uint8 rows."""
+    if not isinstance(kv_dtype, str):
+        raise ValueError(f"unknown kv dtype {kv_dtype!r}")
+    stored, _, computed = kv_dtype.partition("@")
+    if computed and not isinstance(getattr(torch, computed, None), torch.dtype):
+        raise ValueError(f"unknown kv dtype {kv_dtype!r}")
+    if stored in QUANTISED:
+        return torch.uint8
+    dt = getattr(torch, stored, None)
     if not isinstance(dt, torch.dtype):
         raise ValueError(f"unknown kv dtype {kv_dtype!r}")
     return dt

@@ -28,8 +28,9 @@ LAYERS, HEADS, HEAD_DIM = 3, 2, 16
 
 def make_kv(n, dtype=torch.bfloat16, layers=LAYERS, heads=HEADS, head_dim=HEAD_DIM, seed=0):
     g = torch.Generator().manual_seed(seed)
-    if dtype == torch.int8:
-        mk = lambda: torch.randint(-128, 128, (n, heads, head_dim), generator=g, dtype=torch.int8)  # noqa: E731
+    if dtype in (torch.int8, torch.uint8):
+        lo, hi = (-128, 128) if dtype == torch.int8 else (0, 256)
+        mk = lambda: torch.randint(lo, hi, (n, heads, head_dim), generator=g, dtype=dtype)  # noqa: E731
     else:
         mk = lambda: torch.randn(n, heads, head_dim, generator=g).to(dtype)  # noqa: E731
     return [mk() for _ in range(layers)], [mk() for _ in range(layers)]
@@ -146,13 +147,19 @@ def test_shared_and_sliced_inputs(store):
     assert same_bits(torch.stack(k2), big[0]) and same_bits(torch.stack(v2), big[1])
 
 
-def test_int8_round_trip(store):
+@pytest.mark.parametrize("kv_dtype", ["int8@float32", "fp8_e4m3@bfloat16"])
+def test_quantised_rows_round_trip(store, kv_dtype):
+    """Quantised KV is stored as its uint8 rows (values, then the row's scale bytes)."""
     ids = tokens(20)
-    k, v = make_kv(20, torch.int8)
-    meta = store.save("q", ids, k, v, model_fingerprint=FP, kv_dtype="int8")
-    assert meta.extra_tensors == ()
-    k2, v2, n = store.load("q", **load_args(ids, kv_dtype="int8"))
+    k, v = make_kv(20, torch.uint8)
+    meta = store.save("q", ids, k, v, model_fingerprint=FP, kv_dtype=kv_dtype)
+    assert meta.extra_tensors == () and meta.kv_dtype == kv_dtype
+    k2, v2, n = store.load("q", **load_args(ids, kv_dtype=kv_dtype))
     assert n == 20 and all(same_bits(a, b) for a, b in zip(k + v, k2 + v2))
+    with pytest.raises(ValueError, match="expected torch.uint8"):
+        store.save("q", ids, *make_kv(20, torch.int8), model_fingerprint=FP, kv_dtype=kv_dtype)
+    with pytest.raises(ValueError, match="unknown kv dtype"):
+        store.save("q", ids, k, v, model_fingerprint=FP, kv_dtype="int8@nonsense")
 
 
 def test_extra_tensors_are_refused_and_kept(saved):
