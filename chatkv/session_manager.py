@@ -91,6 +91,11 @@ class SessionManager:
         """The KV every open session holds (for integrity checks)."""
         return [s.kept for s in self.live.values()]
 
+    def in_memory(self) -> list[str]:
+        """Ids of the open sessions whose KV is held in memory now (read-only; any thread:
+        a snapshot of the dict, so a session opening meanwhile may be missed)."""
+        return [sid for sid, s in list(self.live.items()) if s.kept is not None]
+
     # -- sessions -----------------------------------------------------------
 
     def create(

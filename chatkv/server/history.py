@@ -27,6 +27,7 @@ import json
 import threading
 from array import array
 from collections import OrderedDict
+from itertools import islice
 
 from chatkv.errors import check_text
 from chatkv.turns import TurnRenderer
@@ -89,6 +90,13 @@ class HistoryTokens:
             with self._lock:
                 self.misses += 1
         return self._encode(self._render(messages, True)), 0
+
+    def recent_keys(self, n: int) -> list[bytes]:
+        """The ``n`` most recently used prefix keys (newest last): what a replica reports to
+        ``chatkv serve --ray``'s router (``ray_routing.py``)."""
+        with self._lock:
+            keys = list(islice(reversed(self._lru), max(n, 0)))
+        return keys[::-1]
 
     def record(self, messages: list[dict], reply: str, prompt_ids: list[int], generated: list[int],
                stopped_by_string: bool = False) -> None:
