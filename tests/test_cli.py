@@ -291,3 +291,15 @@ def test_a_message_longer_than_the_context_is_one_error_line_and_the_chat_goes_o
     assert len(errors) == 1 and "context window of 1024" in errors[0], err
     assert not [r for r in warned if "Token indices" in r.getMessage()]  # no extra lines from transformers
     assert err.count("generated") == 2 and "Traceback" not in err  # the message after it got a reply
+
+
+def test_kv_dtype_option_stores_the_conversation_quantised(model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("CHATKV_HOME", str(tmp_path))
+    monkeypatch.setattr("sys.stdin", _pipe("What is the capital of France?\n"))
+    assert main(["--model", model_dir, "--max-tokens", "3", "--kv-dtype", "int8"]) == 0
+    assert capsys.readouterr().out.strip()
+    manifests = list((tmp_path / "kv").glob("*.json"))
+    assert len(manifests) == 1 and '"kv_dtype": "int8@' in manifests[0].read_text()
+    with pytest.raises(SystemExit) as e:
+        main(["--model", model_dir, "--kv-dtype", "int4"])
+    assert e.value.code == 2 and "--kv-dtype: invalid choice: 'int4'" in capsys.readouterr().err

@@ -23,7 +23,7 @@ import argparse
 import sys
 
 from chatkv import ChatKVError, InvalidRequest
-from chatkv.config import HEADS, OVERFLOW_POLICIES, WEIGHTS
+from chatkv.config import HEADS, KV_DTYPES, OVERFLOW_POLICIES, WEIGHTS
 from chatkv.engine import Engine
 from chatkv.outputs import GenerationResult, Reply
 from chatkv.sampling import SamplingParams
@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
                         "model), bf16, fp32, int4 or int8")
     p.add_argument("--head-weights", choices=HEADS, default=None,
                    help="the output matrix: auto (default: int8 with a GGUF's int4, else float), float, int8 or int4")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                   help="how the KV cache is stored: auto (default: the model's dtype), bf16, fp16, fp32, int8 or fp8 "
+                        "(int8/fp8: about half the memory and snapshot bytes of bf16; see the README for their quality)")
     return p
 
 
@@ -203,7 +206,7 @@ def _open_app(args: argparse.Namespace, sampling: dict) -> int:
 def _engine_options(args: argparse.Namespace) -> dict:
     """Engine options given on the command line (the rest keep their defaults)."""
     opts = {"overflow": args.overflow, "context_window": args.context_window, "weights": args.weights,
-            "head_weights": args.head_weights}
+            "head_weights": args.head_weights, "kv_dtype": args.kv_dtype}
     return {k: v for k, v in opts.items() if v is not None}
 
 
