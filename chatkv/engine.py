@@ -425,6 +425,11 @@ class Engine:
 
     # -- state ----------------------------------------------------------------
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV bytes one token takes in the pool: every layer, keys and values, scales included."""
+        return self.runner.pool.bytes_per_token
+
     def kv_stats(self) -> dict[str, int]:
         """KV pool and prefix-cache counts (blocks total/free/cached/evictable, tree nodes, pins, retained;
         with the host tier: host_blocks_total/used, evicted_to_host, host_hits, host_evicted)."""

@@ -266,6 +266,7 @@ async def test_slash_commands(engine, model_dir, tmp_path):
         assert users == ["Name a prime.", "Name a prime."]
         await say(pilot, app, "/stats")
         assert "| 2 |" in messages(app)[-1].text and "KV pool" in messages(app)[-1].text
+        assert f"{engine.kv_dtype}, {engine.kv_bytes_per_token} bytes a token" in messages(app)[-1].text
         await say(pilot, app, "/settings")
         assert isinstance(app.screen, SettingsScreen)
         app.screen.query_one("#temperature").value = "0.5"

@@ -205,6 +205,7 @@ class CommandsMixin:
         if n == 0:
             rows = ["*No turns in this conversation yet.*"]
         kv_line = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in kv.items())
+        kv_line = f"{self.engine.kv_dtype}, {self.engine.kv_bytes_per_token} bytes a token; " + kv_line
         await self.note("**Turns**\n\n" + "\n".join(rows) + f"\n\n**KV pool**: {kv_line}")
         self._kv = kv or getattr(self, "_kv", None)
         self._update_status()
