@@ -57,8 +57,9 @@ def quantize(x: torch.Tensor, quant: str) -> torch.Tensor:
     d = x.shape[-1]
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True) / qmax
-    inv = torch.where(scale > 0, 1.0 / scale, torch.zeros_like(scale))
-    y = xf * inv
+    # a division, not a product with 1/scale: exact at the row's largest value, and no overflow
+    # of 1/scale for a subnormal scale; a zero row stays zeros (not 0/0)
+    y = torch.where(scale > 0, xf / scale, torch.zeros_like(xf))
     if quant == "int8":
         q = y.round_().clamp_(-qmax, qmax).to(torch.int8)
     else:
