@@ -212,13 +212,14 @@ def test_a_20k_token_conversation_runs_in_the_memory_of_its_window(model, tmp_pa
     eng.close()
 
 
-def test_a_sink_window_restores_from_disk_to_the_same_window(model, tmp_path):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])  # int8: shifted keys are requantised, then snapshotted
+def test_a_sink_window_restores_from_disk_to_the_same_window(model, tmp_path, kv_dtype):
     _, d = model
     greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     qs = [f"Question {i}: what is the capital of France, and why is the quick brown fox so quick?" for i in range(11)]
 
     def engine(home):
-        return engine_at(d, home, context_window=256, sink_tokens=4, overflow="sink")
+        return engine_at(d, home, context_window=256, sink_tokens=4, overflow="sink", kv_dtype=kv_dtype)
 
     eng = engine(tmp_path / "a")
     s = eng.session(system="You are a helpful assistant.")
