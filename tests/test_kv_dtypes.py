@@ -31,7 +31,8 @@ from chatkv.config import EngineConfig
 from chatkv.engine import Engine
 from chatkv.kernels import kv_quant
 from chatkv.model import LlamaModel
-from chatkv.model_runner import BatchItem, ModelRunner, kv_format
+from chatkv.model_runner import ModelRunner, kv_format
+from chatkv.sampling import SamplingParams
 from tests.test_model_equivalence import Runner, tokens
 from tests.tiny import make_model
 
@@ -255,3 +256,25 @@ def test_snapshot_of_another_kv_dtype_is_recomputed_not_restored(chat_model, tmp
     float_bytes = snapshot_bytes(tmp_path)
     # the float32 snapshot that replaced it holds 1 more turn at 4 bytes a value, vs (64 + 4) / 64 bytes
     assert int8_bytes < float_bytes / 3
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_batched_and_preempted_generation_equals_the_oracle_greedy(pair, kv_dtype):
+    """A pool too small for 4 x (30 + 24) tokens: sequences are preempted and recomputed in a
+    batch; every one still gets the oracle's greedy tokens (transformers generate with its
+    K/V in the stored form)."""
+    ref, _, d = pair
+    engine = Engine(d, EngineConfig(num_blocks=14, block_size=8, kv_dtype=kv_dtype))
+    prompts = [tokens(30, 20 + i) for i in range(4)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    results = engine.generate(prompts, params)
+    assert sum(r.preemptions for r in results) > 0
+    ref.config._attn_implementation = f"chatkv_kv_{kv_dtype}"
+    try:
+        for p, r in zip(prompts, results):
+            out = ref.generate(torch.tensor([p]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                               eos_token_id=None, pad_token_id=0)
+            assert r.token_ids == out[0, len(p):].tolist()
+    finally:
+        ref.config._attn_implementation = "sdpa"
+    engine.check_integrity()
