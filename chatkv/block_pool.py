@@ -41,12 +41,11 @@ class BlockPool:
         quant: str | None = None,
     ) -> None:
         """``dtype``: the KV's float dtype; with ``quant`` the pool stores quantised rows (uint8)
-        instead, and ``dtype`` is what they dequantise to for callers that ask for floats."""
+        instead, which attention dequantises to its queries' dtype."""
         assert num_blocks > 0 and block_size > 0
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.quant = quant
-        self.float_dtype = dtype
         self._head_dim = head_dim
         row = kv_quant.row_width(quant, head_dim) if num_layers else head_dim
         # with num_layers == 0 the pool only manages ids (used by cache-only tests)
@@ -128,7 +127,7 @@ class BlockPool:
         bs = self.block_size
         ids = torch.tensor(blocks, dtype=torch.long)  # long even when empty (nothing to write)
         slots = (ids[:, None] * bs + torch.arange(bs)).flatten()[first : first + n].to(self.kv.device)
-        flat = self.kv.flatten(2, 3)  # [layers, 2, slots, kv_heads, head_dim], a view
+        flat = self.kv.flatten(2, 3)  # [layers, 2, slots, kv_heads, row_dim], a view
         for i in range(len(k)):
             flat[i, 0].index_copy_(0, slots, self._stored(k[i]))
             flat[i, 1].index_copy_(0, slots, self._stored(v[i]))
@@ -142,12 +141,6 @@ class BlockPool:
             f"a {self.quant} pool takes stored rows (uint8, {self.row_dim} wide) or floats {self.head_dim} wide, "
             f"not {x.dtype} {x.shape[-1]} wide")
         return kv_quant.quantize(x, self.quant)
-
-    def dequantized(self, stored: torch.Tensor) -> torch.Tensor:
-        """Rows in the stored form (from ``read``) as float values ``[..., head_dim]``."""
-        if self.quant is None:
-            return stored
-        return kv_quant.dequantize(stored, self.quant, self.float_dtype)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         """Copy the KV of blocks ``src`` into blocks ``dst`` (pairwise; copy-on-write)."""

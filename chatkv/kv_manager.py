@@ -223,8 +223,9 @@ class KVManager:
         return self.cache.drop_namespace(namespace)
 
     def export_kv(self, kept: RetainedKV, start: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Per-layer keys and values ``[kv_len - start, kv_heads, head_dim]`` of the tokens
-        ``start:kv_len`` of a RetainedKV (copies; only the blocks holding them are read)."""
+        """Per-layer keys and values ``[kv_len - start, kv_heads, row_dim]`` of the tokens
+        ``start:kv_len`` of a RetainedKV, in the pool's stored form (quantised rows keep their
+        scales; copies; only the blocks holding them are read)."""
         assert 0 <= start <= kept.kv_len, f"export from token {start} of {kept.kv_len}"
         blocks = self._path_blocks(kept.node)
         assert len(blocks) * self.block_size == kept.kv_len - kept.tail_len, "retained path and length disagree"
