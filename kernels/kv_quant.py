@@ -75,12 +75,11 @@ def dequantize(rows: torch.Tensor, quant: str, dtype: torch.dtype) -> torch.Tens
     _check(quant)
     elem, _ = FORMATS[quant]
     d = rows.shape[-1] - SCALE_BYTES
-    data = rows[..., :d]
-    scale = rows[..., d:]
-    if not rows.is_contiguous():
-        data, scale = data.contiguous(), scale.contiguous()
-    q = data.view(elem)
-    s = scale.view(torch.float32)  # [..., 1]
+    q = rows[..., :d].view(elem)  # same element size: a view even of a strided slice
+    try:  # a view when every row starts 4-byte aligned (any slice of a gather along tokens)
+        s = rows[..., d:].view(torch.float32)  # [..., 1]
+    except RuntimeError:
+        s = rows[..., d:].contiguous().view(torch.float32)
     out = q.float() * s  # scaled in float32, rounded once
     return out if dtype == torch.float32 else out.to(dtype)
 
