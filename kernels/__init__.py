@@ -2,7 +2,8 @@
 
 ``attention_backend(device)`` is the dispatch point: the torch reference in ``attention.py``
 runs everywhere (and is the oracle for any faster kernel); the Triton kernels in
-``triton_attention.py`` take the same arguments and run on CUDA (or on CPU under
+``triton_attention.py`` take the same arguments, ``quant=`` for int8/fp8 KV included (``kv_quant.py``:
+quantised in ``store_kv``, dequantised inside attention), and run on CUDA (or on CPU under
 ``TRITON_INTERPRET=1``, which is how the tests check them).
 """
 
