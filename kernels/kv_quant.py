@@ -56,7 +56,10 @@ def quantize(x: torch.Tensor, quant: str) -> torch.Tensor:
     elem, qmax = FORMATS[quant]
     d = x.shape[-1]
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True) / qmax
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    # divided by a tensor, not a Python number: CUDA turns x / number into x * (1 / number), an ulp off at
+    # times, and the scales (so the bytes) would then depend on the device
+    scale = amax / torch.full_like(amax, qmax)
     # a division, not a product with 1/scale: exact at the row's largest value, and no overflow
     # of 1/scale for a subnormal scale; a zero row stays zeros (not 0/0)
     y = torch.where(scale > 0, xf / scale, torch.zeros_like(xf))
