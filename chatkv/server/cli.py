@@ -15,6 +15,7 @@ import signal
 import sys
 
 from chatkv.config import HEADS, WEIGHTS
+from chatkv.server import ray_cli
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--head-weights", choices=HEADS, default="auto", help="the output matrix: auto, float, int8, int4")
     p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds requests in flight get at shutdown")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    ray_cli.add_arguments(p)
     return p
 
 
@@ -55,6 +57,10 @@ def main(argv: list[str]) -> int:
         if getattr(args, name) < (0 if name == "port" else 1):
             print(f"chatkv serve: --{name.replace('_', '-')} must be positive", file=sys.stderr)
             return 2
+    why = ray_cli.check(args)
+    if why:
+        print(f"chatkv serve: {why}", file=sys.stderr)
+        return 2
     import uvicorn
 
     from chatkv import ChatKVError
@@ -65,6 +71,8 @@ def main(argv: list[str]) -> int:
               "head_weights": args.head_weights}
     if args.context_window is not None:
         config["context_window"] = args.context_window
+    if args.ray:
+        return ray_cli.run(args, config)
     try:
         engine = Engine.from_pretrained(args.model, **config)
     except ChatKVError as e:

@@ -20,7 +20,7 @@ when that is higher (other ingress replicas' load).
 from __future__ import annotations
 
 import itertools
-from collections import Counter, OrderedDict
+from collections import Counter
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
@@ -56,7 +56,6 @@ class AffinityRouter(RequestRouter):
         self._table = table_for(deployment)
         self._imbalance = int(imbalance)
         self._loads = _Loads()
-        self._counted: OrderedDict = OrderedDict()
 
     def _load(self, replica: RunningReplica) -> int:
         cached = self._replica_queue_len_cache.get(replica.replica_id)
@@ -85,11 +84,9 @@ class AffinityRouter(RequestRouter):
         loads = {rid: self._load(r) for rid, r in by_id.items()}
         keys = keys_of(pending_request)
         ranks, reason = choose(keys, sorted(by_id), loads, self._table, self._imbalance)
-        rid = pending_request.metadata.internal_request_id if pending_request is not None else None
-        if rid not in self._counted:  # once per request, not per retry
-            self._counted[rid] = None
-            if len(self._counted) > 4096:
-                self._counted.popitem(last=False)
+        ctx = pending_request.routing_context if pending_request is not None else None
+        if ctx is not None and not getattr(ctx, "chatkv_counted", False):  # once per request, not per retry
+            ctx.chatkv_counted = True
             self._table.count(f"{keys.kind}:{reason}")
         return [[by_id[rid] for rid in rank] for rank in ranks]
 

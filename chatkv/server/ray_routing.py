@@ -9,11 +9,13 @@ Keys (``route_keys``), computed by the ingress from the request before it is rou
 - ``prefixes``: for a chat, the hash of every leading run of messages (``history.prefix_keys``:
   role and text of messages ``[: i + 1]``; the same hashes the replica's canonical-token map
   uses); for a completion, the hash of every block-aligned leading run of the prompt (16
-  token ids, or 64 characters of a text prompt). ``strong[i]`` says whether a match of key
-  ``i`` is worth moving a request for: the run holds an assistant message (a conversation's
-  own history), or is long (``STRONG_CHARS`` characters / ``STRONG_IDS`` ids: pinned
-  documents, a long system prompt). A shorter shared run (a short system prompt) is cheap
-  to recompute once per replica, so it only breaks ties between equally loaded replicas.
+  token ids, or 64 characters of a text prompt). A match of key ``i`` is *strong* (worth
+  moving a request for) when the run holds an assistant message (a conversation's own
+  history), is long (``STRONG_CHARS`` characters / ``STRONG_IDS`` ids: pinned documents, a
+  long system prompt), or was the whole prompt of a request that replica answered and this
+  request extends it (a stateless client's next turn: the previous prompt and its reply are
+  in that replica's cache). A shorter shared run (a short system prompt) is cheap to
+  recompute once per replica, so it only breaks ties between equally loaded replicas.
 
 What the router knows (``AffinityTable``), learnt two ways:
 
@@ -26,7 +28,8 @@ What the router knows (``AffinityTable``), learnt two ways:
    ``record_routing_stats`` lists the sessions whose KV it holds in memory and its most
    recent canonical-history keys. Reports fill in what this ingress never saw (another
    ingress replica's traffic, a restart of the ingress) and take back what a replica no
-   longer holds (spilled to disk, evicted, the replica restarted with an empty pool).
+   longer holds (spilled to disk, evicted, closed). A report never moves a session that an
+   answer placed on another live replica (the replica it left may still hold stale KV).
 
 How stale: an answer is known before the client sees it. A report is at most one period
 plus the controller's broadcast old (about 2-3 s here). Until then a replica that has just
@@ -38,7 +41,7 @@ gone; its sessions then go to the least-loaded replica, which restores them from
 The choice (``choose``): a pinned replica (``pin``; the ingress's /metrics fan-out) if it is
 up; else the holder of the session, or of the longest strong prefix, unless it has more than
 ``imbalance`` requests in flight beyond the least-loaded replica (then affinity yields); else
-the least-loaded replicas (a weak prefix match, then fewer sessions held, breaks ties).
+the least-loaded replicas (fewer sessions held, then a weak prefix match, break ties).
 Each rank returned is tried in order by Ray (a full replica rejects and the next rank goes).
 """
 
@@ -144,6 +147,7 @@ def route_keys(path: str, headers: dict[str, str], body: bytes) -> RouteKeys:
 class _Entry:
     replica: str
     at: float  # when it was learnt (time.time())
+    whole: bool = False  # the whole prompt of an answered request: its reply's KV follows it there
 
 
 class AffinityTable:
@@ -173,12 +177,18 @@ class AffinityTable:
         with self._lock:
             for sid in {s for s in (keys.session, session) if s and s != NEW_SESSION}:
                 self._put(self._sessions, sid, entry, self.max_sessions)
-            for k in keys.prefixes:
-                self._put(self._prefixes, k, entry, self.max_prefixes)
+            for i, k in enumerate(keys.prefixes):
+                whole = i == len(keys.prefixes) - 1
+                old = self._prefixes.get(k)
+                if old is not None and old.replica == replica and old.whole:
+                    whole = True  # a shorter request of the same conversation does not undo it
+                self._put(self._prefixes, k, _Entry(entry.replica, entry.at, whole), self.max_prefixes)
 
     def merge_report(self, replica: str, stats: dict) -> None:
         """A replica's ``record_routing_stats``: {"at": time, "sessions": [...], "prefixes": [...]}.
-        Adds what it holds; drops what it no longer holds (if learnt before the report)."""
+        Adds what no live replica is known to hold; drops what this replica no longer holds (if
+        learnt before the report). It never moves a session known to be on another live replica:
+        a replica a session has left may still hold its old KV, and an answer is newer news."""
         if not isinstance(stats, dict) or "sessions" not in stats:
             return
         at = float(stats.get("at", 0.0))
@@ -186,7 +196,7 @@ class AffinityTable:
         with self._lock:
             for sid in held:
                 old = self._sessions.get(sid)
-                if old is None or old.replica not in self.replicas or (old.replica != replica and old.at < at):
+                if old is None or old.replica not in self.replicas:
                     self._put(self._sessions, sid, _Entry(replica, at), self.max_sessions)
             for sid, e in list(self._sessions.items()):
                 if e.replica == replica and sid not in held and e.at < at:
@@ -217,7 +227,8 @@ class AffinityTable:
             for i in range(len(keys.prefixes) - 1, -1, -1):
                 e = self._prefixes.get(keys.prefixes[i])
                 if e is not None and e.replica in self.replicas:
-                    return e.replica, bool(keys.strong[i]) if i < len(keys.strong) else False
+                    strong = (i < len(keys.strong) and keys.strong[i]) or (e.whole and i < len(keys.prefixes) - 1)
+                    return e.replica, bool(strong)
         return None, False
 
     def sessions_held(self) -> Counter:
@@ -254,7 +265,7 @@ def choose(keys: RouteKeys, replicas: list[str], load: dict[str, int], table: Af
 
     def rank_key(r: str):
         weak_hit = 0 if (r == holder and not strong) else 1
-        return (load.get(r, 0), weak_hit, held.get(r, 0), rng.random())
+        return (load.get(r, 0), held.get(r, 0), weak_hit, rng.random())
 
     ordered = sorted(replicas, key=rank_key)
     if reason not in ("yielded",):

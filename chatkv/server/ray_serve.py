@@ -59,6 +59,7 @@ log = logging.getLogger("chatkv.server.ray")
 APP = "chatkv"
 ENGINE = "EngineReplica"
 ROUTERS = {"affinity": AffinityRouter, "round_robin": RoundRobinRouter, "pow2": None}  # None: Ray's default
+QUIET = {"log_level": "WARNING", "enable_access_log": False}
 REPORT_PREFIXES = 4096  # canonical-history keys a replica reports (the most recent)
 
 
@@ -179,21 +180,30 @@ class Ingress:
         if head.status < 400:  # who answered now holds this session and these prefixes
             session = raw.get(b"x-session-id")
             self.table.learn(keys, head.replica, session.decode() if session else None)
-        sse_body = raw.get(b"content-type", b"").startswith(b"text/event-stream")
-        response = StreamingResponse(self._relay(stream, sse_body), status_code=head.status)
-        response.raw_headers = [*head.headers, (b"x-chatkv-replica", head.replica.encode())]
+        headers = [*head.headers, (b"x-chatkv-replica", head.replica.encode())]
+        if not raw.get(b"content-type", b"").startswith(b"text/event-stream"):
+            # not streamed: the body is on its way with the head; answered whole (a cut is a 503)
+            try:
+                body = b"".join([chunk async for chunk in stream])
+            except Exception as e:  # noqa: BLE001
+                return _replica_died(e).response()
+            response = Response(body, status_code=head.status)
+        else:
+            response = StreamingResponse(self._relay(stream), status_code=head.status)
+        response.raw_headers = headers
         return response
 
     @staticmethod
-    async def _relay(stream, sse_body: bool):
+    async def _relay(stream):
+        """Server-sent events as the replica sends them; if it dies mid-answer (the status is
+        sent already), an error event and ``[DONE]`` end the stream, as any other error does."""
         try:
             async for chunk in stream:
                 yield chunk
-        except Exception as e:  # noqa: BLE001 - the replica died mid-answer: the status is sent already
+        except Exception as e:  # noqa: BLE001
             log.warning("answer cut by its replica: %r", e)
-            if sse_body:
-                yield sse(_replica_died(e).body())
-                yield sse("[DONE]")
+            yield sse(_replica_died(e).body())
+            yield sse("[DONE]")
         finally:
             stream.cancel()
 
@@ -208,17 +218,24 @@ class Ingress:
         return head, b"".join(chunks)
 
     async def _metrics(self) -> Response:
-        replicas = sorted(self.table.replicas) or [None]
-        answers = await asyncio.gather(*(self._answer(HttpCall("GET", "/metrics"), RouteKeys(pin=r)) for r in replicas),
-                                       return_exceptions=True)
         texts = {}
-        for a in answers:
-            if isinstance(a, tuple) and a[0] is not None and a[0].status == 200:
-                texts.setdefault(a[0].replica, a[1].decode())
+        # one replica at a time: calls made at once from one request share Ray's internal request
+        # id, and Ray's router then fulfils only one of them (the others wait forever)
+        for r in sorted(self.table.replicas) or [None]:
+            try:
+                head, body = await asyncio.wait_for(self._answer(HttpCall("GET", "/metrics"), RouteKeys(pin=r)), 30)
+            except Exception as e:  # noqa: BLE001 - a replica gone meanwhile: the others are still worth showing
+                log.warning("/metrics of replica %s: %r", r, e)
+                continue
+            if head is not None and head.status == 200:
+                texts.setdefault(head.replica, body.decode())
         lines = ["# HELP chatkv:router_decisions_total Requests routed, by kind and reason (ray_routing.choose)",
                  "# TYPE chatkv:router_decisions_total counter"]
         for reason, n in sorted(self.table.decisions.items()):
             lines.append(f'chatkv:router_decisions_total{{reason="{reason}"}} {float(n)}')
+        lines += ["# HELP chatkv:router_replicas Engine replicas the router routes to now (1 each)",
+                  "# TYPE chatkv:router_replicas gauge"]
+        lines += [f'chatkv:router_replicas{{replica="{r}"}} 1.0' for r in sorted(self.table.replicas)]
         return Response(merge(texts, "\n".join(lines) + "\n"), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -235,11 +252,11 @@ def build(opts: ServeOptions):
         name=ENGINE, num_replicas=opts.replicas, max_ongoing_requests=opts.replica.max_concurrency,
         ray_actor_options={"num_cpus": opts.replica_cpus, "num_gpus": opts.replica_gpus},
         request_router_config=router_config, health_check_period_s=2.0, health_check_timeout_s=30.0,
-        graceful_shutdown_timeout_s=30.0, logging_config={"log_level": "WARNING", "enable_access_log": False},
+        graceful_shutdown_timeout_s=30.0, logging_config=QUIET,
     )
     ingress = serve.deployment(Ingress).options(
         name="Ingress", num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0},
-        logging_config={"log_level": "WARNING", "enable_access_log": False},
+        logging_config=QUIET,
     )
     return ingress.bind(engine.bind(opts.replica), opts)
 
@@ -274,7 +291,7 @@ def run(opts: ServeOptions, host: str, port: int, ray_address: str | None) -> in
         if why:
             print(f"chatkv serve: {why}", flush=True, file=sys.stderr)
             return 2
-        serve.start(http_options={"host": host, "port": port})
+        serve.start(http_options={"host": host, "port": port}, logging_config=QUIET)
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
