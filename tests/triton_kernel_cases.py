@@ -128,7 +128,7 @@ def quantised_rows_agree(got, want, quant):
 def test_store_kv_bit_exact(block_size, kv):
     """Strided new K/V (slices of one qkv tensor, as the model passes them) land in their slots, nothing else
     moves; quantised: the same bytes and scales as kv_quant.quantize, rounding ties and zero rows included.
-    The reference runs on CPU (on CUDA torch divides by a scalar as a multiplication by its reciprocal)."""
+    The reference runs on CPU, the oracle (its bytes do not depend on the device)."""
     q, kc, vc, meta, new_k, new_v = step(block_size, [(7, 9), (0, 3), (13, 1)], 4, 2, kv=kv)
     if kv.quant is not None:
         new_k[3, :2] = tie_rows(kv.quant, new_k.shape[-1])
@@ -361,3 +361,41 @@ def test_model_sliding_window_with_triton_matches_transformers(tmp_path):
         outs = r.step([(n, [ids[-back]]) for n, ids in seqs.items()])
         for (n, ids), out in zip(seqs.items(), outs):
             assert (out[0] - expected[n][len(ids) - back]).abs().max().item() <= MODEL_TOL, (n, back)
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_model_with_quantised_kv_triton_matches_the_torch_pair(tmp_path, kv_dtype):
+    """chatkv's forward with int8/fp8 KV through the engine's pool: the Triton pair (store_kv quantising in the
+    kernel, attention dequantising in it) against the torch reference pair on the same steps (a prompt ending
+    mid-block, a chunk over it, decodes): the same pool bytes, and logits within 1e-4 (fp32 model)."""
+    from chatkv.config import EngineConfig
+    from chatkv.model import LlamaModel
+    from chatkv.model_runner import ModelRunner
+    from tests.test_model_equivalence import Runner, tokens
+    from tests.tiny import make_model
+
+    make_model(tmp_path, "llama", seed=3, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+               intermediate_size=256, num_hidden_layers=2)  # head_dim 32, GQA 2
+    model = LlamaModel.from_pretrained(tmp_path, dtype=torch.float32, device=DEVICE)
+    ids = tokens(34, 2)
+    outs, pools = {}, {}
+    for backend in ("torch", "triton"):
+        model.store_kv, model.attention = attention_backend(DEVICE, backend)
+        r = Runner.__new__(Runner)
+        r.runner = ModelRunner(model, EngineConfig(block_size=5, num_blocks=64, kv_dtype=kv_dtype, device=DEVICE))
+        r.pool = r.runner.pool
+        random.Random(0).shuffle(r.pool._free)
+        r.tables, r.done = {}, {}
+        assert r.pool.quant == {"int8": "int8", "fp8": "fp8_e4m3"}[kv_dtype]
+        got = [r.step([("a", ids[:23])])[0], r.step([("a", ids[23:31])])[0]]
+        got += [r.step([("a", [t])])[0] for t in ids[31:]]
+        outs[backend], pools[backend] = torch.cat(got), r.pool.kv.cpu()
+    # layer 0's K/V come from the embeddings alone: the same bytes. Deeper layers' inputs differ by float noise
+    # (~1e-6) after the first attention, which moves scales by an ulp and may move a value across a rounding
+    # boundary: one step at most
+    assert torch.equal(pools["triton"][0], pools["torch"][0])
+    quant = {"int8": "int8", "fp8": "fp8_e4m3"}[kv_dtype]
+    dq = {b: kv_quant.dequantize(p, quant, torch.float32) for b, p in pools.items()}
+    one_step = kv_quant.scales(pools["torch"]).max().item() * (1 if quant == "int8" else 32)
+    assert (dq["triton"] - dq["torch"]).abs().max().item() <= one_step
+    assert (outs["triton"] - outs["torch"]).abs().max().item() <= 1e-4
