@@ -286,6 +286,31 @@ def test_nothing_imports_the_faces(graph):
     assert not bad, "\n".join(bad)
 
 
+# ray (the chatkv[ray] extra) is imported by these modules only; the rest of chatkv runs without it
+RAY_MODULES = {"chatkv.server.ray_serve", "chatkv.server.ray_router"}
+
+
+def imports_of_package(file: Path, package: str) -> list[int]:
+    """Lines of ``file`` that import ``package`` or a module under it (lazy imports included)."""
+    lines = []
+    for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"), filename=str(file))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        if any(n == package or n.startswith(package + ".") for n in names):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_the_ray_modules_import_ray(graph):
+    modules, edges, _ = graph
+    importers = {name for name, (file, _) in modules.items() if imports_of_package(file, "ray")}
+    assert importers == RAY_MODULES, f"modules importing ray: {sorted(importers)}; only {sorted(RAY_MODULES)} may"
+    # and only the server's --ray entry point (lazily) and the ray modules themselves reach them
+    bad = [f"{e.src} imports {e.dst} at {e.where()}" for e in edges
+           if e.dst in RAY_MODULES and e.src not in RAY_MODULES and not (e.src == "chatkv.server.ray_cli" and e.lazy)]
+    assert not bad, "\n".join(bad)
+
+
 # ---------------------------------------------------------------- the checker itself
 
 
