@@ -389,3 +389,53 @@ def test_a_replica_killed_during_a_streamed_reply(cluster):
             ("user", "A long answer please", "complete"), ("assistant", msgs[3].content, "interrupted"),
             ("user", "Still there?", "complete"), ("assistant", reply, "complete")]
         assert store.leases.holder(sid) is None
+
+
+# ------------------------------------------------------------------ same shapes as the single server
+
+
+def test_the_same_answers_as_the_single_server(cluster, tmp_path):
+    """Refusals and response shapes through Ray equal the single-process server's for the same
+    requests (the replicas run its app; this checks the ingress relays them unchanged)."""
+    from chatkv.engine import Engine
+    from chatkv.server import create_app
+    from tests.serving import Running
+
+    c = cluster
+    engine = Engine.from_pretrained(str(c.model_dir), data_dir=str(tmp_path), dtype="float32", block_size=4,
+                                    num_blocks=256)
+    single = Running(create_app(engine, model_name=NAME, owns_engine=True))
+    try:
+        ok = {"model": NAME, "messages": user("Hi"), "max_tokens": 3, "temperature": 0}
+        cases = [
+            ("/v1/chat/completions", b"{not json", {}),
+            ("/v1/chat/completions", {**ok, "n": 2}, {}),
+            ("/v1/chat/completions", {**ok, "model": "nope"}, {}),
+            ("/v1/chat/completions", {"model": NAME}, {}),
+            ("/v1/chat/completions", ok, {"X-Session-Id": "no-such-session"}),
+            ("/v1/chat/completions", {**ok, "max_tokens": 10**6}, {}),
+            ("/v1/completions", {"model": NAME, "prompt": "abc", "logprobs": 2}, {}),
+            ("/v1/nothing", None, {}),
+        ]
+        for path, body, headers in cases:
+            want, got = raw(single.url, path, body, headers), raw(c.url, path, body, headers)
+            assert got[0] == want[0], (path, body if not isinstance(body, bytes) else body[:20], want[:2], got[:2])
+            if isinstance(want[1], dict) and "error" in want[1]:
+                assert {k: got[1]["error"][k] for k in ("type", "code", "param")} == \
+                    {k: want[1]["error"][k] for k in ("type", "code", "param")}, (path, want[1], got[1])
+        for path in ("/v1/models", "/health"):
+            want, got = raw(single.url, path), raw(c.url, path)
+            assert got[0] == want[0] == 200 and set(got[1]) == set(want[1]), (want, got)
+        want, got = raw(single.url, "/v1/chat/completions", ok), raw(c.url, "/v1/chat/completions", ok)
+        assert got[0] == want[0] == 200 and set(got[1]) == set(want[1]) and set(got[1]["usage"]) == set(want[1]["usage"])
+        assert got[1]["choices"][0]["message"]["content"] == want[1]["choices"][0]["message"]["content"]  # same greedy reply
+        streamed = {**ok, "stream": True, "stream_options": {"include_usage": True}}
+        want, got = raw(single.url, "/v1/chat/completions", streamed), raw(c.url, "/v1/chat/completions", streamed)
+        assert got[2]["content-type"] == want[2]["content-type"]
+
+        def shape(text: str) -> list:
+            events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+            return [e if e == "[DONE]" else sorted(json.loads(e)) for e in events]
+        assert shape(got[1]) == shape(want[1])
+    finally:
+        single.stop()
