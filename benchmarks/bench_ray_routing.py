@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import statistics
+from collections import Counter
 import subprocess
 import sys
 import tempfile
@@ -112,6 +113,18 @@ async def chats(url: str, model: str, n: int, turns: int, salt: str, sessions: b
     return time.perf_counter() - start, out
 
 
+def decisions(url: str) -> dict[str, float]:
+    """The ingress's ``chatkv:router_decisions_total`` by reason (chat requests)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    return {s.labels["reason"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "chatkv:router_decisions_total" and s.labels.get("reason", "").startswith("chat:")}
+
+
 def figures(wall: float, out: list) -> dict:
     later = [o for o in out if o["turn"] > 0]
     prompt = sum(o["usage"]["prompt_tokens"] for o in later)
@@ -128,6 +141,7 @@ def figures(wall: float, out: list) -> dict:
         "tok/s": sum(o["usage"]["completion_tokens"] for o in out) / wall,
         "p50": statistics.median(o["ms"] for o in out),
         "moves": moves,
+        "busiest": max(Counter(o["replica"] for o in out).values()) / len(out),
     }
 
 
@@ -184,8 +198,12 @@ def main() -> None:
             if routed is None:
                 routed = asyncio.run(overhead(url, model, args.requests))
             for sessions in (True, False):
+                before = decisions(url)
                 results[routing, sessions] = figures(*asyncio.run(
                     chats(url, model, args.sessions, args.turns, f"{routing} {sessions}", sessions)))
+                after = decisions(url)
+                results[routing, sessions]["why"] = ", ".join(
+                    f"{k.split(':')[-1]} {after[k] - before.get(k, 0):.0f}" for k in sorted(after) if after[k] > before.get(k, 0))
             serve.delete(f"bench-{routing}")
     finally:
         serve.shutdown()
@@ -200,10 +218,11 @@ def main() -> None:
     rows = []
     for (routing, sessions), f in results.items():
         rows.append([routing, "sessions" if sessions else "stateless", f"{f['memory']:.1%}", f"{f['restored']:.1%}",
-                     f"{f['cached']:.1%}", str(f["computed"]), str(f["moves"]), f"{f['tok/s']:.1f}", f"{f['p50']:.0f}"])
+                     f"{f['cached']:.1%}", str(f["computed"]), str(f["moves"]), f"{f['busiest']:.0%}",
+                     f"{f['tok/s']:.1f}", f"{f['p50']:.0f}", f["why"] or "-"])
     print_table(f"2 replicas, {args.sessions} chats x {args.turns} turns x {NEW_TOKENS} tokens at once",
                 ["routing", "client", "in memory (turns 2+)", "restored", "cached_tokens", "computed tokens",
-                 "replica changes", "tok/s", "p50 ms"], rows)
+                 "replica changes", "busiest replica", "tok/s", "p50 ms", "router decisions"], rows)
     for sessions in (True, False):
         a = results.get(("affinity", sessions))
         for other in ("round_robin", "pow2"):
