@@ -193,3 +193,15 @@ def test_ray_without_the_extra_names_the_fix():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out
     assert "pip install 'chatkv[ray]'" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_options_for_serve_s_own_tools():
+    """``serve run chatkv.server.ray_serve:app_builder model=DIR replicas=3 ...`` (strings, as Serve passes them)."""
+    from chatkv.server.ray_serve import app_builder, options_from_args
+
+    o = options_from_args({"model": "/m", "replicas": "3", "replica_cpus": "0.5", "routing": "round_robin",
+                           "max_concurrency": "8", "dtype": "float32", "data_dir": "/d"})
+    assert (o.replicas, o.replica_cpus, o.routing, o.replica.max_concurrency) == (3, 0.5, "round_robin", 8)
+    assert (o.replica.model, o.replica.engine) == ("/m", {"dtype": "float32", "data_dir": "/d"})
+    with pytest.raises(ValueError, match="model=DIR"):
+        app_builder({"replicas": "2"})

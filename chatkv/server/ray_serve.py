@@ -38,7 +38,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import ray
@@ -87,6 +87,7 @@ class ServeOptions:
     stats_period_s: float = 2.0  # how often replicas report what they hold
     route_prefix: str = "/"
     app_name: str = APP
+    ingress_replicas: int = 1  # each keeps its own table (answers it relayed + every replica's reports)
 
 
 class EngineReplica:
@@ -255,10 +256,36 @@ def build(opts: ServeOptions):
         graceful_shutdown_timeout_s=30.0, logging_config=QUIET,
     )
     ingress = serve.deployment(Ingress).options(
-        name="Ingress", num_replicas=1, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0},
+        name="Ingress", num_replicas=opts.ingress_replicas, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0},
         logging_config=QUIET,
     )
     return ingress.bind(engine.bind(opts.replica), opts)
+
+
+def options_from_args(args: dict) -> ServeOptions:
+    """``ServeOptions`` from flat ``key=value`` arguments (see ``app_builder``)."""
+    args = dict(args)
+    if "model" not in args:
+        raise ValueError("chatkv's Ray app needs model=DIR (a local Hugging Face model directory)")
+
+    def take(cls, skip: str) -> dict:
+        out = {}
+        for f in fields(cls):
+            if f.name in args and f.name != skip:
+                v, default = args.pop(f.name), f.default
+                out[f.name] = type(default)(v) if isinstance(v, str) and type(default) in (int, float) else v
+        return out
+
+    replica = take(ReplicaOptions, "engine")
+    return ServeOptions(ReplicaOptions(**replica, engine=args), **take(ServeOptions, "replica"))
+
+
+def app_builder(args: dict):
+    """For Ray Serve's own tools: ``serve run chatkv.server.ray_serve:app_builder model=DIR replicas=2
+    db_url=... data_dir=...``, or a config file's ``import_path`` with ``args``. Keys: the fields of
+    ``ReplicaOptions`` and ``ServeOptions``; any other key is an engine option (``dtype``,
+    ``data_dir``, ``db_url``, ``weights``...). Strings become the fields' types."""
+    return build(options_from_args(args))
 
 
 def deploy(opts: ServeOptions):
