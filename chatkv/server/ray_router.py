@@ -13,8 +13,8 @@ and not here because Ray pickles this module by value into each router), which r
 answer (who answered which session and which prefix). Replicas' ``record_routing_stats``
 reports reach ``update_replicas`` with Ray's replica list (``RunningReplica.routing_stats``)
 and are merged into the table. Load is the requests this process has in flight on each
-replica (``on_send_request`` / ``on_request_completed``), or Ray's cached queue length
-when that is higher (other ingress replicas' load).
+replica (``on_send_request`` / ``on_request_completed``) and those chosen for it and not yet
+sent, or Ray's cached queue length when that is higher (other ingress replicas' load).
 """
 
 from __future__ import annotations
@@ -35,13 +35,24 @@ def keys_of(request: Optional[PendingRequest]) -> RouteKeys:
 
 
 class _Loads:
-    """Requests this process has sent and not yet seen completed, per replica."""
+    """Requests this process has sent and not yet seen completed, per replica, plus those chosen
+    for it and not yet sent (requests routed at the same moment see each other's choice)."""
 
     def __init__(self):
         self.in_flight: Counter = Counter()
+        self.chosen: Counter = Counter()
+
+    def choose(self, rid: str) -> None:
+        self.chosen[rid] += 1
 
     def sent(self, replica_id: ReplicaID) -> None:
-        self.in_flight[replica_id.unique_id] += 1
+        rid = replica_id.unique_id
+        self.in_flight[rid] += 1
+        if self.chosen[rid] > 0:
+            self.chosen[rid] -= 1
+
+    def load(self, rid: str) -> int:
+        return self.in_flight[rid] + self.chosen[rid]
 
     def done(self, replica_id: ReplicaID) -> None:
         rid = replica_id.unique_id
@@ -59,7 +70,7 @@ class AffinityRouter(RequestRouter):
 
     def _load(self, replica: RunningReplica) -> int:
         cached = self._replica_queue_len_cache.get(replica.replica_id)
-        return max(self._loads.in_flight[replica.replica_id.unique_id], cached or 0)
+        return max(self._loads.load(replica.replica_id.unique_id), cached or 0)
 
     def update_replicas(self, replicas: List[RunningReplica]):
         super().update_replicas(replicas)
@@ -85,9 +96,10 @@ class AffinityRouter(RequestRouter):
         keys = keys_of(pending_request)
         ranks, reason = choose(keys, sorted(by_id), loads, self._table, self._imbalance)
         ctx = pending_request.routing_context if pending_request is not None else None
-        if ctx is not None and not getattr(ctx, "chatkv_counted", False):  # once per request, not per retry
+        if ctx is not None and not getattr(ctx, "chatkv_counted", False) and ranks:  # once per request
             ctx.chatkv_counted = True
             self._table.count(f"{keys.kind}:{reason}")
+            self._loads.choose(ranks[0][0])
         return [[by_id[rid] for rid in rank] for rank in ranks]
 
 
