@@ -92,9 +92,9 @@ class SessionManager:
         return [s.kept for s in self.live.values()]
 
     def in_memory(self) -> list[str]:
-        """Ids of the open sessions whose KV is held in memory now (read-only; any thread:
-        a snapshot of the dict, so a session opening meanwhile may be missed)."""
-        return [sid for sid, s in list(self.live.items()) if s.kept is not None]
+        """Ids of the open sessions whose KV is in memory now: kept between turns, or in a turn
+        (read-only; any thread: a snapshot of the dict, so one opening meanwhile may be missed)."""
+        return [sid for sid, s in list(self.live.items()) if s.kept is not None or s.busy]
 
     # -- sessions -----------------------------------------------------------
 
