@@ -7,20 +7,23 @@ difference between the rows is how K/V are stored: every query, in prefill chunk
 decode steps, reads the stored (quantised) form of every earlier token, its own chunk's too.
 
 - **agreement** (goal: int8 >= 98%): bf16-KV greedy continuations of ``--tokens`` tokens
-  (EOS ignored) for the 20 chat prompts of tests/llama_cpp_reference.py (chat template
-  applied), decoded as one batch; then prompt + continuation through the dtype under test,
-  logits for every token: the share of positions whose argmax is bf16's token (teacher
-  forced). bf16's own row is the noise floor of that method (a batched decode step and a
-  512-token chunk do not round identically). **free-run**: each dtype's own greedy
-  continuation, the mean number of tokens identical to bf16's before the first difference.
+  (EOS ignored, as tests/test_quant_weights.py does) for the 20 chat prompts of
+  tests/llama_cpp_reference.py (chat template applied), decoded as one batch; then the same
+  prompts through the dtype under test, teacher forced: every decode step feeds bf16's token,
+  and a position agrees when the argmax is bf16's next token. Forcing runs the very steps of
+  the free run (same batch, same shapes), so bf16 against itself is exactly 100% and the
+  figure is the KV dtype's alone. **free-run**: each dtype's own greedy continuation, the mean
+  number of tokens identical to bf16's before the first difference.
 - **perplexity** (goal: int8 within 1% of bf16, fp8 within 3%): the first ``--ppl-tokens``
   (4,096) tokens of Python's own pydoc topics (``pydoc_data.topics``: datamodel, class,
   execmodel, ... as tests/llama_cpp_reference.ppl_text joins them; the same text on every
-  machine with this Python), prefilled in chunks of 512.
-- **needle** (goal: every needle bf16 retrieves, the dtype retrieves too): ``--needles`` prompts
-  of ~``--needle-tokens`` tokens: the same pydoc text as filler, a sentence "The secret
-  passphrase is ..." at 10-60% of it, and at the end the question; greedy 16 tokens, retrieved
-  when the reply contains the passphrase.
+  machine with this Python), prefilled in chunks of 512 with logits for every token.
+- **needle** (goal: every needle bf16 retrieves, the dtype retrieves too): ``--needles`` chat
+  prompts of ~``--needle-tokens`` tokens: the same pydoc text as filler, the sentence
+  'The secret passphrase is "blue pelican 42". Remember it.' at 10-60% of it (a different
+  phrase each), the question "What is the secret passphrase?" last, and the reply begun with
+  'The secret passphrase is "' (asked plainly, the 135M model often answers a PEP number from
+  the filler, in bf16 too); greedy 10 tokens, retrieved when they contain the phrase.
 
     .venv/bin/python benchmarks/kv_quality.py [--kv-dtypes bf16,int8,fp8,fp16] [--prompts 20] [--tokens 256]
 
