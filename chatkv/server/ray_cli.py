@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="affinity (default: session, then longest cached prefix, then least loaded), round_robin, "
                         "or pow2 (Ray's power of two choices)")
     g.add_argument("--replica-cpus", type=float, default=1.0, metavar="C", help="CPUs each replica reserves (default 1)")
-    g.add_argument("--replica-gpus", type=float, default=0.0, metavar="G", help="GPUs each replica reserves (default 0)")
+    g.add_argument("--replica-gpus", type=float, default=0.0, metavar="G",
+                   help="GPUs each replica reserves (default 0); > 0 runs the engines on CUDA")
 
 
 def check(args) -> str | None:
@@ -71,6 +72,8 @@ def run(args, engine_config: dict) -> int:
 def _run(args, engine_config: dict) -> int:
     from chatkv.config import EngineConfig
 
+    if args.replica_gpus > 0:  # the GPU Ray gives each replica is its CUDA device 0
+        engine_config = dict(engine_config, device="cuda")
     EngineConfig.from_kwargs(**engine_config)  # a bad option fails here, not N times in the replicas
     if engine_config.get("data_dir") is None:  # every replica on one resolved directory
         from chatkv.storage.paths import data_dir

@@ -45,7 +45,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
 from chatkv.server.asgi_call import Head, HttpCall, call_asgi
 from chatkv.server.errors import APIError
