@@ -55,7 +55,7 @@ def memory_rows(model, kv_dtypes: list[str]) -> list[list[str]]:
         sessions = runner(model, kv, kv_cache_bytes=GIB).pool.num_blocks // (SESSION // BLOCK)
         base = base or (per, sessions)
         rows.append([kv, str(pool.kv.dtype).removeprefix("torch."), f"{per:,}", f"{per * SESSION / 1e6:.1f} MB",
-                     str(sessions), f"{base[0] / per:.2f}x fewer bytes, {sessions / base[1]:.2f}x sessions"])
+                     str(sessions), f"{per / base[0]:.2f}x", f"{sessions / base[1]:.2f}x"])
     return rows
 
 
@@ -187,6 +187,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--steps", type=int, default=24, help="timed decode steps per repeat")
     p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--snapshot-repeats", type=int, default=3, help="restores timed per kv dtype")
     p.add_argument("--no-decode", action="store_true")
     p.add_argument("--no-snapshot", action="store_true")
     args = p.parse_args()
@@ -200,7 +201,7 @@ def main() -> None:
     print(f"model: {model_dir.name}, weights {engine.weights.label}; threads={args.threads}", flush=True)
     print_table(f"KV memory per kv dtype, measured from the pool (a session = {SESSION:,} tokens = {SESSION // BLOCK} blocks)",
                 ["kv dtype", "pool tensor", "KV bytes / token", f"{SESSION:,}-token conversation", "sessions per GiB",
-                 f"vs {kv_dtypes[0]}"], memory_rows(model, kv_dtypes))
+                 f"bytes vs {kv_dtypes[0]}", f"sessions vs {kv_dtypes[0]}"], memory_rows(model, kv_dtypes))
     if not args.no_decode:
         contexts = [int(x) for x in args.contexts.split(",")]
         batches = [int(x) for x in args.batches.split(",")]
@@ -210,9 +211,9 @@ def main() -> None:
                     ["context", "batch", "kv dtype", "tok/s", "ms / step", f"vs {kv_dtypes[0]}"], rows)
         print(f"load average {load_average()}, {other}", flush=True)
     if not args.no_snapshot:
-        rows = snapshot_rows(model_dir, tok, kv_dtypes, args.repeats)
+        rows = snapshot_rows(model_dir, tok, kv_dtypes, args.snapshot_repeats)
         print_table(f"snapshot of a ~{SESSION:,}-token conversation: size, write (spill), restore on a new engine "
-                    f"(median of {args.repeats})",
+                    f"(median of {args.snapshot_repeats})",
                     ["kv dtype", "tokens", "bytes", f"vs {kv_dtypes[0]}", "write ms", "restore ms", f"vs {kv_dtypes[0]}"], rows)
     print(f"\nload average {load_average()}, {other}")
 
