@@ -83,8 +83,18 @@ def dequantize(rows: torch.Tensor, quant: str, dtype: torch.dtype) -> torch.Tens
         s = rows[..., d:].view(torch.float32)  # [..., 1]
     except RuntimeError:
         s = rows[..., d:].contiguous().view(torch.float32)
-    out = q.float() * s  # scaled in float32, rounded once
+    out = (_e4m3_values(q) if quant == "fp8_e4m3" and q.device.type == "cpu" else q.float()) * s  # one rounding
     return out if dtype == torch.float32 else out.to(dtype)
+
+
+def _e4m3_values(q: torch.Tensor) -> torch.Tensor:
+    """float32 values of e4m3 elements, by moving their bits into a bfloat16 (CPU torch converts
+    float8 element by element: this is 2x faster on a decode's gathered rows). The 7 bits under
+    the sign become a bf16's exponent and top mantissa bits, exponent bias 127 instead of 7, so
+    times 2^120 (exact) it is the value, subnormals included; the NaN bytes (never stored for a
+    finite row, whose scale is then not finite anyway) read as +-480."""
+    b = q.view(torch.int8).to(torch.int16)  # sign-extended: b & -128 keeps the sign bit
+    return ((b & 0x7F) << 4 | (b & -128) << 8).view(torch.bfloat16).float() * 2.0**120
 
 
 def scales(rows: torch.Tensor) -> torch.Tensor:
