@@ -136,7 +136,8 @@ def test_api_key_body_size_and_concurrency_limits(guarded):
 
 def test_chatkv_serve_answers_then_shuts_down_gracefully(tmp_path_factory):
     """``chatkv serve`` in its own process: SIGTERM while a reply streams lets it finish, exits 0,
-    and the conversation it served resumes in a new engine with its KV restored from disk."""
+    and the conversation it served resumes in a new engine with its KV restored from disk (int8
+    KV, as ``--kv-dtype`` asked: an engine of another kv dtype would recompute it)."""
     model_dir, data = tiny_model(tmp_path_factory), tmp_path_factory.mktemp("served")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -144,7 +145,7 @@ def test_chatkv_serve_answers_then_shuts_down_gracefully(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys; from chatkv.tui.cli import main; sys.exit(main())", "serve",
          "--model", str(model_dir), "--data-dir", str(data), "--port", str(port), "--api-key", KEY,
-         "--log-level", "warning", "--dtype", "float32"],
+         "--log-level", "warning", "--dtype", "float32", "--kv-dtype", "int8"],
         stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -175,7 +176,7 @@ def test_chatkv_serve_answers_then_shuts_down_gracefully(tmp_path_factory):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    eng = Engine.from_pretrained(str(model_dir), data_dir=str(data), dtype="float32")
+    eng = Engine.from_pretrained(str(model_dir), data_dir=str(data), dtype="float32", kv_dtype="int8")
     try:
         s = eng.resume(sid)
         assert [(m.role, m.content) for m in s.messages()] == [("user", "Remember me."),

@@ -14,7 +14,7 @@ import os
 import signal
 import sys
 
-from chatkv.config import HEADS, WEIGHTS
+from chatkv.config import HEADS, KV_DTYPES, WEIGHTS
 from chatkv.server import ray_cli
 
 
@@ -38,6 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--context-window", type=int, default=None, metavar="N", help="tokens one request or conversation may hold")
     p.add_argument("--weights", choices=WEIGHTS, default="auto", help="auto (a GGUF's own int4, else the float model), bf16, fp32, int4, int8")
     p.add_argument("--head-weights", choices=HEADS, default="auto", help="the output matrix: auto, float, int8, int4")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
+                   help="the KV cache: auto (the model's dtype), bf16, fp16, fp32, int8 or fp8 (about half the memory)")
     p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds requests in flight get at shutdown")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     ray_cli.add_arguments(p)
@@ -68,7 +70,7 @@ def main(argv: list[str]) -> int:
     from chatkv.server.app import create_app
 
     config = {"dtype": args.dtype, "data_dir": args.data_dir, "db_url": args.db_url or None, "weights": args.weights,
-              "head_weights": args.head_weights}
+              "head_weights": args.head_weights, "kv_dtype": args.kv_dtype}
     if args.context_window is not None:
         config["context_window"] = args.context_window
     if args.ray:
