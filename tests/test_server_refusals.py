@@ -145,7 +145,7 @@ def test_chatkv_serve_answers_then_shuts_down_gracefully(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-c", "import sys; from chatkv.tui.cli import main; sys.exit(main())", "serve",
          "--model", str(model_dir), "--data-dir", str(data), "--port", str(port), "--api-key", KEY,
-         "--log-level", "warning", "--dtype", "float32", "--kv-dtype", "int8"],
+         "--log-level", "warning", "--dtype", "float32", "--kv-dtype", "int8", "--graceful-timeout", "120"],
         stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -164,14 +164,14 @@ def test_chatkv_serve_answers_then_shuts_down_gracefully(tmp_path_factory):
                                                         max_tokens=8, temperature=0, extra_headers={"X-Session-Id": "new"})
         sid, first = r.headers["x-session-id"], r.parse()
         stream = c.chat.completions.create(model=model_dir.name, messages=user("A long answer, please."),
-                                           max_tokens=1500, temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                           max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True},
                                            stream_options={"include_usage": True})
         chunks = [next(iter(stream))]
         proc.send_signal(signal.SIGTERM)  # with the reply in flight
         chunks += list(stream)
-        assert chunks[-1].usage.completion_tokens == 1500
+        assert chunks[-1].usage.completion_tokens == 400
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
-        assert proc.wait(60) == 0
+        assert proc.wait(150) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
