@@ -87,6 +87,28 @@ def dequantize(rows: torch.Tensor, quant: str, dtype: torch.dtype) -> torch.Tens
     return out if dtype == torch.float32 else out.to(dtype)
 
 
+def split(rows: torch.Tensor, quant: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stored rows ``[..., head_dim + 4]`` -> ``(values [..., head_dim] in dtype, scales [...] float32)``,
+    the values unscaled and exact (int8 and e4m3 values fit bf16, fp16 and fp32): a row is
+    ``values * scale``. For attention that applies the scales to its scores and probabilities
+    instead of to every element (chatkv.kernels.attention's quantised decode)."""
+    _check(quant)
+    elem, _ = FORMATS[quant]
+    d = rows.shape[-1] - SCALE_BYTES
+    q = rows[..., :d].view(elem)
+    if quant == "fp8_e4m3" and q.device.type == "cpu":
+        b = q.view(torch.int8).to(torch.int16)
+        vals = ((b & 0x7F) << 4 | (b & -128) << 8).view(torch.bfloat16) * 2.0**120  # exact: see _e4m3_values
+        vals = vals if dtype == torch.bfloat16 else vals.to(dtype)
+    else:
+        vals = q.to(dtype)
+    try:
+        s = rows[..., d:].view(torch.float32)[..., 0]
+    except RuntimeError:
+        s = rows[..., d:].contiguous().view(torch.float32)[..., 0]
+    return vals, s
+
+
 def _e4m3_values(q: torch.Tensor) -> torch.Tensor:
     """float32 values of e4m3 elements, by moving their bits into a bfloat16 (CPU torch converts
     float8 element by element: this is 2x faster on a decode's gathered rows). The 7 bits under
