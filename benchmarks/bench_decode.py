@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import CHAT, OtherLoad, goal, hf_generate, load_average, load_hf, load_llama_cpp, median, parser, print_table, setup
+from common import CHAT, OtherLoad, common_prefix, goal, hf_generate, load_average, load_hf, load_llama_cpp, median, parser, print_table, setup
 
 GOAL_HF, GOAL_LLAMA = 3.0, 1.0
 PROMPTS = ["Explain in a few paragraphs why the sky is blue.", "Write a short story about a lighthouse keeper.",
@@ -115,15 +115,6 @@ def llama_ttft(llm, ids):
     t = time.perf_counter()
     next(iter(llm.generate(ids, temp=0.0, top_k=1, reset=True)))
     return time.perf_counter() - t
-
-
-def agree(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def long_prompt(tokenizer, n: int) -> list[int]:
@@ -224,7 +215,7 @@ def main() -> None:
         r = median(rate[m])
         row = [m, f"{r:.1f}", f"{r / hf_rate:.2f}x", goal(r / hf_rate, GOAL_HF)]
         row += [f"{r / lc_rate:.2f}x", goal(r / lc_rate, GOAL_LLAMA)] if lc_rate else ["-", ""]
-        row += [mem.get(m, "-"), f"{agree(toks[m], toks['hf'])}/{n}"]
+        row += [mem.get(m, "-"), f"{common_prefix(toks[m], toks['hf'])}/{n}"]
         rows.append(row)
         rb = median(rate_b[m])
         rows_b.append([m, f"{rb:.1f}", f"{rb / hf_b:.2f}x"])

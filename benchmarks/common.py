@@ -112,6 +112,16 @@ def hf_generate(model, ids: list[int], n: int):
     return new, start, stamps
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens ``a`` and ``b`` share before their first difference."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from chatkv.config import EngineConfig  # noqa: E402
 from chatkv.model_runner import BatchItem, ModelRunner  # noqa: E402
+from common import common_prefix  # noqa: E402 (benchmarks/common.py)
 
 CHUNK = 512
 BLOCK = 16
@@ -121,15 +122,6 @@ def agreement(runner: ModelRunner, prompts: list[list[int]], ref: list[list[int]
     before it, is ``ref``'s token."""
     pred = greedy(runner, prompts, len(ref[0]), force=ref)
     return sum(a == b for p, r in zip(pred, ref) for a, b in zip(p, r)), sum(map(len, ref))
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def perplexity(runner: ModelRunner, ids: list[int]) -> float:
