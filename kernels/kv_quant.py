@@ -75,15 +75,8 @@ def quantize(x: torch.Tensor, quant: str) -> torch.Tensor:
 
 def dequantize(rows: torch.Tensor, quant: str, dtype: torch.dtype) -> torch.Tensor:
     """Stored rows ``[..., head_dim + 4]`` uint8 -> values ``[..., head_dim]`` in ``dtype``."""
-    _check(quant)
-    elem, _ = FORMATS[quant]
-    d = rows.shape[-1] - SCALE_BYTES
-    q = rows[..., :d].view(elem)  # same element size: a view even of a strided slice
-    try:  # a view when every row starts 4-byte aligned (any slice of a gather along tokens)
-        s = rows[..., d:].view(torch.float32)  # [..., 1]
-    except RuntimeError:
-        s = rows[..., d:].contiguous().view(torch.float32)
-    out = (_e4m3_values(q) if quant == "fp8_e4m3" and q.device.type == "cpu" else q.float()) * s  # one rounding
+    values, s = split(rows, quant, torch.float32)
+    out = values * s[..., None]  # scaled in float32, rounded once
     return out if dtype == torch.float32 else out.to(dtype)
 
 
@@ -91,32 +84,29 @@ def split(rows: torch.Tensor, quant: str, dtype: torch.dtype) -> tuple[torch.Ten
     """Stored rows ``[..., head_dim + 4]`` -> ``(values [..., head_dim] in dtype, scales [...] float32)``,
     the values unscaled and exact (int8 and e4m3 values fit bf16, fp16 and fp32): a row is
     ``values * scale``. For attention that applies the scales to its scores and probabilities
-    instead of to every element (chatkv.kernels.attention's quantised decode)."""
+    instead of to every element (chatkv.kernels.attention's quantised decode).
+
+    Views, not copies, of strided rows (any slice of a gather along tokens keeps every row
+    4-byte aligned). On CPU, e4m3 is read by moving its bits into a bfloat16 (torch converts
+    float8 one element at a time: 2x slower on a decode's gathered rows): the 7 bits under the
+    sign become a bf16's exponent and top mantissa bits, exponent bias 127 instead of 7, so times
+    2^120 (exact) it is the value, subnormals included; the NaN bytes (never stored for a finite
+    row, whose scale is then not finite anyway) read as +-480."""
     _check(quant)
     elem, _ = FORMATS[quant]
     d = rows.shape[-1] - SCALE_BYTES
-    q = rows[..., :d].view(elem)
+    q = rows[..., :d].view(elem)  # same element size: a view even of a strided slice
     if quant == "fp8_e4m3" and q.device.type == "cpu":
-        b = q.view(torch.int8).to(torch.int16)
-        vals = ((b & 0x7F) << 4 | (b & -128) << 8).view(torch.bfloat16) * 2.0**120  # exact: see _e4m3_values
-        vals = vals if dtype == torch.bfloat16 else vals.to(dtype)
+        b = q.view(torch.int8).to(torch.int16)  # sign-extended: b & -128 keeps the sign bit
+        values = ((b & 0x7F) << 4 | (b & -128) << 8).view(torch.bfloat16) * 2.0**120
+        values = values if dtype == torch.bfloat16 else values.to(dtype)
     else:
-        vals = q.to(dtype)
+        values = q.to(dtype)
     try:
         s = rows[..., d:].view(torch.float32)[..., 0]
     except RuntimeError:
         s = rows[..., d:].contiguous().view(torch.float32)[..., 0]
-    return vals, s
-
-
-def _e4m3_values(q: torch.Tensor) -> torch.Tensor:
-    """float32 values of e4m3 elements, by moving their bits into a bfloat16 (CPU torch converts
-    float8 element by element: this is 2x faster on a decode's gathered rows). The 7 bits under
-    the sign become a bf16's exponent and top mantissa bits, exponent bias 127 instead of 7, so
-    times 2^120 (exact) it is the value, subnormals included; the NaN bytes (never stored for a
-    finite row, whose scale is then not finite anyway) read as +-480."""
-    b = q.view(torch.int8).to(torch.int16)  # sign-extended: b & -128 keeps the sign bit
-    return ((b & 0x7F) << 4 | (b & -128) << 8).view(torch.bfloat16).float() * 2.0**120
+    return values, s
 
 
 def scales(rows: torch.Tensor) -> torch.Tensor:
