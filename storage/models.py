@@ -1,6 +1,7 @@
 """The conversation database's ORM schema (SQLAlchemy 2, portable SQL only).
 
-Four tables: ``conversations``, their ``messages``, at most one current
+Four tables: ``conversations`` (each with its ``owner``, migration 0005), their ``messages``
+(each with its ``content_hash``), at most one current
 ``kv_snapshots`` row per conversation, and at most one ``conversation_leases`` row (the
 process generating its turn now, migration 0004). Deleting a conversation cascades to
 the others in the database itself (``ON DELETE CASCADE``; SQLite needs ``foreign_keys=ON``,
@@ -27,6 +28,7 @@ Any change here needs a new Alembic revision in ``migrations/versions`` (and
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from array import array
 from datetime import datetime, timezone
@@ -49,6 +51,15 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
+
+LOCAL_USER = "local"  # the owner of the app's and the SDK's conversations
+
+
+def message_hash(role: str, content: str) -> str:
+    """The integrity hash of a message: sha256 of its role, a newline and its UTF-8 text
+    (migration 0005 computes the same for the rows it upgrades)."""
+    return hashlib.sha256(role.encode() + b"\n" + content.encode("utf-8", "surrogatepass")).hexdigest()
+
 
 # Named constraints keep future migrations (and SQLite batch mode) deterministic.
 NAMING_CONVENTION = {
@@ -116,6 +127,9 @@ class Conversation(Base):
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     tenant: Mapped[str] = mapped_column(String(255), default="", server_default="", index=True)
+    # the user the conversation belongs to (migration 0005): "local" for the app and the SDK,
+    # a ``chatkv serve`` API key's user name otherwise; another user's conversation is unknown
+    owner: Mapped[str] = mapped_column(String(255), default=LOCAL_USER, server_default=LOCAL_USER, index=True)
     title: Mapped[str] = mapped_column(Text, default="")
     model: Mapped[str] = mapped_column(Text, default="")
     system_prompt: Mapped[str] = mapped_column(Text, default="")
@@ -158,6 +172,9 @@ class Message(Base):
     ttft_ms: Mapped[Optional[float]] = mapped_column(Float)
     tokens_per_s: Mapped[Optional[float]] = mapped_column(Float)
     meta: Mapped[Optional[dict]] = mapped_column(JSON(none_as_null=True))
+    # sha256 of role and text (``message_hash``), written with the message (migration 0005): a
+    # message whose text was changed behind the store's back is told at resume
+    content_hash: Mapped[Optional[str]] = mapped_column(String(64))
 
     conversation: Mapped[Conversation] = relationship(back_populates="messages")
 

@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any, Optional
 
 from chatkv.errors import InvalidRequest, SessionError
-from chatkv.storage.models import Conversation, KVSnapshot, Message
+from chatkv.storage.models import LOCAL_USER, Conversation, KVSnapshot, Message, message_hash
 
 ID_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")
 ROLES = frozenset({"system", "user", "assistant", "tool"})
@@ -49,6 +49,7 @@ class ConversationInfo:
     updated_at: datetime
     archived: bool
     context: Optional[dict[str, Any]] = None  # the KV window's state (chatkv.context_window), None: whole history
+    owner: str = LOCAL_USER  # the user it belongs to (migration 0005)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,12 @@ class MessageInfo:
     host_tokens: Optional[int] = None
     ttft_ms: Optional[float] = None
     tokens_per_s: Optional[float] = None
+    content_hash: Optional[str] = None  # message_hash(role, content) as written (None: not recorded)
+
+    @property
+    def intact(self) -> bool:
+        """Whether the text is the text the message was stored with (unknown counts as intact)."""
+        return self.content_hash is None or self.content_hash == message_hash(self.role, self.content)
 
 
 @dataclass(frozen=True)
@@ -97,6 +104,7 @@ def conversation_info(c: Conversation, with_tokens: bool = True) -> Conversation
         updated_at=c.updated_at,
         archived=bool(c.archived),
         context=_copy_json(c.context),
+        owner=c.owner,
     )
 
 
@@ -109,6 +117,7 @@ def message_info(m: Message) -> MessageInfo:
         status=m.status,
         meta=_copy_json(m.meta),
         created_at=m.created_at,
+        content_hash=m.content_hash,
         **{name: getattr(m, name) for name in STAT_FIELDS},
     )
 
@@ -134,9 +143,30 @@ def check_conversation_id(conv_id: object) -> str:
     """Return ``conv_id`` if it is 1-64 characters of ``[A-Za-z0-9_-]``, else raise SessionError."""
     if not isinstance(conv_id, str) or not ID_PATTERN.fullmatch(conv_id):
         raise SessionError(
-            f"invalid conversation id {conv_id!r}: it must be 1-64 characters of A-Z, a-z, 0-9, '_' or '-'"
+            f"invalid conversation id {_shown(conv_id)}: it must be 1-64 characters of A-Z, a-z, 0-9, '_' or '-'"
         )
     return conv_id
+
+
+def _shown(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to about ``limit`` characters (an id may be any size a client sends)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    size = f"{len(value)} characters" if isinstance(value, str) else type(value).__name__
+    return f"{text[:limit]}... ({size})"
+
+
+USER_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
+
+
+def check_owner(owner: object) -> str:
+    """A conversation owner (a user name): 1-64 characters of ``[A-Za-z0-9_.@-]``, starting
+    with a letter or digit."""
+    if not isinstance(owner, str) or not USER_PATTERN.fullmatch(owner):
+        raise InvalidRequest(f"invalid user name {_shown(owner)}: it must be 1-64 characters of A-Z, a-z, 0-9, "
+                             "'_', '.', '@' or '-', starting with a letter or digit")
+    return owner
 
 
 def check_str(what: str, value: object, max_len: Optional[int] = None) -> str:

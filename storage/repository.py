@@ -53,7 +53,9 @@ from chatkv.storage.records import (
     message_info,
     snapshot_info,
     check_conversation_id,
+    check_owner,
 )
+from chatkv.storage.models import LOCAL_USER, message_hash
 
 # ---------------------------------------------------------------- clock
 
@@ -164,22 +166,26 @@ class Store:
 
     @staticmethod
     def _conversation(
-        s: Session, conv_id: str, tenant: Optional[str] = None, tokens: bool = False, lock: bool = False
+        s: Session, conv_id: str, tenant: Optional[str] = None, tokens: bool = False, lock: bool = False,
+        owner: Optional[str] = None,
     ) -> Conversation:
         """The row, or SessionError. Its token history is loaded only if ``tokens``; ``lock``:
-        locked for this transaction (FOR UPDATE; SQLite's write transactions are exclusive)."""
+        locked for this transaction (FOR UPDATE; SQLite's write transactions are exclusive).
+        With ``tenant`` or ``owner``, a conversation of another is unknown: the same error, word
+        for word, as an id that does not exist."""
         options = [] if tokens else [defer(Conversation.token_ids)]
         conv = s.get(Conversation, check_conversation_id(conv_id), options=options, with_for_update=lock)
-        if conv is None or (tenant is not None and conv.tenant != tenant):
+        if conv is None or (tenant is not None and conv.tenant != tenant) or (owner is not None and conv.owner != owner):
             raise SessionError(f"unknown conversation id '{conv_id}'")
         return conv
 
     # -------------------------------------------------------- conversations
 
     def create_conversation(
-        self, title: str, model: str, system_prompt: str, params: dict, tenant: str = ""
+        self, title: str, model: str, system_prompt: str, params: dict, tenant: str = "", owner: str = LOCAL_USER
     ) -> ConversationInfo:
-        """Create an empty conversation with a fresh id (uuid4 hex)."""
+        """Create an empty conversation with a fresh id (uuid4 hex), belonging to ``owner``."""
+        check_owner(owner)
         check_str("title", title)
         check_str("model", model)
         check_str("system_prompt", system_prompt)
@@ -192,6 +198,7 @@ class Store:
             conv = Conversation(
                 id=uuid.uuid4().hex,
                 tenant=tenant,
+                owner=owner,
                 title=title,
                 model=model,
                 system_prompt=system_prompt,
@@ -206,21 +213,24 @@ class Store:
             s.flush()
             return conversation_info(conv)
 
-    def get_conversation(self, conv_id: str, tenant: Optional[str] = None) -> ConversationInfo:
-        """The conversation, token history included. With ``tenant``, one of another
-        tenant is reported as unknown."""
+    def get_conversation(self, conv_id: str, tenant: Optional[str] = None, owner: Optional[str] = None) -> ConversationInfo:
+        """The conversation, token history included. With ``tenant`` (``owner``), one of another
+        tenant (user) is reported as unknown."""
         with self._reading() as s:
-            return conversation_info(self._conversation(s, conv_id, tenant, tokens=True))
+            return conversation_info(self._conversation(s, conv_id, tenant, tokens=True, owner=owner))
 
     def list_conversations(
-        self, include_archived: bool = False, tenant: Optional[str] = None
+        self, include_archived: bool = False, tenant: Optional[str] = None, owner: Optional[str] = None
     ) -> list[ConversationInfo]:
-        """Conversations, most recent activity first (``token_ids`` not loaded: None)."""
+        """Conversations (of ``tenant`` and ``owner``, when given), most recent activity first
+        (``token_ids`` not loaded: None)."""
         q = select(Conversation).options(defer(Conversation.token_ids))
         if not include_archived:
             q = q.where(Conversation.archived.is_(False))
         if tenant is not None:
             q = q.where(Conversation.tenant == tenant)
+        if owner is not None:
+            q = q.where(Conversation.owner == owner)
         q = q.order_by(Conversation.updated_at.desc(), Conversation.created_at.desc(), Conversation.id.desc())
         with self._reading() as s:
             return [conversation_info(c, with_tokens=False) for c in s.scalars(q)]
@@ -289,7 +299,7 @@ class Store:
             self.leases.check_write(s, conv.id)  # under this process's lease, or no live one
             now = CLOCK.now()
             msg = Message(conversation_id=conv.id, role=role, content=content, status=status,
-                          meta=meta, created_at=now, **stats)
+                          meta=meta, created_at=now, content_hash=message_hash(role, content), **stats)
             if token_ids is not None:
                 tokens = check_tokens(token_ids)
                 conv.token_ids, conv.token_count = tokens, len(tokens)
@@ -306,6 +316,19 @@ class Store:
             conv = self._conversation(s, conv_id)
             q = select(Message).where(Message.conversation_id == conv.id).order_by(Message.id)
             return [message_info(m) for m in s.scalars(q)]
+
+    def rebuild_history(self, conv_id: str, token_ids: list[int]) -> None:
+        """After the stored text was found changed (a message no longer matches its hash): make
+        ``token_ids`` (the history recomputed from that text) the conversation's, forget its KV
+        window's state (it described the old tokens) and record every message's current hash,
+        in one transaction. Fenced by the lease, as ``add_message`` is."""
+        tokens = check_tokens(token_ids)
+        with self._writing() as s:
+            conv = self._conversation(s, conv_id, lock=True)
+            self.leases.check_write(s, conv.id)
+            conv.token_ids, conv.token_count, conv.context = tokens, len(tokens), None
+            for m in s.scalars(select(Message).where(Message.conversation_id == conv.id)):
+                m.content_hash = message_hash(m.role, m.content)
 
     # -------------------------------------------------------- KV snapshots
 
