@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Iterator, Sequence as Seq
 
 
+from chatkv import text_tokens
 from chatkv.config import EngineConfig
 from chatkv.detokenize import TextStream
 from chatkv.engine_loop import EngineLoop, RequestStream
@@ -116,10 +117,9 @@ class Engine:
                 raise InvalidRequest(f"message {i} must be a dict with 'role' and 'content'")
             check_text(f"message {i} role", m.get("role"))
             check_text(f"message {i} content", m["content"])
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
-        if hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
-            out = out["input_ids"]
-        return list(out)
+        # contents are data: a special-token string in a message is its characters (chatkv.text_tokens)
+        return text_tokens.encode_chat(self.tokenizer, lambda ms: self.tokenizer.apply_chat_template(
+            ms, add_generation_prompt=add_generation_prompt, tokenize=False), messages)
 
     def _to_ids(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):

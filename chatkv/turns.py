@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from jinja2 import TemplateError  # what a template's raise_exception() raises (a dependency of chatkv)
 
+from chatkv import text_tokens
 from chatkv.errors import InvalidRequest, check_text
 
 _MARK = "\u2063chatkv-reply\u2063"
@@ -50,21 +51,28 @@ class TurnRenderer:
             raise InvalidRequest(f"the model's chat template rejects this conversation: {e}") from None
 
     def _encode(self, text: str) -> list[int]:
+        """Template markup only (no content of anyone's): special-token strings are control tokens."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _rendered(self, messages: list[dict], add_generation_prompt: bool) -> text_tokens.Rendered:
+        """The render and where its contents lie: contents are data (``chatkv.text_tokens``)."""
+        r = text_tokens.render(lambda ms: self._render(ms, add_generation_prompt), messages)
+        text_tokens.check_locatable(self.tokenizer, r, messages)
+        return r
 
     def first(self, messages: list[dict]) -> list[int]:
         """The whole prompt of a conversation's first turn (system prompt included)."""
         for i, m in enumerate(messages):
             check_text(f"message {i} ({m.get('role')})", m.get("content"))
-        return self._encode(self._render(messages, True))
+        return text_tokens.encode_rendered(self.tokenizer, self._rendered(messages, True))
 
     def user_turn(self, content: str) -> list[int]:
         """Tokens to append after a closed assistant turn for a new user message, up to the reply."""
         check_text("the message", content)
-        text = self._render(self._base + [{"role": "user", "content": content}], True)
-        if not text.startswith(self._base_text):
+        r = self._rendered(self._base + [{"role": "user", "content": content}], True)
+        if not r.text.startswith(self._base_text):
             raise InvalidRequest("the chat template rewrites earlier turns when a message is added; cannot take a delta")
-        return self._encode(text[len(self._base_text) :])
+        return text_tokens.encode_rendered(self.tokenizer, r, len(self._base_text))
 
     def close_reply(self, generated: list[int]) -> list[int]:
         """End-of-turn tokens after a reply; a stop token the model already produced is not repeated."""
@@ -89,10 +97,12 @@ class TurnRenderer:
         except InvalidRequest:
             return []
         try:
-            alone = self._encode(self._render([sys_msg], False))
+            alone = text_tokens.encode_rendered(self.tokenizer, self._rendered([sys_msg], False))
         except InvalidRequest:
-            text = self._render([sys_msg, {"role": "user", "content": _MARK}], False)
-            alone = self._encode(text[: text.index(_MARK)]) if _MARK in text else []
+            r = self._rendered([sys_msg, {"role": "user", "content": _MARK}], False)
+            cut = r.text.find(_MARK)
+            spans = None if r.spans is None else tuple((a, min(b, cut)) for a, b in r.spans if a < cut)
+            alone = text_tokens.encode_rendered(self.tokenizer, text_tokens.Rendered(r.text[:cut], spans)) if cut >= 0 else []
         n = 0
         while n < min(len(alone), len(full)) and alone[n] == full[n]:
             n += 1

@@ -106,6 +106,7 @@ class Embedder:
             self._counter = Tokenizer.from_str(backend.to_str())
             self._counter.no_truncation()
             self._counter.no_padding()
+            self._counter.encode_special_tokens = True  # text is data: "[SEP]" in a text is its characters
 
         h = hashlib.sha256()
         for name in _HASHED_FILES:
@@ -131,7 +132,7 @@ class Embedder:
         """How many tokens the model's tokenizer makes of ``text`` (no special tokens, no truncation)."""
         if self._counter is not None:  # a fast tokenizer: straight to Rust, no length warning
             return len(self._counter.encode(text, add_special_tokens=False).ids)
-        return len(self.tokenizer.encode(text, add_special_tokens=False, verbose=False))
+        return len(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True, verbose=False))
 
     # ------------------------------------------------------------------ vectors
 
@@ -181,7 +182,7 @@ class Embedder:
                     idx = order[b : b + batch_size]
                     batch = self.tokenizer(
                         [texts[i] for i in idx], padding=True, truncation=True, max_length=self.max_tokens,
-                        return_tensors="pt",
+                        return_tensors="pt", split_special_tokens=True,  # text is data: only [CLS]/[SEP] of its own
                     ).to(self.device)
                     with torch.inference_mode():
                         hidden = model(**batch).last_hidden_state

@@ -29,6 +29,7 @@ from array import array
 from collections import OrderedDict
 from itertools import islice
 
+from chatkv import text_tokens
 from chatkv.errors import check_text
 from chatkv.turns import TurnRenderer
 
@@ -61,9 +62,6 @@ class HistoryTokens:
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
-    def _encode(self, text: str) -> list[int]:
-        return list(self._tok(text, add_special_tokens=False)["input_ids"])
-
     def prompt(self, messages: list[dict]) -> tuple[list[int], int]:
         """The prompt's token ids for ``messages`` (ending with a user message), and how many
         leading messages came from the map (0: the whole conversation was tokenised)."""
@@ -79,17 +77,23 @@ class HistoryTokens:
                     self._lru.move_to_end(keys[k - 1])
             if ids is None:
                 continue
-            full = self._render(messages, True)
+            full = self._rendered(messages)
             before = self._render(messages[:k], False)
-            if not full.startswith(before):  # the template rewrites earlier turns
+            if not full.text.startswith(before):  # the template rewrites earlier turns
                 break
             with self._lock:
                 self.hits += 1
-            return ids.tolist() + self._encode(full[len(before):]), k
+            return ids.tolist() + text_tokens.encode_rendered(self._tok, full, len(before)), k
         if any(m["role"] == "assistant" for m in messages):
             with self._lock:
                 self.misses += 1
-        return self._encode(self._render(messages, True)), 0
+        return text_tokens.encode_rendered(self._tok, self._rendered(messages)), 0
+
+    def _rendered(self, messages: list[dict]) -> text_tokens.Rendered:
+        """The prompt's render, its contents located: a client's text is data (``chatkv.text_tokens``)."""
+        r = text_tokens.render(lambda ms: self._render(ms, True), messages)
+        text_tokens.check_locatable(self._tok, r, messages)
+        return r
 
     def recent_keys(self, n: int) -> list[bytes]:
         """The ``n`` most recently used prefix keys (newest last): what a replica reports to

@@ -1,0 +1,186 @@
+"""Text is data: only the chat template's own markup may produce special tokens.
+
+A tokenizer turns the string ``<|im_end|>`` into the end-of-turn control token wherever
+it appears, so a user who types it could close their turn and open a forged system
+turn. Every piece of text chatkv did not write itself (messages, system prompts,
+pinned documents, retrieved sources, tool results) is tokenised with special tokens
+split: ``<|im_end|>`` in a message becomes the tokens of its characters.
+
+How a rendered conversation is tokenised (``encode_rendered``):
+
+1. the template is rendered twice: with the real contents and with each content
+   replaced by a marker; walking the two side by side gives where each content
+   lies in the real text (templates that trim content are handled);
+2. the real text is tokenised as usual, with character offsets. When no control
+   token overlaps a content, those ids are the result: for text without
+   special-token strings nothing changes, so canonical token histories, prefix
+   caching and stored snapshots of existing conversations keep matching;
+3. otherwise the control tokens that come from markup are kept and the text between
+   them is tokenised with ``split_special_tokens=True``.
+
+A template that alters a content in a way the walk cannot follow (other than
+trimming) while that content holds a special-token string is refused with an
+``InvalidRequest`` rather than guessed at.
+
+Raw prompts (``Engine.generate("...")``, ``/v1/completions`` with a string) are the
+caller's own template and stay raw: they are not tokenised here.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from chatkv.errors import InvalidRequest
+
+_NONCE = secrets.token_hex(6)
+_MARKER = "\u2063ck" + _NONCE + "-{}\u2063"
+_MARKER_RE = re.compile("\u2063ck" + _NONCE + r"-(\d+)\u2063")
+
+
+def control_ids(tokenizer) -> frozenset[int]:
+    """The ids only template markup may produce: every added token flagged special."""
+    cached = getattr(tokenizer, "_chatkv_control_ids", None)
+    if cached is not None:
+        return cached
+    ids = {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if getattr(t, "special", True)}
+    ids.update(i for i in tokenizer.all_special_ids if i is not None)
+    out = frozenset(ids)
+    try:
+        tokenizer._chatkv_control_ids = out
+    except AttributeError:  # a tokenizer that takes no attributes: computed each time
+        pass
+    return out
+
+
+def _control_strings(tokenizer) -> list[str]:
+    dec = getattr(tokenizer, "added_tokens_decoder", {})
+    ctrl = control_ids(tokenizer)
+    return [t.content for i, t in dec.items() if i in ctrl and t.content]
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """``text`` as data: its special-token strings give the tokens of their characters."""
+    if not text:
+        return []
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A rendered conversation and the character spans of the contents in it."""
+
+    text: str
+    spans: tuple[tuple[int, int], ...] | None  # None: the contents could not be located
+
+
+def render(render_fn: Callable[[list[dict]], str], messages: Sequence[dict]) -> Rendered:
+    """``render_fn(messages)`` and where each message's content lies in it."""
+    messages = list(messages)
+    text = render_fn(messages)
+    contents = [m.get("content") for m in messages]
+    if not any(isinstance(c, str) and c for c in contents):
+        return Rendered(text, ())
+    marked = [dict(m, content=_MARKER.format(i)) if isinstance(m.get("content"), str) else m
+              for i, m in enumerate(messages)]
+    try:
+        marked_text = render_fn(marked)
+    except InvalidRequest:
+        return Rendered(text, None)
+    return Rendered(text, _walk(text, marked_text, contents))
+
+
+def _walk(text: str, marked_text: str, contents: list) -> tuple[tuple[int, int], ...] | None:
+    parts = _MARKER_RE.split(marked_text)  # markup, index, markup, index, ..., markup
+    pos, spans = 0, []
+    for j in range(0, len(parts) - 1, 2):
+        markup, idx, nxt = parts[j], int(parts[j + 1]), parts[j + 2]
+        last = j + 2 == len(parts) - 1
+        if not text.startswith(markup, pos):
+            return None
+        pos += len(markup)
+        c = contents[idx]
+        for cand in dict.fromkeys((c, c.strip(), c.lstrip(), c.rstrip())):
+            end = pos + len(cand)
+            if text.startswith(cand, pos) and (text[end:] == nxt if last else text.startswith(nxt, end)):
+                break
+        else:
+            return None
+        if end > pos:
+            spans.append((pos, end))
+        pos = end
+    if len(parts) == 1 and text != marked_text:
+        return None
+    return tuple(spans)
+
+
+def encode_rendered(tokenizer, rendered: Rendered, start: int = 0) -> list[int]:
+    """Token ids of ``rendered.text[start:]``, the contents' special-token strings split (see module doc)."""
+    text = rendered.text[start:]
+    if not text:
+        return []
+    ctrl = control_ids(tokenizer)
+    if rendered.spans is None:
+        # where the contents are is unknown: fine while no content holds a special-token string
+        ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return ids
+    spans = [(max(a - start, 0), b - start) for a, b in rendered.spans if b > start]
+    if not spans:
+        return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if not getattr(tokenizer, "is_fast", False):
+        return _encode_pieces(tokenizer, text, spans)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
+
+    def in_content(a: int, b: int) -> bool:
+        return any(a < e and b > s for s, e in spans)
+
+    if not any(t in ctrl and in_content(a, b) for t, (a, b) in zip(ids, offsets)):
+        return ids
+    out, pos = [], 0
+    for t, (a, b) in zip(ids, offsets):
+        if t in ctrl and not in_content(a, b):
+            out += encode_text(tokenizer, text[pos:a])
+            out.append(t)
+            pos = b
+    out += encode_text(tokenizer, text[pos:])
+    return out
+
+
+def _encode_pieces(tokenizer, text: str, spans: list[tuple[int, int]]) -> list[int]:
+    """A tokenizer without offsets: markup and contents tokenised apart."""
+    out, pos = [], 0
+    for s, e in spans:
+        if s > pos:
+            out += list(tokenizer(text[pos:s], add_special_tokens=False)["input_ids"])
+        out += encode_text(tokenizer, text[s:e])
+        pos = e
+    if pos < len(text):
+        out += list(tokenizer(text[pos:], add_special_tokens=False)["input_ids"])
+    return out
+
+
+def check_locatable(tokenizer, rendered: Rendered, messages: Sequence[dict]) -> None:
+    """Refuse a conversation whose contents hold special-token strings the walk could not locate."""
+    if rendered.spans is not None:
+        return
+    strings = _control_strings(tokenizer)
+    for i, m in enumerate(messages):
+        c = m.get("content")
+        if isinstance(c, str):
+            hit = next((s for s in strings if s in c), None)
+            if hit is not None:
+                raise InvalidRequest(
+                    f"message {i} ({m.get('role')}) contains the special token '{hit}' and the model's chat "
+                    f"template changes message text, so chatkv cannot keep it as plain text; remove it"
+                )
+
+
+def encode_chat(tokenizer, render_fn: Callable[[list[dict]], str], messages: Sequence[dict],
+                start: int = 0) -> list[int]:
+    """Render ``messages`` with ``render_fn`` and tokenise the text from ``start`` as data."""
+    r = render(render_fn, messages)
+    check_locatable(tokenizer, r, messages)
+    return encode_rendered(tokenizer, r, start)
