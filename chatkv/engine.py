@@ -25,6 +25,7 @@ from typing import Iterator, Sequence as Seq
 
 from chatkv import text_tokens
 from chatkv.config import EngineConfig
+from chatkv.storage.models import LOCAL_USER
 from chatkv.detokenize import TextStream
 from chatkv.engine_loop import EngineLoop, RequestStream
 from chatkv.errors import InvalidRequest, ModelNotFound, StorageError, check_text
@@ -233,11 +234,14 @@ class Engine:
         once started (waiting for it), else right here."""
         return self._loop.call(fn)
 
-    def submit(self, prompt: str | Seq[int], params: SamplingParams | None = None, *, priority: int = 0) -> RequestStream:
+    def submit(self, prompt: str | Seq[int], params: SamplingParams | None = None, *, priority: int = 0,
+               user: str | None = None) -> RequestStream:
         """Queue one request and return its ``RequestStream`` (iterate it, ``async for`` it,
         ``cancel()`` it, ``result()``). Bad input raises here. Before ``start()`` iterating the
-        stream steps the engine on the caller's thread."""
-        return self._loop.submit(lambda: self.add_request(prompt, params, priority=priority))
+        stream steps the engine on the caller's thread. ``user``: whose prefix cache it reads and
+        fills (``chatkv serve``'s API keys; None: the local user, as the app and the SDK are)."""
+        namespace = self.kv.user_namespace(user)
+        return self._loop.submit(lambda: self.add_request(prompt, params, priority=priority, namespace=namespace))
 
     async def agenerate(self, prompt: str | Seq[int], params: SamplingParams | None = None, *, priority: int = 0) -> GenerationResult:
         """Run one request from asyncio (starts the loop if needed); its GenerationResult."""
@@ -362,15 +366,17 @@ class Engine:
         top_k: int = 4,
         documents: list[str] | None = None,
         overflow: str | None = None,
+        user: str | None = None,
     ):
-        """Start a new saved conversation. ``params``: default SamplingParams fields for its turns.
+        """Start a new saved conversation (of ``user``: a ``chatkv serve`` API key's user; None:
+        the local user, whom the app and the SDK are). ``params``: default SamplingParams fields for its turns.
 
         With ``knowledge`` (a KnowledgeBase) every turn retrieves ``top_k`` sources for the
         message and the reply lists them (``reply.sources``); ``documents`` (sources in that
         knowledge base) are pinned after the system prompt, their KV shared by every session
         with the same system prompt and documents. ``overflow``: what happens when the history
         outgrows the context window ("sink", "truncate" or "error"; default: the engine's)."""
-        return self.session_manager.create(system, title, params, knowledge, top_k, documents, overflow)
+        return self.session_manager.create(system, title, params, knowledge, top_k, documents, overflow, owner=user)
 
     def knowledge_base(self, name: str):
         """Open (or create) the knowledge base ``name`` in this engine's data directory and database."""
@@ -393,13 +399,15 @@ class Engine:
             self._kbs[name] = kb
         return kb
 
-    def resume(self, conv_id: str):
-        """Reopen a saved conversation; its next turn restores the KV from disk instead of recomputing."""
-        return self.session_manager.resume(conv_id)
+    def resume(self, conv_id: str, *, user: str | None = None):
+        """Reopen a saved conversation; its next turn restores the KV from disk instead of recomputing.
+        One of another ``user`` (None: the local user) is unknown: the same SessionError as an id never used."""
+        return self.session_manager.resume(conv_id, owner=user)
 
-    def sessions(self, include_archived: bool = False):
-        """Saved conversations, newest activity first (storage.ConversationInfo)."""
-        return self.session_manager.store.list_conversations(include_archived=include_archived, tenant=self.config.tenant)
+    def sessions(self, include_archived: bool = False, *, user: str | None = None):
+        """Saved conversations (of ``user``; None: the local user), newest activity first (storage.ConversationInfo)."""
+        return self.session_manager.store.list_conversations(include_archived=include_archived, tenant=self.config.tenant,
+                                                             owner=user or LOCAL_USER)
 
     def spill_idle(self) -> int:
         """Spill sessions idle past ``idle_spill_s`` to disk now; returns how many."""

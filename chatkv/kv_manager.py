@@ -63,6 +63,7 @@ from chatkv.block_pool import BlockPool
 from chatkv.errors import OutOfBlocks
 from chatkv.host_pool import HostPool
 from chatkv.radix_cache import MatchResult, NoPrefixCache, Node, RadixCache
+from chatkv.storage.models import LOCAL_USER
 
 if TYPE_CHECKING:
     from chatkv.sequence import Sequence
@@ -102,6 +103,12 @@ class KVManager:
         least one to compute (``namespace`` None: the default one)."""
         m = self.cache.match(self._ns(namespace), token_ids, max_tokens=len(token_ids) - 1)
         return m.num_tokens + m.host_tokens
+
+    def user_namespace(self, user: str | None) -> Hashable | None:
+        """The radix namespace of a user's KV (``chatkv serve``'s API keys are users): None (the
+        default one) for the local user (None or "local"), else one of the user's own below the
+        default's salt, so two users never share a node (nor the timing of a cache hit)."""
+        return None if user is None or user == LOCAL_USER else (self.namespace, "user", user)
 
     def _ns(self, namespace: Hashable | None) -> Hashable:
         return self.namespace if namespace is None else namespace
@@ -334,15 +341,17 @@ class KVManager:
 
     # -- pins ---------------------------------------------------------------------
 
-    def pin(self, token_ids: list[int]) -> tuple[int, ...] | None:
-        """Keep the block-aligned part of ``token_ids`` (a shared prefix) from eviction while
-        pinned. Returns the pin's key for ``unpin``, or None if none of it is cached in full."""
+    def pin(self, token_ids: list[int], namespace: Hashable | None = None) -> tuple | None:
+        """Keep the block-aligned part of ``token_ids`` (a shared prefix) in ``namespace`` (None:
+        the default) from eviction while pinned. Returns the pin's key for ``unpin``, or None if
+        none of it is cached in full."""
         n = len(token_ids) // self.block_size * self.block_size
         if n == 0 or not self.sharing:
             return None
-        key = tuple(token_ids[:n])
+        ns = self._ns(namespace)
+        key = tuple(token_ids[:n]) if namespace is None else (ns, tuple(token_ids[:n]))
         if key not in self._pins:
-            m = self.cache.match(self.namespace, key)
+            m = self.cache.match(ns, key if namespace is None else key[1])
             if m.num_tokens < n:
                 return None
             self.cache.lock(m.node)

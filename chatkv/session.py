@@ -56,6 +56,7 @@ class Session:
         self.closed = False
         self.busy = False
         self.last_used = time.monotonic()
+        self.owner = "local"  # the user it belongs to (chatkv serve's API keys; the app and SDK: "local")
 
     # -- turns --------------------------------------------------------------
 

@@ -41,6 +41,8 @@ from chatkv.outputs import Reply
 from chatkv.sampling import SamplingParams
 from chatkv.session import Session
 from chatkv.snapshots import Snapshots
+from chatkv.storage.models import LOCAL_USER
+from chatkv.storage.records import check_owner
 from chatkv.storage.repository import Store
 from chatkv.turns import TurnRenderer
 
@@ -107,7 +109,9 @@ class SessionManager:
         top_k: int = 4,
         documents: list[str] | None = None,
         overflow: str | None = None,
+        owner: str | None = None,
     ) -> Session:
+        owner = LOCAL_USER if owner is None else check_owner(owner)
         overflow = cw.check_overflow(overflow) if overflow is not None else self.overflow
         if system is not None:
             check_text("system prompt", system)
@@ -127,26 +131,35 @@ class SessionManager:
             system_prompt=system or "",
             params=stored,
             tenant=self.tenant,
+            owner=owner,
         )
         s = Session(self, info.id, info.title, system, params or {}, [])
+        s.owner = owner
         s.window = cw.ContextState(policy=overflow)
         if rag:
             s.knowledge, s.top_k, s.documents, s.system_content = knowledge, rag["top_k"], rag["documents"], system_content
         self.live[s.id] = s
         return s
 
-    def resume(self, conv_id: str) -> Session:
+    def resume(self, conv_id: str, owner: str | None = None) -> Session:
+        """The open session of ``conv_id``, or the stored conversation reopened. One of another
+        user than ``owner`` (None: the local user) is unknown, exactly as an id never used."""
+        owner = LOCAL_USER if owner is None else owner
         with self._resume_lock:  # two threads resuming one conversation get one Session (and one KV)
             if isinstance(conv_id, str) and conv_id in self.live:
-                return self.live[conv_id]
-            return self._resume(conv_id)
+                s = self.live[conv_id]
+                if s.owner != owner:
+                    raise SessionError(f"unknown conversation id '{conv_id}'")  # the store's words for an unknown id
+                return s
+            return self._resume(conv_id, owner)
 
-    def _resume(self, conv_id: str) -> Session:
-        info = self.store.get_conversation(conv_id, tenant=self.tenant)
+    def _resume(self, conv_id: str, owner: str = LOCAL_USER) -> Session:
+        info = self.store.get_conversation(conv_id, tenant=self.tenant, owner=owner)
         params = dict(info.params)
         rag = params.pop(RAG_KEY, None)
         overflow = params.pop(OVERFLOW_KEY, None)
         s = Session(self, info.id, info.title, info.system_prompt or None, params, list(info.token_ids or []))
+        s.owner = info.owner
         s.window = self.stored_window(s, info, overflow)
         msgs = self.store.messages(s.id)
         if msgs and msgs[-1].role == "user" and s.tokens:
@@ -161,8 +174,41 @@ class SessionManager:
                 log.warning("conversation %s: %s; its documents are not pinned", s.id, e)
             users = [m.content for m in msgs if m.role == "user"]
             s.last_question = users[-1] if users else None
+        if any(not m.intact for m in msgs):
+            self._rebuild(s)
         self.live[s.id] = s
         return s
+
+    def _rebuild(self, s: Session) -> None:
+        """Stored text that no longer matches its hash (edited behind the store's back, even at the
+        same length): the token history, and so the KV, no longer say what the messages say. The
+        stored text wins: the history is recomputed from it (the system prompt, then each turn
+        rendered as a turn would render it), its snapshot dropped, and the KV computed afresh on
+        the next turn."""
+        msgs = self.store.messages(s.id)
+        changed = [m.id for m in msgs if not m.intact]
+        log.warning("conversation %s: the stored text of message(s) %s no longer matches what was stored with it; "
+                    "recomputing the conversation's KV from the stored text", s.id, changed)
+        tokens: list[int] = []
+        for m in msgs:
+            if m.role == "user":
+                tokens += self._delta_from(tokens, s.system_content, m.content)
+            elif m.role == "assistant" and tokens:
+                reply = self._text_ids(m.content)  # the reply as data: its text, never control tokens
+                tokens += reply + self.renderer.close_reply(reply)
+        s.tokens = tokens
+        s.window = cw.ContextState(policy=s.window.policy)
+        self.store.rebuild_history(s.id, tokens)
+        self.snapshots.delete(s.id)
+
+    def _text_ids(self, text: str) -> list[int]:
+        return list(self.engine.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+    def _delta_from(self, tokens: list[int], system: str | None, content: str) -> list[int]:
+        if tokens:
+            return self.renderer.user_turn(content)
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+        return self.renderer.first(messages)
 
     def stored_window(self, s: Session, info, overflow: str | None) -> cw.ContextState:
         """The KV window's state stored with ``info`` (``s.tokens`` already its token ids), under
@@ -268,12 +314,14 @@ class SessionManager:
         st = copy.deepcopy(s.window)
         plan = cw.plan(st, len(s.tokens), len(delta), reserve, window, self.kv.block_size, self.sink_tokens)
 
+        user_ns = self.kv.user_namespace(s.owner)  # a server user's KV is never another's (None: the local user)
+
         def admit():
             kept, restored = s.kept, 0
             s.kept = None
             old_ns = self._namespace(s.id, st)
             if kept is None and s.tokens and plan.kind != "truncate":
-                kept, restored = self.snapshots.restore(s.id, s.tokens + delta, namespace=old_ns)
+                kept, restored = self.snapshots.restore(s.id, s.tokens + delta, namespace=old_ns or user_ns)
             context = s.tokens
             if plan.kind != "none":
                 context = cw.apply(st, plan, s.tokens)
@@ -281,7 +329,7 @@ class SessionManager:
                 s.tokens, s.window = context, st  # the KV in memory is the new window's now
             try:
                 seq = self.engine.add_request(context + delta, params, retain=True, prefix=kept,
-                                              namespace=self._namespace(s.id, st), max_context=window)
+                                              namespace=self._namespace(s.id, st) or user_ns, max_context=window)
             except BaseException:
                 s.kept = kept  # nothing happened: the session keeps its KV
                 raise
@@ -411,4 +459,4 @@ class SessionManager:
         sys_tokens = self.renderer.system_prefix(s.system_content)
         n = len(sys_tokens) // self.kv.block_size * self.kv.block_size  # only whole blocks are shared
         if n and s.tokens[:n] == sys_tokens[:n]:
-            s.pinned = self.kv.pin(sys_tokens[:n])
+            s.pinned = self.kv.pin(sys_tokens[:n], self.kv.user_namespace(s.owner))

@@ -6,6 +6,11 @@ Contracts:
   files and directories as resolved absolute ``Path`` s, each at most once, or a ``FileError`` for
   what cannot be used (missing, dangling symlink, symlink loop, not a regular file, too big,
   unlistable directory). It never reads a file and never hangs on a symlink loop.
+  It stays inside what it was given: symbolic links found in a walk are not followed (one
+  ``FileError`` each) unless ``follow_symlinks=True``, and even then a link that resolves
+  outside every given path is skipped with its reason. A path named explicitly is always
+  taken, wherever it points (naming it is the opt-in). Hard links and bind mounts look like
+  ordinary files and directories to the OS and are read as such (README, "Knowledge bases").
 - ``load_file(path)`` returns a ``Document`` or raises ``DocumentError`` naming the file and one
   clear reason. A file over ``max_bytes`` is refused from its size alone, before it is opened.
 - ``Document.text`` is plain text with "\\n" line ends. HTML keeps visible text only, headings as
@@ -98,7 +103,7 @@ class DocumentError(ChatKVError):
 
 
 def discover(paths, include: list[str] | None = None, exclude: list[str] | None = None,
-             max_bytes: int = DEFAULT_MAX_BYTES) -> Iterator[Path | FileError]:
+             max_bytes: int = DEFAULT_MAX_BYTES, follow_symlinks: bool = False) -> Iterator[Path | FileError]:
     """Files under ``paths`` (a path or an iterable of paths: files or directories, walked recursively
     in sorted order), as resolved absolute Paths, each file once; a FileError for each thing that
     cannot be used.
@@ -108,8 +113,11 @@ def discover(paths, include: list[str] | None = None, exclude: list[str] | None 
     files; ``exclude`` drops matching files and prunes matching directories. A file named explicitly
     in ``paths`` is always taken (globs filter what a directory walk finds). Inside a walk, names
     starting with "." (.git, .venv, .env ...) and __pycache__ / node_modules are skipped.
-    Symlinks are followed; a link back to a directory being walked is one FileError "symlink loop",
-    a dangling link one FileError; a directory reached twice is walked once.
+    Symlinks met in a walk are one FileError each ("not followed") unless ``follow_symlinks``;
+    followed, a link resolving outside every given path (each resolved) is one FileError
+    ("outside the given paths"), a link back to a directory being walked one FileError
+    "symlink loop", a dangling link one FileError; a directory reached twice is walked once.
+    A given path that is itself a link is followed: it was named.
     """
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -117,20 +125,48 @@ def discover(paths, include: list[str] | None = None, exclude: list[str] | None 
     exclude = [exclude] if isinstance(exclude, str) else list(exclude or [])
     seen_files: set[str] = set()
     seen_dirs: set[tuple[int, int]] = set()
-    for given in paths:
-        path = Path(given).expanduser().absolute()
+    given_paths = [Path(g).expanduser().absolute() for g in paths]
+    roots = [os.path.realpath(p) for p in given_paths]  # what a followed link may resolve into
+    links = _Links(follow_symlinks, roots)
+    for path in given_paths:
         st = _stat(path)
         if isinstance(st, FileError):
             yield st
         elif stat.S_ISDIR(st.st_mode):
-            yield from _walk(path, st, include, exclude, max_bytes, seen_files, seen_dirs)
+            yield from _walk(path, st, include, exclude, max_bytes, seen_files, seen_dirs, links)
         else:
             item = _file_item(path, st, max_bytes, seen_files)
             if item is not None:
                 yield item
 
 
-def _walk(root: Path, root_st, include, exclude, max_bytes, seen_files, seen_dirs):
+class _Links:
+    """What a walk does with a symbolic link: skip it, or follow it while it stays inside ``roots``."""
+
+    def __init__(self, follow: bool, roots: list[str]):
+        self.follow = follow
+        self.roots = roots
+
+    def refuse(self, path: Path) -> FileError | None:
+        """None to take the link at ``path``, else why not."""
+        try:
+            target = os.readlink(path)
+        except OSError:
+            target = "?"
+        if not self.follow:
+            return FileError(str(path), f"a symbolic link (to {target}), not followed; pass follow_symlinks=True "
+                                        f"(chatkv ingest --follow-symlinks) to take links inside the given paths")
+        real = os.path.realpath(path)
+        if not os.path.exists(real):
+            return None  # dangling or a loop: _stat says which
+        for root in self.roots:
+            if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
+                return None
+        return FileError(str(path), f"a symbolic link to {real}, outside the given paths; not followed "
+                                    f"(name it as a path to ingest it)")
+
+
+def _walk(root: Path, root_st, include, exclude, max_bytes, seen_files, seen_dirs, links: _Links):
     key = (root_st.st_dev, root_st.st_ino)
     if key in seen_dirs:
         return
@@ -151,6 +187,11 @@ def _walk(root: Path, root_st, include, exclude, max_bytes, seen_files, seen_dir
             if name.startswith("."):
                 continue
             path = Path(entry.path)
+            if entry.is_symlink():
+                refused = links.refuse(path)
+                if refused is not None:
+                    yield refused
+                    continue
             st = _stat(path)
             if isinstance(st, FileError):
                 yield st

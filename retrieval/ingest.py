@@ -61,8 +61,10 @@ def file_documents(
     exclude: Optional[Sequence[str]],
     known: dict,
     report: IngestReport,
+    follow_symlinks: bool = False,
 ) -> Iterator[tuple[Document, None]]:
-    """The loaded documents of ``add``'s files, lazily; each file that cannot be is one skip."""
+    """The loaded documents of ``add``'s files, lazily; each file that cannot be is one skip
+    (a symbolic link not followed, or one leading outside the given paths, among them)."""
 
     def skip(source: str, reason: str) -> None:
         if source in known:
@@ -70,7 +72,7 @@ def file_documents(
         report.skipped.append(FileError(source, reason))
 
     t = time.perf_counter()
-    for item in discover(paths, include=include, exclude=exclude):
+    for item in discover(paths, include=include, exclude=exclude, follow_symlinks=follow_symlinks):
         if isinstance(item, FileError):
             skip(item.source, item.reason)
             continue

@@ -244,13 +244,18 @@ class KnowledgeBase:
         include: Optional[Sequence[str]] = None,
         exclude: Optional[Sequence[str]] = None,
         progress: bool = False,
+        follow_symlinks: bool = False,
     ) -> IngestReport:
-        """Ingest files and directories (recursively; include/exclude globs). See the module docstring."""
+        """Ingest files and directories (recursively; include/exclude globs). See the module docstring.
+
+        Symbolic links inside a directory are skipped (each one a ``report.skipped`` entry) unless
+        ``follow_symlinks``; followed, a link resolving outside every given path is still skipped.
+        A path given here is always taken, link or not."""
         report = IngestReport()
         with self._lock:
             self._refresh()
             known = self._store.document_hashes(self.id)
-            docs = ingest_path.file_documents(paths, include, exclude, known, report)
+            docs = ingest_path.file_documents(paths, include, exclude, known, report, follow_symlinks)
             self._ingest(docs, known, report, progress)
         return report
 

@@ -245,7 +245,7 @@ def test_symlink_loop_is_one_error_and_terminates(tmp_path):
     write(tmp_path / "docs" / "sub" / "b.md", "b")
     os.symlink(tmp_path / "docs", tmp_path / "docs" / "sub" / "loop")  # dir -> its parent
     os.symlink("self", tmp_path / "docs" / "self")  # a link to itself
-    items = list(discover(tmp_path / "docs"))
+    items = list(discover(tmp_path / "docs", follow_symlinks=True))
     errors = [i for i in items if isinstance(i, FileError)]
     assert rel([i for i in items if not isinstance(i, FileError)], tmp_path) == ["docs/a.md", "docs/sub/b.md"]
     assert [e.reason.split(" (")[0] for e in errors] == ["symlink loop", "symlink loop"]
@@ -260,7 +260,8 @@ def test_dangling_symlink_fifo_and_links_followed_once(tmp_path):
     os.symlink(tmp_path / "shared" / "s.md", tmp_path / "docs" / "s-link.md")
     os.symlink(tmp_path / "gone.md", tmp_path / "docs" / "dangling.md")
     os.mkfifo(tmp_path / "docs" / "pipe")
-    items = rel(discover(tmp_path / "docs"), tmp_path)
+    # followed links must stay inside the given paths: shared/ is given too (walked once)
+    items = rel(discover([tmp_path / "docs", tmp_path / "shared"], follow_symlinks=True), tmp_path)
     assert items == ["docs/a.md",
                      f"ERR docs/dangling.md: dangling symlink (points to {tmp_path / 'gone.md'}, which does not exist)",
                      "ERR docs/pipe: not a regular file (a device, socket or pipe)",

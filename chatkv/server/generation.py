@@ -5,7 +5,8 @@ Both are prepared first (everything that can refuse the request does so before t
 byte of the response, so a refusal is an HTTP status, not an error event in a stream) and
 then give an async iterator of text pieces ending with one ``Done``.
 
-Sessions (``X-Session-Id`` header or ``session_id`` body field; the header wins):
+Sessions (``X-Session-Id`` header or ``session_id`` body field; both given and different: a 400
+naming both). Each belongs to the user whose API key made it (``guards.Users``):
 
 - ``new``: a new stored conversation; its system prompt is the request's leading system
   message(s), and the request holds that and one user message. The response carries the new
@@ -14,8 +15,12 @@ Sessions (``X-Session-Id`` header or ``session_id`` body field; the header wins)
   come from the store. The client may send just that message, or the whole conversation: then
   every earlier message must equal the stored one (role and text, in order) and a system
   message the stored system prompt, else 409 ``session_history_mismatch`` (nothing is stored).
-- an unknown id: 404 ``session_not_found``; a conversation answering another request: 409
-  ``session_busy``.
+- an unknown id, or another user's: 404 ``session_not_found``, the same status and body (the
+  id given back, cut to 80 characters) for both, before any history is compared, so neither
+  the status nor ``session_history_mismatch`` tells whether another user's id exists or what it
+  holds; a conversation answering another request: 409 ``session_busy``.
+
+Stateless requests use the user's own part of the history map and of the prefix cache.
 """
 
 from __future__ import annotations
@@ -50,9 +55,9 @@ def fit_max_tokens(context: int, prompt_len: int, max_tokens: int | None, param:
     return max_tokens if max_tokens is not None else context - prompt_len
 
 
-async def _submit(engine, ids: list[int], params: SamplingParams):
+async def _submit(engine, ids: list[int], params: SamplingParams, user: str | None = None):
     try:
-        return await to_thread.run_sync(lambda: engine.submit(ids, params))
+        return await to_thread.run_sync(lambda: engine.submit(ids, params, user=user))
     except Exception as e:  # noqa: BLE001 - InvalidRequest and friends become OpenAI errors
         raise from_chatkv(e) from e
 
@@ -87,18 +92,19 @@ async def _events(stream, on_done=None) -> AsyncIterator[str | Done]:
     yield Done(result.text, result.finish_reason, result.usage)
 
 
-async def stateless_chat(state, messages: list[dict], params: SamplingParams, max_tokens: int | None):
+async def stateless_chat(state, messages: list[dict], params: SamplingParams, max_tokens: int | None,
+                         user: str | None = None):
     try:
-        ids, _ = await to_thread.run_sync(state.history.prompt, messages)
+        ids, _ = await to_thread.run_sync(state.history.prompt, messages, user)
     except Exception as e:  # noqa: BLE001 - text that is not valid Unicode, a template that refuses
         raise from_chatkv(e) from e
     params.max_tokens = fit_max_tokens(state.context, len(ids), max_tokens)
-    stream = await _submit(state.engine, ids, params)
+    stream = await _submit(state.engine, ids, params, user)
 
     def remember(result) -> None:
         if result.finish_reason in ("stop", "length"):
             state.history.record(messages, result.text, ids, result.token_ids,
-                                 stopped_by_string=bool(params.stop) and result.finish_reason == "stop")
+                                 stopped_by_string=bool(params.stop) and result.finish_reason == "stop", user=user)
 
     return Events(_events(stream, remember), stream.cancel)
 
@@ -112,12 +118,12 @@ def completion_prompt(state, prompt, max_tokens: int) -> tuple[list[int], int]:
     return ids, fit_max_tokens(state.context, len(ids), max_tokens, "prompt")
 
 
-async def completion(state, ids: list[int], params: SamplingParams) -> Events:
-    stream = await _submit(state.engine, ids, params)
+async def completion(state, ids: list[int], params: SamplingParams, user: str | None = None) -> Events:
+    stream = await _submit(state.engine, ids, params, user)
     return Events(_events(stream), stream.cancel)
 
 
-def _open_session(engine, messages: list[dict], session_id: str):
+def _open_session(engine, messages: list[dict], session_id: str, user: str | None = None):
     n_sys = 0
     while n_sys < len(messages) and messages[n_sys]["role"] == "system":
         n_sys += 1
@@ -129,8 +135,8 @@ def _open_session(engine, messages: list[dict], session_id: str):
         if len(rest) != 1:
             raise APIError(400, "a new session (X-Session-Id: new) starts from its system message(s) and one user "
                                 "message; send earlier turns without a session, or one by one", "invalid_value", "messages")
-        return engine.session(system=system)
-    s = engine.resume(session_id)
+        return engine.session(system=system, user=user)
+    s = engine.resume(session_id, user=user)  # another user's id: unknown, before any comparison below
     mismatch = APIError(409, f"the messages sent do not match the stored history of session '{session_id}'; send "
                              "only the new user message, or the conversation exactly as stored",
                         "session_history_mismatch", "messages")
@@ -144,11 +150,11 @@ def _open_session(engine, messages: list[dict], session_id: str):
 
 
 async def session_chat(state, messages: list[dict], params: SamplingParams, max_tokens: int | None,
-                       session_id: str):
+                       session_id: str, user: str | None = None):
     """(the session's id, its events). The first piece is awaited here, so a busy session or
     a turn that does not fit is refused with a status."""
     try:
-        s = await to_thread.run_sync(_open_session, state.engine, messages, session_id)
+        s = await to_thread.run_sync(_open_session, state.engine, messages, session_id, user)
     except Exception as e:  # noqa: BLE001
         raise from_chatkv(e) from e
     params.max_tokens = max_tokens if max_tokens is not None else state.context

@@ -31,12 +31,17 @@ from itertools import islice
 
 from chatkv import text_tokens
 from chatkv.errors import check_text
+from chatkv.storage.models import LOCAL_USER
 from chatkv.turns import TurnRenderer
 
 
-def prefix_keys(messages: list[dict]) -> list[bytes]:
-    """``keys[i]``: the hash of ``messages[: i + 1]`` (roles and contents, in order)."""
+def prefix_keys(messages: list[dict], user: str | None = None) -> list[bytes]:
+    """``keys[i]``: the hash of ``messages[: i + 1]`` (roles and contents, in order), salted with
+    ``user`` (a ``chatkv serve`` API key's user; None or "local": the local user, unsalted), so one
+    user's history never maps onto another's tokens."""
     keys, h = [], b"chatkv-history-v1"
+    if user is not None and user != LOCAL_USER:
+        h = hashlib.sha256(h + b"\0user\0" + user.encode()).digest()
     for m in messages:
         h = hashlib.sha256(h + json.dumps([m["role"], m["content"]], ensure_ascii=False).encode("utf-8", "surrogatepass")).digest()
         keys.append(h)
@@ -62,12 +67,12 @@ class HistoryTokens:
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
-    def prompt(self, messages: list[dict]) -> tuple[list[int], int]:
+    def prompt(self, messages: list[dict], user: str | None = None) -> tuple[list[int], int]:
         """The prompt's token ids for ``messages`` (ending with a user message), and how many
         leading messages came from the map (0: the whole conversation was tokenised)."""
         for i, m in enumerate(messages):
             check_text(f"messages[{i}].content", m["content"])
-        keys = prefix_keys(messages)
+        keys = prefix_keys(messages, user)
         for k in range(len(messages) - 1, 0, -1):
             if messages[k - 1]["role"] != "assistant":
                 continue
@@ -103,14 +108,14 @@ class HistoryTokens:
         return keys[::-1]
 
     def record(self, messages: list[dict], reply: str, prompt_ids: list[int], generated: list[int],
-               stopped_by_string: bool = False) -> None:
+               stopped_by_string: bool = False, user: str | None = None) -> None:
         """Remember the ids of ``messages`` + the assistant's ``reply`` for the next request."""
         if stopped_by_string or self.max_tokens <= 0:
             return
         ids = array("l", prompt_ids)
         ids.extend(generated)
         ids.extend(self._turns.close_reply(list(generated)))
-        key = prefix_keys(messages + [{"role": "assistant", "content": reply}])[-1]
+        key = prefix_keys(messages + [{"role": "assistant", "content": reply}], user)[-1]
         with self._lock:
             old = self._lru.pop(key, None)
             if old is not None:

@@ -25,11 +25,58 @@ from chatkv.server.schemas import parse_chat, parse_completion, parse_embedding,
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def _body(request: Request) -> dict:
+async def _body(request: Request) -> tuple[str, dict]:
+    """(the request's user, its JSON body)."""
     state = request.app.state.chatkv
     state.check_open()
-    check_api_key(request, state.api_key)
-    return parse_json(await read_body(request, state.max_request_bytes))
+    who = check_api_key(request, state.users)
+    return who, parse_json(await read_body(request, state.max_request_bytes))
+
+
+CUT = "the server is shutting down: the reply was stopped (a session stores it as interrupted); retry on another server"
+
+
+async def _until_cut(state, items):
+    """``items`` as they come, until the server's graceful shutdown is nearly out of time
+    (``state.cut``): then the request is stopped and this raises a 503 ``shutting_down``."""
+    it = items.__aiter__()
+    cut = asyncio.ensure_future(state.cut.wait())
+    nxt = None
+    try:
+        while True:
+            nxt = asyncio.ensure_future(it.__anext__())
+            await asyncio.wait({nxt, cut}, return_when=asyncio.FIRST_COMPLETED)
+            if not nxt.done():
+                raise APIError(503, CUT, "shutting_down")
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            nxt = None
+            yield item
+    finally:
+        cut.cancel()
+        if nxt is not None and not nxt.done():  # cut, or this request was cancelled (the client went away)
+            nxt.cancel()  # the generator sees the cancellation, as when a client goes away: its reply is stored
+            try:
+                await nxt
+            except BaseException:  # noqa: BLE001 - stopping it is all that is wanted here
+                pass
+
+
+def _session_id(request: Request, body_id: str | None) -> str | None:
+    """The session id of the ``X-Session-Id`` header or the body's ``session_id``; a 400 naming
+    both when both are given and differ (neither silently wins)."""
+    header = request.headers.get("x-session-id") or None
+    if header and body_id and header != body_id:
+        raise APIError(400, f"the X-Session-Id header ({_short(header)}) and the body's session_id ({_short(body_id)}) "
+                            "name different sessions; send one of them, or the same id in both",
+                       "invalid_value", "session_id")
+    return header or body_id
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
 def _check_model(state, model: str) -> None:
@@ -61,23 +108,24 @@ def _stream_response(chunks, events, slot, state, headers=None) -> StreamingResp
 
 async def chat_completions(request: Request) -> Response:
     state = request.app.state.chatkv
-    req = parse_chat(await _body(request))
+    who, body = await _body(request)
+    req = parse_chat(body)
     _check_model(state, req.model)
-    session_id = request.headers.get("x-session-id") or req.session_id
+    session_id = _session_id(request, req.session_id)
     slot = state.limit.acquire()
     streaming = False
     try:
         if session_id:
-            sid, events = await gen.session_chat(state, req.messages, req.params, req.max_tokens, session_id)
+            sid, events = await gen.session_chat(state, req.messages, req.params, req.max_tokens, session_id, who)
         else:
-            sid, events = None, await gen.stateless_chat(state, req.messages, req.params, req.max_tokens)
+            sid, events = None, await gen.stateless_chat(state, req.messages, req.params, req.max_tokens, who)
         chat = Chat(state.model_name, sid, req.include_usage)
         headers = {"X-Session-Id": sid} if sid else None
         if req.stream:
             streaming = True
-            return _stream_response(_chat_sse(chat, events), events, slot, state, headers)
+            return _stream_response(_chat_sse(chat, _until_cut(state, events)), events, slot, state, headers)
         done = None
-        async for item in events:
+        async for item in _until_cut(state, events):
             if isinstance(item, gen.Done):
                 done = item
         return JSONResponse(chat.completion(done.text, done.finish_reason, done.usage), headers=headers)
@@ -101,7 +149,8 @@ async def _chat_sse(chat: Chat, events):
 
 async def completions(request: Request) -> Response:
     state = request.app.state.chatkv
-    req = parse_completion(await _body(request))
+    who, body = await _body(request)
+    req = parse_completion(body)
     _check_model(state, req.model)
     slot = state.limit.acquire()
     streaming = False
@@ -110,14 +159,14 @@ async def completions(request: Request) -> Response:
         prompts = [gen.completion_prompt(state, p, req.max_tokens) for p in req.prompts]  # all checked first
         for ids, max_tokens in prompts:
             params = dataclasses.replace(req.params, stop=list(req.params.stop), max_tokens=max_tokens)
-            runs.append(await gen.completion(state, ids, params))
+            runs.append(await gen.completion(state, ids, params, who))
         out = Completion(state.model_name, req.include_usage)
         if req.stream:
             streaming = True
-            return _stream_response(_completion_sse(out, runs[0]), runs[0], slot, state)
+            return _stream_response(_completion_sse(out, _until_cut(state, runs[0])), runs[0], slot, state)
 
         async def finish(events):
-            async for item in events:
+            async for item in _until_cut(state, events):
                 if isinstance(item, gen.Done):
                     return item
 
@@ -145,7 +194,7 @@ async def _completion_sse(out: Completion, events):
 
 async def embeddings(request: Request) -> Response:
     state = request.app.state.chatkv
-    req = parse_embedding(await _body(request))
+    req = parse_embedding((await _body(request))[1])
     slot = state.limit.acquire()
     try:
         embedder = await to_thread.run_sync(state.get_embedder)
@@ -172,7 +221,7 @@ async def embeddings(request: Request) -> Response:
 
 async def models(request: Request) -> Response:
     state = request.app.state.chatkv
-    check_api_key(request, state.api_key)
+    check_api_key(request, state.users)
     created = int(state.started_at)
     data = [{"id": state.model_name, "object": "model", "created": created, "owned_by": "chatkv",
              "max_model_len": state.context}]
