@@ -149,10 +149,14 @@ def _checksum(tensors: Mapping[str, torch.Tensor]) -> str:
     names = sorted(tensors)
     bufs = [_tensor_bytes(tensors[n]) for n in names]
     workers = min(4, os.cpu_count() or 1)
+    crcs = None
     if workers > 1 and sum(b.nbytes for b in bufs) >= _PARALLEL_MIN_BYTES:
-        with ThreadPoolExecutor(workers) as ex:  # a fresh pool: safe after fork()
-            crcs = list(ex.map(zlib.crc32, bufs))
-    else:
+        try:
+            with ThreadPoolExecutor(workers) as ex:  # a fresh pool: safe after fork()
+                crcs = list(ex.map(zlib.crc32, bufs))
+        except RuntimeError:  # "cannot schedule new futures after interpreter shutdown": the atexit writes
+            crcs = None
+    if crcs is None:
         crcs = [zlib.crc32(b) for b in bufs]
     summary = b"".join(n.encode() + b"\0" + struct.pack(">I", c) for n, c in zip(names, crcs))
     return f"crc32:{zlib.crc32(summary):08x}"
