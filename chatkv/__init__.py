@@ -2,6 +2,7 @@
 
 from chatkv.errors import (
     ChatKVError,
+    EngineClosed,
     InvalidRequest,
     ModelNotFound,
     OutOfBlocks,
@@ -15,6 +16,7 @@ __all__ = [
     "Engine",
     "SamplingParams",
     "ChatKVError",
+    "EngineClosed",
     "InvalidRequest",
     "ModelNotFound",
     "OutOfBlocks",

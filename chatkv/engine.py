@@ -24,11 +24,12 @@ from typing import Iterator, Sequence as Seq
 
 
 from chatkv import text_tokens
+from chatkv import closing
 from chatkv.config import EngineConfig
 from chatkv.storage.models import LOCAL_USER
 from chatkv.detokenize import TextStream
 from chatkv.engine_loop import EngineLoop, RequestStream
-from chatkv.errors import InvalidRequest, ModelNotFound, StorageError, check_text
+from chatkv.errors import EngineClosed, InvalidRequest, ModelNotFound, StorageError, check_text
 from chatkv.kv_manager import KVManager, RetainedKV
 from chatkv.model import LlamaModel
 from chatkv.model_runner import ModelRunner
@@ -73,6 +74,7 @@ class Engine:
         self._embedder = None  # the embedding model, loaded once for every knowledge base
         self._loop = EngineLoop(self)  # started by start(); until then the caller's thread steps
         self.scheduler.can_wait = lambda: self._loop.running
+        self._gate = closing.Gate()  # what close() still admits (chatkv.closing)
         self._open_lock = threading.Lock()  # the store and knowledge bases open once, whichever thread asks first
 
     @classmethod
@@ -157,6 +159,7 @@ class Engine:
         namespace=None,
         max_context: int | None = None,
         priority: int = 0,
+        admitted: bool = False,
     ) -> Sequence:
         """Queue one request; it runs on the next ``step`` calls. Validates before queueing.
 
@@ -168,10 +171,17 @@ class Engine:
         model's context on prompt + reply (a session's context window). ``priority``: lower
         runs first (session turns 0, ``generate`` batches 1); see the scheduler.
         After ``start()`` call it on the loop thread (``on_loop``); ``submit`` does.
+        ``admitted``: part of a call that began before ``close()`` (a session turn, ``generate``):
+        refused only once close's grace period is over, where a new request is refused at once.
         """
-        if self._loop.running and not self._loop.on_loop_thread():
+        if not admitted:
+            self._gate.check("a new request")
+        if not self._loop.owns_state():
             return self.on_loop(lambda: self.add_request(
-                prompt, params, retain=retain, prefix=prefix, namespace=namespace, max_context=max_context, priority=priority))
+                prompt, params, retain=retain, prefix=prefix, namespace=namespace, max_context=max_context, priority=priority,
+                admitted=True))
+        if self._gate.cut:
+            raise EngineClosed("the engine was closed before this request started; nothing of it was run")
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
@@ -213,6 +223,8 @@ class Engine:
 
     def abort(self, seq: Sequence) -> None:
         """Stop a request now; what it generated so far stays in its result."""
+        if self._loop.closed:  # close() ended every request
+            return
         self.on_loop(lambda: self.scheduler.abort(seq))
 
     # -- the engine loop (threads and asyncio) ---------------------------------
@@ -222,6 +234,7 @@ class Engine:
         ``stream``, ``agenerate``) and session turns (``send``/``stream``/``asend``/``astream``)
         may come from any thread or from asyncio; concurrent ones share the running batch.
         ``close()`` stops it. Returns the engine."""
+        self._gate.check("start()")
         self._loop.start()
         return self
 
@@ -240,13 +253,16 @@ class Engine:
         ``cancel()`` it, ``result()``). Bad input raises here. Before ``start()`` iterating the
         stream steps the engine on the caller's thread. ``user``: whose prefix cache it reads and
         fills (``chatkv serve``'s API keys; None: the local user, as the app and the SDK are)."""
+        self._gate.check("a new request")
         namespace = self.kv.user_namespace(user)
-        return self._loop.submit(lambda: self.add_request(prompt, params, priority=priority, namespace=namespace))
+        return self._loop.submit(lambda: self.add_request(prompt, params, priority=priority, namespace=namespace,
+                                                          admitted=True))
 
     async def agenerate(self, prompt: str | Seq[int], params: SamplingParams | None = None, *, priority: int = 0) -> GenerationResult:
         """Run one request from asyncio (starts the loop if needed); its GenerationResult."""
         import asyncio
 
+        self._gate.check("a new request")
         self.start()
         stream = await asyncio.get_running_loop().run_in_executor(None, lambda: self.submit(prompt, params, priority=priority))
         return await stream.aresult()
@@ -266,6 +282,14 @@ class Engine:
 
     def step(self) -> list[Sequence]:
         """Run one batched forward over everything scheduled; return the sequences that finished."""
+        if not self._loop.on_loop_thread():  # a thread stepping without the loop: close() may run meanwhile
+            with self._loop.lock:
+                if self._loop.closed:
+                    raise EngineClosed()
+                return self._step()
+        return self._step()
+
+    def _step(self) -> list[Sequence]:
         plan = self.scheduler.schedule()
         if not plan:
             return []
@@ -288,18 +312,22 @@ class Engine:
         plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(batch)
         if len(plist) != len(batch):
             raise InvalidRequest(f"{len(plist)} sampling params for {len(batch)} prompts")
+        self._gate.check("a new request")
         seqs = []
         try:
             if self.started:
                 for p, sp in zip(batch, plist):  # one at a time: a bad prompt aborts those already queued
-                    seqs.append(self.submit(p, sp, priority=1).seq)
+                    seqs.append(self._loop.submit(
+                        lambda p=p, sp=sp: self.add_request(p, sp, priority=1, admitted=True)).seq)
                 for s in seqs:
                     s.stream.wait()
             else:
                 for p, sp in zip(batch, plist):
-                    seqs.append(self.add_request(p, sp, priority=1))
+                    seqs.append(self.add_request(p, sp, priority=1, admitted=True))
                 while not all(s.finished for s in seqs):
-                    self.step()
+                    with self._loop.lock:  # close() on another thread may end them meanwhile
+                        if not all(s.finished for s in seqs):
+                            self.step()
         except BaseException:
             for s in seqs:
                 self.abort(s)
@@ -312,7 +340,9 @@ class Engine:
 
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[str | GenerationResult]:
         """Yield text pieces as they are generated, then the GenerationResult."""
-        seq = self.submit(prompt, params).seq if self.started else self.add_request(prompt, params)
+        self._gate.check("a new request")
+        seq = (self._loop.submit(lambda: self.add_request(prompt, params, admitted=True)).seq if self.started
+               else self.add_request(prompt, params, admitted=True))
         try:
             yield from self.drive(seq)
             yield seq.result()
@@ -327,11 +357,14 @@ class Engine:
             yield from stream
             return
         while not seq.finished:
-            self.step()
-            piece = seq.out.take()
+            with self._loop.lock:  # close() on another thread may end it meanwhile
+                if not seq.finished:
+                    self.step()
+                piece = seq.out.take()
             if piece:
                 yield piece
-        piece = seq.out.take()
+        with self._loop.lock:
+            piece = seq.out.take()
         if piece:
             yield piece
         if seq.error is not None:
@@ -351,6 +384,7 @@ class Engine:
     def session_manager(self) -> SessionManager:
         """The conversation store and snapshot directory, opened on first use."""
         if self._sessions is None:
+            self._gate.check("opening the conversation store")
             with self._open_lock:
                 if self._sessions is None:
                     self._sessions = SessionManager(self, self._data_root())
@@ -376,12 +410,14 @@ class Engine:
         knowledge base) are pinned after the system prompt, their KV shared by every session
         with the same system prompt and documents. ``overflow``: what happens when the history
         outgrows the context window ("sink", "truncate" or "error"; default: the engine's)."""
+        self._gate.check("a new session")
         return self.session_manager.create(system, title, params, knowledge, top_k, documents, overflow, owner=user)
 
     def knowledge_base(self, name: str):
         """Open (or create) the knowledge base ``name`` in this engine's data directory and database."""
         from chatkv.retrieval import Embedder, KnowledgeBase
 
+        self._gate.check("opening a knowledge base")
         with self._open_lock:
             return self._knowledge_base(name)
 
@@ -402,10 +438,12 @@ class Engine:
     def resume(self, conv_id: str, *, user: str | None = None):
         """Reopen a saved conversation; its next turn restores the KV from disk instead of recomputing.
         One of another ``user`` (None: the local user) is unknown: the same SessionError as an id never used."""
+        self._gate.check("resume()")
         return self.session_manager.resume(conv_id, owner=user)
 
     def sessions(self, include_archived: bool = False, *, user: str | None = None):
         """Saved conversations (of ``user``; None: the local user), newest activity first (storage.ConversationInfo)."""
+        self._gate.check("sessions()")
         return self.session_manager.store.list_conversations(include_archived=include_archived, tenant=self.config.tenant,
                                                              owner=user or LOCAL_USER)
 
@@ -413,17 +451,13 @@ class Engine:
         """Spill sessions idle past ``idle_spill_s`` to disk now; returns how many."""
         return self.on_loop(self.session_manager.spill_idle) if self._sessions is not None else 0
 
-    def close(self) -> None:
-        """Spill and close every open session and the database, then release the prefix cache.
-        The engine is unusable afterwards."""
-        self._loop.stop()  # requests in flight finish first
-        if self._sessions is not None:
-            self._sessions.close()
-            self._sessions = None
-        for kb in self._kbs.values():
-            kb.close()
-        self._kbs.clear()
-        self.kv.clear()
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Stop admitting; let the requests and turns in flight finish within ``timeout`` seconds
+        (None: no limit), then interrupt what is left: its callers get ``EngineClosed``, a turn's
+        partial reply stored first, marked interrupted. Then spill and close every open session
+        and the database, and release the prefix cache. Afterwards every call raises
+        ``EngineClosed``. Idempotent; never hangs (see ``chatkv.closing``)."""
+        closing.close(self, timeout)
 
     def __enter__(self) -> "Engine":
         return self

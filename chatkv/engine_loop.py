@@ -12,8 +12,11 @@ through this loop, from any thread or from asyncio:
   asyncio; ``cancel()`` aborts the request on the next step, freeing its blocks;
 - each step's settled text is pushed to the streams of the requests that produced it;
   finished requests call the engine's finish listeners (metrics) on the loop thread;
-- ``stop()`` lets the requests in flight finish (or aborts them after ``timeout``), runs
-  the commands still queued, and joins the thread.
+- ``stop()`` runs the commands still queued and joins the thread once no request is left
+  (``Engine.close`` first lets the requests in flight finish or ends them); once the engine
+  is closed (``closed``) every call, post, submit and start raises ``EngineClosed``;
+- work done off the loop thread (no loop started, or after it stopped) holds ``lock``, so
+  ``close()`` on another thread never races a step or a session's KV work.
 
 The loop sleeps on a condition variable while there is no work: an idle engine costs no CPU.
 ``start()`` first releases the OpenMP worker threads of the thread that calls it (see
@@ -31,9 +34,12 @@ import logging
 import os
 import sys
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable
+
+from chatkv.errors import EngineClosed
 
 if TYPE_CHECKING:
     from chatkv.engine import Engine
@@ -121,7 +127,10 @@ class RequestStream:
     def cancel(self) -> None:
         """Stop the request; its blocks are freed on the next step. What it produced stays."""
         if not self._done:
-            self._loop.post(lambda: self._loop.engine.abort(self.seq))
+            try:
+                self._loop.post(lambda: self._loop.engine.abort(self.seq))
+            except EngineClosed:  # close() already ended every request
+                pass
 
     def __iter__(self):
         try:
@@ -132,7 +141,7 @@ class RequestStream:
                     elif self._done:
                         break
                     elif self._loop.running:
-                        self._cv.wait()
+                        self._cv.wait(1.0)  # woken by the push; the timeout only re-checks the loop
                         continue
                     else:
                         piece = None
@@ -174,10 +183,16 @@ class RequestStream:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the request finished (stepping here if the loop is not started)."""
-        while not self._loop.running and not self._done:
-            self._loop.step_here()
-        with self._cv:
-            return self._cv.wait_for(lambda: self._done, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            while not self._loop.running and not self._done:
+                self._loop.step_here()
+            with self._cv:
+                left = None if deadline is None else deadline - time.monotonic()
+                if self._done or (left is not None and left <= 0):
+                    return self._done
+                # woken by the push; the timeout only re-checks that the loop still runs
+                self._cv.wait(1.0 if left is None else min(1.0, left))
 
     def result(self):
         """Wait for the request to finish; its GenerationResult (raises the request's own error)."""
@@ -198,46 +213,76 @@ class EngineLoop:
         self._commands: deque[tuple[Callable[[], Any], Future | None]] = deque()
         self._streams: dict["Sequence", RequestStream] = {}
         self._stopping = False
+        self._exited = False  # set (under _cv) by the loop thread as it decides to end
         self._thread: threading.Thread | None = None
+        self.closed = False  # the engine is closed: nothing runs here any more
+        self.lock = threading.RLock()  # the engine's state, for work done off the loop thread
+        self._here = threading.local()  # .depth: this thread runs ``here`` (it owns the state now)
         self.listeners: list[Callable] = []  # fn(result, seq) when a request finishes (loop thread)
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and not self._exited and self._thread.is_alive()
 
     def on_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
+    def owns_state(self) -> bool:
+        """Whether this thread may touch the engine's state now: the loop thread, or one running ``here``."""
+        return self.on_loop_thread() or getattr(self._here, "depth", 0) > 0
+
     def start(self) -> None:
+        if self.closed:
+            raise EngineClosed("the engine is closed; its loop does not start again")
         if self.running:
             return
         self._stopping = False
+        self._exited = False
         release_openmp_pool()
         self._thread = threading.Thread(target=self._run, name="chatkv-engine", daemon=True)
         self._thread.start()
 
     # -- from any thread ---------------------------------------------------------------
 
-    def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the loop thread between steps and return its result (or raise)."""
-        if not self.running or self.on_loop_thread():
+    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run ``fn`` on the loop thread between steps and return its result (or raise);
+        without a loop thread, here (holding ``lock``). ``timeout``: TimeoutError if the loop
+        has not run it by then (it may still run later). EngineClosed once the engine is closed."""
+        if self.on_loop_thread():
             return fn()
-        fut: Future = Future()
-        with self._cv:
-            if self._stopping and not self.running:
-                raise RuntimeError("the engine loop has stopped")
-            self._commands.append((fn, fut))
-            self._cv.notify()
-        return fut.result()
+        fut = self._queue(fn, Future())
+        if fut is None:
+            return self.here(fn)
+        return fut.result(timeout)
 
     def post(self, fn: Callable[[], Any]) -> None:
         """Run ``fn`` on the loop thread soon, without waiting (errors are logged)."""
-        if not self.running or self.on_loop_thread():
+        if self.on_loop_thread():
             fn()
-            return
+        elif self._queue(fn, None) is None:
+            self.here(fn)
+
+    def _queue(self, fn: Callable[[], Any], fut: Future | None):
+        """Hand ``fn`` to the loop thread: ``fut`` (True for a post) once queued; None when there
+        is no loop thread to run it (never started, or it ended: a command queued after the
+        loop decided to end would never run)."""
         with self._cv:
-            self._commands.append((fn, None))
-            self._cv.notify()
+            if self._thread is not None and not self._exited and self._thread.is_alive():
+                self._commands.append((fn, fut))
+                self._cv.notify()
+                return fut if fut is not None else True
+        return None
+
+    def here(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on this thread, as the engine's state's owner for now (no loop thread)."""
+        with self.lock:
+            if self.closed:
+                raise EngineClosed()
+            self._here.depth = getattr(self._here, "depth", 0) + 1
+            try:
+                return fn()
+            finally:
+                self._here.depth -= 1
 
     def submit(self, make_seq: Callable[[], "Sequence"]) -> RequestStream:
         """Queue the request ``make_seq()`` builds (on the loop thread) and stream its output."""
@@ -255,33 +300,37 @@ class EngineLoop:
             self._streams[seq] = stream
         return stream
 
-    def stop(self, timeout: float | None = 30.0) -> None:
-        """Finish the requests in flight (abort them after ``timeout``), run the queued
-        commands, join the thread."""
-        if not self.running:
-            return
+    def stop(self, timeout: float | None = 30.0) -> bool:
+        """Run the queued commands and the requests left, then join the thread (at most
+        ``timeout`` seconds: False if it is still running then). ``Engine.close`` ends every
+        request first."""
+        thread = self._thread
+        if thread is None:
+            return True
         if self.on_loop_thread():
             raise RuntimeError("the engine loop cannot stop itself; call close() from another thread")
         with self._cv:
             self._stopping = True
             self._cv.notify()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            self.post(self._abort_all)
-            self._thread.join()
+        thread.join(timeout)
+        if thread.is_alive():
+            log.warning("the engine loop did not stop within %s s; left running (a daemon thread)", timeout)
+            return False
         self._thread = None
+        return True
 
     def step_here(self) -> None:
         """One step on the caller's thread (the loop is not started)."""
-        if self.engine.has_work():
-            self.engine.step()
-        self._publish()
+        with self.lock:
+            if self.closed:  # close() ended every request (and published them)
+                if self.engine.has_work():
+                    raise EngineClosed()
+                return
+            if self.engine.has_work():
+                self.engine.step()
+            self._publish()
 
     # -- the loop thread -------------------------------------------------------------------
-
-    def _abort_all(self) -> None:
-        for seq in list(self._streams):
-            self.engine.abort(seq)
 
     def _run(self) -> None:
         eng = self.engine
@@ -292,6 +341,7 @@ class EngineLoop:
                 commands = list(self._commands)
                 self._commands.clear()
                 if self._stopping and not commands and not eng.has_work():
+                    self._exited = True  # from here a call runs on its caller's thread, never queued
                     return
             for fn, fut in commands:
                 if fut is not None and not fut.set_running_or_notify_cancel():

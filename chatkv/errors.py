@@ -46,6 +46,19 @@ class SnapshotInvalid(ChatKVError):
     """A KV snapshot on disk is damaged or does not match; it is discarded and recomputed."""
 
 
+class EngineClosed(ChatKVError):
+    """The engine was closed (``engine.close()``): it admits no more requests, turns or sessions.
+
+    Raised to every call made after ``close()`` began, and to the callers of requests that were
+    still running when its grace period ended (they were interrupted). ``reply``: what such a
+    request produced before it was cut: a session turn's stored ``Reply`` (its message marked
+    ``interrupted``), a request's ``GenerationResult``; None when nothing had started."""
+
+    def __init__(self, message: str = "the engine is closed", reply=None):
+        super().__init__(message)
+        self.reply = reply
+
+
 class StorageError(ChatKVError):
     """The conversation database or the data directory cannot be used (damaged file, no permission...)."""
 

@@ -18,7 +18,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, AsyncIterator, Iterator
 
 from chatkv.context_window import check_overflow
-from chatkv.errors import InvalidRequest, SessionError, check_text
+from chatkv.errors import EngineClosed, InvalidRequest, SessionError, check_text
 from chatkv.outputs import Reply
 from chatkv.sampling import SamplingParams
 
@@ -55,6 +55,7 @@ class Session:
         self.window = None  # chatkv.context_window.ContextState: what the KV window holds, the overflow policy
         self.closed = False
         self.busy = False
+        self.ending = None  # the turn in flight's end (session_manager._TurnEnd), which close() may run
         self.last_used = time.monotonic()
         self.owner = "local"  # the user it belongs to (chatkv serve's API keys; the app and SDK: "local")
 
@@ -134,6 +135,7 @@ class Session:
 
     def messages(self):
         """The conversation's messages, oldest first (storage.MessageInfo)."""
+        self._check_engine()
         return self._m.store.messages(self.id)
 
     def rename(self, title: str) -> None:
@@ -211,7 +213,7 @@ class Session:
 
     def close(self) -> None:
         """Spill the KV to disk (so a later resume restores it) and release every block it held."""
-        if not self.closed:
+        if not self.closed and not self._m.closed:  # engine.close() closes every session
             self._m.close_session(self)
 
     def __enter__(self) -> "Session":
@@ -220,6 +222,11 @@ class Session:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def _check_engine(self) -> None:
+        if self._m.closed:
+            raise EngineClosed(f"the engine is closed; session '{self.id}' is saved: resume it with a new engine")
+
     def _check_open(self) -> None:
+        self._check_engine()
         if self.closed:
             raise SessionError(f"session '{self.id}' is closed; resume it with engine.resume('{self.id}')")

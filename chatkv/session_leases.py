@@ -59,6 +59,8 @@ def turn(m: "SessionManager", s: "Session", inner: Iterator) -> Iterator:
 
 def release(m: "SessionManager", s: "Session", current: bool) -> None:
     """Give the lease back; remember the stored state if the session is known to match it."""
+    if m.closed:  # engine.close() closed the store, which gave every lease back
+        return
     try:
         mark = m.store.leases.release(s.id)
     except Exception as e:  # the database went away: the lease expires by itself

@@ -35,7 +35,7 @@ from chatkv import context_window as cw
 from chatkv import rag as rag_context
 from chatkv import session_leases as leased
 from chatkv.config import OVERFLOW_POLICIES
-from chatkv.errors import InvalidRequest, OutOfBlocks, SessionError, check_text
+from chatkv.errors import EngineClosed, InvalidRequest, OutOfBlocks, SessionError, check_text
 from chatkv.kv_manager import RetainedKV
 from chatkv.outputs import Reply
 from chatkv.sampling import SamplingParams
@@ -68,6 +68,36 @@ def _rag_settings(knowledge, top_k: int, documents: list[str] | None) -> dict | 
     return {"kb": knowledge.name, "top_k": top_k, "documents": docs}
 
 
+class _TurnEnd:
+    """A turn's end (settle its request, store its reply), run once by whichever comes first:
+    the turn's own generator or ``engine.close()``; the other gets the same Reply (or error)."""
+
+    def __init__(self, fn):
+        self._fn = fn
+        self._lock = threading.Lock()
+        self._ran = False
+        self._out: Reply | None = None
+        self._error: BaseException | None = None
+
+    def run(self, blocking: bool = True) -> Reply | None:
+        """The Reply; None without ``blocking`` while the other side is running it."""
+        if not self._lock.acquire(blocking):
+            return None
+        try:
+            if not self._ran:
+                self._ran = True
+                try:
+                    self._out = self._fn()
+                except BaseException as e:
+                    self._error = e
+                    raise
+            elif self._error is not None:
+                raise self._error
+            return self._out
+        finally:
+            self._lock.release()
+
+
 class SessionManager:
     def __init__(self, engine, data_dir: Path):
         """``engine``: used for ``add_request``, ``drive``, ``abort``, its ``kv`` manager,
@@ -83,6 +113,7 @@ class SessionManager:
             self.kv, self.store, data_dir / "kv", engine.fingerprint, engine.kv_dtype, cfg.tenant, cfg.snapshot_budget_bytes
         )
         self.live: dict[str, Session] = {}
+        self.closed = False  # engine.close() closed it: every session of it raises EngineClosed
         self._resume_lock = threading.RLock()
         self.marks: dict = {}  # conversation id -> the stored state last seen (chatkv.session_leases)
         self.overflow = cfg.overflow
@@ -278,21 +309,46 @@ class SessionManager:
         return self.snapshots.spill_idle(self.live.values(), self.idle_spill_s, now, keep)
 
     def close(self) -> None:
+        self.closed = True
         try:
             for s in list(self.live.values()):
                 if not s.busy:
                     self.close_session(s)
         finally:
-            self.kv.on_pressure = None
+            self.close_files()
+
+    def close_files(self) -> None:
+        """The snapshots (what is queued is written) and the database."""
+        self.closed = True
+        self.kv.on_pressure = None
+        try:
             self.snapshots.close()  # writes what is queued, records its rows
+        finally:
             self.store.close()
+
+    def end_turns(self) -> None:
+        """engine.close(): store the end of every turn whose caller holds it suspended (a stream
+        not read to its end): its reply as produced, its KV kept for the session's spill."""
+        for s in list(self.live.values()):
+            end = s.ending
+            if end is not None:
+                try:
+                    end.run(blocking=False)
+                except Exception as e:  # noqa: BLE001 - the turn's caller gets it too when it resumes
+                    log.warning("conversation %s: the interrupted reply was not stored at close (%s: %s)",
+                                s.id, type(e).__name__, e)
 
     # -- a turn -------------------------------------------------------------
 
     def turn(self, s: Session, text: str, params: SamplingParams) -> Iterator[str | Reply]:
         """A turn under the conversation's lease: ConversationBusy while another process generates
         it; a session behind the stored conversation is reloaded first (chatkv.session_leases)."""
-        return leased.turn(self, s, self._turn(s, text, params))
+        return self._in_flight(leased.turn(self, s, self._turn(s, text, params)))
+
+    def _in_flight(self, turn: Iterator[str | Reply]) -> Iterator[str | Reply]:
+        """The turn counted as in flight for engine.close() (EngineClosed once it began)."""
+        with self.engine._gate.turn():
+            yield from turn
 
     def _turn(self, s: Session, text: str, params: SamplingParams) -> Iterator[str | Reply]:
         arrival = time.perf_counter()  # TTFT counts the restore from disk too
@@ -329,7 +385,8 @@ class SessionManager:
                 s.tokens, s.window = context, st  # the KV in memory is the new window's now
             try:
                 seq = self.engine.add_request(context + delta, params, retain=True, prefix=kept,
-                                              namespace=self._namespace(s.id, st) or user_ns, max_context=window)
+                                              namespace=self._namespace(s.id, st) or user_ns, max_context=window,
+                                              admitted=True)  # the turn was admitted (close() waits for it)
             except BaseException:
                 s.kept = kept  # nothing happened: the session keeps its KV
                 raise
@@ -362,9 +419,8 @@ class SessionManager:
             dropped_turns=plan.turns, total_dropped_tokens=st.dropped_tokens, total_dropped_turns=st.dropped_turns,
             sink_tokens=st.sink if st.private else 0, recomputed=plan.kind == "truncate",
         )
-        try:
-            yield from self.engine.drive(seq)
-        finally:
+        def finish() -> Reply:
+            """The turn's end, once: by this generator, or by engine.close() while its caller holds it."""
             on_loop(lambda: self._settle(s, seq))
             r = seq.result()
             sources = rag_context.sources_of(r.text, hits)
@@ -382,8 +438,31 @@ class SessionManager:
                 **r.usage.message_columns(),
             )
             on_loop(lambda: self._after_turn(s, msg.id))
-        yield Reply(text=r.text, usage=r.usage, finish_reason=r.finish_reason, message_id=msg.id, sources=sources,
-                    context=info)
+            return Reply(text=r.text, usage=r.usage, finish_reason=r.finish_reason, message_id=msg.id, sources=sources,
+                         context=info)
+
+        s.ending = _TurnEnd(finish)
+        suspended = self.engine._gate.suspended  # while the caller holds a piece, close() does not wait for it
+        cut = None
+        pieces = self.engine.drive(seq)
+        try:
+            try:
+                for piece in pieces:
+                    with suspended():
+                        yield piece
+            except EngineClosed as e:  # close() ended the request: its reply is stored below, interrupted
+                cut = e
+        finally:
+            pieces.close()
+            try:
+                reply = s.ending.run()
+            finally:
+                s.ending = None
+        if cut is not None:
+            raise EngineClosed("the engine was closed during this turn; the reply so far is stored, marked interrupted",
+                               reply=reply) from None
+        with suspended():
+            yield reply
 
     def _take_back(self, s: Session, seq) -> None:
         """The user message was not stored: the request goes, the session keeps its KV if the

@@ -270,13 +270,14 @@ def test_tenants_never_share_sessions_or_kv(model, tmp_path):
     ea = engine_at(d, tmp_path, tenant="alice")
     s = ea.session(params=GREEDY)
     s.send(QUESTIONS[0])
+    key_a = ea.session_manager.snapshots.key(s.id)  # (a closed engine opens no store again)
     ea.close()
     eb = engine_at(d, tmp_path, tenant="bob")
     assert eb.sessions() == []
     with pytest.raises(SessionError):
         eb.resume(s.id)
     assert eb.kv.namespace != ea.kv.namespace
-    assert eb.session_manager.snapshots.key(s.id) != ea.session_manager.snapshots.key(s.id)
+    assert eb.session_manager.snapshots.key(s.id) != key_a
     eb.close()
     ea2 = engine_at(d, tmp_path, tenant="alice")
     assert [c.id for c in ea2.sessions()] == [s.id]

@@ -1,0 +1,197 @@
+"""``Engine.close(timeout)``: the engine's admission gate and its shutdown contract.
+
+- ``close()`` first stops admitting: from then on every call that would start something
+  (``generate``, ``stream``, ``submit``, ``agenerate``, ``start``, ``session``, ``resume``,
+  a session's ``send``/``stream``/``asend``/``astream``...) raises ``EngineClosed``.
+- The **grace period** (``timeout`` seconds): the requests and session turns already in
+  flight go on. With the loop thread started it steps them; without, ``close`` steps them
+  on its own thread too (their callers may be stepping as well: every step off the loop
+  thread holds the loop's ``lock``), so a request whose caller stopped reading still ends.
+- When it is over, every request left is **cut**: aborted (what it produced stays, its KV
+  is kept like any finished turn's) and given an ``EngineClosed`` error, which its caller
+  receives; a session turn stores its partial reply first, marked ``interrupted``, and the
+  ``EngineClosed`` it raises carries that ``Reply``. A turn still before its request (a
+  restore from disk) is refused at admission: nothing of it is stored.
+- Then the turns' ends: ``close`` waits (at most ``DRAIN_S``) for the turns whose code is
+  running to store their replies; a turn whose caller holds it suspended (a stream not
+  read to its end) has its reply stored by ``close`` itself. Then the loop thread stops and
+  the sessions are spilled, the snapshots written, the database and knowledge bases closed.
+- Afterwards every call raises ``EngineClosed`` and nothing starts a thread again.
+
+Every wait here is bounded: a ``close`` that cannot get something done logs it and goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Iterator
+
+from chatkv.errors import EngineClosed
+
+if TYPE_CHECKING:
+    from chatkv.engine import Engine
+
+log = logging.getLogger("chatkv.engine")
+
+DRAIN_S = 10.0  # after the grace period: how long close() waits for each step of the shutdown
+
+
+class Gate:
+    """What an engine admits: ``state`` goes open -> closing (``close`` began) -> closed."""
+
+    def __init__(self):
+        self._cv = threading.Condition()
+        self.state = "open"
+        self.cut = False  # the grace period is over: every request was ended, none is admitted
+        self.turns = 0  # session turns whose code runs now (not those suspended at a yield)
+        self.closer: threading.Thread | None = None
+        self.done = threading.Event()
+
+    def check(self, what: str) -> None:
+        """EngineClosed unless the engine is open."""
+        if self.state != "open":
+            raise EngineClosed(f"the engine is {'closing' if self.state == 'closing' else 'closed'}; {what} refused")
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[None]:
+        """A session turn in flight (EngineClosed once close() began)."""
+        with self._cv:
+            self.check("a new turn")
+            self.turns += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self.turns -= 1
+                self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """Around a turn's ``yield``: while its caller holds the piece, the turn is not running."""
+        with self._cv:
+            self.turns -= 1
+            self._cv.notify_all()
+        try:
+            yield
+        finally:
+            with self._cv:
+                self.turns += 1
+
+    def wait_turns(self, until: float) -> bool:
+        """Until no turn's code is running, or the monotonic time ``until``; True if none is."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self.turns <= 0, max(0.0, until - time.monotonic()))
+
+
+def close(engine: "Engine", timeout: float | None) -> None:
+    gate = engine._gate
+    with gate._cv:
+        first = gate.state == "open"
+        if first:
+            gate.state, gate.closer = "closing", threading.current_thread()
+    if not first:  # closed already, or another thread is closing it: wait for that one
+        if gate.closer is not threading.current_thread():
+            gate.done.wait()
+        return
+    try:
+        if not _grace(engine, timeout):
+            log.info("close(): requests still running after the %s s grace period are interrupted", timeout)
+        _cut(engine)
+        if not gate.wait_turns(time.monotonic() + DRAIN_S):
+            log.warning("close(): %d turn(s) still running after %s s; closing without them", gate.turns, DRAIN_S)
+        sm = engine._sessions
+        if sm is not None:
+            sm.end_turns()  # turns whose callers hold them suspended: their replies are stored here
+    finally:
+        try:
+            _teardown(engine)
+        finally:
+            gate.state = "closed"
+            gate.done.set()
+
+
+def _busy(engine: "Engine") -> bool:
+    return engine.scheduler.has_work() or engine._gate.turns > 0
+
+
+def _grace(engine: "Engine", timeout: float | None) -> bool:
+    """Let what is in flight finish, stepping it here when no loop thread does; True if it did."""
+    loop = engine._loop
+    deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+    while _busy(engine):
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        if not loop.running and engine.scheduler.has_work():
+            try:
+                loop.step_here()
+            except Exception as e:  # noqa: BLE001 - a failed step ends its requests, as on the loop thread
+                log.exception("engine step failed during close(); failing its requests")
+                with loop.lock:
+                    for seq in engine.scheduler.sequences():
+                        engine.scheduler.fail(seq, e)
+                    loop._publish()
+            time.sleep(0.001)  # callers stepping the same requests get the lock too
+        else:
+            engine._gate.wait_turns(time.monotonic() + 0.02)
+            if engine._gate.turns <= 0:
+                time.sleep(0.005)  # the loop thread is stepping: look again soon
+    return True
+
+
+def _cut(engine: "Engine") -> None:
+    """End every request left, each with an EngineClosed its caller receives; refuse new ones."""
+    loop, gate = engine._loop, engine._gate
+
+    def cut() -> None:
+        gate.cut = True  # (set again here: an admission the loop ran before this is cut below)
+        for seq in engine.scheduler.sequences():
+            engine.scheduler.abort(seq)
+            seq.error = EngineClosed("the engine was closed before this request finished; what it produced is kept",
+                                     reply=seq.result())
+        loop._publish()
+
+    gate.cut = True
+    if loop.running:
+        try:
+            loop.call(cut, timeout=DRAIN_S)
+            return
+        except TimeoutError:
+            log.warning("close(): the engine loop did not end the requests in flight within %s s", DRAIN_S)
+            return
+        except EngineClosed:  # the loop ended meanwhile: end them here
+            pass
+    if loop.lock.acquire(timeout=DRAIN_S):
+        try:
+            cut()
+        finally:
+            loop.lock.release()
+    else:
+        log.warning("close(): the engine's state stayed busy for %s s; requests in flight not ended", DRAIN_S)
+
+
+def _teardown(engine: "Engine") -> None:
+    """Stop the loop thread; spill and close the sessions, the store, the knowledge bases."""
+    loop = engine._loop
+    got = loop.lock.acquire(timeout=DRAIN_S)  # late work off the loop thread waits, then sees it closed
+    try:
+        stopped = loop.stop(DRAIN_S)
+        sm, engine._sessions = engine._sessions, None
+        try:
+            if sm is not None:
+                if stopped:
+                    sm.close()
+                else:  # the KV belongs to a loop thread that is still running: only the files are closed
+                    sm.close_files()
+        finally:
+            for kb in engine._kbs.values():
+                kb.close()
+            engine._kbs.clear()
+            if stopped:
+                engine.kv.clear()
+            loop.closed = True
+    finally:
+        if got:
+            loop.lock.release()
