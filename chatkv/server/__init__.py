@@ -1,6 +1,6 @@
 """``chatkv serve``: an OpenAI-compatible HTTP server over one engine.
 
-    chatkv serve [--host 127.0.0.1] [--port 8000] [--model DIR] [--api-key KEY]
+    chatkv serve [--host 127.0.0.1] [--port 8000] [--model DIR] [--api-key KEY ...] [--api-keys FILE]
     from chatkv.server import create_app; app = create_app(engine)   # any ASGI server
 
 Built on Starlette with uvicorn: a mature, small ASGI stack (Starlette is what FastAPI itself
@@ -14,7 +14,7 @@ validated by hand in ``schemas.py`` and FastAPI would bring nothing we use.
 Modules: ``app`` (the app, its state and lifespan), ``routes`` (the handlers), ``schemas``
 (request validation), ``generation`` (stateless requests and session turns), ``history``
 (canonical tokens for clients that re-send their history), ``responses`` (OpenAI's shapes,
-SSE), ``guards`` (API key, body size, concurrency), ``errors`` (OpenAI's error JSON),
+SSE), ``guards`` (API keys and the users they are, body size, concurrency), ``errors`` (OpenAI's error JSON),
 ``cli`` (the command). Metrics live in ``chatkv.metrics``. Only the public SDK is used.
 """
 
