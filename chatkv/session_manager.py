@@ -221,15 +221,20 @@ class SessionManager:
         log.warning("conversation %s: the stored text of message(s) %s no longer matches what was stored with it; "
                     "recomputing the conversation's KV from the stored text", s.id, changed)
         tokens: list[int] = []
+        st = cw.ContextState(policy=s.window.policy)  # the whole history, its turns where they start now
         for m in msgs:
             if m.role == "user":
+                first = not tokens
                 tokens += self._delta_from(tokens, s.system_content, m.content)
+                st.turns.append(self._first_turn_start(tokens, m.content) if first else len(tokens) - len(
+                    self.renderer.user_turn(m.content)))
+                if first:
+                    st.prefix = st.turns[0]
             elif m.role == "assistant" and tokens:
                 reply = self._text_ids(m.content)  # the reply as data: its text, never control tokens
                 tokens += reply + self.renderer.close_reply(reply)
-        s.tokens = tokens
-        s.window = cw.ContextState(policy=s.window.policy)
-        self.store.rebuild_history(s.id, tokens)
+        s.tokens, s.window = tokens, st
+        self.store.rebuild_history(s.id, tokens, st.to_json())
         self.snapshots.delete(s.id)
 
     def _text_ids(self, text: str) -> list[int]:

@@ -317,16 +317,17 @@ class Store:
             q = select(Message).where(Message.conversation_id == conv.id).order_by(Message.id)
             return [message_info(m) for m in s.scalars(q)]
 
-    def rebuild_history(self, conv_id: str, token_ids: list[int]) -> None:
+    def rebuild_history(self, conv_id: str, token_ids: list[int], context: Optional[dict] = None) -> None:
         """After the stored text was found changed (a message no longer matches its hash): make
-        ``token_ids`` (the history recomputed from that text) the conversation's, forget its KV
-        window's state (it described the old tokens) and record every message's current hash,
-        in one transaction. Fenced by the lease, as ``add_message`` is."""
+        ``token_ids`` (the history recomputed from that text) the conversation's, with ``context``
+        its KV window's state (None: unknown), and record every message's current hash, in one
+        transaction. Fenced by the lease, as ``add_message`` is."""
         tokens = check_tokens(token_ids)
+        context = None if context is None else check_json("context", context)
         with self._writing() as s:
             conv = self._conversation(s, conv_id, lock=True)
             self.leases.check_write(s, conv.id)
-            conv.token_ids, conv.token_count, conv.context = tokens, len(tokens), None
+            conv.token_ids, conv.token_count, conv.context = tokens, len(tokens), context
             for m in s.scalars(select(Message).where(Message.conversation_id == conv.id)):
                 m.content_hash = message_hash(m.role, m.content)
 
