@@ -17,6 +17,7 @@ import torch
 
 import chatkv.weights
 from chatkv.errors import ChatKVError, ModelNotFound, UnsupportedModel
+from chatkv.engine import Engine
 from chatkv.model import LlamaModel
 from chatkv.weights import load_config, load_tokenizer, model_fingerprint
 from chatkv.weights.loading import read_weights
@@ -172,3 +173,27 @@ def test_fingerprint_follows_every_file(good, model):
     assert model_fingerprint(model) == base  # a copy is the same model
     (model / "chat_template.jinja").write_text("{{ messages }}")
     assert model_fingerprint(model) != base
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_every_family_without_tokenizer_files_is_refused_at_load(family, tmp_path):
+    """qwen2 used to load a tokenizer of one token from config.json alone (every prompt "empty")."""
+    d = tmp_path / family
+    make_model(d, family, seed=2)
+    for name in (*TOKENIZER_FILES, "vocab.json", "merges.txt", "tokenizer.model"):
+        (d / name).unlink(missing_ok=True)
+    with pytest.raises(ModelNotFound) as info:
+        load_tokenizer(d)
+    msg = str(info.value)
+    assert str(d) in msg and "no tokenizer" in msg and "tokenizer.json" in msg and "\n" not in msg, msg
+    with pytest.raises(ModelNotFound, match="no tokenizer in"):
+        Engine(d)
+
+
+def test_a_vocabulary_that_makes_no_tokens_is_refused(model):
+    """Tokenizer files that load but hold no vocabulary: refused, not a tokenizer of every prompt empty."""
+    raw = json.loads((model / "tokenizer.json").read_text())
+    raw["model"]["vocab"], raw["model"]["merges"], raw["added_tokens"] = {}, [], []
+    (model / "tokenizer.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelNotFound, match="makes no tokens of text"):
+        load_tokenizer(model)

@@ -106,7 +106,9 @@ def load_tokenizer(model_dir: str | Path):
     """The directory's tokenizer (``AutoTokenizer.from_pretrained`` of the local directory).
 
     Raises ModelNotFound naming the directory and what is missing (no tokenizer
-    file at all) or broken (files present that transformers cannot load).
+    file at all, for every family: transformers would build an empty tokenizer for
+    some) or broken (files present that transformers cannot load, or that make a
+    tokenizer of fewer than two tokens that turns text into nothing).
     """
     path = _model_dir(model_dir)
     from transformers import AutoTokenizer
@@ -117,14 +119,26 @@ def load_tokenizer(model_dir: str | Path):
         # the tokenizer's own "Token indices sequence length is longer than..." warning would
         # only add lines on the user's terminal
         tok.model_max_length = int(1e30)
-        return tok
     except Exception as e:  # OSError, ValueError, JSONDecodeError, ...: the files, not the caller
         present = [n for n in _TOKENIZER_FILES if (path / n).is_file()]
         if not present:
-            raise ModelNotFound(
-                f"no tokenizer in '{model_dir}': it has none of {', '.join(_TOKENIZER_FILES)}; "
-                f"copy the model's tokenizer files (e.g. tokenizer.json and tokenizer_config.json) into it"
-            ) from e
+            raise ModelNotFound(_no_tokenizer(model_dir)) from e
         raise ModelNotFound(
             f"the tokenizer in '{model_dir}' ({', '.join(present)}) cannot be loaded: {_why(e)}"
         ) from e
+    if not any((path / n).is_file() for n in _TOKENIZER_FILES):
+        # for some families (qwen2) transformers builds an empty tokenizer (one token: every
+        # prompt "empty") instead of failing
+        raise ModelNotFound(_no_tokenizer(model_dir))
+    if len(tok) < 2 or not tok("a", add_special_tokens=False)["input_ids"]:
+        present = [n for n in _TOKENIZER_FILES + ("merges.txt", "tokenizer_config.json") if (path / n).is_file()]
+        raise ModelNotFound(
+            f"the tokenizer in '{model_dir}' ({', '.join(present)}) has {len(tok)} token(s) and makes no tokens "
+            f"of text; its vocabulary files are missing or empty: copy the model's tokenizer files into it"
+        )
+    return tok
+
+
+def _no_tokenizer(model_dir) -> str:
+    return (f"no tokenizer in '{model_dir}': it has none of {', '.join(_TOKENIZER_FILES)}; "
+            f"copy the model's tokenizer files (e.g. tokenizer.json and tokenizer_config.json) into it")
