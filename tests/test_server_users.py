@@ -147,6 +147,23 @@ def test_no_key_is_one_local_user_and_one_key_alone_is_too():
     assert two.names == {bare_key_user("k1"), bare_key_user("k2")}
 
 
+def test_the_sdk_is_the_local_user_and_sees_no_one_elses_conversation(engine):
+    from chatkv.errors import InvalidRequest, SessionError
+
+    s = engine.session(system="x", user="dora")
+    s.send("hello", None)
+    with pytest.raises(SessionError) as other:
+        engine.resume(s.id)  # the SDK is the local user
+    with pytest.raises(SessionError) as unknown:
+        engine.resume("f" * 32)
+    assert str(other.value).replace(s.id, "f" * 32) == str(unknown.value)
+    assert s.id not in [c.id for c in engine.sessions()] and [c.id for c in engine.sessions(user="dora")] == [s.id]
+    assert engine.resume(s.id, user="dora") is s
+    with pytest.raises(InvalidRequest, match="invalid user name"):
+        engine.session(user="not a name")
+    s.close()
+
+
 # ------------------------------------------------------------------ keys
 
 
