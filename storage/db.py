@@ -71,7 +71,7 @@ _SQLITE_PROBLEMS = {
     "SQLITE_READONLY": "it is read-only (chatkv writes it, and its -wal and -shm files beside it)",
     "SQLITE_CANTOPEN": "SQLite cannot open it: check that its directory exists and is writable",
     "SQLITE_PERM": "permission denied",
-    "SQLITE_FULL": "the disk is full",
+    "SQLITE_FULL": "the disk is full; free some space and retry (nothing of the failed write was stored)",
     "SQLITE_BUSY": "another process holds it locked",
 }
 _OS_PROBLEMS = {
@@ -95,11 +95,25 @@ def explain(exc: BaseException, where: str = "") -> str:
         return f"{what} ({exc.filename})" if exc.filename and str(exc.filename) != where else what
     orig = exc.orig if isinstance(exc, DBAPIError) else None
     said = str(orig if orig is not None else exc).strip()
+    if "Could not decode to UTF-8" in said:  # the sqlite3 module reading a row's text
+        return f"a stored text is not valid UTF-8 (its row was changed outside chatkv): {said[:120]}"
     name = getattr(orig, "sqlite_errorname", "") or ""
+    if name.startswith("SQLITE_IOERR") and _disk_full(where):  # WAL files that cannot grow: an I/O error
+        name = "SQLITE_FULL"
     for code, what in _SQLITE_PROBLEMS.items():
         if name.startswith(code):
             return f"{what} (SQLite: {said})"
     return said
+
+
+def _disk_full(where: str) -> bool:
+    """Whether the file system holding the database file ``where`` has no space left."""
+    import shutil
+
+    try:
+        return bool(where) and shutil.disk_usage(Path(where).parent).free < 64 * 1024
+    except OSError:
+        return False
 
 
 def check_writable(engine: Engine) -> None:

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import threading
 import uuid
+from contextlib import contextmanager
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Optional
 
-from sqlalchemy import Engine, func, select
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy import Engine, LargeBinary, func, select
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, defer
 
 from chatkv.errors import InvalidRequest, SessionError, StorageError
@@ -56,6 +57,23 @@ from chatkv.storage.records import (
     check_owner,
 )
 from chatkv.storage.models import LOCAL_USER, message_hash
+
+class _Guarded:
+    """A sessionmaker (for ``Leases``) whose sessions turn database errors into StorageError."""
+
+    def __init__(self, maker, guard):
+        self._maker, self._guard = maker, guard
+
+    @contextmanager
+    def __call__(self):
+        with self._guard(), self._maker() as s:
+            yield s
+
+    @contextmanager
+    def begin(self):
+        with self._guard(), self._maker.begin() as s:
+            yield s
+
 
 # ---------------------------------------------------------------- clock
 
@@ -101,7 +119,7 @@ class Store:
         self._read = db.read_sessions(engine)
         self._write = db.write_sessions(engine)
         self._closed = False
-        self.leases = Leases(self._read, self._write)
+        self.leases = Leases(_Guarded(self._read, self._as_storage_error), _Guarded(self._write, self._as_storage_error))
         with self._read() as s:
             CLOCK.seed(s.scalar(select(func.max(Conversation.updated_at))))
             CLOCK.seed(s.scalar(select(func.max(KVSnapshot.last_used_at))))
@@ -153,16 +171,55 @@ class Store:
 
     # -------------------------------------------------------- sessions
 
-    def _reading(self) -> Session:
+    @contextmanager
+    def _reading(self, conv_id: Optional[str] = None):
+        """``with``: a read Session. A database error (a full disk, an I/O error, a stored text
+        that is not UTF-8) comes out as one StorageError naming the database (and ``conv_id``)."""
         if self._closed:
             raise SessionError("the conversation store is closed")
-        return self._read()
+        with self._as_storage_error(conv_id), self._read() as s:
+            yield s
 
+    @contextmanager
     def _writing(self):
-        """``with``: a write Session in one transaction, committed on success."""
+        """``with``: a write Session in one transaction, committed on success; rolled back (nothing
+        of it stored) on any error, a database error coming out as one StorageError."""
         if self._closed:
             raise SessionError("the conversation store is closed")
-        return self._write.begin()
+        with self._as_storage_error(), self._write.begin() as s:
+            yield s
+
+    @contextmanager
+    def _as_storage_error(self, conv_id: Optional[str] = None):
+        try:
+            yield
+        except IntegrityError:
+            raise
+        except SQLAlchemyError as e:
+            where = db.describe(self.engine.url.render_as_string(hide_password=False))
+            about = f" (conversation {conv_id})" if conv_id else ""
+            raise StorageError(f"the conversation database {where}{about}: {db.explain(e, where)}") from e
+
+    def _undecodable(self, conv_id: str) -> StorageError:
+        """The error for a conversation holding text that is not UTF-8, naming its rows."""
+        bad = []
+        try:
+            with self._read() as s:
+                rows = s.execute(select(Message.id, func.cast(Message.content, LargeBinary))
+                                 .where(Message.conversation_id == conv_id)).all()
+            for mid, raw in rows:
+                try:
+                    bytes(raw or b"").decode("utf-8")
+                except UnicodeDecodeError:
+                    bad.append(mid)
+        except SQLAlchemyError:
+            pass
+        rows = f" (messages.id {', '.join(map(str, bad[:5]))})" if bad else ""
+        return StorageError(
+            f"conversation {conv_id} cannot be read: a stored message{rows} is not valid UTF-8 text (its row was "
+            f"changed outside chatkv); the other conversations are unaffected. Repair or delete that row "
+            f"with sqlite3, or delete the conversation"
+        )
 
     @staticmethod
     def _conversation(
@@ -216,7 +273,7 @@ class Store:
     def get_conversation(self, conv_id: str, tenant: Optional[str] = None, owner: Optional[str] = None) -> ConversationInfo:
         """The conversation, token history included. With ``tenant`` (``owner``), one of another
         tenant (user) is reported as unknown."""
-        with self._reading() as s:
+        with self._reading(conv_id) as s:
             return conversation_info(self._conversation(s, conv_id, tenant, tokens=True, owner=owner))
 
     def list_conversations(
@@ -311,11 +368,17 @@ class Store:
             return message_info(msg)
 
     def messages(self, conv_id: str) -> list[MessageInfo]:
-        """The conversation's messages, oldest first."""
-        with self._reading() as s:
-            conv = self._conversation(s, conv_id)
-            q = select(Message).where(Message.conversation_id == conv.id).order_by(Message.id)
-            return [message_info(m) for m in s.scalars(q)]
+        """The conversation's messages, oldest first. StorageError naming the conversation (and
+        the rows) when one holds text that is not UTF-8; the store stays usable."""
+        try:
+            with self._reading() as s:
+                conv = self._conversation(s, conv_id)
+                q = select(Message).where(Message.conversation_id == conv.id).order_by(Message.id)
+                return [message_info(m) for m in s.scalars(q)]
+        except StorageError as e:
+            if "Could not decode to UTF-8" in str(e.__cause__ or ""):
+                raise self._undecodable(conv_id) from e.__cause__
+            raise
 
     def rebuild_history(self, conv_id: str, token_ids: list[int], context: Optional[dict] = None) -> None:
         """After the stored text was found changed (a message no longer matches its hash): make

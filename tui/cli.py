@@ -15,14 +15,23 @@
 
 Stored text reaches the terminal only through ``tui/text.py``'s ``safe_text`` (no control
 sequences). Only the public SDK is used here.
+
+No traceback reaches a person: a closed stdin is input that has ended; a stdout whose reader
+left (``chatkv | head -c1``) ends the chat quietly once the reply being written is stored; a
+stdout that cannot be written (``> /dev/full``) is one line on stderr and exit status 2; a
+data directory that cannot be used is one line naming it, before any model loads. Line mode
+opens its new conversation at the first message, so input that ends before one
+(``chatkv </dev/null``) leaves nothing stored.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import tempfile
 
-from chatkv import ChatKVError, InvalidRequest
+from chatkv import ChatKVError, InvalidRequest, StorageError
 from chatkv.config import HEADS, KV_DTYPES, OVERFLOW_POLICIES, WEIGHTS
 from chatkv.engine import Engine
 from chatkv.outputs import GenerationResult, Reply
@@ -81,20 +90,74 @@ def _parser() -> argparse.ArgumentParser:
 
 def _error(message: object) -> None:
     """One error line on stderr; the message may echo user input, so it is made safe first."""
-    print(f"chatkv: {safe_text(str(message), oneline=True)}", file=sys.stderr)
+    try:
+        print(f"chatkv: {safe_text(str(message), oneline=True)}", file=sys.stderr, flush=True)
+    except (OSError, ValueError, AttributeError):  # stderr closed or failing: nowhere left to say it
+        pass
 
 
-def _one_shot(engine: Engine, messages: list[dict], params: SamplingParams, show_stats: bool) -> None:
+def _note(text: str) -> None:
+    """A line for the person on stderr (never a reply); a stderr that cannot be written is ignored."""
+    try:
+        print(text, file=sys.stderr, flush=True)
+    except (OSError, ValueError, AttributeError):
+        pass
+
+
+class _Stdout:
+    """Replies on stdout, which may fail: its reader left (BrokenPipeError) or the device is full
+    (OSError). The first failure is kept in ``failed`` and stdout is pointed at /dev/null, so
+    nothing more (not even the interpreter's last flush) raises; later writes are dropped."""
+
+    def __init__(self):
+        self.failed: OSError | None = None
+
+    def write(self, text: str, end: str = "") -> None:
+        if self.failed is not None or sys.stdout is None:
+            return
+        try:
+            print(text, end=end, flush=True)
+        except OSError as e:
+            self.failed = e
+            try:
+                devnull = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(devnull, sys.stdout.fileno())
+                os.close(devnull)
+            except (OSError, ValueError):
+                pass
+
+    def status(self, stored: str = "") -> int:
+        """The exit status after a failure (0: none, or a reader that left), one line for the rest."""
+        if self.failed is None or isinstance(self.failed, BrokenPipeError):
+            return 0
+        _error(f"cannot write to standard output: {self.failed.strerror or self.failed}{stored}; "
+               f"send it to a file or a terminal that can be written")
+        return 2
+
+
+def _one_shot(engine: Engine, messages: list[dict], params: SamplingParams, show_stats: bool) -> int:
     result = None
-    out = SafeStream()
-    for piece in engine.stream(engine.encode_chat(messages), params):
+    out, stdout = SafeStream(), _Stdout()
+    stream = engine.stream(engine.encode_chat(messages), params)
+    for piece in stream:
         if isinstance(piece, GenerationResult):
             result = piece
         else:
-            print(out.feed(piece), end="", flush=True)
-    print(out.flush())
+            stdout.write(out.feed(piece))
+        if stdout.failed is not None:  # nobody reads the rest (a one-shot reply is not stored)
+            stream.close()
+            return stdout.status()
+    stdout.write(out.flush(), end="\n")
     if show_stats and result is not None:
-        print(f"[{result.usage.summary()}]", file=sys.stderr)
+        _note(f"[{result.usage.summary()}]")
+    return stdout.status()
+
+
+def _stdin_is_terminal() -> bool:
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (AttributeError, ValueError):  # replaced or closed
+        return False
 
 
 def _read_line() -> str | None:
@@ -102,9 +165,11 @@ def _read_line() -> str | None:
     stderr when stdout is not a terminal, so replies alone reach stdout); piped input gets no
     prompt and is read as bytes a line at a time, so a line that is not UTF-8 raises
     UnicodeDecodeError alone."""
-    if sys.stdin.isatty():
+    if sys.stdin is None:  # started with stdin closed (chatkv <&-): no input at all
+        return None
+    if _stdin_is_terminal():
         try:
-            if sys.stdout.isatty():
+            if sys.stdout is not None and sys.stdout.isatty():
                 return input("> ")
             print("> ", end="", file=sys.stderr, flush=True)
             return input()
@@ -115,13 +180,20 @@ def _read_line() -> str | None:
     return line.removesuffix("\n").removesuffix("\r") if line else None
 
 
-def _chat(session, params: SamplingParams, show_stats: bool, script: list[str] | None = None) -> int:
-    """Chat on stdin, or answer the messages of ``script`` and return."""
+def _chat(session, params: SamplingParams, show_stats: bool, script: list[str] | None = None,
+          open_session=None, weights=None) -> int:
+    """Chat on stdin, or answer the messages of ``script`` and return. ``session`` None: a new
+    conversation, opened by ``open_session()`` at the first message (so input that ends before
+    one stores nothing). A stdout that fails mid-reply: the reply is still received and stored,
+    then the chat ends (``_Stdout``)."""
     if script is None:
-        weights = getattr(getattr(getattr(session, "_m", None), "engine", None), "weights", None)
+        weights = weights if weights is not None else getattr(getattr(getattr(session, "_m", None), "engine", None),
+                                                               "weights", None)
         how = f" Weights: {weights.label}." if weights is not None else ""
-        print(f"chatkv: conversation {session.id}. Type a message; /exit or Ctrl-D to leave.{how}", file=sys.stderr)
+        which = f"conversation {session.id}. " if session is not None else ""
+        _note(f"chatkv: {which}Type a message; /exit or Ctrl-D to leave.{how}")
     lines = iter(script) if script is not None else None
+    stdout = _Stdout()
     while True:
         try:
             line = _read_line() if lines is None else next(lines, None)
@@ -129,14 +201,18 @@ def _chat(session, params: SamplingParams, show_stats: bool, script: list[str] |
             _error("that line is not valid UTF-8; nothing was sent")
             continue
         if line is None:
-            if lines is None and sys.stdin.isatty():
-                print()  # past the prompt the Ctrl-D left
-            return 0
+            if lines is None and _stdin_is_terminal():
+                stdout.write("", end="\n")  # past the prompt the Ctrl-D left
+            return stdout.status()
         text = line.strip()
         if text in ("/exit", "/quit"):
-            return 0
+            return stdout.status()
         if not text:
             continue
+        if session is None:
+            session = open_session()
+            if script is None:
+                _note(f"chatkv: conversation {session.id}.")
         reply = None
         out = SafeStream()
         try:
@@ -144,28 +220,30 @@ def _chat(session, params: SamplingParams, show_stats: bool, script: list[str] |
                 if isinstance(piece, Reply):
                     reply = piece
                 else:
-                    print(out.feed(piece), end="", flush=True)
+                    stdout.write(out.feed(piece))  # on failure the rest is still received and stored
         except KeyboardInterrupt:
-            print(out.flush(), end="")
-            print("\n[interrupted]", file=sys.stderr)
+            stdout.write(out.flush())
+            _note("\n[interrupted]")
             continue
         except InvalidRequest as e:  # this message only (too long, not valid Unicode...): the chat goes on
             _error(e)
             continue
-        print(out.flush())
+        stdout.write(out.flush(), end="\n")
+        if stdout.failed is not None:
+            return stdout.status(f" (the reply is stored: chatkv --resume {session.id})")
         if reply is not None and reply.sources:
             _print_sources(reply.sources)
         if reply is not None and reply.context is not None and reply.context.dropped_tokens:
-            print(f"[{reply.context.summary()}]", file=sys.stderr)
+            _note(f"[{reply.context.summary()}]")
         if show_stats and reply is not None:
-            print(f"[{reply.usage.summary()}]", file=sys.stderr)
+            _note(f"[{reply.usage.summary()}]")
 
 
 def _print_sources(sources) -> None:
     for src in sources:
         mark = "*" if src.cited else " "
         where = f" - {src.heading}" if src.heading else ""
-        print(safe_text(f"{mark}[{src.number}] {src.source.rsplit('/', 1)[-1]}{where}", oneline=True), file=sys.stderr)
+        _note(safe_text(f"{mark}[{src.number}] {src.source.rsplit('/', 1)[-1]}{where}", oneline=True))
 
 
 def _check_prompt(prompt: str | None) -> str | None:
@@ -187,6 +265,24 @@ def _is_terminal() -> bool:
         return sys.stdin.isatty() and sys.stdout.isatty()
     except (AttributeError, ValueError):  # replaced or closed streams
         return False
+
+
+def _check_data_dir(explicit: str | None) -> None:
+    """StorageError, before any model loads, when the data directory cannot be created or written."""
+    from chatkv.storage.paths import data_dir
+
+    given = explicit if explicit is not None else os.environ.get("CHATKV_HOME")
+    fix = "give --data-dir (or CHATKV_HOME) a directory chatkv can create and write"
+    if given and os.path.exists(given) and not os.path.isdir(given):
+        raise StorageError(f"the data directory '{given}' is a file, not a directory; {fix}")
+    try:
+        path = data_dir(explicit)
+        fd, probe = tempfile.mkstemp(dir=path, prefix=".chatkv-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        where = given or "the default data directory"
+        raise StorageError(f"cannot use '{where}' as the data directory: {e.strerror or e}; {fix}") from e
 
 
 def _open_app(args: argparse.Namespace, sampling: dict) -> int:
@@ -247,17 +343,18 @@ def main(argv: list[str] | None = None) -> int:
         given = {k: getattr(args, k) for k in SAMPLING if getattr(args, k) is not None}
         params = SamplingParams(**{**DEFAULTS, **given})
         params.validate()
+        _check_data_dir(args.data_dir)
         if args.prompt is None and not args.list and not args.plain and _is_terminal():
             return _open_app(args, given)
         engine = Engine.from_pretrained(args.model, dtype=args.dtype, data_dir=args.data_dir, **_engine_options(args))
         if args.list:
+            stdout = _Stdout()
             for c in engine.sessions():
-                print(f"{c.id}  {c.updated_at:%Y-%m-%d %H:%M}  {safe_text(c.title, oneline=True)}")
-            return 0
+                stdout.write(f"{c.id}  {c.updated_at:%Y-%m-%d %H:%M}  {safe_text(c.title, oneline=True)}", end="\n")
+            return stdout.status()
         if args.prompt is not None and args.kb is None and args.resume is None:
             messages = [{"role": "system", "content": args.system}] if args.system else []
-            _one_shot(engine, messages + [{"role": "user", "content": args.prompt}], params, args.stats)
-            return 0
+            return _one_shot(engine, messages + [{"role": "user", "content": args.prompt}], params, args.stats)
         with engine:
             if args.resume is not None:
                 session = _resume(engine, args.resume)
@@ -266,15 +363,18 @@ def main(argv: list[str] | None = None) -> int:
                 params.validate()
                 if args.overflow is not None:
                     session.set_overflow(args.overflow)
+                opener = None
             else:
                 kb = engine.knowledge_base(args.kb) if args.kb else None
-                session = engine.session(
-                    system=args.system, title=args.title, params=_params_dict(params), knowledge=kb,
-                    top_k=args.sources, documents=args.pin,
-                )
+
+                def opener():
+                    return engine.session(system=args.system, title=args.title, params=_params_dict(params),
+                                          knowledge=kb, top_k=args.sources, documents=args.pin)
+
+                session = None  # opened at the first message: no empty conversation for input that has none
             if args.prompt is not None:  # one question in a saved chat (--kb or --resume): one turn
-                return _chat(session, params, args.stats, [args.prompt])
-            return _chat(session, params, args.stats)
+                return _chat(session, params, args.stats, [args.prompt], open_session=opener)
+            return _chat(session, params, args.stats, open_session=opener, weights=getattr(engine, "weights", None))
     except ChatKVError as e:
         _error(e)
         return 2
