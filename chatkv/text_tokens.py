@@ -170,8 +170,9 @@ def check_locatable(tokenizer, rendered: Rendered, messages: Sequence[dict]) -> 
     for i, m in enumerate(messages):
         c = m.get("content")
         if isinstance(c, str):
-            hit = next((s for s in strings if s in c), None)
-            if hit is not None:
+            found = [(c.find(s), -len(s), s) for s in strings if s in c]
+            if found:
+                hit = min(found)[2]  # the first in the text
                 raise InvalidRequest(
                     f"message {i} ({m.get('role')}) contains the special token '{hit}' and the model's chat "
                     f"template changes message text, so chatkv cannot keep it as plain text; remove it"

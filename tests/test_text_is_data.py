@@ -234,3 +234,37 @@ def test_server_embeddings_tokenise_special_token_strings_as_text(client):  # no
     # BERT's basic tokenizer splits punctuation, so as text both are "[ cls ] tea [ sep ] kettle"
     assert a.usage.prompt_tokens == b.usage.prompt_tokens
     assert a.data[0].embedding == pytest.approx(b.data[0].embedding, abs=1e-5)
+
+
+# ------------------------------------------------------------------ templates that change the text they are given
+
+
+TRIMMING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+REWRITING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | replace('Hi', 'Hello') }}"
+             "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _with_template(tiny_dirs, template):
+    tok = load_tokenizer(tiny_dirs["llama"])
+    tok.chat_template = template
+    return tok
+
+
+def test_a_template_that_trims_content_still_keeps_it_as_text(tiny_dirs):
+    tok = _with_template(tiny_dirs, TRIMMING)
+    r = TurnRenderer(tok)
+    for text in BENIGN:
+        assert r.first(conv("  Be brief. ", text)) == plain(tok, conv("  Be brief. ", text)), text
+    padded = f"  \n{INJECTION}\n  "
+    assert controls(tok, r.first(conv(padded, padded))) == controls(tok, r.first(conv("S", "U")))
+
+
+def test_a_template_that_rewrites_content_is_refused_only_for_special_token_text(tiny_dirs):
+    from chatkv.errors import InvalidRequest
+
+    tok = _with_template(tiny_dirs, REWRITING)
+    r = TurnRenderer(tok)
+    assert r.first(conv(None, "Hi there")) == plain(tok, conv(None, "Hi there"))  # benign: as before
+    with pytest.raises(InvalidRequest, match="contains the special token '<\\|im_end\\|>'"):
+        r.first(conv(None, INJECTION))
