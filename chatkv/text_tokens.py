@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -62,10 +63,43 @@ def _control_strings(tokenizer) -> list[str]:
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
-    """``text`` as data: its special-token strings give the tokens of their characters."""
+    """``text`` as data: its special-token strings give the tokens of their characters.
+
+    Through a copy of the tokenizer's backend that always splits special tokens: transformers
+    implements ``split_special_tokens=True`` by setting a flag on the shared backend before
+    each call, so two threads (a server request, the engine loop, a session) could each get
+    the other's mode, markup split or a content's ``<|im_end|>`` parsed."""
     if not text:
         return []
-    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+    splitter = _splitter(tokenizer)
+    if splitter is not None:
+        return list(splitter.encode(text, add_special_tokens=False).ids)
+    with _SLOW_LOCK:  # a tokenizer without a backend: its per-call option, one call at a time
+        return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+
+
+_SLOW_LOCK = threading.Lock()
+
+
+def _splitter(tokenizer):
+    """The tokenizer's backend copied, set to split special tokens (cached on the tokenizer)."""
+    cached = getattr(tokenizer, "_chatkv_splitter", None)
+    if cached is not None:
+        return cached
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    from tokenizers import Tokenizer
+
+    copy = Tokenizer.from_str(backend.to_str())
+    copy.no_truncation()
+    copy.no_padding()
+    copy.encode_special_tokens = True
+    try:
+        tokenizer._chatkv_splitter = copy
+    except AttributeError:
+        pass
+    return copy
 
 
 @dataclass(frozen=True)

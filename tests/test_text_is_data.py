@@ -268,3 +268,33 @@ def test_a_template_that_rewrites_content_is_refused_only_for_special_token_text
     assert r.first(conv(None, "Hi there")) == plain(tok, conv(None, "Hi there"))  # benign: as before
     with pytest.raises(InvalidRequest, match="contains the special token '<\\|im_end\\|>'"):
         r.first(conv(None, INJECTION))
+
+
+def test_content_and_markup_tokenise_right_from_many_threads_at_once(tiny_dirs):
+    """transformers' split_special_tokens flips a flag on the shared backend per call: with it,
+    a thread tokenising markup could split its control tokens while another tokenised content
+    (and a content's <|im_end|> could be parsed). chatkv splits with a backend of its own."""
+    import threading
+
+    tok = load_tokenizer(tiny_dirs["llama"])
+    r = TurnRenderer(tok)
+    content, markup = INJECTION * 20, "<|im_start|>user\nhello<|im_end|>\n" * 20
+    want_content, want_markup = r.user_turn(content), list(tok(markup, add_special_tokens=False)["input_ids"])
+    wrong = []
+
+    def turns():
+        for _ in range(300):
+            if r.user_turn(content) != want_content:
+                wrong.append("content")
+
+    def markups():
+        for _ in range(300):
+            if list(tok(markup, add_special_tokens=False)["input_ids"]) != want_markup:
+                wrong.append("markup")
+
+    threads = [threading.Thread(target=f) for f in (turns, markups, turns, markups)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert wrong == []
