@@ -449,6 +449,8 @@ class Engine:
 
     def spill_idle(self) -> int:
         """Spill sessions idle past ``idle_spill_s`` to disk now; returns how many."""
+        if self._loop.closed:
+            raise EngineClosed()
         return self.on_loop(self.session_manager.spill_idle) if self._sessions is not None else 0
 
     def close(self, timeout: float | None = 30.0) -> None:
