@@ -10,6 +10,7 @@ from chatkv.errors import (
     SnapshotInvalid,
     StorageError,
     UnsupportedModel,
+    WeightCheckFailed,
 )
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "SnapshotInvalid",
     "StorageError",
     "UnsupportedModel",
+    "WeightCheckFailed",
 ]
 
 

@@ -17,6 +17,11 @@ class UnsupportedModel(ChatKVError):
     """The model's architecture is not one chatkv's runner implements."""
 
 
+class WeightCheckFailed(InvalidRequest):
+    """A quantised weight mode asked for by name disagreed with the float path of the same
+    weights on this CPU (chatkv.weight_check); the message names the check that failed."""
+
+
 class OutOfBlocks(ChatKVError, MemoryError):
     """The block pool cannot hold what was asked, even after eviction."""
 

@@ -3,6 +3,17 @@
 Weights and config come from a Hugging Face directory (read by chatkv.weights).
 One call computes a flattened batch of sequences in mixed phases (prefill chunks
 and single-token decodes); attention reads K/V through block tables.
+
+Precision. The float modes compute as transformers does in their dtype (it is their oracle).
+The quantised modes (int4/int8 weights, bfloat16 activations) keep the residual stream in
+float32: each layer's two additions and the RMSNorms read and write float32, and only the
+matmuls' inputs are rounded to bfloat16. A bfloat16 residual is rounded 60 times per token
+on the default model; its error against the exact float32 math of the same weights (mean
+|logit difference| 0.21, top-1 flips on 1-3% of positions) exceeds margins the default model
+answers on: "What is the capital of France?" is "The" over "L" by 0.10 logits, so which of
+the two a CPU said followed the order of its own kernels' sums (issue 19: Intel answered
+"L'Étoile", AMD "The capital of France is Paris."). float32 halves that error
+(tests/test_weight_paths.py) and costs no measurable decode time.
 """
 
 from __future__ import annotations
@@ -66,11 +77,11 @@ class Linear:
 
     __slots__ = ("weight", "bias", "packed", "out_features")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, pack: bool = True):
         self.weight, self.bias, self.packed = weight, bias, None
         self.out_features = weight.shape[0]
         dtype = weight.dtype
-        if PACK_WEIGHTS and _mkldnn_linear is not None and weight.device.type == "cpu":
+        if pack and PACK_WEIGHTS and _mkldnn_linear is not None and weight.device.type == "cpu":
             if dtype not in _packing_works:
                 _packing_works[dtype] = _mkldnn_linear_works(dtype)
             if _packing_works[dtype]:
@@ -129,20 +140,23 @@ class LlamaModel:
 
     def __init__(self, config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu",
                  weights_mode: str = "float", head_mode: str = "float", q4: dict[str, Q4Weight] | None = None,
-                 dense_rows: int = 16):
+                 dense_rows: int = 16, pack: bool = True):
         """``weights_mode``/``head_mode``: how the layers' projections / the output matrix are
         stored and computed (``WEIGHT_MODES``; the quantised ones need bfloat16 on CPU); ``q4``:
         a GGUF's own 4-bit weights by name, used as they are in int4 mode (others are quantised);
         ``dense_rows``: in the quantised modes, steps of this many rows or more (prefill chunks,
-        batched decodes) use a bfloat16 copy of the same weights, faster there (0: none kept)."""
+        batched decodes) use a bfloat16 copy of the same weights, faster there (0: none kept);
+        ``pack``: False computes the float weights with plain ``F.linear`` (no oneDNN prepacking:
+        chatkv.weight_check's reference)."""
         for what, mode in (("weights", weights_mode), ("head", head_mode)):
             if mode not in WEIGHT_MODES:
                 raise ValueError(f"{what} mode {mode!r} unknown; use one of {', '.join(WEIGHT_MODES)}")
             if mode != "float" and (dtype != torch.bfloat16 or torch.device(device).type != "cpu"):
                 raise ValueError(f"{what} mode {mode} computes in bfloat16 on CPU, not {dtype} on {device}")
         self.weights_mode, self.head_mode = weights_mode, head_mode
-        self.fused_norm = weights_mode != "float"
-        self._norm_weights: dict[int, torch.Tensor] = {}  # id(norm weight) -> it twice (the fused path's)
+        # the quantised modes keep the residual stream in float32 (module docstring: "Precision")
+        self.residual_dtype = torch.float32 if weights_mode != "float" else dtype
+        self._norm_weights: dict[int, torch.Tensor] = {}  # id(norm weight) -> its float32 copy
         q4 = q4 or {}
         self.config = config
         self.dtype = dtype
@@ -184,7 +198,7 @@ class LlamaModel:
                 q8 = quantize_int8(torch.cat([weights[n] for n in names]))
                 dense = Linear(q8.dequantize().to(dtype), bias) if dense_rows else None
                 return Int8Linear(q8, bias, dense, dense_rows)
-            return Linear(torch.cat([w(n) for n in names]), bias)
+            return Linear(torch.cat([w(n) for n in names]), bias, pack)
 
         windows = _layer_windows(config)
         self.layers: list[Layer] = []
@@ -214,7 +228,7 @@ class LlamaModel:
         self.norm = w("norm.weight")
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
         if head_mode == "float":
-            self.lm_head: AnyLinear = Linear(self.embed if tied else w("lm_head.weight"))
+            self.lm_head: AnyLinear = Linear(self.embed if tied else w("lm_head.weight"), pack=pack)
         else:
             # no dense copy: the output matrix computes only the rows whose logits are wanted
             self.lm_head = proj(["embed_tokens.weight" if tied else "lm_head.weight"], None, head_mode, 0)
@@ -243,20 +257,19 @@ class LlamaModel:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
     def _rms(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # as transformers: normalise in fp32, cast back, then scale. One fused op where that is
-        # the same math (fp32), or where transformers is not the oracle (the quantised modes:
-        # torch's kernel normalises and scales in fp32 and rounds once, 4 ops fewer per norm)
+        """RMSNorm of ``x`` scaled by ``weight``, in the compute dtype (the matmuls' input).
+
+        float32 ``x`` (the fp32 model, or the quantised modes' float32 residual stream):
+        normalised and scaled in float32 by torch's kernel, rounded once to the compute dtype.
+        Otherwise as transformers (the oracle of the float modes): normalise in fp32, cast back,
+        then scale."""
         if x.dtype == torch.float32 and weight.dim() == 1:
-            return F.rms_norm(x, (x.shape[-1],), weight, eps=self.eps)
-        if self.fused_norm and weight.dim() == 1:
-            # RMSNorm as one fused LayerNorm over [x, -x]: its mean is 0 and its variance is
-            # mean(x^2), so the first half is x / sqrt(mean(x^2) + eps) * weight, computed in fp32
-            # and rounded once (torch's rms_norm is a chain of 6 ops on CPU, 2x the time here)
-            d = x.shape[-1]
-            w2 = self._norm_weights.get(id(weight))
-            if w2 is None:
-                w2 = self._norm_weights[id(weight)] = torch.stack((weight, weight))
-            return F.layer_norm(torch.stack((x, -x), dim=-2), (2, d), w2, None, self.eps)[..., 0, :]
+            w = weight
+            if w.dtype != torch.float32:
+                w = self._norm_weights.get(id(weight))
+                if w is None:
+                    w = self._norm_weights[id(weight)] = weight.float()
+            return F.rms_norm(x, (x.shape[-1],), w, eps=self.eps).to(self.dtype)
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,7 +343,7 @@ class LlamaModel:
         rows = max(t, self.min_rows)
         if rows > t:
             input_ids = torch.cat((input_ids, input_ids.new_zeros(rows - t)))
-        h = F.embedding(input_ids, self.embed)
+        h = F.embedding(input_ids, self.embed).to(self.residual_dtype)  # the step's own tensor
         cos, sin = self._rope(positions)
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         slot_mapping = metas[self.layers[0].window].slot_mapping
@@ -348,7 +361,7 @@ class LlamaModel:
             o = self.attention(q, k_cache, v_cache, metas[layer.window], self.scale, quant=quant).reshape(t, nh * d)
             if o_pad is not None:
                 o = torch.cat((o, o_pad))
-            h.add_(layer.o(o))  # in place: h is the step's own tensor (the embedding's output), same math
+            h.add_(layer.o(o))  # in place: h is the step's own tensor, same math
             g, u = layer.gate_up(self._rms(h, layer.post_norm)).chunk(2, dim=-1)
             h.add_(layer.down(F.silu(g) * u))
         return self.lm_head(self._rms(h.index_select(0, logits_rows), self.norm)).float()
