@@ -25,6 +25,8 @@ class EngineConfig:
     head_weights: str = "auto"  # the output matrix: auto (= float) | float | int8 | int4
     kv_dtype: str = "auto"  # the KV cache: auto (= the model's dtype) | bf16 | fp16 | fp32 | int8 | fp8 (e4m3, per-token scales)
     quant_dense_rows: int = 16  # int4/int8: steps of this many rows or more use a bf16 copy (faster prefill; 0: 4-bit only, less memory)
+    threads: int | None = None  # compute threads at most; None: torch's (the cores)
+    adaptive_threads: bool = True  # fewer threads while other processes keep cores busy (chatkv.cpu_threads)
     tenant: str = ""  # salt of the prefix-cache namespace: tenants never share KV
     enable_prefix_caching: bool = True
     # conversations longer than the context (chatkv.context_window)
@@ -59,6 +61,8 @@ class EngineConfig:
             raise InvalidRequest(f"host_cache_bytes must be an int >= 0, got {cfg.host_cache_bytes!r}")
         if isinstance(cfg.quant_dense_rows, bool) or not isinstance(cfg.quant_dense_rows, int) or cfg.quant_dense_rows < 0:
             raise InvalidRequest(f"quant_dense_rows must be an int >= 0, got {cfg.quant_dense_rows!r}")
+        if cfg.threads is not None and (isinstance(cfg.threads, bool) or not isinstance(cfg.threads, int) or cfg.threads < 1):
+            raise InvalidRequest(f"threads must be an int >= 1 or None, got {cfg.threads!r}")
         if cfg.kv_dtype not in KV_DTYPES:
             raise InvalidRequest(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {cfg.kv_dtype!r}")
         if cfg.max_batch_tokens < 1:

@@ -26,18 +26,19 @@ from typing import Iterator, Sequence as Seq
 from chatkv import text_tokens
 from chatkv import closing
 from chatkv.config import EngineConfig
+from chatkv.cpu_threads import ThreadGovernor
 from chatkv.storage.models import LOCAL_USER
 from chatkv.detokenize import TextStream
 from chatkv.engine_loop import EngineLoop, RequestStream
 from chatkv.errors import EngineClosed, InvalidRequest, ModelNotFound, StorageError, check_text
 from chatkv.kv_manager import KVManager, RetainedKV
-from chatkv.model import LlamaModel
 from chatkv.model_runner import ModelRunner
 from chatkv.outputs import EngineStats, GenerationResult
 from chatkv.sampling import SamplingParams, make_generator
 from chatkv.scheduler import Scheduler
 from chatkv.sequence import Sequence
 from chatkv.session_manager import SessionManager
+from chatkv.weight_check import load_checked
 from chatkv.weight_modes import choose as choose_weights
 from chatkv.weights import ensure_default_model, load_config, load_tokenizer, model_fingerprint
 
@@ -52,13 +53,14 @@ class Engine:
         c = self.config
         self.weights = choose_weights(c.weights, c.head_weights, c.dtype, c.device, self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.model = LlamaModel.from_pretrained(self.model_dir, dtype=self.weights.dtype, device=c.device,
-                                                weights_mode=self.weights.weights, head_mode=self.weights.head,
-                                                dense_rows=c.quant_dense_rows)
+        base = model_fingerprint(self.model_dir, self.config.data_dir or os.environ.get("CHATKV_HOME"))
+        # a quantised mode proves itself on this CPU first (cached verdict), else falls back
+        self.model, self.weights = load_checked(self.model_dir, self.weights, c, self.tokenizer, base,
+                                                explicit=c.weights != "auto" or c.head_weights != "auto")
         log.info("weights: %s", self.weights.label)
-        self.fingerprint = self.weights.fingerprint(
-            model_fingerprint(self.model_dir, self.config.data_dir or os.environ.get("CHATKV_HOME")))
+        self.fingerprint = self.weights.fingerprint(base)
         self.runner = ModelRunner(self.model, self.config)
+        self.threads = ThreadGovernor(c.threads, enabled=c.adaptive_threads)
         self.kv_dtype = self.runner.kv_format.name  # in the cache namespace and every snapshot header
         self.kv = KVManager(
             self.runner.pool, (self.fingerprint, self.kv_dtype, self.config.tenant), self.config.enable_prefix_caching,
@@ -293,6 +295,7 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan:
             return []
+        self.threads.adjust()  # as many compute threads as there are free cores (chatkv.cpu_threads)
         return self.scheduler.postprocess(plan, self.runner.run(plan))
 
     # -- convenience --------------------------------------------------------

@@ -1,0 +1,123 @@
+"""How many CPU threads a step computes with: the cores that are free now (issue 19).
+
+torch splits each op of a step over its intra-op threads (OpenMP) and waits for the last of
+them. When another process keeps one of two cores busy, the thread that shares that core
+runs only in the time slices the kernel gives it, so every one of a decode step's ~600 small
+ops waits for it: decode fell to 0.23x of its quiet speed with one busy core beside it
+(llama.cpp, which has the same problem, to 0.32x). With as many threads as there are free
+cores, the step runs at the speed of the cores it has.
+
+``ThreadGovernor.adjust()`` is called before each step; at most every ``interval`` seconds it
+reads the CPU time the machine spent (``/proc/stat``) and this process spent
+(``/proc/self/stat``) since its last look. Other processes' load is the difference, the free
+cores are ``allowed - load`` (``allowed``: the affinity mask, at most the configured
+threads), and the thread count follows them: down at once, up after two looks in a row (a
+burst of another process must not make the step oscillate). Reading both files takes ~30 us.
+Where /proc is not there (not Linux), nothing changes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+log = logging.getLogger("chatkv.threads")
+
+_HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def _machine_busy_ticks() -> int | None:
+    """Ticks all CPUs spent not idle since boot (the first line of /proc/stat)."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()[1:]
+    except OSError:
+        return None
+    ticks = [int(x) for x in fields[:8]]
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+    return sum(ticks) - idle
+
+
+def _own_ticks() -> int | None:
+    """Ticks this process (all its threads) spent on a CPU: utime + stime of /proc/self/stat."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) "
+    return int(fields[11]) + int(fields[12])
+
+
+def allowed_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def free_cores(busy_delta: int, own_delta: int, seconds: float, allowed: int) -> float:
+    """Cores not used by other processes over an interval: ``allowed`` less their load."""
+    if seconds <= 0:
+        return float(allowed)
+    others = max(0, busy_delta - own_delta) / (_HZ * seconds)
+    return max(0.0, allowed - others)
+
+
+class ThreadGovernor:
+    """Sets torch's intra-op threads of the stepping thread to the cores free now."""
+
+    def __init__(self, max_threads: int | None = None, interval: float = 0.5, enabled: bool = True):
+        self.allowed = min(allowed_cores(), max_threads or torch.get_num_threads())
+        self.interval = interval
+        self.enabled = enabled and self.allowed > 1 and _machine_busy_ticks() is not None
+        self.threads = self.allowed
+        self._want_up = 0
+        self._last: tuple[float, int, int] | None = None
+        self.changes = 0  # how often the count changed (the app's /stats, tests)
+        self._pinned = max_threads is not None  # a count asked for: applied on the stepping thread
+
+    def _apply(self, n: int) -> None:
+        if torch.get_num_threads() != n:  # per thread (OpenMP): set on the thread that steps
+            log.debug("compute threads %d -> %d", torch.get_num_threads(), n)
+            torch.set_num_threads(n)
+        self.threads = n
+
+    def decide(self, free: float) -> int:
+        """The next thread count for ``free`` cores: down at once, up after two looks."""
+        target = min(self.allowed, max(1, int(free + 0.25)))  # a core 75% free counts
+        if target < self.threads:
+            self._want_up = 0
+            return target
+        if target > self.threads:
+            self._want_up += 1
+            if self._want_up >= 2:
+                self._want_up = 0
+                return target
+            return self.threads
+        self._want_up = 0
+        return self.threads
+
+    def adjust(self) -> int:
+        """Look at the load if ``interval`` has passed; set the threads if they should change."""
+        if not self.enabled:
+            if self._pinned:
+                self._apply(self.threads)
+            return self.threads
+        now = time.monotonic()
+        if self._last is not None and now - self._last[0] < self.interval:
+            return self.threads
+        busy, own = _machine_busy_ticks(), _own_ticks()
+        if busy is None or own is None:
+            return self.threads
+        if self._last is not None:
+            t0, busy0, own0 = self._last
+            # the step's own threads count as ours; a core we leave idle counts as free
+            target = self.decide(free_cores(busy - busy0, own - own0, now - t0, self.allowed))
+            self.changes += target != self.threads
+            self._apply(target)
+        self._last = (now, busy, own)
+        return self.threads
