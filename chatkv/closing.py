@@ -141,17 +141,22 @@ def _grace(engine: "Engine", timeout: float | None) -> bool:
     return True
 
 
-def _cut(engine: "Engine") -> None:
-    """End every request left, each with an EngineClosed its caller receives; refuse new ones."""
-    loop, gate = engine._loop, engine._gate
+def end_requests(engine: "Engine") -> None:
+    """End every request in the scheduler, each with an EngineClosed its caller receives
+    (where the engine's state lives: the loop thread, or holding the loop's lock). Also run
+    by a step that finds the grace period over (``Engine.step``): a thread stepping without
+    the loop ends them itself instead of waiting for close() to get the lock."""
+    for seq in engine.scheduler.sequences():
+        engine.scheduler.abort(seq)
+        seq.error = EngineClosed("the engine was closed before this request finished; what it produced is kept",
+                                 reply=seq.result())
+    engine._loop._publish()
 
-    def cut() -> None:
-        gate.cut = True  # (set again here: an admission the loop ran before this is cut below)
-        for seq in engine.scheduler.sequences():
-            engine.scheduler.abort(seq)
-            seq.error = EngineClosed("the engine was closed before this request finished; what it produced is kept",
-                                     reply=seq.result())
-        loop._publish()
+
+def _cut(engine: "Engine") -> None:
+    """End every request left; from now on none is admitted."""
+    loop, gate = engine._loop, engine._gate
+    cut = lambda: end_requests(engine)  # noqa: E731
 
     gate.cut = True
     if loop.running:

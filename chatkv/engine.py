@@ -292,6 +292,9 @@ class Engine:
         return self._step()
 
     def _step(self) -> list[Sequence]:
+        if self._gate.cut and self.scheduler.has_work():  # close()'s grace period is over
+            closing.end_requests(self)
+            return []
         plan = self.scheduler.schedule()
         if not plan:
             return []
