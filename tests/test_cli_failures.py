@@ -256,3 +256,31 @@ def _rows(home: Path):
         return messages(home)
     except sqlite3.Error:
         return []
+
+
+# ------------------------------------------------------------------ chatkv ingest / kb
+
+
+def kb_cmd(*args, home: Path, stdout=subprocess.PIPE):
+    return subprocess.run([sys.executable, "-m", "chatkv.tui.cli", *args], stdin=subprocess.DEVNULL, stdout=stdout,
+                          stderr=subprocess.PIPE, env=_env(home), timeout=TIMEOUT)
+
+
+def test_ingest_and_kb_output_and_data_directory_failures_are_one_line(tmp_path):
+    doc = tmp_path / "kettle.md"
+    doc.write_text("# Kettle\n\nThe kettle boils water in ninety seconds.\n")
+    a_file = tmp_path / "passwd"
+    a_file.write_text("x\n")
+    p = kb_cmd("ingest", str(doc), "--kb", "t", "--data-dir", str(a_file), home=tmp_path / "home")
+    assert p.returncode == 2 and "not a directory" in one_error_line(p.stderr)
+    assert kb_cmd("ingest", str(doc), "--kb", "t", home=tmp_path / "home").returncode == 0
+    with open("/dev/full", "wb") as full:
+        p = kb_cmd("kb", "list", home=tmp_path / "home", stdout=full)
+    assert p.returncode == 2 and "No space left on device" in one_error_line(p.stderr)
+    r, w = os.pipe()
+    os.close(r)  # the reader left before the first byte
+    try:
+        p = kb_cmd("kb", "info", "t", home=tmp_path / "home", stdout=w)
+    finally:
+        os.close(w)
+    assert p.returncode == 0 and b"Traceback" not in p.stderr and p.stderr == b"", p.stderr.decode()

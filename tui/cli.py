@@ -27,15 +27,14 @@ opens its new conversation at the first message, so input that ends before one
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 
-from chatkv import ChatKVError, InvalidRequest, StorageError
+from chatkv import ChatKVError, InvalidRequest
 from chatkv.config import HEADS, KV_DTYPES, OVERFLOW_POLICIES, WEIGHTS
 from chatkv.engine import Engine
 from chatkv.outputs import GenerationResult, Reply
 from chatkv.sampling import SamplingParams
+from chatkv.tui.failures import Stdout, check_data_dir, error, note
 from chatkv.tui.text import SafeStream, safe_text
 
 LATEST = "latest"  # --resume without an id
@@ -89,55 +88,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _error(message: object) -> None:
-    """One error line on stderr; the message may echo user input, so it is made safe first."""
-    try:
-        print(f"chatkv: {safe_text(str(message), oneline=True)}", file=sys.stderr, flush=True)
-    except (OSError, ValueError, AttributeError):  # stderr closed or failing: nowhere left to say it
-        pass
+    error(message)
 
 
 def _note(text: str) -> None:
-    """A line for the person on stderr (never a reply); a stderr that cannot be written is ignored."""
-    try:
-        print(text, file=sys.stderr, flush=True)
-    except (OSError, ValueError, AttributeError):
-        pass
-
-
-class _Stdout:
-    """Replies on stdout, which may fail: its reader left (BrokenPipeError) or the device is full
-    (OSError). The first failure is kept in ``failed`` and stdout is pointed at /dev/null, so
-    nothing more (not even the interpreter's last flush) raises; later writes are dropped."""
-
-    def __init__(self):
-        self.failed: OSError | None = None
-
-    def write(self, text: str, end: str = "") -> None:
-        if self.failed is not None or sys.stdout is None:
-            return
-        try:
-            print(text, end=end, flush=True)
-        except OSError as e:
-            self.failed = e
-            try:
-                devnull = os.open(os.devnull, os.O_WRONLY)
-                os.dup2(devnull, sys.stdout.fileno())
-                os.close(devnull)
-            except (OSError, ValueError):
-                pass
-
-    def status(self, stored: str = "") -> int:
-        """The exit status after a failure (0: none, or a reader that left), one line for the rest."""
-        if self.failed is None or isinstance(self.failed, BrokenPipeError):
-            return 0
-        _error(f"cannot write to standard output: {self.failed.strerror or self.failed}{stored}; "
-               f"send it to a file or a terminal that can be written")
-        return 2
+    note(text)
 
 
 def _one_shot(engine: Engine, messages: list[dict], params: SamplingParams, show_stats: bool) -> int:
     result = None
-    out, stdout = SafeStream(), _Stdout()
+    out, stdout = SafeStream(), Stdout()
     stream = engine.stream(engine.encode_chat(messages), params)
     for piece in stream:
         if isinstance(piece, GenerationResult):
@@ -185,7 +145,7 @@ def _chat(session, params: SamplingParams, show_stats: bool, script: list[str] |
     """Chat on stdin, or answer the messages of ``script`` and return. ``session`` None: a new
     conversation, opened by ``open_session()`` at the first message (so input that ends before
     one stores nothing). A stdout that fails mid-reply: the reply is still received and stored,
-    then the chat ends (``_Stdout``)."""
+    then the chat ends (``chatkv.tui.failures.Stdout``)."""
     if script is None:
         weights = weights if weights is not None else getattr(getattr(getattr(session, "_m", None), "engine", None),
                                                                "weights", None)
@@ -193,7 +153,7 @@ def _chat(session, params: SamplingParams, show_stats: bool, script: list[str] |
         which = f"conversation {session.id}. " if session is not None else ""
         _note(f"chatkv: {which}Type a message; /exit or Ctrl-D to leave.{how}")
     lines = iter(script) if script is not None else None
-    stdout = _Stdout()
+    stdout = Stdout()
     while True:
         try:
             line = _read_line() if lines is None else next(lines, None)
@@ -267,24 +227,6 @@ def _is_terminal() -> bool:
         return False
 
 
-def _check_data_dir(explicit: str | None) -> None:
-    """StorageError, before any model loads, when the data directory cannot be created or written."""
-    from chatkv.storage.paths import data_dir
-
-    given = explicit if explicit is not None else os.environ.get("CHATKV_HOME")
-    fix = "give --data-dir (or CHATKV_HOME) a directory chatkv can create and write"
-    if given and os.path.exists(given) and not os.path.isdir(given):
-        raise StorageError(f"the data directory '{given}' is a file, not a directory; {fix}")
-    try:
-        path = data_dir(explicit)
-        fd, probe = tempfile.mkstemp(dir=path, prefix=".chatkv-probe-")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        where = given or "the default data directory"
-        raise StorageError(f"cannot use '{where}' as the data directory: {e.strerror or e}; {fix}") from e
-
-
 def _open_app(args: argparse.Namespace, sampling: dict) -> int:
     from chatkv.tui.app import run_app  # imported only here: line mode and one-shot never load Textual
 
@@ -343,12 +285,12 @@ def main(argv: list[str] | None = None) -> int:
         given = {k: getattr(args, k) for k in SAMPLING if getattr(args, k) is not None}
         params = SamplingParams(**{**DEFAULTS, **given})
         params.validate()
-        _check_data_dir(args.data_dir)
+        check_data_dir(args.data_dir)
         if args.prompt is None and not args.list and not args.plain and _is_terminal():
             return _open_app(args, given)
         engine = Engine.from_pretrained(args.model, dtype=args.dtype, data_dir=args.data_dir, **_engine_options(args))
         if args.list:
-            stdout = _Stdout()
+            stdout = Stdout()
             for c in engine.sessions():
                 stdout.write(f"{c.id}  {c.updated_at:%Y-%m-%d %H:%M}  {safe_text(c.title, oneline=True)}", end="\n")
             return stdout.status()

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from chatkv.retrieval import KnowledgeBase
+from chatkv.tui.failures import Stdout, check_data_dir, note
 from chatkv.tui.text import safe_text
 
 
@@ -47,45 +48,62 @@ def parser() -> argparse.ArgumentParser:
 
 
 def run(argv: list[str]) -> int:
-    """Run ``ingest`` / ``kb`` (errors propagate as ChatKVError to the caller)."""
+    """Run ``ingest`` / ``kb`` (errors propagate as ChatKVError to the caller). Output that
+    cannot be written ends the command as ``chatkv.tui.failures.Stdout`` says."""
     args = parser().parse_args(argv)
+    check_data_dir(args.data_dir)
+    out = Stdout()
+    code = _run(args, out.write)
+    return out.status() or code
+
+
+def _run(args, say) -> int:
     if args.command == "ingest":
         kb = KnowledgeBase.open(args.kb, data_dir=args.data_dir)
         try:
-            report = kb.add(args.paths, include=args.include, exclude=args.exclude, progress=sys.stderr.isatty(),
+            report = kb.add(args.paths, include=args.include, exclude=args.exclude, progress=_stderr_is_terminal(),
                             follow_symlinks=args.follow_symlinks)
         finally:
             kb.close()
         for f in report.skipped:
-            print(safe_text(f"skipped {f.source}: {f.reason}", oneline=True), file=sys.stderr)
+            note(safe_text(f"skipped {f.source}: {f.reason}", oneline=True))
         t = report.seconds
-        print(
-            f"{args.kb}: {len(report.added)} added, {len(report.updated)} updated, {len(report.unchanged)} unchanged, "
-            f"{len(report.skipped)} skipped; {report.chunks} chunks "
-            f"(parse {t.get('parse', 0):.1f} s, embed {t.get('embed', 0):.1f} s, index {t.get('index', 0):.1f} s)"
+        say(
+            f"{safe_text(args.kb, oneline=True)}: {len(report.added)} added, {len(report.updated)} updated, "
+            f"{len(report.unchanged)} unchanged, {len(report.skipped)} skipped; {report.chunks} chunks "
+            f"(parse {t.get('parse', 0):.1f} s, embed {t.get('embed', 0):.1f} s, index {t.get('index', 0):.1f} s)",
+            end="\n",
         )
         return 1 if report.skipped and not (report.added or report.updated or report.unchanged) else 0
     if args.action == "list":
         for name in KnowledgeBase.names(data_dir=args.data_dir):
-            print(safe_text(name, oneline=True))
+            say(safe_text(name, oneline=True), end="\n")
         return 0
     kb = KnowledgeBase.open(args.name, data_dir=args.data_dir, create=False)  # info/search/remove never create one
     try:
         if args.action == "info":
             st = kb.stats()
-            print(", ".join(f"{k} {v}" for k, v in st.items()))
+            say(", ".join(f"{k} {v}" for k, v in st.items()), end="\n")
             for d in kb.documents():
-                print(safe_text(f"  {d.source}  ({d.kind}, {d.chunks} chunks)", oneline=True))
+                say(safe_text(f"  {d.source}  ({d.kind}, {d.chunks} chunks)", oneline=True), end="\n")
         elif args.action == "search":
             for i, h in enumerate(kb.search(args.query, k=args.k, mode=args.mode), 1):
                 where = f" - {h.heading}" if h.heading else ""
-                print(safe_text(f"[{i}] {h.score:.3f}  {Path(h.source).name}{where}  ({h.start}-{h.end})", oneline=True))
-                print("    " + safe_text(" ".join(h.text.split()), oneline=True)[:200])
+                say(safe_text(f"[{i}] {h.score:.3f}  {Path(h.source).name}{where}  ({h.start}-{h.end})", oneline=True),
+                    end="\n")
+                say("    " + safe_text(" ".join(h.text.split()), oneline=True)[:200], end="\n")
         elif args.action == "remove":
             if not (kb.remove(args.source) or kb.remove(str(Path(args.source).resolve()))):
-                print(safe_text(f"chatkv: '{args.source}' is not in knowledge base '{args.name}'", oneline=True), file=sys.stderr)
+                note(safe_text(f"chatkv: '{args.source}' is not in knowledge base '{args.name}'", oneline=True))
                 return 1
-            print(safe_text(f"removed {args.source}", oneline=True))
+            say(safe_text(f"removed {args.source}", oneline=True), end="\n")
     finally:
         kb.close()
     return 0
+
+
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr is not None and sys.stderr.isatty()
+    except (AttributeError, ValueError):
+        return False
