@@ -13,8 +13,11 @@ Q4_1 weights, ``h8``/``h4`` = the output matrix in int8/int4 too):
 - TTFT of a 1k-token prompt (prefill and the first token; no cached prefix).
 - peak resident memory (VmHWM) of a process that loads the mode and decodes, with a KV pool of
   2,048 tokens and no host tier, as llama.cpp's context of 2,048 (a child process each).
+- ``--busy N``: batch-1 decode again with N processes spinning a pure-Python loop beside it
+  (one busy core each), chatkv and llama.cpp in the same run; each one's slowdown against its
+  own quiet rate, and chatkv vs llama.cpp under that load.
 
-    .venv/bin/python benchmarks/bench_decode.py [--modes bf16,int8,int4,int4/h8] [--tokens 128] [--repeats 3]
+    .venv/bin/python benchmarks/bench_decode.py [--modes bf16,int8,int4,int4/h8] [--tokens 128] [--repeats 3] [--busy 1]
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import CHAT, OtherLoad, common_prefix, goal, hf_generate, load_average, load_hf, load_llama_cpp, median, parser, print_table, setup
+from common import CHAT, BusyLoad, OtherLoad, common_prefix, cpu_line, goal, hf_generate, load_average, load_hf, load_llama_cpp, median, parser, print_table, setup
 
 GOAL_HF, GOAL_LLAMA = 3.0, 1.0
 PROMPTS = ["Explain in a few paragraphs why the sky is blue.", "Write a short story about a lighthouse keeper.",
@@ -167,6 +170,7 @@ def main() -> None:
     p.add_argument("--prefill-tokens", type=int, default=1024)
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
+    p.add_argument("--busy", type=int, default=0, help="also decode beside N busy processes (one core each)")
     p.add_argument("--child", default=None, help=argparse_hidden())
     args = p.parse_args()
     if args.child:
@@ -206,6 +210,15 @@ def main() -> None:
             r, toks["llama.cpp"] = llama_decode(llm, ids, n)
             lc.append(r)
             lc_ttft.append(llama_ttft(llm, longp))
+    busy_rate: dict[str, list[float]] = {m: [] for m in modes}
+    busy_lc: list[float] = []
+    if args.busy:
+        with BusyLoad(args.busy):
+            for _ in range(args.repeats):
+                for m, e in engines.items():
+                    busy_rate[m].append(chatkv_decode(e, ids, n)[0])
+                if llm is not None:
+                    busy_lc.append(llama_decode(llm, ids, n)[0])
     mem = {} if args.no_memory else {m: peak_rss(m, args) for m in modes + (["llama.cpp"] if llm is not None else [])}
 
     hf_rate, hf_b = median(ref), median(ref_b)
@@ -221,7 +234,8 @@ def main() -> None:
         rows_b.append([m, f"{rb:.1f}", f"{rb / hf_b:.2f}x"])
         t = median(ttft[m])
         rows_t.append([m, f"{t * 1000:.0f}", f"{t / median(lc_ttft):.2f}x" if lc_ttft else "-"])
-    print(f"\n{len(ids)}-token chat prompt, {n} greedy tokens (EOS ignored), threads={args.threads}, "
+    print(f"\n{cpu_line()}")
+    print(f"{len(ids)}-token chat prompt, {n} greedy tokens (EOS ignored), threads={args.threads}, "
           f"median of {args.repeats}, load average {load_average()}, {other}")
     print(f"transformers bf16: {hf_rate:.1f} tok/s batch 1, {hf_b:.1f} batch 8" + (
         f"; llama.cpp (GGUF Q4_1): {lc_rate:.1f} tok/s batch 1, memory peak / after {mem.get('llama.cpp', '-')} MiB" if lc_rate else
@@ -232,6 +246,18 @@ def main() -> None:
     print_table(f"batch-8 decode, aggregate tokens/s ({n // 2} tokens each)", ["weights", "chatkv tok/s", "vs transformers bf16"], rows_b)
     print_table(f"TTFT of a {len(longp)}-token prompt, ms" + (f" (llama.cpp {median(lc_ttft) * 1000:.0f} ms)" if lc_ttft else ""),
                 ["weights", "chatkv ms", "vs llama.cpp"], rows_t)
+    if args.busy:
+        lc_busy = median(busy_lc) if busy_lc else None
+        rows_busy = []
+        for m in modes:
+            quiet, loud = median(rate[m]), median(busy_rate[m])
+            row = [m, f"{quiet:.1f}", f"{loud:.1f}", f"{loud / quiet:.2f}x", goal(loud / quiet, 0.45)]
+            row += [f"{loud / lc_busy:.2f}x", goal(loud / lc_busy, 1.0)] if lc_busy else ["-", ""]
+            rows_busy.append(row)
+        if lc_busy:
+            rows_busy.append(["llama.cpp", f"{lc_rate:.1f}", f"{lc_busy:.1f}", f"{lc_busy / lc_rate:.2f}x", "", "", ""])
+        print_table(f"batch-1 decode beside {args.busy} busy process(es), tokens/s (median of {args.repeats})",
+                    ["weights", "quiet", "busy", "busy / quiet", "goal", "vs llama.cpp busy", "goal"], rows_busy)
 
 
 def argparse_hidden():

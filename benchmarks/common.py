@@ -126,6 +126,43 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+def cpu_line() -> str:
+    """The CPU model, its ISA flags that matter to the kernels, the cores, and torch's ISA level."""
+    from chatkv.weight_check import cpu_model
+
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_int8") if f in flags]
+    return (f"CPU: {cpu_model()} ({os.cpu_count()} cores; {' '.join(isa) or 'no AVX-512'}; "
+            f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()})")
+
+
+class BusyLoad:
+    """``n`` processes each spinning a pure-Python loop (one busy core each) while the block runs."""
+
+    def __init__(self, n: int):
+        self.n, self.procs = n, []
+
+    def __enter__(self):
+        import subprocess
+
+        code = "import time\nend = time.time() + 3600\nwhile time.time() < end: pass"
+        self.procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(self.n)]
+        time.sleep(1.0 if self.n else 0)  # let them take their cores
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
 def load_average() -> str:
     try:
         return " ".join(f"{x:.2f}" for x in os.getloadavg())
