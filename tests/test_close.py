@@ -295,16 +295,20 @@ def restoring() -> bool:
     return False
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode,caller", [("started", "thread"), ("not_started", "thread"), ("started", "asyncio")])
 @pytest.mark.parametrize("grace", ["cut", "finishes"])
-def test_close_mid_restore(model_dir, tmp_path, mode, grace):
+def test_close_mid_restore(model_dir, tmp_path, mode, caller, grace):
     """A turn restoring its history from disk when close() comes: cut, it is refused with
     nothing stored and the snapshot intact; with time to spare it restores and finishes."""
     conv, kv = saved_conversation(model_dir, tmp_path)
     eng = engine_at(model_dir, tmp_path, mode)
     s = eng.resume(conv)
+    question = "And why is the fox quick?"
     with snapshot_dir_locked(tmp_path):
-        sender = Worker(lambda: s.send("And why is the fox quick?", SHORT))
+        if caller == "asyncio":  # an asyncio task on an event loop of its own
+            sender = Worker(lambda: asyncio.run(asyncio.wait_for(s.asend(question, SHORT), BOUND)))
+        else:
+            sender = Worker(lambda: s.send(question, SHORT))
         sender.start()
         until(restoring, "the turn to be restoring")
         closer = close_in_thread(eng, 0 if grace == "cut" else BOUND)
@@ -315,7 +319,7 @@ def test_close_mid_restore(model_dir, tmp_path, mode, grace):
     if grace == "cut":
         assert isinstance(out, EngineClosed) and out.reply is None, out
         assert len(msgs) == 4  # nothing of the refused turn
-        r = s2.send("And why is the fox quick?", SHORT)
+        r = s2.send(question, SHORT)
         assert r.usage.restored_tokens == kv  # the snapshot is whole: it all comes back
     else:
         assert not isinstance(out, BaseException), out
