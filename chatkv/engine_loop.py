@@ -146,7 +146,7 @@ class RequestStream:
                     else:
                         piece = None
                 if piece is None:  # no loop thread: this one steps
-                    self._loop.step_here()
+                    self._step_here()
                     continue
                 yield piece
         finally:
@@ -186,13 +186,21 @@ class RequestStream:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             while not self._loop.running and not self._done:
-                self._loop.step_here()
+                self._step_here()
             with self._cv:
                 left = None if deadline is None else deadline - time.monotonic()
                 if self._done or (left is not None and left <= 0):
                     return self._done
                 # woken by the push; the timeout only re-checks that the loop still runs
                 self._cv.wait(1.0 if left is None else min(1.0, left))
+
+    def _step_here(self) -> None:
+        try:
+            self._loop.step_here()
+        except EngineClosed:
+            with self._cv:
+                if not self._done:  # (close() publishes every request's end before it is closed)
+                    raise
 
     def result(self):
         """Wait for the request to finish; its GenerationResult (raises the request's own error)."""
@@ -322,10 +330,8 @@ class EngineLoop:
     def step_here(self) -> None:
         """One step on the caller's thread (the loop is not started)."""
         with self.lock:
-            if self.closed:  # close() ended every request (and published them)
-                if self.engine.has_work():
-                    raise EngineClosed()
-                return
+            if self.closed:
+                raise EngineClosed()
             if self.engine.has_work():
                 self.engine.step()
             self._publish()
