@@ -34,6 +34,7 @@ import copy
 from chatkv import context_window as cw
 from chatkv import rag as rag_context
 from chatkv import session_leases as leased
+from chatkv import text_tokens
 from chatkv.config import OVERFLOW_POLICIES
 from chatkv.errors import EngineClosed, InvalidRequest, OutOfBlocks, SessionError, check_text
 from chatkv.kv_manager import RetainedKV
@@ -238,7 +239,9 @@ class SessionManager:
         self.snapshots.delete(s.id)
 
     def _text_ids(self, text: str) -> list[int]:
-        return list(self.engine.tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
+        # not the tokenizer's split_special_tokens=True: transformers flips a flag on the shared
+        # backend per call, a race with every other thread tokenising (chatkv.text_tokens)
+        return text_tokens.encode_text(self.engine.tokenizer, text)
 
     def _delta_from(self, tokens: list[int], system: str | None, content: str) -> list[int]:
         if tokens:
