@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 __all__ = ["GROUP", "Q4Weight", "Q8Weight", "Int4Linear", "Int8Linear", "quantize_int4", "quantize_int8",
-           "from_gguf_blocks", "int4_supported", "int8_supported"]
+           "from_gguf_blocks", "dequantize_gguf_blocks", "kquant_scale_min", "int4_supported", "int8_supported"]
 
 GROUP = 32  # inputs per int4 group: GGUF's block size and the kernel's group size
 
@@ -72,30 +72,143 @@ class Q8Weight:
 # --------------------------------------------------------------------------- from GGUF blocks
 
 
+QK_K = 256  # weights per K-quant super-block
+
+
+def _f16(b: np.ndarray) -> torch.Tensor:
+    """float32 of the little-endian f16 held in the last axis (2 bytes) of ``b``."""
+    return torch.from_numpy(np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32))
+
+
+def _blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """``raw`` as ``[N, blocks per row, bytes per block]`` uint8, checked against ``shape``."""
+    n, k = shape
+    size = _BLOCK.get(kind)
+    if size is None:
+        raise ValueError(f"GGUF type {kind} is not mapped ({', '.join(_BLOCK)} are)")
+    per, nbytes = size
+    if k % per:
+        raise ValueError(f"a {kind} tensor of {k} columns is not whole blocks of {per}")
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    if raw.size != n * (k // per) * nbytes:
+        raise ValueError(f"{raw.size} bytes are not a {kind} tensor of shape {shape}")
+    return raw.reshape(n, k // per, nbytes)
+
+
+#: GGUF type -> (weights per block, bytes per block), as ggml's block structs
+_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24),
+          "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210)}
+
+
+def kquant_scale_min(packed: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8 six-bit scales and 8 six-bit minimums of a Q4_K/Q5_K super-block, from its 12
+    packed bytes ``packed[..., 12]`` (ggml's get_scale_min_k4): sub-block j < 4 has scale
+    ``b[j] & 63`` and minimum ``b[j + 4] & 63``; j >= 4 takes its low 4 bits from byte j + 4
+    (scale: low nibble, minimum: high nibble) and its top 2 bits from the top 2 bits of byte
+    j - 4 (scale) or byte j (minimum). Returns two uint8 tensors ``[..., 8]``."""
+    b = torch.from_numpy(np.ascontiguousarray(packed, dtype=np.uint8))
+    lo, mid, hi = b[..., 0:4], b[..., 4:8], b[..., 8:12]
+    sc = torch.cat((lo & 63, (hi & 0x0F) | ((lo >> 6) << 4)), dim=-1)
+    mn = torch.cat((mid & 63, (hi >> 4) | ((mid >> 6) << 4)), dim=-1)
+    return sc, mn
+
+
+def _nibbles_32(qs: torch.Tensor) -> torch.Tensor:
+    """K-quant low nibbles: each 32 bytes hold two sub-blocks of 32, the first in the low nibbles
+    and the second in the high ones. ``qs[..., 32 * c]`` -> codes ``[..., 64 * c]``."""
+    q = qs.unflatten(-1, (-1, 1, 32))
+    return torch.cat((q & 0x0F, q >> 4), dim=-2).flatten(-3)
+
+
+def _q5_high_bits(qh: np.ndarray) -> torch.Tensor:
+    """Q5_0/Q5_1: bit j of the block's little-endian uint32 is weight j's fifth bit -> [..., 32] uint8."""
+    bits = np.unpackbits(np.ascontiguousarray(qh, dtype=np.uint8), axis=-1, bitorder="little")
+    return torch.from_numpy(bits)
+
+
 def from_gguf_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Q4Weight | Q8Weight:
-    """The stored numbers of a GGUF tensor of type ``kind`` (Q4_0, Q4_1, Q8_0), from its raw
+    """The stored numbers of a GGUF tensor of type ``kind`` (Q4_0, Q4_1, Q4_K, Q8_0), from its raw
     bytes ``raw`` (``[N, bytes per row]`` uint8, as ``gguf.GGUFReader`` gives them), ``shape``
     = (N, K). Layouts (ggml): Q4_0 block = f16 d, 16 bytes of nibbles (element j in the low
     nibble of byte j, element j + 16 in the high one), w = (q - 8) * d; Q4_1 = f16 d, f16 m,
-    the same nibbles, w = q * d + m; Q8_0 = f16 d, 32 int8, w = q * d."""
+    the same nibbles, w = q * d + m; Q8_0 = f16 d, 32 int8, w = q * d.
+
+    Q4_K (super-block of 256 = f16 d, f16 dmin, 12 bytes of 6-bit scales and minimums, 128
+    bytes of nibbles) is ``w = (d * sc) * q - (dmin * m)`` per sub-block of 32: exactly a
+    ``Q4Weight`` group with ``scale = d * sc`` and ``minimum = -(dmin * m)`` (float32 products of
+    an f16 and a 6-bit integer, negation exact), so its 4-bit codes are kept as they are."""
     n, k = shape
-    if k % GROUP:
-        raise ValueError(f"a {kind} tensor of {k} columns is not whole blocks of {GROUP}")
-    head = {"Q4_0": 2, "Q4_1": 4, "Q8_0": 2}.get(kind)
-    if head is None:
-        raise ValueError(f"GGUF type {kind} is not mapped (Q4_0, Q4_1, Q8_0 are)")
-    per = head + (GROUP if kind == "Q8_0" else GROUP // 2)
-    blocks = np.ascontiguousarray(raw).reshape(n, k // GROUP, per)
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if kind not in ("Q4_0", "Q4_1", "Q8_0", "Q4_K"):
+        raise ValueError(f"GGUF type {kind} has no exact 4- or 8-bit form (Q4_0, Q4_1, Q4_K, Q8_0 have)")
+    blocks = _blocks(kind, raw, shape)
+    d = _f16(blocks[..., 0:2])
+    if kind == "Q4_K":
+        dmin = _f16(blocks[..., 2:4])
+        sc, mn = kquant_scale_min(blocks[..., 4:16])  # [N, K/256, 8]
+        codes = _nibbles_32(torch.from_numpy(blocks[..., 16:].copy())).reshape(n, k)
+        scale = (d[..., None] * sc.float()).reshape(n, k // GROUP)
+        minimum = -(dmin[..., None] * mn.float()).reshape(n, k // GROUP)
+        return Q4Weight(codes.contiguous(), scale, minimum)
+    head = 4 if kind == "Q4_1" else 2
     if kind == "Q8_0":
         codes = torch.from_numpy(blocks[..., head:].copy().view(np.int8).reshape(n, k))
         return Q8Weight(codes, d)
     nib = torch.from_numpy(blocks[..., head:].copy())  # [N, K/32, 16]
     codes = torch.cat((nib & 0x0F, nib >> 4), dim=-1).reshape(n, k)
     if kind == "Q4_1":
-        m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
+        m = _f16(blocks[..., 2:4])
         return Q4Weight(codes.contiguous(), d, m)
     return Q4Weight(codes.contiguous(), d, d * -8.0, centred=True)  # -8d: exact, a power of two
+
+
+def dequantize_gguf_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
+    """float32 ``[N, K]`` of a GGUF tensor of a mapped type, computed as ggml's dequantize_row_*
+    (and gguf-py's reference) does, each product rounded in float32, so bit for bit the same.
+
+    Besides ``from_gguf_blocks``' types, the 5- and 6-bit ones (ggml layouts):
+    - Q5_0: f16 d, 4 bytes of fifth bits (bit j of a little-endian uint32 is weight j's), 16
+      bytes of nibbles as Q4_0's; ``w = d * (q - 16)``. Q5_1: f16 d, f16 m, then the same;
+      ``w = d * q + m``.
+    - Q5_K: f16 d, f16 dmin, 12 bytes of scales/minimums (as Q4_K), 32 bytes of fifth bits
+      (sub-block i's weight l has bit i of byte l), 128 bytes of nibbles (as Q4_K);
+      ``w = (d * sc) * q - (dmin * m)``.
+    - Q6_K: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales (one per 16
+      weights), f16 d. In each half of 128 weights (64 low bytes ``ql``, 32 high bytes ``qh``),
+      weight ``32 * i + l`` (i = 0..3, l = 0..31) has low bits ``ql[l + 32 * (i % 2)]`` (low
+      nibble for i < 2, high nibble otherwise) and high bits ``(qh[l] >> 2 * i) & 3``;
+      ``w = (d * sc) * (q - 32)``.
+    """
+    n, k = shape
+    if kind in ("Q4_0", "Q4_1", "Q8_0", "Q4_K"):
+        return from_gguf_blocks(kind, raw, shape).dequantize()
+    blocks = _blocks(kind, raw, shape)
+    if kind in ("Q5_0", "Q5_1"):
+        head = 2 if kind == "Q5_0" else 4
+        d = _f16(blocks[..., 0:2])[..., None]
+        high = _q5_high_bits(blocks[..., head : head + 4])  # [N, K/32, 32]
+        nib = torch.from_numpy(blocks[..., head + 4 :].copy())
+        q = torch.cat((nib & 0x0F, nib >> 4), dim=-1) | (high << 4)
+        if kind == "Q5_0":
+            return (d * (q.float() - 16)).reshape(n, k)
+        return (d * q.float() + _f16(blocks[..., 2:4])[..., None]).reshape(n, k)
+    if kind == "Q5_K":
+        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+        sc, mn = kquant_scale_min(blocks[..., 4:16])
+        qh = torch.from_numpy(blocks[..., 16:48].copy())  # [N, S, 32]
+        low = _nibbles_32(torch.from_numpy(blocks[..., 48:].copy())).unflatten(-1, (8, 32))
+        high = (qh[..., None, :] >> torch.arange(8, dtype=torch.uint8)[:, None]) & 1  # [N, S, 8, 32]
+        q = (low | (high << 4)).float()
+        scale, minimum = d[..., None] * sc.float(), dmin[..., None] * mn.float()
+        return (scale[..., None] * q - minimum[..., None]).reshape(n, k)
+    # Q6_K
+    ql = torch.from_numpy(blocks[..., 0:128].copy()).unflatten(-1, (2, 2, 32))  # [N, S, half, i % 2, l]
+    qh = torch.from_numpy(blocks[..., 128:192].copy()).unflatten(-1, (2, 1, 32))  # [N, S, half, 1, l]
+    sc = torch.from_numpy(blocks[..., 192:208].copy().view(np.int8)).float()  # [N, S, 16]
+    d = _f16(blocks[..., 208:210])
+    low = torch.cat((ql & 0x0F, ql >> 4), dim=-2)  # i = 0..3 along dim -2
+    high = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]) & 3
+    q = ((low | (high << 4)).to(torch.int8) - 32).float().reshape(n, k // QK_K, 16, 16)
+    return ((d[..., None] * sc)[..., None] * q).reshape(n, k)
 
 
 # --------------------------------------------------------------------------- from float weights
