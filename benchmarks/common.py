@@ -172,12 +172,10 @@ def load_average() -> str:
 
 def _busy_cpu_seconds() -> float | None:
     """CPU seconds the whole machine spent busy since boot (Linux /proc/stat), or None."""
-    try:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    except (OSError, ValueError):
-        return None
-    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
-    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+    from chatkv.cpu_threads import _HZ, _machine_busy_ticks
+
+    ticks = _machine_busy_ticks()
+    return None if ticks is None else ticks / _HZ
 
 
 class OtherLoad:
