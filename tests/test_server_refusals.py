@@ -185,3 +185,20 @@ def test_chatkv_serve_answers_then_shuts_down_gracefully(tmp_path_factory):
         assert reply.usage.restored_tokens > 0  # the KV the server wrote to disk
     finally:
         eng.close()
+
+
+def test_an_engine_closed_under_the_server_answers_503_shutting_down(tmp_path_factory):
+    """EngineClosed (chatkv.closing) reaching a route is the server stopping: 503 ``shutting_down``,
+    not a 500 internal error."""
+    eng = Engine.from_pretrained(str(tiny_model(tmp_path_factory)), data_dir=str(tmp_path_factory.mktemp("data")),
+                                 block_size=4, num_blocks=256, dtype="float32")
+    run = Running(create_app(eng, model_name=MODEL))
+    try:
+        assert raw(run.url, "/v1/chat/completions", OK)[0] == 200
+        eng.close()
+        for body in (OK, {**OK, "stream": True}, {"model": MODEL, "prompt": "Hi", "max_tokens": 2}):
+            path = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+            status, got, _ = raw(run.url, path, body)
+            assert status == 503 and got["error"]["code"] == "shutting_down", (body, status, got)
+    finally:
+        run.stop()

@@ -19,7 +19,7 @@ from __future__ import annotations
 from starlette.responses import JSONResponse
 
 from chatkv.context_window import ContextOverflow
-from chatkv.errors import ChatKVError, ConversationBusy, InvalidRequest, LeaseLost, SessionError, StorageError
+from chatkv.errors import ChatKVError, ConversationBusy, EngineClosed, InvalidRequest, LeaseLost, SessionError, StorageError
 
 
 class APIError(Exception):
@@ -70,6 +70,8 @@ def from_chatkv(e: Exception) -> APIError:
         return APIError(400, msg, "invalid_session", "session_id")
     if isinstance(e, StorageError):
         return APIError(500, str(e), "storage_error")
+    if isinstance(e, EngineClosed):  # the engine closed under the request: the server is stopping
+        return APIError(503, "the server is shutting down", "shutting_down")
     if isinstance(e, ChatKVError):
         return APIError(500, f"{type(e).__name__}: {e}", "internal_error")
     return APIError(500, f"internal error: {type(e).__name__}: {e}", "internal_error")
