@@ -91,5 +91,34 @@ def raw(url: str, path: str, body=None, headers=None, method=None) -> tuple[int,
         return status, text, hdrs
 
 
+def serve_process(model_dir, data, *args: str):
+    """``chatkv serve`` in its own process on a free loopback port, once its /health answers:
+    ``(process, url)``. ``args``: more command-line options."""
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from chatkv.tui.cli import main; sys.exit(main())", "serve",
+         "--model", str(model_dir), "--data-dir", str(data), "--port", str(port), *args],
+        stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stderr.read())
+        try:
+            if raw(url, "/health")[0] == 200:
+                return proc, url
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("chatkv serve did not come up")
+        time.sleep(0.1)
+
+
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]

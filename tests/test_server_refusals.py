@@ -9,17 +9,13 @@ from __future__ import annotations
 import http.client
 import json
 import signal
-import socket
-import subprocess
-import sys
-import time
 
 import openai
 import pytest
 
 from chatkv.engine import Engine
 from chatkv.server import create_app
-from tests.serving import KEY, MODEL, Running, client, engine, raw, server, tiny_model, user  # noqa: F401 - fixtures
+from tests.serving import KEY, MODEL, Running, client, engine, raw, serve_process, server, tiny_model, user  # noqa: F401 - fixtures
 
 
 @pytest.fixture(scope="module")
@@ -139,26 +135,9 @@ def test_chatkv_serve_answers_then_shuts_down_gracefully(tmp_path_factory):
     and the conversation it served resumes in a new engine with its KV restored from disk (int8
     KV, as ``--kv-dtype`` asked: an engine of another kv dtype would recompute it)."""
     model_dir, data = tiny_model(tmp_path_factory), tmp_path_factory.mktemp("served")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from chatkv.tui.cli import main; sys.exit(main())", "serve",
-         "--model", str(model_dir), "--data-dir", str(data), "--port", str(port), "--api-key", KEY,
-         "--log-level", "warning", "--dtype", "float32", "--kv-dtype", "int8", "--graceful-timeout", "120"],
-        stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = serve_process(model_dir, data, "--api-key", KEY, "--log-level", "warning", "--dtype", "float32",
+                              "--kv-dtype", "int8", "--graceful-timeout", "120")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if raw(url, "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "chatkv serve did not come up"
-            time.sleep(0.1)
         c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
         r = c.chat.completions.with_raw_response.create(model=model_dir.name, messages=user("Remember me."),
                                                         max_tokens=8, temperature=0, extra_headers={"X-Session-Id": "new"})

@@ -14,11 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import socket
-import subprocess
-import sys
 import time
 import uuid
 
@@ -31,7 +27,7 @@ from chatkv.server import create_app
 from chatkv.server.cli import main as serve_main
 from chatkv.server.guards import KeyFileError, Users, bare_key_user, read_key_file
 from chatkv.storage.models import LOCAL_USER
-from tests.serving import MODEL, Running, engine, raw, tiny_model, user  # noqa: F401 - fixtures
+from tests.serving import MODEL, Running, engine, raw, serve_process, tiny_model, user  # noqa: F401 - fixtures
 from tests.tiny import make_model
 
 CHAT = "/v1/chat/completions"
@@ -210,26 +206,9 @@ def test_chatkv_serve_users_sighup_and_a_cut_stream(tmp_path_factory):
     model_dir, data = tmp_path_factory.mktemp("m"), tmp_path_factory.mktemp("served")
     make_model(model_dir, "llama", max_position_embeddings=65536)
     keys = _key_file(data / "keys", "alice:k-alice\n")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from chatkv.tui.cli import main; sys.exit(main())", "serve",
-         "--model", str(model_dir), "--data-dir", str(data), "--port", str(port), "--api-keys", str(keys),
-         "--log-level", "info", "--dtype", "float32", "--graceful-timeout", "3"],
-        stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
+    proc, url = serve_process(model_dir, data, "--api-keys", str(keys), "--log-level", "info", "--dtype", "float32",
+                              "--graceful-timeout", "3")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if raw(url, "/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "chatkv serve did not come up"
-            time.sleep(0.1)
         body = {"model": model_dir.name, "messages": user("Hi"), "max_tokens": 2}
         assert raw(url, CHAT, body, {"Authorization": "Bearer k-alice"})[0] == 200
         assert raw(url, CHAT, body, {"Authorization": "Bearer k-carol"})[0] == 401
