@@ -1,9 +1,14 @@
 """chatkv: local multi-turn chat and RAG with a KV-cache manager at its heart."""
 
+# every error a caller can catch, defined in chatkv.errors
 from chatkv.errors import (
     ChatKVError,
+    ContextOverflow,
+    ConversationBusy,
+    DocumentError,
     EngineClosed,
     InvalidRequest,
+    LeaseLost,
     ModelNotFound,
     OutOfBlocks,
     SessionError,
@@ -17,8 +22,12 @@ __all__ = [
     "Engine",
     "SamplingParams",
     "ChatKVError",
+    "ContextOverflow",
+    "ConversationBusy",
+    "DocumentError",
     "EngineClosed",
     "InvalidRequest",
+    "LeaseLost",
     "ModelNotFound",
     "OutOfBlocks",
     "SessionError",

@@ -33,11 +33,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from chatkv.config import OVERFLOW_POLICIES
-from chatkv.errors import InvalidRequest
-
-
-class ContextOverflow(InvalidRequest):
-    """A turn does not fit the context window under the session's overflow policy."""
+from chatkv.errors import ContextOverflow, InvalidRequest  # noqa: F401 (ContextOverflow: its old import path)
 
 
 def check_overflow(policy) -> str:

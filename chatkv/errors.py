@@ -9,6 +9,10 @@ class InvalidRequest(ChatKVError, ValueError):
     """The request itself is unusable: empty prompt, too long, bad sampling values."""
 
 
+class ContextOverflow(InvalidRequest):
+    """A turn does not fit the context window under the session's overflow policy."""
+
+
 class ModelNotFound(ChatKVError, FileNotFoundError):
     """The model path does not exist or holds no usable model."""
 
@@ -66,6 +70,15 @@ class EngineClosed(ChatKVError):
 
 class StorageError(ChatKVError):
     """The conversation database or the data directory cannot be used (damaged file, no permission...)."""
+
+
+class DocumentError(ChatKVError):
+    """A file or text that cannot become a Document; ``.source`` and ``.reason`` say which and why."""
+
+    def __init__(self, source: str, reason: str):
+        super().__init__(f"{source}: {reason}")
+        self.source = source
+        self.reason = reason
 
 
 def check_text(what: str, value: object) -> str:

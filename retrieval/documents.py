@@ -42,7 +42,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from chatkv.errors import ChatKVError
+from chatkv.errors import DocumentError  # noqa: F401 (defined in chatkv.errors; imported from here too)
 
 DEFAULT_MAX_BYTES = 20 * 2**20
 KINDS = ("text", "markdown", "rst", "html", "code", "pdf")
@@ -85,18 +85,6 @@ class FileError:
 
     def __str__(self) -> str:
         return f"{self.source}: {self.reason}"
-
-
-class DocumentError(ChatKVError):
-    """A file or text that cannot become a Document; ``.source`` and ``.reason`` say which and why."""
-
-    def __init__(self, source: str, reason: str):
-        super().__init__(f"{source}: {reason}")
-        self.source = source
-        self.reason = reason
-
-    def as_file_error(self) -> FileError:
-        return FileError(self.source, self.reason)
 
 
 # ---------------------------------------------------------------------------------------- discover
