@@ -54,33 +54,16 @@ the manager's default ``namespace`` when that is None. Namespaces never share no
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Hashable, Iterable
+from typing import Callable, Hashable, Iterable
 
 import torch
 
 from chatkv.block_pool import BlockPool
 from chatkv.errors import OutOfBlocks
 from chatkv.host_pool import HostPool
+from chatkv.kv_types import RetainedKV, SequenceKV
 from chatkv.radix_cache import MatchResult, NoPrefixCache, Node, RadixCache
 from chatkv.storage.models import LOCAL_USER
-
-if TYPE_CHECKING:
-    from chatkv.sequence import Sequence
-
-
-@dataclass(eq=False)
-class RetainedKV:
-    """KV a conversation holds between turns: the locked radix ``node`` ending at its last
-    full block (None if it had none), and its own partial last block ``tail_block`` holding
-    ``tail_len`` tokens. ``kv_len = full blocks * block_size + tail_len`` tokens have KV.
-    ``host_len``: how many of them ``import_kv`` copied back from the host tier."""
-
-    node: Node | None
-    tail_block: int | None
-    tail_len: int
-    kv_len: int
-    host_len: int = 0
 
 
 class KVManager:
@@ -133,7 +116,7 @@ class KVManager:
 
     # -- sequences ----------------------------------------------------------------
 
-    def attach(self, seq: "Sequence") -> None:
+    def attach(self, seq: SequenceKV) -> None:
         """Give ``seq`` the cached prefix of its tokens in its namespace (locked, referenced; a
         part on host is copied back first, as far as room allows) and, when its handed
         ``seq.prefix`` continues exactly where that prefix ends, that handle's own tail block.
@@ -156,7 +139,7 @@ class KVManager:
         self.drop(p)
         seq.prefix = None
 
-    def reserve(self, seq: "Sequence", num_tokens: int) -> bool:
+    def reserve(self, seq: SequenceKV, num_tokens: int) -> bool:
         """Make ``seq.block_table`` cover ``num_computed + num_tokens`` tokens; False if blocks lack.
         Raises only what ``on_pressure`` raises, with ``seq`` unchanged."""
         need = -(-(seq.num_computed + num_tokens) // self.block_size) - len(seq.block_table)
@@ -167,7 +150,7 @@ class KVManager:
         seq.block_table.extend(self.pool.allocate(need))
         return True
 
-    def release(self, seq: "Sequence", retain: bool = False) -> RetainedKV | None:
+    def release(self, seq: SequenceKV, retain: bool = False) -> RetainedKV | None:
         """End everything ``seq`` holds: its computed full blocks go into the tree first (so a
         later request hits them), then its references and lock are dropped. With ``retain``
         (and sharing on) returns a RetainedKV of its computed tokens for the next turn."""
@@ -408,7 +391,7 @@ class KVManager:
 
     # -- integrity ------------------------------------------------------------------
 
-    def check_integrity(self, sequences: Iterable["Sequence"], handles: Iterable[RetainedKV | None]) -> None:
+    def check_integrity(self, sequences: Iterable[SequenceKV], handles: Iterable[RetainedKV | None]) -> None:
         """Assert the pool and tree invariants, and that the references and locks held are
         exactly those of the tree, ``sequences``, ``handles`` and the pins, and the host
         pool's blocks in use exactly those of host-resident nodes (call when idle)."""

@@ -14,7 +14,7 @@ from chatkv.outputs import GenerationResult, Usage
 from chatkv.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from chatkv.kv_manager import RetainedKV
+    from chatkv.kv_types import RetainedKV
     from chatkv.radix_cache import Node
 
 

@@ -23,7 +23,7 @@ from chatkv.outputs import Reply
 from chatkv.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from chatkv.kv_manager import RetainedKV
+    from chatkv.kv_types import RetainedKV
     from chatkv.session_manager import SessionManager
 
 

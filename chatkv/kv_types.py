@@ -1,0 +1,45 @@
+"""The plain types the KV manager shares with the modules that hold KV: no behaviour.
+
+* ``RetainedKV``: the KV a finished turn leaves for its conversation's next turn. The KV
+  manager issues and ends it; a Sequence (``prefix``, ``retained``), a Session and the
+  snapshots only carry it.
+* ``SequenceKV``: what the KV manager reads and writes of a request - its token ids and its
+  block table, and the counts that say how much of it has KV. ``chatkv.sequence.Sequence``
+  is one; the KV manager names this protocol, never the Sequence class, so the two modules
+  do not import each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Hashable, Protocol
+
+if TYPE_CHECKING:
+    from chatkv.radix_cache import Node
+
+
+@dataclass(eq=False)
+class RetainedKV:
+    """KV a conversation holds between turns: the locked radix ``node`` ending at its last
+    full block (None if it had none), and its own partial last block ``tail_block`` holding
+    ``tail_len`` tokens. ``kv_len = full blocks * block_size + tail_len`` tokens have KV.
+    ``host_len``: how many of them ``import_kv`` copied back from the host tier."""
+
+    node: Node | None
+    tail_block: int | None
+    tail_len: int
+    kv_len: int
+    host_len: int = 0
+
+
+class SequenceKV(Protocol):
+    """The fields of a request the KV manager uses (see kv_manager.py's "Owners")."""
+
+    token_ids: list[int]  # read: what the KV is of
+    namespace: Hashable | None  # read: its radix namespace (None: the manager's default)
+    prefix: RetainedKV | None  # taken over by ``attach``
+    block_table: list[int]  # one pool reference per entry: set by attach/reserve, ended by release
+    lock_node: Node | None  # the radix lock of the cached prefix it attached
+    num_computed: int  # leading tokens whose KV is in the pool
+    num_cached: int  # prefix-hit tokens at first admission (-1: not admitted yet)
+    num_host: int  # tokens copied back from the host tier at its first admission
