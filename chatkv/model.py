@@ -192,7 +192,12 @@ class LlamaModel:
                 parts = [q4[n] if n in q4 else quantize_int4(weights[n]) for n in names]
                 cat = lambda f: torch.cat([getattr(x, f) for x in parts])  # noqa: E731
                 q = Q4Weight(cat("codes"), cat("scale"), cat("minimum"))
-                dense = Linear(q.dequantize().to(dtype), bias) if dense_rows else None
+                dense = None
+                if dense_rows:
+                    # a converted GGUF's float weights are its 4-bit numbers dequantised
+                    # (chatkv.weights.gguf): those are the copy, with nothing to dequantise
+                    own = all(n in q4 and weights[n].dtype == dtype for n in names)
+                    dense = Linear(torch.cat([w(n) for n in names]) if own else q.dequantize().to(dtype), bias)
                 return Int4Linear(q, bias, dense, dense_rows)
             if mode == "int8":
                 q8 = quantize_int8(torch.cat([weights[n] for n in names]))
