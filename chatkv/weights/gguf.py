@@ -54,7 +54,7 @@ _Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 #: Wider types that a file with 4-bit projections also uses for some of them (a Q4_K_M keeps
 #: attn_v and ffn_down of some layers in Q6_K; Q5_0/Q5_1 are llama-quantize's fallback for rows
 #: not whole 256-blocks): requantised to int4 groups of 32 from their exact float32 values, so the
-#: int4 mode computes every projection natively. The choice and its measured cost: README,
+#: int4 mode computes every projection natively. The choice and its measured cost: docs/weights.md,
 #: "Weights: int4 and int8".
 _REQUANT_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 #: dequantised by chatkv.quant (bit for bit as gguf's reference: tests/test_gguf_kquants.py)
