@@ -27,12 +27,16 @@ import contextlib
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Iterator, Protocol
 
 from chatkv.errors import EngineClosed
 
 if TYPE_CHECKING:
-    from chatkv.engine import Engine
+    from chatkv.engine_loop import EngineLoop
+    from chatkv.kv_manager import KVManager
+    from chatkv.retrieval.knowledge_base import KnowledgeBase
+    from chatkv.scheduler import Scheduler
+    from chatkv.session_manager import SessionManager
 
 log = logging.getLogger("chatkv.engine")
 
@@ -86,7 +90,19 @@ class Gate:
             return self._cv.wait_for(lambda: self.turns <= 0, max(0.0, until - time.monotonic()))
 
 
-def close(engine: "Engine", timeout: float | None) -> None:
+class Closing(Protocol):
+    """The parts of an engine that closing it works on (``chatkv.engine.Engine`` is one); this
+    module names them, never the Engine class, so the two modules do not import each other."""
+
+    _gate: Gate
+    _loop: EngineLoop
+    _sessions: SessionManager | None
+    _kbs: dict[str, KnowledgeBase]
+    kv: KVManager
+    scheduler: Scheduler
+
+
+def close(engine: Closing, timeout: float | None) -> None:
     gate = engine._gate
     with gate._cv:
         first = gate.state == "open"
@@ -113,11 +129,11 @@ def close(engine: "Engine", timeout: float | None) -> None:
             gate.done.set()
 
 
-def _busy(engine: "Engine") -> bool:
+def _busy(engine: Closing) -> bool:
     return engine.scheduler.has_work() or engine._gate.turns > 0
 
 
-def _grace(engine: "Engine", timeout: float | None) -> bool:
+def _grace(engine: Closing, timeout: float | None) -> bool:
     """Let what is in flight finish, stepping it here when no loop thread does; True if it did."""
     loop = engine._loop
     deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
@@ -141,7 +157,7 @@ def _grace(engine: "Engine", timeout: float | None) -> bool:
     return True
 
 
-def end_requests(engine: "Engine") -> None:
+def end_requests(engine: Closing) -> None:
     """End every request in the scheduler, each with an EngineClosed its caller receives
     (where the engine's state lives: the loop thread, or holding the loop's lock). Also run
     by a step that finds the grace period over (``Engine.step``): a thread stepping without
@@ -153,7 +169,7 @@ def end_requests(engine: "Engine") -> None:
     engine._loop._publish()
 
 
-def _cut(engine: "Engine") -> None:
+def _cut(engine: Closing) -> None:
     """End every request left; from now on none is admitted."""
     loop, gate = engine._loop, engine._gate
     cut = lambda: end_requests(engine)  # noqa: E731
@@ -177,7 +193,7 @@ def _cut(engine: "Engine") -> None:
         log.warning("close(): the engine's state stayed busy for %s s; requests in flight not ended", DRAIN_S)
 
 
-def _teardown(engine: "Engine") -> None:
+def _teardown(engine: Closing) -> None:
     """Stop the loop thread; spill and close the sessions, the store, the knowledge bases."""
     loop = engine._loop
     got = loop.lock.acquire(timeout=DRAIN_S)  # late work off the loop thread waits, then sees it closed

@@ -37,12 +37,12 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from chatkv.errors import EngineClosed
 
 if TYPE_CHECKING:
-    from chatkv.engine import Engine
+    from chatkv.scheduler import Scheduler
     from chatkv.sequence import Sequence
 
 log = logging.getLogger("chatkv.engine")
@@ -214,8 +214,21 @@ class RequestStream:
         return self.seq.result()
 
 
+class Steps(Protocol):
+    """What the loop needs of the engine it drives (``chatkv.engine.Engine`` is one); the loop
+    names this, never the Engine class, so the two modules do not import each other."""
+
+    scheduler: Scheduler
+
+    def has_work(self) -> bool: ...
+
+    def step(self) -> list[Sequence]: ...
+
+    def abort(self, seq: Sequence) -> None: ...
+
+
 class EngineLoop:
-    def __init__(self, engine: "Engine"):
+    def __init__(self, engine: Steps):
         self.engine = engine
         self._cv = threading.Condition()
         self._commands: deque[tuple[Callable[[], Any], Future | None]] = deque()
