@@ -15,7 +15,7 @@ import json
 import threading
 import time
 from dataclasses import asdict
-from typing import TYPE_CHECKING, AsyncIterator, Iterator
+from typing import TYPE_CHECKING, AsyncIterator, Iterator, Protocol
 
 from chatkv.context_window import check_overflow
 from chatkv.errors import EngineClosed, InvalidRequest, SessionError, check_text
@@ -24,7 +24,7 @@ from chatkv.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from chatkv.kv_types import RetainedKV
-    from chatkv.session_manager import SessionManager
+    from chatkv.storage.repository import Store
 
 
 _DONE = object()
@@ -35,10 +35,34 @@ class _Failed:
         self.error = error
 
 
+class _Starts(Protocol):
+    def start(self): ...
+
+
+class Manager(Protocol):
+    """What a Session asks of the manager that made it (``chatkv.session_manager.SessionManager``
+    is one); this module names it, never the SessionManager class, so the two modules do not
+    import each other."""
+
+    closed: bool
+    store: Store
+    engine: _Starts
+
+    def turn(self, s: Session, text: str, params: SamplingParams) -> Iterator[str | Reply]: ...
+
+    def save_params(self, s: Session, params: dict) -> None: ...
+
+    def delete(self, s: Session) -> None: ...
+
+    def spill(self, s: Session) -> bool: ...
+
+    def close_session(self, s: Session) -> None: ...
+
+
 class Session:
     """One conversation. Use it from one thread; close it (or use ``with``) to spill and release its KV."""
 
-    def __init__(self, manager: "SessionManager", conv_id: str, title: str, system: str | None, params: dict, tokens: list[int]):
+    def __init__(self, manager: Manager, conv_id: str, title: str, system: str | None, params: dict, tokens: list[int]):
         self._m = manager
         self.id = conv_id
         self.title = title

@@ -32,20 +32,48 @@ unknown, compare the tokens).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Hashable, Iterator, Protocol
 
 from chatkv.errors import ConversationBusy
 
 if TYPE_CHECKING:
+    from chatkv.context_window import ContextState
+    from chatkv.kv_manager import KVManager
     from chatkv.session import Session
-    from chatkv.session_manager import SessionManager
+    from chatkv.snapshots import Snapshots
     from chatkv.storage.leases import Mark
     from chatkv.storage.records import ConversationInfo
+    from chatkv.storage.repository import Store
+    from chatkv.turns import TurnRenderer
 
 log = logging.getLogger("chatkv.sessions")
 
 
-def turn(m: "SessionManager", s: "Session", inner: Iterator) -> Iterator:
+class _Loop(Protocol):
+    def on_loop(self, fn: Callable): ...
+
+
+class Manager(Protocol):
+    """What these functions use of the session manager (``chatkv.session_manager.SessionManager``
+    is one); this module names them, never the SessionManager class, so the two modules do
+    not import each other."""
+
+    closed: bool
+    store: Store
+    marks: dict[str, Mark | None]
+    engine: _Loop
+    kv: KVManager
+    renderer: TurnRenderer
+    snapshots: Snapshots
+
+    def stored_settings(self, info: ConversationInfo) -> tuple[dict, str | None]: ...
+
+    def stored_window(self, s: Session, info: ConversationInfo, overflow: str | None) -> ContextState: ...
+
+    def _namespace(self, conv_id: str, st: ContextState) -> Hashable | None: ...
+
+
+def turn(m: Manager, s: "Session", inner: Iterator) -> Iterator:
     """Run the turn generator ``inner`` (not started yet) under the conversation's lease."""
     mark = m.store.leases.acquire(s.id)
     done = False
@@ -57,7 +85,7 @@ def turn(m: "SessionManager", s: "Session", inner: Iterator) -> Iterator:
         release(m, s, done)
 
 
-def release(m: "SessionManager", s: "Session", current: bool) -> None:
+def release(m: Manager, s: "Session", current: bool) -> None:
     """Give the lease back; remember the stored state if the session is known to match it."""
     if m.closed:  # engine.close() closed the store, which gave every lease back
         return
@@ -70,7 +98,7 @@ def release(m: "SessionManager", s: "Session", current: bool) -> None:
     m.marks[s.id] = mark if current else None
 
 
-def behind(m: "SessionManager", s: "Session", mark: "Mark") -> "ConversationInfo | None":
+def behind(m: Manager, s: "Session", mark: "Mark") -> "ConversationInfo | None":
     """Under the lease: the stored conversation if the session's history differs from it, else None."""
     if m.marks.get(s.id) == mark and len(s.tokens) == mark.token_count:
         return None
@@ -81,7 +109,7 @@ def behind(m: "SessionManager", s: "Session", mark: "Mark") -> "ConversationInfo
     return info
 
 
-def sync(m: "SessionManager", s: "Session", mark: "Mark") -> None:
+def sync(m: Manager, s: "Session", mark: "Mark") -> None:
     """Under the lease: reload a session that is behind; close a turn left without its reply."""
     info = behind(m, s, mark)
     if info is not None:
@@ -93,7 +121,7 @@ def sync(m: "SessionManager", s: "Session", mark: "Mark") -> None:
         log.info("conversation %s: a turn left without its reply was closed as interrupted", s.id)
 
 
-def reload(m: "SessionManager", s: "Session", info: "ConversationInfo") -> None:
+def reload(m: Manager, s: "Session", info: "ConversationInfo") -> None:
     """Make ``s`` the stored conversation ``info``; its KV in memory (the old history's) is dropped."""
     log.info("conversation %s: another process stored turns since this one looked (%d -> %d tokens); reloading",
              s.id, len(s.tokens), info.token_count)
@@ -110,7 +138,7 @@ def reload(m: "SessionManager", s: "Session", info: "ConversationInfo") -> None:
         s.last_question = users[-1] if users else None
 
 
-def settle(m: "SessionManager", s: "Session") -> None:
+def settle(m: Manager, s: "Session") -> None:
     """At resume, for a stored turn without its reply: close it as interrupted, unless a live
     process holds the conversation (it is generating that reply now)."""
     try:
@@ -125,12 +153,12 @@ def settle(m: "SessionManager", s: "Session") -> None:
         release(m, s, done)
 
 
-def _drop(m: "SessionManager", s: "Session") -> None:
+def _drop(m: Manager, s: "Session") -> None:
     m.kv.drop(s.kept)
     s.kept = None
 
 
-def spill(m: "SessionManager", s: "Session") -> bool:
+def spill(m: Manager, s: "Session") -> bool:
     """Release the session's KV, writing its snapshot first only under the lease and only if
     the session is current. True if it had KV in memory."""
     if s.kept is None:
