@@ -20,12 +20,15 @@ quantised form and its scales travel together wherever KV goes.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 
 import torch
 
 from chatkv.errors import OutOfBlocks
 from chatkv.kernels import kv_quant
+
+_FRESH_BYTES = 64 * 2**20  # above glibc's largest mmap threshold: always a fresh, zero-filled mapping
 
 
 class BlockPool:
@@ -49,10 +52,17 @@ class BlockPool:
         self._head_dim = head_dim
         row = kv_quant.row_width(quant, head_dim) if num_layers else head_dim
         # with num_layers == 0 the pool only manages ids (used by cache-only tests)
-        self.kv = torch.zeros(
-            num_layers, 2, num_blocks, block_size, num_kv_heads, row,
-            dtype=kv_quant.STORAGE if quant else dtype, device=device,
-        )
+        shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, row)
+        storage = kv_quant.STORAGE if quant else dtype
+        # On Linux, glibc serves an allocation above its largest mmap threshold (32 MiB) with a
+        # fresh anonymous mapping, which the kernel fills with zeros page by page as it is first
+        # written: ``empty`` then holds the same zeros as ``zeros`` without committing all of it
+        # up front (the default 512 MiB pool was resident from start-up; now only the blocks
+        # used are). Zeros matter: a decode batch's padded rows read slots never written,
+        # masked, and 0 * garbage could be NaN. Smaller pools come from the heap: zeroed.
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=storage).element_size()
+        fresh = torch.device(device).type == "cpu" and sys.platform.startswith("linux") and nbytes >= _FRESH_BYTES
+        self.kv = (torch.empty if fresh else torch.zeros)(*shape, dtype=storage, device=device)
         self.ref_counts = [0] * num_blocks
         self._free: deque[int] = deque(range(num_blocks))
 

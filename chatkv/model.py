@@ -140,14 +140,16 @@ class LlamaModel:
 
     def __init__(self, config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu",
                  weights_mode: str = "float", head_mode: str = "float", q4: dict[str, Q4Weight] | None = None,
-                 dense_rows: int = 16, pack: bool = True):
+                 dense_rows: int = 16, pack: bool = True, consume: bool = False):
         """``weights_mode``/``head_mode``: how the layers' projections / the output matrix are
         stored and computed (``WEIGHT_MODES``; the quantised ones need bfloat16 on CPU); ``q4``:
         a GGUF's own 4-bit weights by name, used as they are in int4 mode (others are quantised);
         ``dense_rows``: in the quantised modes, steps of this many rows or more (prefill chunks,
         batched decodes) use a bfloat16 copy of the same weights, faster there (0: none kept);
         ``pack``: False computes the float weights with plain ``F.linear`` (no oneDNN prepacking:
-        chatkv.weight_check's reference)."""
+        chatkv.weight_check's reference); ``consume``: the dicts are the caller's to give away,
+        each projection's tensors are removed once stored (start-up peak memory: the float
+        weights and their stored form are not all held at once)."""
         for what, mode in (("weights", weights_mode), ("head", head_mode)):
             if mode not in WEIGHT_MODES:
                 raise ValueError(f"{what} mode {mode!r} unknown; use one of {', '.join(WEIGHT_MODES)}")
@@ -184,7 +186,16 @@ class LlamaModel:
             return torch.cat([p if p is not None else torch.zeros(s, dtype=dtype) for p, s in zip(parts, sizes)])
 
         def proj(names: list[str], bias: torch.Tensor | None, mode: str, dense_rows: int = dense_rows) -> AnyLinear:
-            """The projections ``names`` fused along the output, stored for ``mode``."""
+            """The projections ``names`` fused along the output, stored for ``mode``; with
+            ``consume``, their source tensors then leave ``weights``/``q4`` (freed layer by layer)."""
+            out = _proj(names, bias, mode, dense_rows)
+            if consume:
+                for n in names:
+                    weights.pop(n, None)
+                    q4.pop(n, None)
+            return out
+
+        def _proj(names: list[str], bias: torch.Tensor | None, mode: str, dense_rows: int) -> AnyLinear:
             for n in names:
                 if n not in weights:
                     raise ModelNotFound(f"weight '{n}' missing from the model's safetensors")
@@ -254,7 +265,8 @@ class LlamaModel:
             if isinstance(dtype, str):
                 dtype = getattr(torch, dtype)
         q4 = read_q4(model_dir) if weights_mode == "int4" else None
-        return cls(config, read_weights(model_dir), dtype, device, weights_mode, head_mode, q4, dense_rows)
+        return cls(config, read_weights(model_dir), dtype, device, weights_mode, head_mode, q4, dense_rows,
+                   consume=True)
 
     @property
     def kv_bytes_per_token(self) -> int:
