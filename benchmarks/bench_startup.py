@@ -1,0 +1,87 @@
+"""Start-up: one-shot ``chatkv --max-tokens 8 "..."``, wall time and peak memory, warm.
+
+Each command runs ``--repeats`` times after one unmeasured run (so the model is converted, the
+weight self-check's verdict cached and the files in the page cache: "warm"), each in its own
+process; the median wall time and the median peak RSS (``ru_maxrss`` of the child, from
+``os.wait4``; this benchmark imports no torch, so the figure is the child's own) are printed,
+with the ratio to the baselines measured in the same run:
+
+- ``import torch, transformers``: the floor any Python stack on these libraries pays;
+- llama.cpp (llama-cpp-python on the same packaged GGUF): load, 8 tokens of the same prompt.
+
+    .venv/bin/python benchmarks/bench_startup.py [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PY = sys.executable
+CHATKV = str(Path(PY).parent / "chatkv")
+PROMPT = "What is the capital of France?"
+GOAL_WALL, GOAL_MIB = 1.5, 700
+
+
+def run(cmd: list[str], env: dict) -> tuple[float, float, str]:
+    t = time.perf_counter()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    out = p.stdout.read().decode(errors="replace")
+    _, status, usage = os.wait4(p.pid, 0)
+    wall = time.perf_counter() - t
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{cmd[:3]}... failed with {status}")
+    return wall, usage.ru_maxrss / 1024, out.strip()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from common import cpu_line, load_average
+
+    env = dict(os.environ)
+    from chatkv.weights import ensure_default_model
+    from chatkv.weights.gguf import packaged_gguf_path
+
+    ensure_default_model()  # converted once, outside the timing
+    commands = {
+        "import torch, transformers": [PY, "-c", "import torch, transformers"],
+        "chatkv one-shot": [CHATKV, "--max-tokens", "8", PROMPT],
+    }
+    try:
+        import importlib.util
+
+        if importlib.util.find_spec("llama_cpp") is not None:
+            code = ("from llama_cpp import Llama; import sys; m = Llama(model_path=sys.argv[1], n_ctx=2048, n_threads=2, "
+                    "verbose=False); print(m.create_chat_completion([{'role': 'user', 'content': sys.argv[2]}], "
+                    "max_tokens=8, temperature=0)['choices'][0]['message']['content'])")
+            commands["llama.cpp one-shot"] = [PY, "-c", code, str(packaged_gguf_path()), PROMPT]
+    except ImportError:
+        pass
+    results = {}
+    for name, cmd in commands.items():
+        run(cmd, env)  # warm
+        runs = [run(cmd, env) for _ in range(args.repeats)]
+        results[name] = (statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs), runs[-1][2])
+    print(cpu_line())
+    print(f"median of {args.repeats} warm runs, load average {load_average()}")
+    base = results.get("llama.cpp one-shot")
+    print(f"{'command':28} {'wall s':>7} {'peak MiB':>9} {'vs llama.cpp':>13}  output")
+    for name, (wall, mib, out) in results.items():
+        ratio = f"{wall / base[0]:.2f}x / {mib / base[1]:.2f}x" if base else "-"
+        print(f"{name:28} {wall:7.2f} {mib:9.0f} {ratio:>13}  {out[:60]!r}")
+    wall, mib, _ = results["chatkv one-shot"]
+    print(f"goals: wall <= {GOAL_WALL} s: {'MET' if wall <= GOAL_WALL else 'not met'}; "
+          f"peak <= {GOAL_MIB} MiB: {'MET' if mib <= GOAL_MIB else 'not met'}")
+
+
+if __name__ == "__main__":
+    main()
