@@ -13,7 +13,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional, Protocol, Sequence
 
 from chatkv.errors import InvalidRequest, check_text
 from chatkv.retrieval.chunking import chunk_document
@@ -21,9 +21,32 @@ from chatkv.retrieval.documents import Document, DocumentError, FileError, disco
 from chatkv.storage.knowledge import NewChunk
 
 if TYPE_CHECKING:
-    from chatkv.retrieval.knowledge_base import KnowledgeBase
+    from chatkv.retrieval.dense_index import DenseIndex
+    from chatkv.retrieval.embedding import Embedder
+    from chatkv.storage.knowledge import KBInfo, KnowledgeStore, WriteResult
 
 log = logging.getLogger("chatkv.retrieval.knowledge_base")  # the KB's logger, as before the split
+
+
+class KBView(Protocol):
+    """What the ingest path uses of a knowledge base (``chatkv.retrieval.knowledge_base.
+    KnowledgeBase`` is one); this module names it, never that class, so the two modules do
+    not import each other."""
+
+    id: int
+    name: str
+    embedder: Embedder
+    dense: DenseIndex
+    _store: KnowledgeStore
+    _info: KBInfo
+    _revision: int
+    _rebuild_due: bool
+
+    def _applied(self, result: WriteResult) -> None: ...
+
+    def _settle(self) -> None: ...
+
+    def _write_index(self) -> None: ...
 
 CHUNK_TOKENS = 256
 OVERLAP_TOKENS = 32
@@ -142,7 +165,7 @@ def text_documents(
 
 
 def ingest(
-    kb: KnowledgeBase, docs, known: dict, report: IngestReport, progress: bool, embed_group: int
+    kb: KBView, docs, known: dict, report: IngestReport, progress: bool, embed_group: int
 ) -> None:
     """Chunk, embed (``embed_group`` chunks at a time) and write ``docs``; then the index file."""
     max_tokens = min(CHUNK_TOKENS, kb.embedder.max_tokens)
@@ -210,7 +233,7 @@ def embedding_text(doc: Document, chunk) -> str:
     return chunk.text
 
 
-def _flush(kb: KnowledgeBase, pending: list[_Staged], report: IngestReport, bar) -> None:
+def _flush(kb: KBView, pending: list[_Staged], report: IngestReport, bar) -> None:
     """Embed the staged documents together, then write each in its own transaction."""
     if not pending:
         return

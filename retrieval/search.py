@@ -11,15 +11,29 @@ from __future__ import annotations
 import fnmatch
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence
 
 from chatkv.errors import InvalidRequest, check_text
 from chatkv.storage.knowledge import ChunkRecord, KnowledgeStore
 
 if TYPE_CHECKING:
-    from chatkv.retrieval.knowledge_base import KnowledgeBase
+    from chatkv.retrieval.dense_index import DenseIndex
+    from chatkv.retrieval.embedding import Embedder
 
 log = logging.getLogger("chatkv.retrieval.knowledge_base")  # the KB's logger, as before the split
+
+
+class KBView(Protocol):
+    """What the search path uses of a knowledge base (``chatkv.retrieval.knowledge_base.
+    KnowledgeBase`` is one); this module names it, never that class, so the two modules do
+    not import each other."""
+
+    id: int
+    name: str
+    embedder: Embedder
+    dense: DenseIndex
+    _store: KnowledgeStore
+    _warned_no_lexical: bool
 
 MODES = ("hybrid", "dense", "lexical")
 RRF_K = 60
@@ -64,7 +78,7 @@ def check_search(query: str, k: int, mode: str, filters: Optional[dict[str, Any]
         raise InvalidRequest(f"filters must be a dict, got {type(filters).__name__}")
 
 
-def search(kb: KnowledgeBase, query: str, k: int, mode: str, filters: Optional[dict[str, Any]]) -> list[Hit]:
+def search(kb: KBView, query: str, k: int, mode: str, filters: Optional[dict[str, Any]]) -> list[Hit]:
     """The ``k`` best chunks for a checked, non-blank ``query``."""
     if mode == "lexical" and not kb._store.has_lexical:
         raise InvalidRequest(
