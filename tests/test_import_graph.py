@@ -2,8 +2,9 @@
 
 Every module of the distribution (chatkv/, and kernels/ retrieval/ storage/ tui/ as
 chatkv.kernels ... per pyproject's package-dir) is read with ``ast``, never imported.
-An edge is every import of a chatkv module, at module level or inside a function
-(a lazy import still ties the two modules together), except under ``if TYPE_CHECKING:``.
+An edge is every import of a chatkv module, at module level, inside a function (a lazy
+import still ties the two modules together) or under ``if TYPE_CHECKING:`` (a type one module
+needs from the other is a tie too: put it in a leaf module both import, or name a protocol).
 Relative imports are resolved. ``from P import x`` is an edge to ``P.x`` when that is a
 module, otherwise to ``P``; ``import P.Q`` and ``from P.Q import y`` are edges to ``P.Q``
 only (not to the parent packages Python also runs: ``from chatkv.errors import X`` is an
@@ -35,9 +36,11 @@ class Edge:
     path: str
     line: int
     lazy: bool  # inside a function, not at module level
+    typing: bool = False  # under ``if TYPE_CHECKING:``
 
     def where(self) -> str:
-        return f"{self.path}:{self.line}{' (inside a function)' if self.lazy else ''}"
+        notes = [n for n, on in (("inside a function", self.lazy), ("under TYPE_CHECKING", self.typing)) if on]
+        return f"{self.path}:{self.line}" + "".join(f" ({n})" for n in notes)
 
 
 def package_dirs() -> dict[str, Path]:
@@ -90,21 +93,23 @@ def imports_of(name: str, file: Path, is_pkg: bool, modules) -> tuple[list[Edge]
     def ours(mod: str) -> bool:
         return mod == TOP or mod.startswith(TOP + ".")
 
-    def add(dst: str, node: ast.AST, lazy: bool) -> None:
+    def add(dst: str, node: ast.AST, lazy: bool, typing: bool) -> None:
         if dst in modules:
-            edges.append(Edge(name, dst, rel_path, node.lineno, lazy))
+            edges.append(Edge(name, dst, rel_path, node.lineno, lazy, typing))
         else:
             missing.append(f"{rel_path}:{node.lineno} imports {dst}, which the distribution does not have")
 
-    def visit(node: ast.AST, lazy: bool) -> None:
+    def visit(node: ast.AST, lazy: bool, typing: bool) -> None:
         if isinstance(node, ast.If) and _is_type_checking(node.test):
+            for child in node.body:
+                visit(child, lazy, True)
             for child in node.orelse:
-                visit(child, lazy)
+                visit(child, lazy, typing)
             return
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if ours(alias.name):
-                    add(alias.name, node, lazy)
+                    add(alias.name, node, lazy, typing)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base_parts = package.split(".")
@@ -116,16 +121,16 @@ def imports_of(name: str, file: Path, is_pkg: bool, modules) -> tuple[list[Edge]
             if ours(base):
                 for alias in node.names:
                     sub = f"{base}.{alias.name}"
-                    add(sub if alias.name != "*" and sub in modules else base, node, lazy)
+                    add(sub if alias.name != "*" and sub in modules else base, node, lazy, typing)
         elif isinstance(node, ast.Call):
             target = _literal_dynamic_import(node)
             if target and ours(target):
-                add(target, node, lazy)
+                add(target, node, lazy, typing)
         inner = lazy or isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
         for child in ast.iter_child_nodes(node):
-            visit(child, inner)
+            visit(child, inner, typing)
 
-    visit(tree, False)
+    visit(tree, False, False)
     return edges, missing
 
 
@@ -146,7 +151,7 @@ def find_cycles(nodes, edges: list[Edge]) -> list[list[Edge]]:
     out: dict[str, dict[str, Edge]] = {n: {} for n in nodes}
     for e in edges:
         prev = out[e.src].get(e.dst)
-        if prev is None or (prev.lazy and not e.lazy):  # show a module-level import when there is one
+        if prev is None or (prev.lazy, prev.typing) > (e.lazy, e.typing):  # show a module-level import when there is one
             out[e.src][e.dst] = e
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -348,6 +353,7 @@ def test_checker_finds_lazy_relative_and_type_checking_imports(tmp_path):
     assert got == {
         ("chatkv", "chatkv.errors", False),
         ("chatkv.a", "chatkv.b", False),
+        ("chatkv.a", "chatkv.c", False),  # under TYPE_CHECKING: an edge too
         ("chatkv.b", "chatkv.sub.d", True),
         ("chatkv.c", "chatkv.a", False),
         ("chatkv.sub", "chatkv.errors", False),
@@ -356,9 +362,17 @@ def test_checker_finds_lazy_relative_and_type_checking_imports(tmp_path):
         ("chatkv.sub.d", "chatkv.errors", False),
         ("chatkv.sub.d", "chatkv.c", False),
     }
+    assert {(e.src, e.dst) for e in edges if e.typing} == {("chatkv.a", "chatkv.c")}
     assert missing == []
-    cycles = find_cycles(modules, edges)
+    # without the TYPE_CHECKING edge (what this checker saw before it counted them)
+    cycles = find_cycles(modules, [e for e in edges if not e.typing])
     assert len(cycles) == 1  # a -> b -> sub.d -> a, and c -> a -> b -> sub.d -> c: one group
     text = describe(cycles[0])
     assert text.startswith("chatkv.a -> chatkv.b -> chatkv.sub.d -> chatkv.a"), text
     assert "(inside a function)" in text
+    # with it: still one group, and its shortest cycle is now a -> c -> a
+    cycles = find_cycles(modules, edges)
+    assert len(cycles) == 1
+    text = describe(cycles[0])
+    assert text.startswith("chatkv.a -> chatkv.c -> chatkv.a"), text
+    assert "(under TYPE_CHECKING)" in text
