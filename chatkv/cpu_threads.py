@@ -8,10 +8,10 @@ ops waits for it: decode fell to 0.23x of its quiet speed with one busy core bes
 cores, the step runs at the speed of the cores it has.
 
 ``ThreadGovernor.adjust()`` is called before each step; at most every ``interval`` seconds it
-reads the CPU time the machine spent (``/proc/stat``) and this process spent
-(``/proc/self/stat``) since its last look. Other processes' load is the difference, the free
-cores are ``allowed - load`` (``allowed``: the affinity mask, at most the configured
-threads), and the thread count follows them: down at once, up after two looks in a row (a
+reads the CPU time the CPUs of this process's affinity mask spent (``/proc/stat``'s ``cpuN``
+lines) and this process spent (``/proc/self/stat``) since its last look. Other processes'
+load is the difference, the free cores are ``allowed - load`` (``allowed``: the affinity
+mask's size, at most the configured threads), and the thread count follows them: down at once, up after two looks in a row (a
 burst of another process must not make the step oscillate). Reading both files takes ~30 us.
 Where /proc is not there (not Linux), nothing changes.
 """
@@ -29,16 +29,30 @@ log = logging.getLogger("chatkv.threads")
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def _machine_busy_ticks() -> int | None:
-    """Ticks all CPUs spent not idle since boot (the first line of /proc/stat)."""
+def _machine_busy_ticks(cpus: frozenset[int] | None = None) -> int | None:
+    """Ticks spent not idle since boot: all CPUs (the first line of /proc/stat), or only the
+    CPUs in ``cpus`` (their ``cpuN`` lines: in a container on a bigger host, the host's other
+    CPUs and their load are not ours to count)."""
     try:
         with open("/proc/stat", "rb") as f:
-            fields = f.readline().split()[1:]
+            lines = f.read().split(b"\n")
     except OSError:
         return None
-    ticks = [int(x) for x in fields[:8]]
-    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-    return sum(ticks) - idle
+    total = 0
+    for line in lines:
+        if not line.startswith(b"cpu"):
+            break
+        name, *fields = line.split()
+        if cpus is None:
+            if name != b"cpu":
+                continue
+        elif name == b"cpu" or int(name[3:]) not in cpus:
+            continue
+        ticks = [int(x) for x in fields[:8]]
+        total += sum(ticks) - ticks[3] - (ticks[4] if len(ticks) > 4 else 0)  # less idle and iowait
+        if cpus is None:
+            break
+    return total
 
 
 def _own_ticks() -> int | None:
@@ -52,11 +66,17 @@ def _own_ticks() -> int | None:
     return int(fields[11]) + int(fields[12])
 
 
-def allowed_cores() -> int:
+def allowed_cpus() -> frozenset[int] | None:
+    """The CPUs this process may run on (its affinity mask), None where that is unknown."""
     try:
-        return len(os.sched_getaffinity(0))
+        return frozenset(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        return os.cpu_count() or 1
+        return None
+
+
+def allowed_cores() -> int:
+    cpus = allowed_cpus()
+    return len(cpus) if cpus else os.cpu_count() or 1
 
 
 def free_cores(busy_delta: int, own_delta: int, seconds: float, allowed: int) -> float:
@@ -72,8 +92,9 @@ class ThreadGovernor:
 
     def __init__(self, max_threads: int | None = None, interval: float = 0.5, enabled: bool = True):
         self.allowed = min(allowed_cores(), max_threads or torch.get_num_threads())
+        self.cpus = allowed_cpus()
         self.interval = interval
-        self.enabled = enabled and self.allowed > 1 and _machine_busy_ticks() is not None
+        self.enabled = enabled and self.allowed > 1 and _machine_busy_ticks(self.cpus) is not None
         self.threads = self.allowed
         self._want_up = 0
         self._last: tuple[float, int, int] | None = None
@@ -110,7 +131,7 @@ class ThreadGovernor:
         now = time.monotonic()
         if self._last is not None and now - self._last[0] < self.interval:
             return self.threads
-        busy, own = _machine_busy_ticks(), _own_ticks()
+        busy, own = _machine_busy_ticks(self.cpus), _own_ticks()
         if busy is None or own is None:
             return self.threads
         if self._last is not None:

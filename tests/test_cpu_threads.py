@@ -99,3 +99,15 @@ def test_a_pinned_count_without_adapting_is_applied_on_the_stepping_thread():
         assert g.adjust() == 1 and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_only_the_cpus_of_the_affinity_mask_are_counted():
+    """In a container on a bigger host, /proc/stat lists the host's CPUs: their load is not ours."""
+    cpus = cpu_threads.allowed_cpus()
+    assert cpus, "sched_getaffinity is available on Linux"
+    whole = cpu_threads._machine_busy_ticks()
+    ours = cpu_threads._machine_busy_ticks(cpus)
+    singles = sum(cpu_threads._machine_busy_ticks(frozenset({c})) for c in cpus)
+    assert 0 < singles <= ours * 1.01 + 10 and ours <= whole * 1.01 + 10
+    assert abs(singles - ours) <= 0.01 * ours + 10 * len(cpus)  # read at slightly different moments
+    assert cpu_threads._machine_busy_ticks(frozenset({10**6})) == 0  # a CPU this machine lacks counts nothing
