@@ -16,34 +16,13 @@ from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
 from chatkv.block_pool import BlockPool
-from chatkv.detokenize import TextStream
 from chatkv.errors import OutOfBlocks
 from chatkv.kv_manager import KVManager, RetainedKV
-from chatkv.sampling import SamplingParams
 from chatkv.sequence import Sequence
+from tests.fakes import make_seq
 
 BS = 4
 NS = ("model", "float32", None)
-
-
-class FakeTokenizer:
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(ord("a") + i % 26) for i in ids)
-
-
-def make_seq(tokens, prefix: RetainedKV | None = None, retain: bool = False, seq_id: int = 0) -> Sequence:
-    return Sequence(
-        seq_id=seq_id,
-        token_ids=list(tokens),
-        num_prompt_tokens=len(tokens),
-        params=SamplingParams(),
-        generator=None,
-        stop_ids=frozenset(),
-        max_total_tokens=10**6,
-        out=TextStream(FakeTokenizer()),
-        retain=retain,
-        prefix=prefix,
-    )
 
 
 def manager(num_blocks=16, layout=(1, 1, 1), prefix_caching=True) -> KVManager:

@@ -18,18 +18,12 @@ from chatkv.errors import OutOfBlocks
 from chatkv.kv_manager import KVManager
 from chatkv.sampling import SamplingParams
 from chatkv.scheduler import Scheduler
-from chatkv.sequence import Sequence, Status
+from chatkv.sequence import Status
+from tests.fakes import FakeTokenizer, make_seq
 
 BS = 4
 NS = ("model", "float32", None)
 TOKEN = 5  # what the fake model samples unless told otherwise
-
-
-class FakeTokenizer:
-    """One lowercase letter per id."""
-
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
 class Harness:
@@ -40,18 +34,8 @@ class Harness:
         self._ids = itertools.count()
 
     def add(self, tokens, *, max_tokens=100, stop=None, stop_ids=(), retain=False, prefix=None, max_total=10**6):
-        seq = Sequence(
-            seq_id=next(self._ids),
-            token_ids=list(tokens),
-            num_prompt_tokens=len(tokens),
-            params=SamplingParams(max_tokens=max_tokens, stop=list(stop or [])),
-            generator=None,
-            stop_ids=frozenset(stop_ids),
-            max_total_tokens=max_total,
-            out=TextStream(FakeTokenizer(), stop),
-            retain=retain,
-            prefix=prefix,
-        )
+        seq = make_seq(tokens, prefix, retain, next(self._ids), params=SamplingParams(max_tokens=max_tokens, stop=list(stop or [])),
+                       stop=stop, stop_ids=stop_ids, max_total=max_total)
         self.s.add(seq)
         return seq
 
