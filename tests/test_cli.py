@@ -7,14 +7,8 @@ import io
 import pytest
 
 from chatkv.tui.cli import main
-from tests.tiny import make_model
 
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cli-model")
-    make_model(d, "llama", seed=4)
-    return str(d)
+pytestmark = pytest.mark.tiny_model("llama", seed=4)
 
 
 def test_one_shot_prints_reply_and_stats(model_dir, tmp_path, monkeypatch, capsys):

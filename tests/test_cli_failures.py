@@ -19,17 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.tiny import make_model
+pytestmark = pytest.mark.tiny_model("qwen2", seed=4)
 
 TIMEOUT = 300
 BANNER = re.compile(r"^chatkv: (conversation [0-9a-f]+\.( |$)|Type a message)")  # line mode's, not errors
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cli-fail-model")
-    make_model(d, "qwen2", seed=4)
-    return str(d)
 
 
 def _env(home: Path) -> dict:

@@ -36,6 +36,8 @@ from tests import close_child
 from tests.processes import one_torch_thread
 from tests.tiny import make_model
 
+pytestmark = pytest.mark.tiny_model("llama", seed=3, max_position_embeddings=4096)
+
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = Path(__file__).with_name("close_child.py")
 BOUND = 120.0  # the most any wait here takes before the test fails instead of hanging
@@ -48,13 +50,6 @@ MODES = ["started", "not_started"]
 def _one_thread():
     with one_torch_thread():
         yield
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("model")
-    make_model(d, "llama", seed=3, max_position_embeddings=4096)
-    return d
 
 
 def engine_at(model_dir, home, mode: str = "not_started") -> Engine:

@@ -19,16 +19,10 @@ from chatkv import InvalidRequest, engine_loop
 from chatkv.config import EngineConfig
 from chatkv.engine import Engine
 from chatkv.sampling import SamplingParams
-from tests.tiny import make_model
+
+pytestmark = pytest.mark.tiny_model("llama", seed=5)
 
 G = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("model")
-    make_model(d, "llama", seed=5)
-    return d
 
 
 def question(i: int) -> str:

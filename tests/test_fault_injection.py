@@ -45,7 +45,8 @@ from chatkv.snapshots import Snapshots
 from chatkv.storage import kv_store
 from chatkv.storage.kv_store import KVStore
 from chatkv.storage.repository import Store
-from tests.tiny import make_model
+
+pytestmark = pytest.mark.tiny_model("llama", seed=11)
 
 MAX_TOKENS = 5
 GREEDY = dict(max_tokens=MAX_TOKENS, temperature=0.0)
@@ -63,13 +64,6 @@ ERRNOS = {"ENOSPC": errno.ENOSPC, "EROFS": errno.EROFS}
 
 class Injected(Exception):
     """The exception an engine fault raises (not a RuntimeError, so nothing swallows it)."""
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("model")
-    make_model(d, "llama", seed=11)
-    return d
 
 
 @pytest.fixture(scope="module")

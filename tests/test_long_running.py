@@ -14,7 +14,9 @@ import pytest
 from chatkv.config import EngineConfig
 from chatkv.engine import Engine
 from chatkv.sampling import SamplingParams
-from tests.tiny import VOCAB, make_model
+from tests.tiny import VOCAB
+
+pytestmark = pytest.mark.tiny_model("llama", seed=13)
 
 BLOCK = 8
 REQUESTS, BATCH = 2000, 50
@@ -24,13 +26,6 @@ QUESTIONS = [
     "The quick brown fox jumps over the lazy dog.",
     "Key-value caches keep attention state.",
 ]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("model")
-    make_model(d, "llama", seed=13)
-    return d
 
 
 def prompt(i: int) -> list[int]:

@@ -9,7 +9,8 @@ import pytest
 from chatkv import Engine, InvalidRequest
 from chatkv import rag as rag_context
 from chatkv.config import EngineConfig
-from tests.tiny import make_model
+
+pytestmark = pytest.mark.tiny_model("llama", seed=21, max_position_embeddings=1024)
 
 GREEDY = dict(max_tokens=4, temperature=0.0)
 DOCS = {
@@ -20,13 +21,6 @@ DOCS = {
     "bread.md": "# Bread\n\nSourdough rises with a starter of wild yeast. Proof the dough overnight in a cool place.\n\n"
     "## Baking\n\nBake at 230 C with steam for the first twenty minutes.",
 }
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("rag-model")
-    make_model(d, "llama", seed=21, max_position_embeddings=1024)
-    return d
 
 
 @pytest.fixture(scope="module")

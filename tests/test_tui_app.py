@@ -21,9 +21,8 @@ from chatkv.tui.widgets.chat import ChatInput, ChatMessage, StatusLine  # noqa: 
 from chatkv.tui.widgets.sidebar import ConversationItem  # noqa: E402
 from chatkv.tui.widgets.sources import SourcesPanel  # noqa: E402
 from chatkv.tui.widgets.text import safe_text  # noqa: E402
-from tests.tiny import make_model  # noqa: E402
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.tiny_model("llama", seed=3)]
 SIZE = (100, 32)
 FAST = dict(max_tokens=6, temperature=0.0)
 
@@ -31,13 +30,6 @@ FAST = dict(max_tokens=6, temperature=0.0)
 @pytest.fixture
 def anyio_backend():
     return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tui-model")
-    make_model(d, "llama", seed=3)
-    return d
 
 
 @pytest.fixture
