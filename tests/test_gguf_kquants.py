@@ -22,7 +22,7 @@ from gguf.quants import Q4_K, dequantize, quantize
 from chatkv.config import EngineConfig
 from chatkv.quant import GROUP, Int4Linear, dequantize_gguf_blocks, from_gguf_blocks, kquant_scale_min, quantize_int4
 from chatkv.weights import convert_gguf
-from chatkv.weights.gguf import QUANT_FILE, _hf_name, read_q4, unpermute_rotary
+from chatkv.weights.gguf import _hf_name, read_q4, read_wide, unpermute_rotary
 from chatkv.weights.loading import read_weights
 from tests.kquant_fixtures import LAYERS, N_HEAD, N_KV, fixture
 
@@ -129,9 +129,21 @@ def gguf_tensors(kind: str):
 
 
 @pytest.fixture(scope="module")
-def q4_k_m_dir(tmp_path_factory) -> Path:
-    return convert_gguf(fixture("Q4_K_M"), tmp_path_factory.mktemp("q4km") / "model", dtype=torch.float32,
-                        progress=False)
+def float32_dirs(tmp_path_factory):
+    """kind -> the fixture converted in float32 (the exact dequantisation), converted once per module."""
+    root, done = tmp_path_factory.mktemp("converted"), {}
+
+    def get(kind: str) -> Path:
+        if kind not in done:
+            done[kind] = convert_gguf(fixture(kind), root / kind, dtype=torch.float32, progress=False)
+        return done[kind]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def q4_k_m_dir(float32_dirs) -> Path:
+    return float32_dirs("Q4_K_M")
 
 
 @pytest.mark.parametrize("kind", list(EXPECTED_TYPES))
@@ -173,6 +185,7 @@ def test_converted_q4_k_m_keeps_the_files_4_bit_numbers(q4_k_m_dir):
         assert torch.equal(q.codes, mine.codes), hf
         assert np.array_equal(bits(q.scale), bits(mine.scale)) and np.array_equal(bits(q.minimum), bits(mine.minimum))
         assert torch.equal(q.dequantize(), floats[hf]), hf  # the float model is these numbers
+    assert read_wide(q4_k_m_dir) == {"layers.1.self_attn.v_proj.weight": "Q6_K", "layers.1.mlp.down_proj.weight": "Q6_K"}
     for t in gguf_tensors("Q4_K_M"):
         if t.tensor_type.name == "Q6_K":  # the float model is the file's exact values
             shape = (int(t.shape[1]), int(t.shape[0]))
@@ -204,7 +217,7 @@ def test_an_engine_runs_the_q4_k_m_file_natively_in_int4(tmp_path):
 # quantises activations to 8 bits, so even the exact float32 dequantisation differs from it.
 
 
-def exact_and_llama(kind: str, tmp: Path):
+def exact_and_llama(model_dir: Path, kind: str):
     from safetensors.torch import load_file
 
     from chatkv.model import LlamaModel
@@ -212,7 +225,6 @@ def exact_and_llama(kind: str, tmp: Path):
     from tests.kquant_fixtures import REFERENCE, prompts
 
     ref = load_file(str(REFERENCE))
-    model_dir = convert_gguf(fixture(kind), tmp / kind, dtype=torch.float32, progress=False)
     config, weights = load_config(model_dir), read_weights(model_dir)
     return config, weights, [(ids, ref[f"{kind}.{i}.logits"]) for i, ids in enumerate(prompts())], LlamaModel
 
@@ -237,15 +249,15 @@ def distance(model, cases) -> tuple[float, float, float]:
 
 
 @pytest.mark.parametrize("kind", list(EXPECTED_TYPES))
-def test_the_exact_dequantisation_computes_what_llama_cpp_computes(kind, tmp_path):
+def test_the_exact_dequantisation_computes_what_llama_cpp_computes(kind, float32_dirs):
     """Our decoders and the converter, end to end: the float32 model of each file is llama.cpp's
     within its own activation rounding (measured 0.31 mean / 0.53-0.60 max, logits' std 5.2)."""
-    config, weights, cases, LlamaModel = exact_and_llama(kind, tmp_path)
+    config, weights, cases, LlamaModel = exact_and_llama(float32_dirs(kind), kind)
     mean, worst, top = distance(LlamaModel(config, weights, torch.float32), cases)
     assert mean < 0.4 and worst < 0.8 and top >= 0.95, (mean, worst, top)
 
 
-def test_q4_k_m_wide_tensors_pass_the_llama_cpp_gate_as_int8_and_fail_it_as_int4(tmp_path):
+def test_q4_k_m_wide_tensors_pass_the_llama_cpp_gate_as_int8_and_fail_it_as_int4(q4_k_m_dir):
     """The measured choice for Q6_K projections (docs/weights.md, "GGUF K-quants"): the Q4_K_M
     fixture's Q4_K tensors exact, its two Q6_K projections requantised, float32 compute, against
     llama.cpp's logits. The gate is tests/test_quant_weights.py's: within 1.5x the exact
@@ -253,7 +265,7 @@ def test_q4_k_m_wide_tensors_pass_the_llama_cpp_gate_as_int8_and_fail_it_as_int4
     1.03x / 0.98x); int4 groups of 32 do not (2.5x / 2.2x)."""
     from chatkv.quant import quantize_int8
 
-    config, weights, cases, LlamaModel = exact_and_llama("Q4_K_M", tmp_path)
+    config, weights, cases, LlamaModel = exact_and_llama(q4_k_m_dir, "Q4_K_M")
     wide = [read_name(t.name) for t in gguf_tensors("Q4_K_M") if t.tensor_type.name == "Q6_K" and t.name != "output.weight"]
     assert len(wide) == 2
     exact = distance(LlamaModel(config, weights, torch.float32), cases)

