@@ -1,8 +1,9 @@
 """Quantised projection weights for CPU decode: int4 in groups of 32, int8 per output channel.
 
 Batch-1 decode streams every weight once per token, so its time follows the weights' bytes.
-A GGUF's Q4_0/Q4_1 tensors are computed as they are stored, and a float weight (a Hugging
-Face directory, or a GGUF's float or Q8_0 tensor) is quantised on load:
+A GGUF's Q4_0/Q4_1/Q4_K tensors are computed as they are stored, and a float weight (a Hugging
+Face directory, or a GGUF's float, Q8_0, Q5 or Q6 tensor, decoded exactly by
+``dequantize_gguf_blocks``) is quantised on load:
 
 - **int4** (``Int4Linear``): per group of 32 inputs, ``w = code * scale + minimum`` with
   ``code`` in 0..15, which is exactly GGUF's Q4_1 (Q4_0 is the case ``minimum = -8 * scale``).

@@ -6,6 +6,11 @@
   own quantiser's blocks.
 - Q4_K is int4 groups of 32 as stored: ``from_gguf_blocks`` keeps its codes, with
   ``scale = d * sc`` and ``minimum = -dmin * m``, and torch's int4 kernel computes with them.
+- llama.cpp's own files (tests/data/tiny-*.gguf, made by its llama-quantize: tests/kquant_fixtures.py):
+  the types it chose, every tensor bit for bit, the converted Q4_K_M's 4-bit numbers exactly the
+  file's, an Engine running it int4 natively, each file's exact dequantisation against
+  llama.cpp's logits, and the measured choice for Q6_K projections (int8 passes llama.cpp's
+  gate, int4 groups fail it).
 """
 
 from __future__ import annotations
