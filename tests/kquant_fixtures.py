@@ -2,8 +2,12 @@
 llama.cpp's own ``llama-quantize`` (no one here wrote the quantiser), and llama.cpp's logits on it.
 
     # llama-quantize from the llama.cpp tree inside llama-cpp-python 0.3.36's sdist
-    # (../shared/notes/peers.md: cmake configure, then --target llama-quantize)
-    .venv/bin/python tests/kquant_fixtures.py path/to/llama-quantize
+    # (../shared/notes/peers.md: cmake configure with -DBUILD_SHARED_LIBS=ON, then
+    # --target llama-quantize llama); the logits through the sdist's own Python package:
+    LLAMA_CPP_LIB_PATH=$TREE/build/bin PYTHONPATH=$SDIST:<dir with diskcache> \
+        .venv/bin/python tests/kquant_fixtures.py $TREE/build/bin/llama-quantize
+
+Rerunning it writes the same bytes (seeded weights; llama-quantize is deterministic).
 
 The model (``write_f16``): 2 layers, hidden 256, 4 heads of 64 (2 KV heads), MLP 256, an
 untied output matrix, a byte-level vocabulary of 261 tokens; every width a multiple of 256 so
