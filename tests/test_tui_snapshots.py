@@ -9,7 +9,10 @@ import pytest
 pytest.importorskip("pytest_textual_snapshot")
 
 from chatkv.tui.app import ChatApp  # noqa: E402
-from tests.test_tui_app import engine, idle, model_dir  # noqa: E402,F401  (the same fixtures: tiny model, real engine)
+from tests.test_tui_app import engine, idle  # noqa: E402,F401  (the same fixtures: tiny model, real engine)
+
+# the same tiny model as tests/test_tui_app.py (conftest's model_dir builds it): the replies repeat
+pytestmark = pytest.mark.tiny_model("llama", seed=3)
 
 SIZE = (100, 32)
 FAST = dict(max_tokens=8, temperature=0.0)
