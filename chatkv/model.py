@@ -66,6 +66,20 @@ except (AttributeError, RuntimeError):  # a torch build without oneDNN
 #: Weight modes of the projections and of the output matrix (chatkv.quant): float = the model's dtype.
 WEIGHT_MODES = ("float", "int4", "int8")
 
+#: A layer's projections as they are fused and stored: q, k, v; o; gate, up; down.
+PROJECTION_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+                     ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
+
+def projection_mode(names: list[str], mode: str, q4: dict) -> str:
+    """The mode one fused group of projections ``names`` computes in. In int4 mode on a GGUF
+    (``q4``: its own 4-bit tensors), a group holding a wider tensor (Q5_0/Q5_1/Q5_K/Q6_K/Q8_0,
+    decoded exactly into the float model) is int8 per channel: measured within llama.cpp's
+    gate where int4 groups are 3.3x outside it (docs/weights.md, "GGUF K-quants")."""
+    if mode == "int4" and q4 and any(n not in q4 for n in names):
+        return "int8"
+    return mode
+
 
 class Linear:
     """``y = x @ weight.T + bias``, with the weight stored for the fastest matmul on its device.
@@ -218,28 +232,27 @@ class LlamaModel:
 
         windows = _layer_windows(config)
         self.layers: list[Layer] = []
+        gguf_q4 = dict.fromkeys(q4)  # the file's own 4-bit names, kept while ``consume`` empties q4
+        self.int8_groups = 0  # int4 mode: groups that hold a GGUF's wider tensor, computed in int8
         for i in range(self.num_layers):
             p = f"layers.{i}."
-            attn, mlp = p + "self_attn.", p + "mlp."
+            attn = p + "self_attn."
             qk_norm = None
             if attn + "q_norm.weight" in weights:
                 qk_norm = torch.cat(
                     [w(attn + "q_norm.weight").expand(self.num_heads, -1), w(attn + "k_norm.weight").expand(self.num_kv_heads, -1)]
                 )
-            self.layers.append(
-                Layer(
-                    input_norm=w(p + "input_layernorm.weight"),
-                    qkv=proj([attn + f"{x}_proj.weight" for x in "qkv"], cat_opt([attn + f"{x}_proj.bias" for x in "qkv"]),
-                             weights_mode),
-                    o=proj([attn + "o_proj.weight"], opt(attn + "o_proj.bias"), weights_mode),
-                    qk_norm=qk_norm,
-                    post_norm=w(p + "post_attention_layernorm.weight"),
-                    gate_up=proj([mlp + "gate_proj.weight", mlp + "up_proj.weight"],
-                                 cat_opt([mlp + "gate_proj.bias", mlp + "up_proj.bias"]), weights_mode),
-                    down=proj([mlp + "down_proj.weight"], opt(mlp + "down_proj.bias"), weights_mode),
-                    window=windows[i],
-                )
-            )
+            stored = []
+            for group in PROJECTION_GROUPS:
+                names = [f"{p}{g}.weight" for g in group]
+                mode = projection_mode(names, weights_mode, gguf_q4)
+                self.int8_groups += mode != weights_mode
+                bias = cat_opt([f"{p}{g}.bias" for g in group]) if len(group) > 1 else opt(f"{p}{group[0]}.bias")
+                stored.append(proj(names, bias, mode))
+            qkv, o, gate_up, down = stored
+            self.layers.append(Layer(input_norm=w(p + "input_layernorm.weight"), qkv=qkv, o=o, qk_norm=qk_norm,
+                                     post_norm=w(p + "post_attention_layernorm.weight"), gate_up=gate_up, down=down,
+                                     window=windows[i]))
         self.embed = w("embed_tokens.weight")
         self.norm = w("norm.weight")
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights

@@ -129,11 +129,25 @@ def reference_weight(name: str, t: torch.Tensor, how: str, q4: dict) -> torch.Te
     return t.float()
 
 
+def group_modes(config, mode: str, q4: dict) -> dict[str, str]:
+    """Each projection's mode as chatkv.model stores it (``projection_mode`` of its fused group)."""
+    from chatkv.model import PROJECTION_GROUPS, projection_mode
+
+    out = {}
+    for i in range(config.num_hidden_layers):
+        for group in PROJECTION_GROUPS:
+            names = [f"layers.{i}.{g}.weight" for g in group]
+            for n in names:
+                out[n] = projection_mode(names, mode, q4)
+    return out
+
+
 def reference_model(config, weights: dict, q4: dict, mode: str, head: str):
     """The float32 model computing exactly the numbers ``mode``/``head`` store, with plain F.linear."""
     from chatkv.model import Linear, LlamaModel
 
-    ref = {n: reference_weight(n, t, mode, q4) if n.endswith(_PROJ) else t.float() for n, t in weights.items()}
+    modes = group_modes(config, mode, q4)
+    ref = {n: reference_weight(n, t, modes.get(n, mode), q4) if n.endswith(_PROJ) else t.float() for n, t in weights.items()}
     model = LlamaModel(config, ref, torch.float32, pack=False)
     if head != "float":
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
@@ -202,6 +216,10 @@ def load_checked(model_dir: Path, choice, config, tokenizer, base_fingerprint: s
             return model, choice
         verdict = verify(model, model_dir, choice.fingerprint(base_fingerprint), tokenizer, config.quant_dense_rows)
         if verdict.ok:
+            if getattr(model, "int8_groups", 0):
+                choice = WeightChoice(choice.dtype, choice.weights, choice.head,
+                                      f"{choice.label}; {model.int8_groups} projection groups holding the GGUF's wider "
+                                      "tensors (Q5/Q6/Q8) in int8")
             return model, choice
         what = f"weights {choice.weights} (output matrix {choice.head}) failed their check on this CPU ({cpu_model()}): {verdict.reason}"
         if explicit:

@@ -209,10 +209,39 @@ def test_an_engine_runs_the_q4_k_m_file_natively_in_int4(tmp_path):
     model_dir = convert_gguf(fixture("Q4_K_M"), tmp_path / "model", progress=False)  # bf16, as a user's
     engine = Engine(model_dir, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=16))
     assert engine.weights.weights == "int4" and "GGUF's own 4-bit weights" in engine.weights.label
-    layer = engine.model.layers[0]
-    assert all(isinstance(p, Int4Linear) for p in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    # the file's Q4_K projections run on the int4 kernel as stored; a fused group holding one of
+    # its wider (Q6_K) projections runs int8 per channel (chatkv.model.projection_mode)
+    from chatkv.quant import Int8Linear
+    from chatkv.weights.gguf import read_q4
+
+    own = read_q4(model_dir)
+    groups = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+    int8 = 0
+    for i, layer in enumerate(engine.model.layers):
+        for field, parts in groups.items():
+            sub = "mlp" if field in ("gate_up", "down") else "self_attn"
+            names = [f"layers.{i}.{sub}.{x}_proj.weight" for x in parts]
+            wide = any(n not in own for n in names)
+            assert isinstance(getattr(layer, field), Int8Linear if wide else Int4Linear), (i, field)
+            int8 += wide
+    assert int8 == engine.model.int8_groups == 2 and "2 projection groups" in engine.weights.label
     out = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert len(out[0].token_ids) == 4
+
+
+def test_the_engine_as_shipped_on_the_q4_k_m_file_passes_the_llama_cpp_gate(tmp_path, q4_k_m_dir):
+    """What ``auto`` runs on a Q4_K_M file (int4 as stored, the Q6_K groups int8, the int8 output
+    matrix, bf16 activations) within 1.5x of the exact dequantisation's distance to llama.cpp's
+    own logits, mean and max (tests/test_quant_weights.py's gate)."""
+    from chatkv.engine import Engine
+
+    config, weights, cases, LlamaModel = exact_and_llama(q4_k_m_dir, "Q4_K_M")
+    exact = distance(LlamaModel(config, weights, torch.float32), cases)
+    model_dir = convert_gguf(fixture("Q4_K_M"), tmp_path / "model", progress=False)
+    engine = Engine(model_dir, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=16))
+    assert (engine.weights.weights, engine.weights.head) == ("int4", "int8")
+    mean, worst, top = distance(engine.model, cases)
+    assert mean <= 1.5 * exact[0] and worst <= 1.5 * exact[1], (mean, worst, exact)
 
 
 # =========================================================================== against llama.cpp
