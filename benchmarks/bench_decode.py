@@ -11,8 +11,11 @@ Q4_1 weights, ``h8``/``h4`` = the output matrix in int8/int4 too):
   (8 x each sequence's decode rate). transformers: one left-padded ``generate`` of the 8.
   llama.cpp's batched peer is its server (benchmarks/bench_serve.py).
 - TTFT of a 1k-token prompt (prefill and the first token; no cached prefix).
-- peak resident memory (VmHWM) of a process that loads the mode and decodes, with a KV pool of
-  2,048 tokens and no host tier, as llama.cpp's context of 2,048 (a child process each).
+- peak resident memory (VmHWM) of a process that loads the mode, prefills the 1k-token prompt
+  and decodes, with a KV pool of 2,048 tokens and no host tier, as llama.cpp's context of
+  2,048 (a child process each).
+- ``--gguf FILE``: another GGUF (a Q4_K_M, say), converted once into the data directory; chatkv
+  and llama.cpp both run that file.
 - ``--busy N``: batch-1 decode again with N processes spinning a pure-Python loop beside it
   (one busy core each), chatkv and llama.cpp in the same run; each one's slowdown against its
   own quiet rate, and chatkv vs llama.cpp under that load.
@@ -127,9 +130,11 @@ def long_prompt(tokenizer, n: int) -> list[int]:
     return tokenizer(ppl_text())["input_ids"][:n]
 
 
-def peak_rss(mode: str, args) -> str:
-    """"peak / after" MiB: a child process loads ``mode`` (or llama.cpp) and decodes 32 tokens."""
-    cmd = [sys.executable, __file__, "--child", mode, "--threads", str(args.threads)]
+def peak_rss(mode: str, args, model_dir: Path) -> str:
+    """"peak / after" MiB: a child process loads ``mode`` (or llama.cpp), prefills a
+    ``--prefill-tokens`` prompt and decodes 32 tokens."""
+    cmd = [sys.executable, __file__, "--child", mode, "--threads", str(args.threads), "--model", str(model_dir),
+           "--prefill-tokens", str(args.prefill_tokens)] + (["--gguf", args.gguf] if args.gguf else [])
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         return "failed"
@@ -137,21 +142,23 @@ def peak_rss(mode: str, args) -> str:
     return f"{got['peak_mib']:.0f} / {got['rss_mib']:.0f}"
 
 
-def child(mode: str, threads: int) -> None:
-    torch.set_num_threads(threads)
-    if mode == "llama.cpp":
-        llm = load_llama_cpp(threads)
-        from chatkv.weights import ensure_default_model, load_tokenizer
+def child(mode: str, args) -> None:
+    torch.set_num_threads(args.threads)
+    from chatkv.weights import load_tokenizer
 
-        ids = load_tokenizer(ensure_default_model()).apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    tokenizer = load_tokenizer(args.model)
+    longp = long_prompt(tokenizer, args.prefill_tokens)
+    if mode == "llama.cpp":
+        llm = load_llama_cpp(args.threads, args.gguf)
+        ids = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+        llama_ttft(llm, longp)
         llama_decode(llm, llm.tokenize(ids.encode(), special=True), 32)
     else:
-        from chatkv.weights import ensure_default_model
-
         from chatkv.engine import Engine
 
         # llama.cpp's context here: 2,048 tokens of KV, no host tier
-        engine = Engine.from_pretrained(ensure_default_model(), num_blocks=128, host_cache_bytes=0, **spec(mode))
+        engine = Engine.from_pretrained(args.model, num_blocks=128, host_cache_bytes=0, **spec(mode))
+        chatkv_ttft(engine, longp)
         chatkv_decode(engine, engine.encode_chat(CHAT), 32)
     # VmHWM, not getrusage's ru_maxrss: Linux carries ru_maxrss over fork and execve, so a child
     # of this (big) benchmark process would report the parent's peak
@@ -171,14 +178,23 @@ def main() -> None:
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
     p.add_argument("--busy", type=int, default=0, help="also decode beside N busy processes (one core each)")
+    p.add_argument("--gguf", default=None, help="a GGUF file (e.g. a Q4_K_M): converted once, and llama.cpp runs the same file")
     p.add_argument("--child", default=None, help=argparse_hidden())
     args = p.parse_args()
     if args.child:
-        return child(args.child, args.threads)
+        return child(args.child, args)
     model_dir = setup(args)
+    if args.gguf:
+        from chatkv.storage.paths import data_dir
+        from chatkv.weights.gguf import convert_gguf
+
+        gguf = Path(args.gguf)
+        model_dir = data_dir() / "models" / f"bench-{gguf.stem}"
+        if not (model_dir / "config.json").is_file():
+            convert_gguf(gguf, model_dir)
     other = OtherLoad()
     n, modes = args.tokens, args.modes.split(",")
-    llm = None if args.no_llama_cpp or args.model else load_llama_cpp(args.threads)
+    llm = None if args.no_llama_cpp or args.model else load_llama_cpp(args.threads, args.gguf)
     engines = {m: load(model_dir, m) for m in modes}
     hf = load_hf(model_dir, "bf16")
     first = engines[modes[0]]
@@ -219,7 +235,7 @@ def main() -> None:
                     busy_rate[m].append(chatkv_decode(e, ids, n)[0])
                 if llm is not None:
                     busy_lc.append(llama_decode(llm, ids, n)[0])
-    mem = {} if args.no_memory else {m: peak_rss(m, args) for m in modes + (["llama.cpp"] if llm is not None else [])}
+    mem = {} if args.no_memory else {m: peak_rss(m, args, model_dir) for m in modes + (["llama.cpp"] if llm is not None else [])}
 
     hf_rate, hf_b = median(ref), median(ref_b)
     lc_rate = median(lc) if lc else None

@@ -68,15 +68,17 @@ def load_hf(model_dir: Path, dtype: str):
     return model
 
 
-def load_llama_cpp(threads: int):
-    """llama.cpp on the packaged GGUF (its own quantised weights), or None if llama_cpp is not installed."""
+def load_llama_cpp(threads: int, gguf: str | Path | None = None):
+    """llama.cpp on ``gguf`` (default: the packaged GGUF; its own quantised weights), or None if
+    llama_cpp is not installed."""
     try:
         import llama_cpp
     except ImportError:
         return None
     from chatkv.weights import packaged_gguf_path
 
-    return llama_cpp.Llama(model_path=str(packaged_gguf_path()), n_threads=threads, n_ctx=2048, verbose=False)
+    path = gguf or packaged_gguf_path()
+    return llama_cpp.Llama(model_path=str(path), n_threads=threads, n_ctx=2048, verbose=False)
 
 
 def hf_generate(model, ids: list[int], n: int):

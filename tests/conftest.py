@@ -12,11 +12,15 @@ request for the KV manager and scheduler tests)."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 
-_cache = tempfile.mkdtemp(prefix="chatkv-test-cache-")
-os.environ.setdefault("CHATKV_CACHE_DIR", _cache)
+if "CHATKV_CACHE_DIR" not in os.environ:  # one per run, removed when the run ends
+    _cache = tempfile.mkdtemp(prefix="chatkv-test-cache-")
+    os.environ["CHATKV_CACHE_DIR"] = _cache
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
 
 
 import pytest  # noqa: E402
