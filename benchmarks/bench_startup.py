@@ -9,7 +9,12 @@ with the ratio to the baselines measured in the same run:
 - ``import torch, transformers``: the floor any Python stack on these libraries pays;
 - llama.cpp (llama-cpp-python on the same packaged GGUF): load, 8 tokens of the same prompt.
 
-    .venv/bin/python benchmarks/bench_startup.py [--repeats 3]
+    .venv/bin/python benchmarks/bench_startup.py [--repeats 3] [--before DIR]
+
+``--before DIR``: also time an earlier chatkv installed into DIR (``git worktree add /tmp/old REV
+&& .venv/bin/pip install --no-deps --no-build-isolation --target DIR /tmp/old``), run by this
+venv's Python with the editable install of this checkout taken off the import path: the start-up
+before and after a change, in one run.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ def run(cmd: list[str], env: dict) -> tuple[float, float, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--before", default=None, help="a directory holding an earlier chatkv (pip install --target)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from common import cpu_line, load_average
@@ -56,6 +62,11 @@ def main() -> None:
         "import torch, transformers": [PY, "-c", "import torch, transformers"],
         "chatkv one-shot": [CHATKV, "--max-tokens", "8", PROMPT],
     }
+    if args.before:
+        code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
+                f"sys.path.insert(0, {args.before!r}); from chatkv.tui.cli import main; "
+                "sys.argv = ['chatkv'] + sys.argv[1:]; sys.exit(main())")
+        commands["chatkv one-shot, --before"] = [PY, "-c", code, "--max-tokens", "8", PROMPT]
     try:
         import importlib.util
 
