@@ -254,7 +254,7 @@ def main() -> None:
     print(f"{len(ids)}-token chat prompt, {n} greedy tokens (EOS ignored), threads={args.threads}, "
           f"median of {args.repeats}, load average {load_average()}, {other}")
     print(f"transformers bf16: {hf_rate:.1f} tok/s batch 1, {hf_b:.1f} batch 8" + (
-        f"; llama.cpp (GGUF Q4_1): {lc_rate:.1f} tok/s batch 1, memory peak / after {mem.get('llama.cpp', '-')} MiB" if lc_rate else
+        f"; llama.cpp ({Path(args.gguf).name if args.gguf else 'the packaged GGUF, Q4_1'}): {lc_rate:.1f} tok/s batch 1, memory peak / after {mem.get('llama.cpp', '-')} MiB" if lc_rate else
         "; llama.cpp: llama_cpp not importable, skipped (pip install llama-cpp-python==0.3.36)"))
     print_table("batch-1 decode tokens/s (prefill excluded)",
                 ["weights", "chatkv tok/s", "vs transformers bf16", "goal", "vs llama.cpp", "goal", "MiB peak / after",
