@@ -102,7 +102,7 @@ def test_pipe_mode_prints_the_reply_alone_on_stdout(model_dir, tmp_path, monkeyp
     out = capsys.readouterr()
     assert calls == []
     conv_id = out.err.split("conversation ")[1].split(".")[0]
-    from chatkv.tui.text import safe_text
+    from chatkv.tui.terminal_text import safe_text
 
     assert out.out == safe_text(_stored_reply(model_dir, tmp_path, conv_id)) + "\n"  # no banner, no "> " prompts
     assert "> " not in out.out and "conversation" not in out.out
@@ -241,7 +241,7 @@ def test_streamed_replies_and_sources_are_made_safe(capsys):
 
 
 def test_safe_text():
-    from chatkv.tui.text import SafeStream, safe_text
+    from chatkv.tui.terminal_text import SafeStream, safe_text
 
     assert safe_text("\x1b]0;pwned\x07Title") == "Title"  # OSC, BEL-terminated
     assert safe_text("\x1b]8;;http://x\x1b\\link\x1b]8;;\x1b\\") == "link"  # OSC, ST-terminated (hyperlink)

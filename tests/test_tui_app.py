@@ -20,7 +20,7 @@ from chatkv.tui.screens.dialogs import ConfirmScreen, HelpScreen, PromptScreen, 
 from chatkv.tui.widgets.chat import ChatInput, ChatMessage, StatusLine  # noqa: E402
 from chatkv.tui.widgets.sidebar import ConversationItem  # noqa: E402
 from chatkv.tui.widgets.sources import SourcesPanel  # noqa: E402
-from chatkv.tui.widgets.text import safe_text  # noqa: E402
+from chatkv.tui.widgets.titles import safe_text  # noqa: E402
 
 pytestmark = [pytest.mark.anyio, pytest.mark.tiny_model("llama", seed=3)]
 SIZE = (100, 32)

@@ -9,7 +9,7 @@ workers (never blocking the message loop); a streaming turn posts its pieces bac
 The app calls only the public SDK.
 
 This module holds the app's layout, state, start-up, shared helpers, event routing and
-quitting; the rest is mixed in: turns (tui/turns.py), conversations (tui/conversations.py),
+quitting; the rest is mixed in: turns (tui/chat_turns.py), conversations (tui/conversations.py),
 slash commands, actions and the command palette (tui/commands.py); the engine thread is
 tui/engine_thread.py.
 """
@@ -34,11 +34,11 @@ from chatkv.outputs import Usage
 from chatkv.tui.commands import CommandsMixin
 from chatkv.tui.conversations import ConversationsMixin
 from chatkv.tui.engine_thread import EngineThread
-from chatkv.tui.turns import TurnsMixin
+from chatkv.tui.chat_turns import TurnsMixin
 from chatkv.tui.widgets.chat import ChatInput, ChatMessage, StatusLine
 from chatkv.tui.widgets.sidebar import Sidebar
 from chatkv.tui.widgets.sources import SourcesPanel
-from chatkv.tui.widgets.text import safe_text, status_text
+from chatkv.tui.widgets.titles import safe_text, status_text
 
 
 @dataclass

@@ -13,7 +13,7 @@
     chatkv ingest docs/ --kb python-docs; chatkv kb list | info | search | remove   (tui/kb_cli.py)
     chatkv serve [--host 127.0.0.1] [--port 8000] [--api-key KEY]   # OpenAI-compatible HTTP (chatkv/server/cli.py)
 
-Stored text reaches the terminal only through ``tui/text.py``'s ``safe_text`` (no control
+Stored text reaches the terminal only through ``tui/terminal_text.py``'s ``safe_text`` (no control
 sequences). Only the public SDK is used here.
 
 No traceback reaches a person: a closed stdin is input that has ended; a stdout whose reader
@@ -35,7 +35,7 @@ from chatkv.engine import Engine
 from chatkv.outputs import GenerationResult, Reply
 from chatkv.sampling import SamplingParams
 from chatkv.tui.failures import Stdout, check_data_dir, error, note
-from chatkv.tui.text import SafeStream, safe_text
+from chatkv.tui.terminal_text import SafeStream, safe_text
 
 LATEST = "latest"  # --resume without an id
 # The sampling options; None = not given. Line mode fills in DEFAULTS, the app gets only what was given.

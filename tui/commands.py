@@ -19,7 +19,7 @@ from chatkv.tui.screens.dialogs import HelpScreen, PromptScreen, SettingsScreen
 from chatkv.tui.widgets.chat import ChatMessage
 from chatkv.tui.widgets.sidebar import Sidebar
 from chatkv.tui.widgets.sources import SourcesPanel
-from chatkv.tui.widgets.text import safe_text
+from chatkv.tui.widgets.titles import safe_text
 
 EXPORT_FORMATS = {"md": ("markdown", "md"), "markdown": ("markdown", "md"), "json": ("json", "json")}
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from chatkv.tui.screens.dialogs import ConfirmScreen, PromptScreen
 from chatkv.tui.widgets.chat import ChatInput
-from chatkv.tui.widgets.text import one_line
+from chatkv.tui.widgets.titles import one_line
 
 
 class ConversationsMixin:

@@ -15,7 +15,7 @@ import sys
 import tempfile
 
 from chatkv.errors import StorageError
-from chatkv.tui.text import safe_text
+from chatkv.tui.terminal_text import safe_text
 
 
 def error(message: object) -> None:

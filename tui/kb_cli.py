@@ -5,7 +5,7 @@
     chatkv kb info python-docs
     chatkv kb search python-docs "how do decorators work?" [-k 5] [--mode hybrid|dense|lexical]
     chatkv kb remove python-docs docs/old.md
-    (each takes --data-dir DIR; stored names, sources and text are printed through tui/text.py's safe_text)
+    (each takes --data-dir DIR; stored names, sources and text are printed through tui/terminal_text.py's safe_text)
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from chatkv.retrieval import KnowledgeBase
 from chatkv.tui.failures import Stdout, check_data_dir, note
-from chatkv.tui.text import safe_text
+from chatkv.tui.terminal_text import safe_text
 
 
 def parser() -> argparse.ArgumentParser:

@@ -7,7 +7,7 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, Markdown, TextArea
 
-from chatkv.tui.widgets.text import safe_text
+from chatkv.tui.widgets.titles import safe_text
 
 
 class ConfirmScreen(ModalScreen[bool]):

@@ -11,7 +11,7 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Markdown, Static, TextArea
 
-from chatkv.tui.widgets.text import one_line, safe_text
+from chatkv.tui.widgets.titles import one_line, safe_text
 
 
 class ChatMessage(Vertical, can_focus=True):

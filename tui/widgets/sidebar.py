@@ -8,7 +8,7 @@ from textual.containers import Vertical
 from textual.message import Message
 from textual.widgets import Input, Label, ListItem, ListView
 
-from chatkv.tui.widgets.text import one_line
+from chatkv.tui.widgets.titles import one_line
 
 
 class ConversationItem(ListItem):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from textual.containers import VerticalScroll
 from textual.widgets import Markdown, Static
 
-from chatkv.tui.widgets.text import safe_text
+from chatkv.tui.widgets.titles import safe_text
 
 
 class SourcesPanel(VerticalScroll):

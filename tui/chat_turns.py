@@ -19,7 +19,7 @@ from chatkv.errors import ChatKVError
 from chatkv.outputs import Reply, Usage
 from chatkv.sampling import SamplingParams
 from chatkv.tui.widgets.chat import StatusLine
-from chatkv.tui.widgets.text import safe_text
+from chatkv.tui.widgets.titles import safe_text
 
 
 @dataclass

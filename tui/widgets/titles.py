@@ -1,8 +1,8 @@
-"""Titles and the status line, made from stored text that ``chatkv.tui.text.safe_text`` cleans."""
+"""Titles and the status line, made from stored text that ``chatkv.tui.terminal_text.safe_text`` cleans."""
 
 from __future__ import annotations
 
-from chatkv.tui.text import safe_text  # the one sanitiser, shared with the line mode
+from chatkv.tui.terminal_text import safe_text  # the one sanitiser, shared with the line mode
 
 __all__ = ["one_line", "safe_text", "status_text"]
 
