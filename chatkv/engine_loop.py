@@ -1,5 +1,9 @@
 """The engine loop: one background thread owns the engine's state and runs its steps.
 
+(Past ~400 lines on purpose: the loop's admission, its stop and the close() gate share one
+lock and one queue; split, the order in which they are taken could no longer be read in one
+place. Issue 21's single engine driver is where it shrinks.)
+
 After ``engine.start()`` every request, session turn and KV operation reaches the engine
 through this loop, from any thread or from asyncio:
 

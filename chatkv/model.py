@@ -1,5 +1,8 @@
 """The Llama-family forward pass over paged KV (llama, qwen2, qwen3, mistral).
 
+(Past ~400 lines on purpose: the weights' stored forms, built in ``__init__``, and the forward
+that reads every field of them are one contract; its precision rules, below, bind both.)
+
 Weights and config come from a Hugging Face directory (read by chatkv.weights).
 One call computes a flattened batch of sequences in mixed phases (prefill chunks
 and single-token decodes); attention reads K/V through block tables.

@@ -1,5 +1,8 @@
 """Knowledge bases: ingest files and texts, search them densely, lexically or both.
 
+(Just past 400 lines: the contracts below are the SDK's documentation of knowledge bases; the
+ingest and search paths already live in ingest.py and search.py.)
+
 A ``KnowledgeBase`` is a named set of documents in the chatkv database (any
 SQLAlchemy URL; SQLite by default), for one tenant. Contracts:
 

@@ -1,5 +1,10 @@
 """The conversation store: conversations, their messages and KV-snapshot records.
 
+(Past ~400 lines on purpose: every read and write of a conversation goes through one
+transaction helper that turns database failures into one StorageError naming the database,
+and owners and message hashes are checked in the same queries; split by table, each part
+would repeat that helper.)
+
 ``Store`` is the only way the rest of chatkv touches the database. Contracts:
 
 - every method returns plain frozen dataclasses (``ConversationInfo``,
