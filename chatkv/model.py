@@ -16,7 +16,8 @@ on the default model; its error against the exact float32 math of the same weigh
 answers on: "What is the capital of France?" is "The" over "L" by 0.10 logits, so which of
 the two a CPU said followed the order of its own kernels' sums (issue 19: Intel answered
 "L'Étoile", AMD "The capital of France is Paris."). float32 halves that error
-(tests/test_weight_paths.py) and costs no measurable decode time.
+(tests/test_weight_paths.py) for about 7% of a decode step: each addition casts the
+projection's bf16 output (benchmarks/README.md, 2026-12-01).
 """
 
 from __future__ import annotations
