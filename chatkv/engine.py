@@ -333,6 +333,8 @@ class Engine:
                 while not all(s.finished for s in seqs):
                     with self._loop.lock:  # close() on another thread may end them meanwhile
                         if not all(s.finished for s in seqs):
+                            if self._loop.closed:
+                                raise self._closed_under(seqs)
                             self.step()
         except BaseException:
             for s in seqs:
@@ -355,6 +357,17 @@ class Engine:
         finally:
             self.abort(seq)  # no-op when finished; frees the blocks if the caller stopped early
 
+    def _closed_under(self, seqs: list[Sequence]) -> EngineClosed:
+        """The error for requests this thread steps that close() finished under without ending
+        them (it ends the scheduler's; one between a step and this thread's look can be missed):
+        they end here, aborted, what they produced kept (held: the loop's lock)."""
+        for s in seqs:
+            if s.error is not None:
+                return s.error
+            self.scheduler.abort(s)
+        return EngineClosed("the engine was closed before this request finished; what it produced is kept",
+                            reply=seqs[0].result())
+
     def drive(self, seq: Sequence) -> Iterator[str]:
         """Step the engine until ``seq`` finishes, yielding its settled new text as it appears.
         Raises the request's own error if it ended with one."""
@@ -365,6 +378,8 @@ class Engine:
         while not seq.finished:
             with self._loop.lock:  # close() on another thread may end it meanwhile
                 if not seq.finished:
+                    if self._loop.closed:
+                        raise self._closed_under([seq])
                     self.step()
                 piece = seq.out.take()
             if piece:
