@@ -227,7 +227,10 @@ class Engine:
         """Stop a request now; what it generated so far stays in its result."""
         if self._loop.closed:  # close() ended every request
             return
-        self.on_loop(lambda: self.scheduler.abort(seq))
+        try:
+            self.on_loop(lambda: self.scheduler.abort(seq))
+        except EngineClosed:  # close() finished between the look above and the lock: it ended them all
+            pass
 
     # -- the engine loop (threads and asyncio) ---------------------------------
 

@@ -227,6 +227,22 @@ def test_close_mid_generate_and_mid_engine_stream(model_dir, tmp_path, mode):
     assert closer.outcome() is None
 
 
+def test_a_callers_abort_racing_the_teardown_leaves_the_request_error_in_place(model_dir, tmp_path):
+    """A caller ending its request (a stream's ``finally``) while close() tears down under the
+    loop's lock: the abort finds the engine closed once it gets the lock. It is a no-op then,
+    never a bare EngineClosed that would replace the request's own error and its reply (the
+    race that failed test_close_mid_generate_and_mid_engine_stream[not_started] in CI)."""
+    eng = engine_at(model_dir, tmp_path)
+    seq = eng.add_request("Once upon a time", SHORT)
+    with eng._loop.lock:  # what _teardown holds while it marks the loop closed
+        aborter = Worker(lambda: eng.abort(seq))
+        aborter.start()
+        time.sleep(0.2)  # it passes its look at ``closed`` (still open) and waits for the lock
+        eng.close(timeout=0)  # same thread: the lock is reentrant
+    assert aborter.outcome() is None
+    assert isinstance(seq.error, EngineClosed) and seq.error.reply is not None
+
+
 # -- within the grace period: what is in flight finishes ---------------------------------------------------
 
 
