@@ -181,7 +181,7 @@ def main() -> None:
     import ray
     from ray import serve
 
-    from chatkv.server.ray_serve import QUIET, ReplicaOptions, ServeOptions, deploy
+    from chatkv.server.ray.deployments import QUIET, ReplicaOptions, ServeOptions, deploy
 
     ray.init(num_cpus=2, object_store_memory=128 * 2**20, include_dashboard=False, logging_level=logging.WARNING,
              runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})

@@ -1,4 +1,4 @@
-"""The routing policy of ``chatkv serve --ray`` (``chatkv/server/ray_routing.py``) and the
+"""The routing policy of ``chatkv serve --ray`` (``chatkv/server/ray/affinity.py``) and the
 ``--ray`` options, without a Ray cluster: what a request is keyed by, what the table learns
 from answers and replica reports, the choice (affinity, yielding under load, least loaded),
 the merged /metrics, and the refusals of bad options. The real cluster is
@@ -14,11 +14,11 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from chatkv.server import ray_cli
+from chatkv.server.ray import options as ray_options
 from chatkv.server.cli import _parser
 from chatkv.server.history import prefix_keys
-from chatkv.server.prom_merge import merge
-from chatkv.server.ray_routing import (KEY_BYTES, STRONG_CHARS, AffinityTable, RouteKeys, choose, prompt_keys,
+from chatkv.server.ray.prom_merge import merge
+from chatkv.server.ray.affinity import (KEY_BYTES, STRONG_CHARS, AffinityTable, RouteKeys, choose, prompt_keys,
                                        route_keys)
 
 SYS = {"role": "system", "content": "Be brief."}
@@ -169,12 +169,12 @@ def test_metrics_of_replicas_merge_into_one_valid_exposition():
 
 
 def check(*argv) -> str | None:
-    return ray_cli.check(_parser().parse_args(list(argv)))
+    return ray_options.check(_parser().parse_args(list(argv)))
 
 
 @pytest.mark.parametrize("n", ["0", "-1", "1025", "100000"])
 def test_bad_replica_counts_are_refused(n):
-    assert check("--ray", "--replicas", n) == f"--replicas must be between 1 and {ray_cli.MAX_REPLICAS}, got {n}"
+    assert check("--ray", "--replicas", n) == f"--replicas must be between 1 and {ray_options.MAX_REPLICAS}, got {n}"
 
 
 def test_ray_options_need_ray_and_sane_resources(tmp_path):
@@ -196,8 +196,8 @@ def test_ray_without_the_extra_names_the_fix():
 
 
 def test_options_for_serve_s_own_tools():
-    """``serve run chatkv.server.ray_serve:app_builder model=DIR replicas=3 ...`` (strings, as Serve passes them)."""
-    from chatkv.server.ray_serve import app_builder, options_from_args
+    """``serve run chatkv.server.ray.deployments:app_builder model=DIR replicas=3 ...`` (strings, as Serve passes them)."""
+    from chatkv.server.ray.deployments import app_builder, options_from_args
 
     o = options_from_args({"model": "/m", "replicas": "3", "replica_cpus": "0.5", "routing": "round_robin",
                            "max_concurrency": "8", "dtype": "float32", "data_dir": "/d"})

@@ -39,7 +39,7 @@ ray = pytest.importorskip("ray", reason="the test extra installs ray[serve]: pip
 from ray import serve  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from chatkv.server.ray_serve import ReplicaOptions, ServeOptions, deploy  # noqa: E402
+from chatkv.server.ray.deployments import ReplicaOptions, ServeOptions, deploy  # noqa: E402
 from chatkv.storage.kv_segments import SegmentStore  # noqa: E402
 from chatkv.storage.repository import Store  # noqa: E402
 from tests.processes import one_torch_thread  # noqa: E402

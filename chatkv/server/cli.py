@@ -21,7 +21,7 @@ import signal
 import sys
 
 from chatkv.config import HEADS, KV_DTYPES, WEIGHTS
-from chatkv.server import ray_cli
+from chatkv.server.ray import options as ray_options
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the KV cache: auto (the model's dtype), bf16, fp16, fp32, int8 or fp8 (about half the memory)")
     p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds requests in flight get at shutdown")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    ray_cli.add_arguments(p)
+    ray_options.add_arguments(p)
     return p
 
 
@@ -113,7 +113,7 @@ def main(argv: list[str]) -> int:
                   file=sys.stderr)
             return 2
         args.api_key = keys[0] if keys else None
-    why = ray_cli.check(args)
+    why = ray_options.check(args)
     if why:
         print(f"chatkv serve: {why}", file=sys.stderr)
         return 2
@@ -128,7 +128,7 @@ def main(argv: list[str]) -> int:
     if args.context_window is not None:
         config["context_window"] = args.context_window
     if args.ray:
-        return ray_cli.run(args, config)
+        return ray_options.run(args, config)
     try:
         engine = Engine.from_pretrained(args.model, **config)
     except ChatKVError as e:

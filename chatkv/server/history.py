@@ -102,7 +102,7 @@ class HistoryTokens:
 
     def recent_keys(self, n: int) -> list[bytes]:
         """The ``n`` most recently used prefix keys (newest last): what a replica reports to
-        ``chatkv serve --ray``'s router (``ray_routing.py``)."""
+        ``chatkv serve --ray``'s router (``affinity.py``)."""
         with self._lock:
             keys = list(islice(reversed(self._lru), max(n, 0)))
         return keys[::-1]

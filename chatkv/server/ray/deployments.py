@@ -1,11 +1,11 @@
 """``chatkv serve --ray``: engine replicas on Ray Serve behind one OpenAI-compatible endpoint,
 routed by session and by cached prefix. The optional extra ``chatkv[ray]``; the only modules
-of chatkv that import ray are this one and ``ray_router.py``.
+of chatkv that import ray are this one and ``request_routers.py``.
 
 Shape of the application (one Ray Serve app, default name ``chatkv``):
 
     HTTP ─► Ray Serve proxy ─► Ingress (1 replica, no CPU) ─► handle ─► EngineReplica x N
-                                 reads the body once,          AffinityRouter (ray_router.py)
+                                 reads the body once,          AffinityRouter (request_routers.py)
                                  computes RouteKeys,           picks the replica:
                                  learns who answered           session > prefix > least loaded
 
@@ -17,7 +17,7 @@ Shape of the application (one Ray Serve app, default name ``chatkv``):
   machine) and one ``--data-dir`` (the KV snapshots, written behind every turn). A
   conversation's lease keeps it in one replica at a time (409 ``session_busy`` otherwise,
   as in the single server); any replica restores a conversation's KV from the snapshots.
-- How the router learns what each replica holds, and how stale it may be: ``ray_routing.py``.
+- How the router learns what each replica holds, and how stale it may be: ``affinity.py``.
 - ``/metrics`` on the ingress is every replica's exposition with a ``replica`` label, plus
   ``chatkv:router_decisions_total{reason}`` (how requests were routed). ``/health`` is a
   replica's.
@@ -47,12 +47,12 @@ from ray.serve.config import RequestRouterConfig
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from chatkv.server.asgi_call import Head, HttpCall, call_asgi
+from chatkv.server.ray.asgi_call import Head, HttpCall, call_asgi
 from chatkv.server.errors import APIError
 from chatkv.server.guards import read_body
-from chatkv.server.prom_merge import merge
-from chatkv.server.ray_router import AffinityRouter, RoundRobinRouter
-from chatkv.server.ray_routing import RouteKeys, route_keys, table_for
+from chatkv.server.ray.prom_merge import merge
+from chatkv.server.ray.request_routers import AffinityRouter, RoundRobinRouter
+from chatkv.server.ray.affinity import RouteKeys, route_keys, table_for
 from chatkv.server.responses import sse
 
 log = logging.getLogger("chatkv.server.ray")
@@ -117,8 +117,8 @@ class EngineReplica:
             yield item
 
     def record_routing_stats(self) -> dict:
-        """What this replica holds, for the router (see ``ray_routing.py``)."""
-        from chatkv.server.ray_routing import KEY_BYTES
+        """What this replica holds, for the router (see ``affinity.py``)."""
+        from chatkv.server.ray.affinity import KEY_BYTES
 
         return {"at": time.time(), "sessions": self.sessions.in_memory(),
                 "prefixes": [k.hex()[:KEY_BYTES] for k in self.state.history.recent_keys(REPORT_PREFIXES)],
@@ -230,7 +230,7 @@ class Ingress:
                 continue
             if head is not None and head.status == 200:
                 texts.setdefault(head.replica, body.decode())
-        lines = ["# HELP chatkv:router_decisions_total Requests routed, by kind and reason (ray_routing.choose)",
+        lines = ["# HELP chatkv:router_decisions_total Requests routed, by kind and reason (affinity.choose)",
                  "# TYPE chatkv:router_decisions_total counter"]
         for reason, n in sorted(self.table.decisions.items()):
             lines.append(f'chatkv:router_decisions_total{{reason="{reason}"}} {float(n)}')
@@ -281,7 +281,7 @@ def options_from_args(args: dict) -> ServeOptions:
 
 
 def app_builder(args: dict):
-    """For Ray Serve's own tools: ``serve run chatkv.server.ray_serve:app_builder model=DIR replicas=2
+    """For Ray Serve's own tools: ``serve run chatkv.server.ray.deployments:app_builder model=DIR replicas=2
     db_url=... data_dir=...``, or a config file's ``import_path`` with ``args``. Keys: the fields of
     ``ReplicaOptions`` and ``ServeOptions``; any other key is an engine option (``dtype``,
     ``data_dir``, ``db_url``, ``weights``...). Strings become the fields' types."""

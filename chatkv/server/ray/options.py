@@ -1,5 +1,5 @@
 """The ``--ray`` options of ``chatkv serve`` and their checks; ray is imported only once they
-pass (``ray_serve.py``), so ``chatkv serve`` works without the ``chatkv[ray]`` extra.
+pass (``deployments.py``), so ``chatkv serve`` works without the ``chatkv[ray]`` extra.
 
     chatkv serve --ray [--replicas N] [--ray-address ADDR] [--ray-routing affinity|round_robin|pow2]
                  [--replica-cpus C] [--replica-gpus G] --db-url URL --data-dir DIR ...
@@ -59,7 +59,7 @@ def _installed(name: str) -> bool:
 
 
 def run(args, engine_config: dict) -> int:
-    """Deploy the replicas and serve until SIGINT/SIGTERM (``ray_serve.run``)."""
+    """Deploy the replicas and serve until SIGINT/SIGTERM (``deployments.run``)."""
     from chatkv import ChatKVError
 
     try:
@@ -85,12 +85,12 @@ def _run(args, engine_config: dict) -> int:
 
         model = str(ensure_default_model(Path(engine_config["data_dir"])))
     try:
-        from chatkv.server import ray_serve
+        from chatkv.server.ray import deployments
     except ImportError as e:
         print(f"chatkv serve: --ray needs Ray Serve ({e}): {INSTALL}", file=sys.stderr)
         return 1
-    opts = ray_serve.ServeOptions(
-        ray_serve.ReplicaOptions(str(Path(model).resolve()), args.served_model_name, engine_config, args.api_key,
+    opts = deployments.ServeOptions(
+        deployments.ReplicaOptions(str(Path(model).resolve()), args.served_model_name, engine_config, args.api_key,
                                  args.max_concurrency, args.max_request_bytes, threads=max(1, int(args.replica_cpus))),
         replicas=args.replicas, routing=args.ray_routing, replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus)
-    return ray_serve.run(opts, args.host, args.port, args.ray_address)
+    return deployments.run(opts, args.host, args.port, args.ray_address)

@@ -1,5 +1,5 @@
 """Cache-affinity routing for ``chatkv serve --ray``, without Ray: what a request is keyed by,
-what the router knows about each replica, and the choice itself. ``ray_router.py`` is the
+what the router knows about each replica, and the choice itself. ``request_routers.py`` is the
 thin Ray Serve ``RequestRouter`` around this; keeping the policy here makes it testable
 without a cluster.
 

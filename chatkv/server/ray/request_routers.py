@@ -1,14 +1,14 @@
 """Ray Serve request routers for the engine replicas of ``chatkv serve --ray``.
 
-``AffinityRouter`` is the policy of ``ray_routing.py`` (session, then longest cached prefix,
+``AffinityRouter`` is the policy of ``affinity.py`` (session, then longest cached prefix,
 then least loaded; affinity yields past ``imbalance`` requests in flight) behind Ray
 Serve's ``RequestRouter`` extension point (``RequestRouterConfig(request_router_class=...)``).
 ``RoundRobinRouter`` sends request n to replica n mod N: the baseline the tests and
 ``benchmarks/bench_ray_routing.py`` compare against (and a choice: ``--ray-routing``).
 
-Where the knowledge comes from (details in ``ray_routing.py``): each router instance lives in
+Where the knowledge comes from (details in ``affinity.py``): each router instance lives in
 the process of the deployment handle that routes with it, the ingress replica; it shares one
-``AffinityTable`` per deployment with that ingress (``ray_routing.table_for``; it lives there
+``AffinityTable`` per deployment with that ingress (``affinity.table_for``; it lives there
 and not here because Ray pickles this module by value into each router), which records every
 answer (who answered which session and which prefix). Replicas' ``record_routing_stats``
 reports reach ``update_replicas`` with Ray's replica list (``RunningReplica.routing_stats``)
@@ -25,7 +25,7 @@ from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from chatkv.server.ray_routing import RouteKeys, choose, table_for
+from chatkv.server.ray.affinity import RouteKeys, choose, table_for
 
 def keys_of(request: Optional[PendingRequest]) -> RouteKeys:
     """The ``RouteKeys`` the ingress passed as the call's second argument (none: route by load)."""
