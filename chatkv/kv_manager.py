@@ -9,7 +9,8 @@ and ``BlockPool`` touches a reference count, a radix lock or the pool tensor.
 
 Owners and what each holds
 --------------------------
-* the **radix tree** (``RadixCache``; ``NoPrefixCache`` when prefix caching is off):
+* the **radix tree** (a ``PrefixCache``: ``RadixCache``, ``HiRadixCache`` with a host tier,
+  ``NoPrefixCache`` when prefix caching is off):
   one pool reference on every block it caches;
 * a **sequence** (a request, waiting or running): ``seq.block_table`` (one pool
   reference per entry) and ``seq.lock_node`` (one lock on the path of the cached
@@ -37,7 +38,7 @@ Contracts
 Tiers
 -----
 With a ``HostPool`` (``host``; only with prefix caching) evicted cached blocks move to
-host memory instead of away (see ``RadixCache``): device -> host -> disk (the session
+host memory instead of away (see ``HiRadixCache``): device -> host -> disk (the session
 layer's snapshots). A lookup that continues into host-resident nodes copies them back
 into device blocks (``attach``, ``import_kv``; room made first, else only the device
 part is used) and records how many tokens came from host (``seq.num_host``,
@@ -62,7 +63,9 @@ from chatkv.block_pool import BlockPool
 from chatkv.errors import OutOfBlocks
 from chatkv.host_pool import HostPool
 from chatkv.kv_types import RetainedKV, SequenceKV
-from chatkv.radix_cache import MatchResult, NoPrefixCache, Node, RadixCache
+from chatkv.hiradix_cache import HiRadixCache
+from chatkv.prefix_cache import MatchResult, NoPrefixCache, Node, PrefixCache
+from chatkv.radix_cache import RadixCache
 from chatkv.storage.models import LOCAL_USER
 
 
@@ -72,7 +75,9 @@ class KVManager:
         self.pool = pool
         self.block_size = pool.block_size
         self.host = host if prefix_caching else None
-        self.cache = RadixCache(pool, self.host) if prefix_caching else NoPrefixCache(pool)
+        self.cache: PrefixCache = (
+            NoPrefixCache(pool) if not prefix_caching else RadixCache(pool) if self.host is None else HiRadixCache(pool, self.host)
+        )
         self.namespace = namespace
         self.sharing = prefix_caching
         self.on_pressure: Callable[[int], None] | None = None  # called with the blocks still missing
@@ -382,11 +387,8 @@ class KVManager:
             "retained": len(self._live),
         }
         if self.host is not None:
-            c = self.cache
-            out.update(
-                host_blocks_total=self.host.num_blocks, host_blocks_used=self.host.num_used,
-                evicted_to_host=c.evicted_to_host, host_hits=c.host_hits, host_evicted=c.host_evicted,
-            )
+            out.update(host_blocks_total=self.host.num_blocks, host_blocks_used=self.host.num_used)
+            out.update(self.cache.tier_stats())
         return out
 
     # -- integrity ------------------------------------------------------------------

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Hashable, Protocol
 
 if TYPE_CHECKING:
-    from chatkv.radix_cache import Node
+    from chatkv.prefix_cache import Node
 
 
 @dataclass(eq=False)
