@@ -1,7 +1,8 @@
 """The conversation database's ORM schema (SQLAlchemy 2, portable SQL only).
 
-Four tables: ``conversations`` (each with its ``owner``, migration 0005), their ``messages``
-(each with its ``content_hash``), at most one current
+Four tables: ``conversations`` (each with its ``owner``, migration 0005, and its
+``current_leaf_id``, 0006), their ``messages`` (each with its ``content_hash``, and since 0006
+its ``parent_id``: messages form a tree, see ``chatkv.storage.message_tree``), at most one current
 ``kv_snapshots`` row per conversation, and at most one ``conversation_leases`` row (the
 process generating its turn now, migration 0004). Deleting a conversation cascades to
 the others in the database itself (``ON DELETE CASCADE``; SQLite needs ``foreign_keys=ON``,
@@ -142,6 +143,9 @@ class Conversation(Base):
     # what the KV window holds when the history outgrew the context (chatkv.context_window);
     # None: the whole history. Written in the same transaction as token_ids.
     context: Mapped[Optional[dict]] = mapped_column(JSON(none_as_null=True))
+    # the message whose branch the conversation is now (migration 0006; None: no message yet).
+    # Not a foreign key: the store checks it, and a conversation's delete takes its messages.
+    current_leaf_id: Mapped[Optional[int]] = mapped_column(Integer)
 
     messages: Mapped[list[Message]] = relationship(
         back_populates="conversation", passive_deletes=True, order_by="Message.id"
@@ -175,6 +179,14 @@ class Message(Base):
     # sha256 of role and text (``message_hash``), written with the message (migration 0005): a
     # message whose text was changed behind the store's back is told at resume
     content_hash: Mapped[Optional[str]] = mapped_column(String(64))
+    # the tree (migration 0006): the message this one follows (None: a first message), and the
+    # branch's token history as of this message, delta-encoded against the parent's: keep
+    # ``token_base`` of its tokens, then ``token_tail`` (None: this message carried no history,
+    # the parent's holds); ``context``: the KV window's state with that history
+    parent_id: Mapped[Optional[int]] = mapped_column(Integer, index=True)
+    token_base: Mapped[Optional[int]] = mapped_column(Integer)
+    token_tail: Mapped[Optional[list[int]]] = mapped_column(TokenIds)
+    context: Mapped[Optional[dict]] = mapped_column(JSON(none_as_null=True))
 
     conversation: Mapped[Conversation] = relationship(back_populates="messages")
 

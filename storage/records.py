@@ -50,6 +50,7 @@ class ConversationInfo:
     archived: bool
     context: Optional[dict[str, Any]] = None  # the KV window's state (chatkv.context_window), None: whole history
     owner: str = LOCAL_USER  # the user it belongs to (migration 0005)
+    current_leaf_id: Optional[int] = None  # the message whose branch it is now (migration 0006)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class MessageInfo:
     ttft_ms: Optional[float] = None
     tokens_per_s: Optional[float] = None
     content_hash: Optional[str] = None  # message_hash(role, content) as written (None: not recorded)
+    parent_id: Optional[int] = None  # the message it follows in its branch (None: a first message)
 
     @property
     def intact(self) -> bool:
@@ -105,6 +107,7 @@ def conversation_info(c: Conversation, with_tokens: bool = True) -> Conversation
         archived=bool(c.archived),
         context=_copy_json(c.context),
         owner=c.owner,
+        current_leaf_id=c.current_leaf_id,
     )
 
 
@@ -118,6 +121,7 @@ def message_info(m: Message) -> MessageInfo:
         meta=_copy_json(m.meta),
         created_at=m.created_at,
         content_hash=m.content_hash,
+        parent_id=m.parent_id,
         **{name: getattr(m, name) for name in STAT_FIELDS},
     )
 

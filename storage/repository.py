@@ -62,6 +62,9 @@ from chatkv.storage.records import (
     check_owner,
 )
 from chatkv.storage.models import LOCAL_USER, message_hash
+from chatkv.storage import message_tree as tree
+
+_CURRENT = object()  # add_message's default parent: the conversation's current leaf
 
 class _Guarded:
     """A sessionmaker (for ``Leases``) whose sessions turn database errors into StorageError."""
@@ -336,6 +339,7 @@ class Store:
         meta: Optional[dict] = None,
         token_ids: Optional[list[int]] = None,
         context: Any = ...,
+        parent_id: Any = _CURRENT,
         **stats: Any,
     ) -> MessageInfo:
         """Append a message (stats: prompt_tokens, cached_tokens, restored_tokens,
@@ -346,7 +350,14 @@ class Store:
         lease: ``LeaseLost`` if this store's lease on it was broken, ``ConversationBusy`` if
         another process holds a live one (``storage.leases``). ``context`` (a JSON object, or
         None), when given, replaces the conversation's KV-window state in that same
-        transaction (it describes ``token_ids``)."""
+        transaction (it describes ``token_ids``).
+
+        The message follows ``parent_id`` (default: the conversation's current leaf; None: a
+        first message), a message of this conversation, and becomes the current leaf: a parent
+        other than the current leaf starts a branch (a sibling of the parent's other children),
+        and the conversation's token history becomes that branch's. ``token_ids`` is recorded
+        on the message too (``storage.message_tree``), so any branch's history comes back later
+        without re-tokenising."""
         if role not in ROLES:
             raise InvalidRequest(f"unknown message role {role!r}; expected one of {sorted(ROLES)}")
         check_str("content", content)
@@ -359,26 +370,114 @@ class Store:
         with self._writing() as s:
             conv = self._conversation(s, conv_id, lock=True)
             self.leases.check_write(s, conv.id)  # under this process's lease, or no live one
+            tokens = None if token_ids is None else check_tokens(token_ids)
+            nodes = self._nodes(s, conv.id)
+            parent = conv.current_leaf_id if parent_id is _CURRENT else self._node_id(nodes, conv.id, parent_id, True)
+            if parent != conv.current_leaf_id:  # a new branch: the current one's history is kept first
+                self._seal(s, conv, nodes)
+                before, before_context = tree.history(tree.chain(nodes, parent)) if parent is not None else ([], None)
+                conv.token_ids, conv.token_count, conv.context = before or [], len(before or []), before_context
             now = CLOCK.now()
             msg = Message(conversation_id=conv.id, role=role, content=content, status=status,
-                          meta=meta, created_at=now, content_hash=message_hash(role, content), **stats)
-            if token_ids is not None:
-                tokens = check_tokens(token_ids)
+                          meta=meta, created_at=now, content_hash=message_hash(role, content), parent_id=parent,
+                          **stats)
+            if tokens is not None:
+                replay = tree.history(tree.chain(nodes, parent))[0] if parent is not None else []
+                msg.token_base, msg.token_tail = tree.delta(replay, tokens) if replay is not None else (0, tokens)
+                msg.context = (conv.context if context is ... else context)
                 conv.token_ids, conv.token_count = tokens, len(tokens)
             if context is not ...:
                 conv.context = context
+                if tokens is not None:
+                    msg.context = context
             s.add(msg)
             conv.updated_at = now
             s.flush()
+            conv.current_leaf_id = msg.id
             return message_info(msg)
 
+    # -------------------------------------------------------- the tree (migration 0006)
+
+    @staticmethod
+    def _nodes(s: Session, conv_id: str) -> dict[int, tree.Node]:
+        q = select(Message.id, Message.parent_id, Message.token_base, Message.token_tail, Message.context).where(
+            Message.conversation_id == conv_id)
+        return {r[0]: tree.Node(*r) for r in s.execute(q)}
+
+    @staticmethod
+    def _node_id(nodes: dict[int, tree.Node], conv_id: str, message_id: Any, none_ok: bool = False) -> Optional[int]:
+        """``message_id`` if it is a message of this conversation, else InvalidRequest naming it."""
+        if message_id is None and none_ok:
+            return None
+        if isinstance(message_id, bool) or not isinstance(message_id, int):
+            raise InvalidRequest(f"a message id must be an int, got {type(message_id).__name__} {message_id!r}"[:200])
+        if message_id not in nodes:
+            raise InvalidRequest(f"message {message_id} is not a message of conversation {conv_id}")
+        return message_id
+
+    def _seal(self, s: Session, conv: Conversation, nodes: dict[int, tree.Node]) -> None:
+        """Record the conversation's current history on its current leaf, where replaying the
+        branch would not give it back (a branch from before 0006), before the branch changes."""
+        leaf = conv.current_leaf_id
+        if leaf is None or leaf not in nodes:
+            return
+        replay = tree.history(tree.chain(nodes, leaf))[0]
+        current = list(conv.token_ids or [])
+        if replay == current:
+            return
+        parent = nodes[leaf].parent_id
+        before = tree.history(tree.chain(nodes, parent))[0] if parent is not None else []
+        base, tail = tree.delta(before, current) if before is not None else (0, current)
+        row = s.get(Message, leaf)
+        row.token_base, row.token_tail, row.context = base, tail, conv.context
+        nodes[leaf] = tree.Node(leaf, parent, base, tail, conv.context)
+
+    def message_tree(self, conv_id: str) -> list[MessageInfo]:
+        """Every message of the conversation, every branch, oldest first (each names its parent)."""
+        with self._reading(conv_id) as s:
+            conv = self._conversation(s, conv_id)
+            q = select(Message).where(Message.conversation_id == conv.id).order_by(Message.id)
+            return [message_info(m) for m in s.scalars(q)]
+
+    def branches(self, conv_id: str, message_id: int) -> list[MessageInfo]:
+        """The siblings of ``message_id`` (the messages sharing its parent), itself included,
+        oldest first."""
+        with self._reading(conv_id) as s:
+            conv = self._conversation(s, conv_id)
+            nodes = self._nodes(s, conv.id)
+            ids = tree.siblings(nodes, self._node_id(nodes, conv.id, message_id))
+            return [message_info(m) for m in s.scalars(select(Message).where(Message.id.in_(ids)).order_by(Message.id))]
+
+    def switch_branch(self, conv_id: str, message_id: int) -> MessageInfo:
+        """Make the branch through ``message_id`` current, down to its most recent leaf; the
+        conversation's token history (and KV-window state) become that branch's, from what its
+        messages recorded (empty when none did: it is recomputed from the text). Returns the
+        leaf. Fenced by the lease, as ``add_message`` is. Nothing is deleted."""
+        with self._writing() as s:
+            conv = self._conversation(s, conv_id, lock=True)
+            self.leases.check_write(s, conv.id)
+            nodes = self._nodes(s, conv.id)
+            leaf = tree.newest_leaf(nodes, self._node_id(nodes, conv.id, message_id))
+            if leaf != conv.current_leaf_id:
+                self._seal(s, conv, nodes)
+                tokens, context = tree.history(tree.chain(nodes, leaf))
+                conv.token_ids, conv.token_count, conv.context = tokens or [], len(tokens or []), context
+                conv.current_leaf_id = leaf
+                conv.updated_at = CLOCK.now()
+            return message_info(s.get(Message, leaf))
+
     def messages(self, conv_id: str) -> list[MessageInfo]:
-        """The conversation's messages, oldest first. StorageError naming the conversation (and
-        the rows) when one holds text that is not UTF-8; the store stays usable."""
+        """The conversation's current branch, oldest first (``message_tree`` has every branch).
+        StorageError naming the conversation (and the rows) when one holds text that is not
+        UTF-8; the store stays usable."""
         try:
             with self._reading() as s:
                 conv = self._conversation(s, conv_id)
                 q = select(Message).where(Message.conversation_id == conv.id).order_by(Message.id)
+                if conv.current_leaf_id is not None:
+                    rows = s.execute(select(Message.id, Message.parent_id).where(Message.conversation_id == conv.id))
+                    ids = [n.id for n in tree.chain({r[0]: tree.Node(r[0], r[1]) for r in rows}, conv.current_leaf_id)]
+                    q = q.where(Message.id.in_(ids))
                 return [message_info(m) for m in s.scalars(q)]
         except StorageError as e:
             if "Could not decode to UTF-8" in str(e.__cause__ or ""):

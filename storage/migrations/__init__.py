@@ -25,7 +25,7 @@ from sqlalchemy.exc import DBAPIError
 from chatkv.errors import ChatKVError
 from chatkv.storage.models import FTS_TABLE
 
-HEAD = "0005"
+HEAD = "0006"
 SCRIPT_LOCATION = Path(__file__).resolve().parent
 # Alembic's `context`/`op` are process-global proxies: one migration at a time.
 _ALEMBIC_LOCK = threading.Lock()
