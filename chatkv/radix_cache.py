@@ -1,25 +1,15 @@
-"""RadixCache: the prefix tree that shares KV blocks between requests (a ``PrefixCache``).
+"""RadixCache: the prefix tree that shares KV blocks between requests: a ``PrefixCache``
+(prefix_cache.py holds the contract every method keeps; this says how the tree keeps it).
 
-A radix tree keyed by token ids at *block* granularity. Each node holds a run of
-token ids (always a whole number of blocks) and the block ids that hold their
-KV. Only full blocks ever enter the tree; a sequence's partial last block stays
-its owner's. Children are keyed by the tuple of their first block's tokens, so
-two children of one node never start with the same block.
+A radix tree keyed by token ids at *block* granularity, one root per namespace. Each node
+holds a run of token ids (always a whole number of blocks) and the block ids that hold
+their KV. Children are keyed by the tuple of their first block's tokens, so two children
+of one node never start with the same block. ``lock_ref`` of a node counts the locks on it
+and on its descendants (``lock``/``unlock`` walk to the root).
 
-Namespaces (model, kv dtype, tenant salt, ...) each get their own root; two
-namespaces never share a node, even for identical tokens.
-
-Reference counts:
-  * the tree holds one pool reference on every block it caches (taken in
-    ``insert``, dropped in ``evict``/``clear``);
-  * ``lock_ref`` of a node counts the locks on it and on its descendants
-    (``lock``/``unlock`` walk to the root). Nodes with ``lock_ref > 0`` are
-    never evicted. Lock the node a ``match`` returned *before* anything can call
-    ``evict``, or its blocks may be gone.
-
-Recency is a logical clock: every ``match``/``insert`` stamps the nodes of its
-path with one tick, so a parent is never older than its children and ``evict``
-(LRU over unlocked leaves) releases the least recently used prefixes first.
+Recency is a logical clock: every ``match``/``insert`` stamps the nodes of its path with
+one tick, so a parent is never older than its children and ``evict`` (LRU over unlocked
+leaves) releases the least recently used prefixes first.
 
 No host tier here: ``HiRadixCache`` (hiradix_cache.py) adds one by overriding the hooks
 ``_result``, ``_cover``, ``_split``, ``_is_leaf``, ``_release_kv`` and ``_check_node``.
@@ -51,12 +41,10 @@ class RadixCache:
     # ------------------------------------------------------------------ queries
     @property
     def cached_blocks(self) -> int:
-        """Device blocks the tree holds a reference on."""
         return self._cached
 
     @property
     def evictable_blocks(self) -> int:
-        """Device blocks in unlocked nodes: what ``evict`` could release if nobody else holds them."""
         return self._evictable
 
     @property
@@ -67,10 +55,7 @@ class RadixCache:
         return {}
 
     def match(self, namespace: Hashable, token_ids: Sequence[int], max_tokens: int | None = None) -> MatchResult:
-        """Longest cached prefix of ``token_ids``, in whole blocks, capped at ``max_tokens``
-        (rounded down to a block multiple). If the match ends inside a node the node is
-        split, so the match ends exactly at a node. Stamps the path as recently used. Does
-        not change any reference count."""
+        """A match ending inside a node splits it, so it ends exactly at a node."""
         limit = len(token_ids) if max_tokens is None else min(len(token_ids), max(0, max_tokens))
         limit -= limit % self.block_size
         root = self._root(namespace)
@@ -79,12 +64,7 @@ class RadixCache:
 
     # ---------------------------------------------------------------- mutations
     def insert(self, namespace: Hashable, token_ids: Sequence[int], block_ids: Sequence[int]) -> Node:
-        """Cache ``block_ids``, which hold the KV of the first ``len(block_ids)`` full blocks
-        of ``token_ids`` (extra trailing tokens are ignored). Blocks whose token run is
-        already cached keep the tree's ids (the caller's duplicates are not adopted); new
-        blocks are adopted and the tree takes its own reference (``pool.incref``). The caller
-        keeps and later drops its own references either way. Returns the node ending at the
-        last inserted block (the root if ``block_ids`` is empty)."""
+        """The walk splits where the tokens diverge; the new run hangs below as one node."""
         bs = self.block_size
         n_tok = len(block_ids) * bs
         assert len(token_ids) >= n_tok, f"{len(block_ids)} blocks need {n_tok} tokens, got {len(token_ids)}"
@@ -109,7 +89,7 @@ class RadixCache:
         return m
 
     def lock(self, node: Node) -> None:
-        """Pin ``node`` and its ancestors: none of them is evicted until ``unlock``."""
+        """Counts one lock on ``node`` and each ancestor (``lock_ref``)."""
         self._check_attached(node)
         while node is not None:
             if node.lock_ref == 0:
@@ -118,7 +98,6 @@ class RadixCache:
             node = node.parent
 
     def unlock(self, node: Node) -> None:
-        """Undo one ``lock(node)``. Unlocking a node that is not locked is an AssertionError."""
         assert node.lock_ref > 0, "unlock of a node that is not locked"
         while node is not None:
             node.lock_ref -= 1
@@ -127,10 +106,7 @@ class RadixCache:
             node = node.parent
 
     def evict(self, num_blocks: int) -> int:
-        """Free blocks from unlocked leaves, least recently used first (a parent left as an
-        unlocked leaf becomes a candidate too), until at least ``num_blocks`` blocks became
-        free or nothing is evictable. Whole nodes go. Returns how many blocks became free
-        (blocks someone else still references don't)."""
+        """Whole unlocked leaves go, LRU first; a parent left a leaf becomes a candidate too."""
         if num_blocks <= 0:
             return 0
         return self._evict(num_blocks, self._remove)
@@ -140,8 +116,7 @@ class RadixCache:
         return 0
 
     def drop_namespace(self, namespace: Hashable) -> int:
-        """Remove every unlocked node of ``namespace``, freeing their blocks. Locked paths
-        stay; the namespace's root goes once nothing of it is left. Returns the blocks freed."""
+        """The namespace's root goes too once nothing of it is left."""
         root = self._roots.get(namespace)
         if root is None:
             return 0
@@ -158,11 +133,9 @@ class RadixCache:
         return freed
 
     def clear(self) -> None:
-        """Release every unlocked node (shutdown). Locked paths stay."""
         self._evict(None, self._remove)
 
     def nodes(self, with_roots: bool = False) -> list[Node]:
-        """Every node below the namespace roots (and the roots, if asked), parents before children."""
         out: list[Node] = list(self._roots.values()) if with_roots else []
         stack = [c for root in self._roots.values() for c in root.children.values()]
         while stack:
@@ -274,7 +247,8 @@ class RadixCache:
 
     # ---------------------------------------------------------------- integrity
     def check_integrity(self) -> None:
-        """Assert the tree's invariants (cheap enough to run when the engine is idle)."""
+        """Block multiples, parent links and keys, lock_ref >= the children's, a parent never
+        older than its children, no block twice, and the two block counts."""
         bs = self.block_size
         seen: set[int] = set()
         evictable = 0
