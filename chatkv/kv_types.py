@@ -3,15 +3,20 @@
 * ``RetainedKV``: the KV a finished turn leaves for its conversation's next turn. The KV
   manager issues and ends it; a Sequence (``prefix``, ``retained``), a Session and the
   snapshots only carry it.
+* ``BlockTable``: the record of what one request holds in the pool - its blocks, the radix
+  lock of its cached prefix, how many tokens have KV. The fields a request's owner keeps and
+  the KV manager sets (``attach``/``reserve``) and ends (``release``).
 * ``SequenceKV``: what the KV manager reads and writes of a request - its token ids and its
   block table, and the counts that say how much of it has KV. ``chatkv.sequence.Sequence``
   is one; the KV manager names this protocol, never the Sequence class, so the two modules
   do not import each other.
+
+The radix ``Node`` these name is the lock handle of ``chatkv.prefix_cache``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, Protocol
 
 if TYPE_CHECKING:
@@ -30,6 +35,27 @@ class RetainedKV:
     tail_len: int
     kv_len: int
     host_len: int = 0
+
+
+@dataclass(eq=False)
+class BlockTable:
+    """What one request holds in the pool, as one record: one pool reference per entry of
+    ``blocks`` (block ``i`` holds tokens ``i * block_size`` onward), one lock on the path of
+    ``lock_node`` (the cached prefix it attached; None: none), and ``num_computed`` leading
+    tokens whose KV is in those blocks. ``num_host`` of its tokens came from the host tier at
+    its first admission. Empty (``blocks == []``, ``lock_node is None``) while it holds nothing.
+
+    Today ``Sequence`` carries these as its own fields of the same names (``block_table`` for
+    ``blocks``; see ``SequenceKV``)."""
+
+    blocks: list[int] = field(default_factory=list)
+    lock_node: Node | None = None
+    num_computed: int = 0
+    num_host: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.blocks and self.lock_node is None
 
 
 class SequenceKV(Protocol):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from chatkv.block_pool import BlockPool
@@ -47,6 +47,7 @@ class MatchResult:
     host_tokens: int = 0  # tokens matched beyond num_tokens, in host-resident nodes (a block multiple)
 
 
+@runtime_checkable
 class PrefixCache(Protocol):
     """A cache of KV blocks keyed by the token ids they hold, in namespaces.
 
