@@ -356,3 +356,41 @@ async def test_quitting_mid_reply_saves_what_was_produced(engine):
         await pilot.press("ctrl+q")
     last = engine.resume(conv).messages()[-1]
     assert last.role == "assistant" and last.status == "interrupted" and last.content
+
+
+async def test_a_message_typed_while_the_model_loads_is_answered_once_it_is_ready(model_dir, tmp_path, monkeypatch):
+    """Found on a first run (issue 22): while the model converted, focus sat in the sidebar's
+    filter box and a question typed at once landed there, never asked. The input box has the
+    focus from the first frame; what is sent before the model is ready waits, then is answered.
+    The load is a real one; it is only held until the question has been typed."""
+    import threading
+
+    typed = threading.Event()
+    real = Engine.from_pretrained.__func__
+
+    def slow_load(cls, *a, **kw):
+        assert typed.wait(60), "the test never typed"
+        return real(cls, *a, **kw)
+
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(slow_load))
+    app = ChatApp(model=model_dir, data_dir=str(tmp_path / "data"), sampling=FAST)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.pause()
+        assert app.engine is None and isinstance(app.focused, ChatInput)
+        await pilot.press(*"Hello early")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert any("Waiting for the model to load" in m.text for m in messages(app))
+        typed.set()
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 120
+        while app.session is None or app._loading or app.generating:
+            assert loop.time() < end, "the early message was never answered"
+            await asyncio.sleep(0.05)
+        await idle(pilot, app)
+        assert [(m.role, m.text) for m in messages(app)][:1] == [("user", "Hello early")]
+        assert [m.role for m in messages(app)] == ["user", "assistant"]  # the waiting note is gone
+        stored = app.session.messages()
+        assert [(m.role, m.content) for m in stored][0] == ("user", "Hello early") and stored[1].role == "assistant"
+        assert isinstance(app.focused, ChatInput)
+    app.engine.close()

@@ -16,6 +16,7 @@ tui/engine_thread.py.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from concurrent.futures import Future
@@ -107,6 +108,8 @@ class ChatApp(TurnsMixin, ConversationsMixin, CommandsMixin, App):
         self._log_handler = _NotifyHandler(self)
         self.exit_code = 0
         self._quitting = False
+        self._early: list[str] = []  # messages sent while the model loads: answered once it has
+        self._loading = False
 
     # -- layout ---------------------------------------------------------------
 
@@ -134,17 +137,20 @@ class ChatApp(TurnsMixin, ConversationsMixin, CommandsMixin, App):
         if self.mask_volatile:
             box.cursor_blink = False  # steady screens for snapshots
         box.focus()
+        self._loading = self.engine is None  # from the first frame: what is typed waits for the model
         self.run_worker(self._start(), exclusive=False)
 
     async def _start(self) -> None:
         if self.engine is None:
-            self.query_one("#input").disabled = True
+            # the input box keeps the focus and takes messages while the model loads (a first run
+            # converts it for up to a minute): they wait, and are answered once it is ready
+            self._loading = True
             label = self.model_path or "the default model (converted on first use)"
             self.query_one("#loading-label", Label).update(f"Loading {safe_text(str(label))}…")
             kw = {"data_dir": self.data_dir} if self.data_dir else {}
             kw.update(self.engine_options)
             try:
-                from chatkv.engine import Engine
+                from chatkv import Engine
 
                 self.engine = await self.worker_thread.call(Engine.from_pretrained, self.model_path, **kw)
             except Exception as e:  # noqa: BLE001 - any load failure is a message, never a traceback
@@ -152,15 +158,41 @@ class ChatApp(TurnsMixin, ConversationsMixin, CommandsMixin, App):
                 self.query_one("#loading-bar").display = False
                 self.notify(safe_text(str(e)), title="Model", severity="error", timeout=10)
                 self.exit_code = 1
+                self._loading = False
+                if self._early:  # nothing typed is lost: it goes back into the input box
+                    box = self.query_one(ChatInput)
+                    box.text = "\n\n".join(self._early + ([box.text] if box.text else []))
+                    self._early.clear()
                 return
-            self.query_one("#input").disabled = False
-            self.query_one(ChatInput).focus()
         self.query_one("#loading").display = False
         if self.resume_id:
             await self._open(self.resume_id)
         else:
             await self._refresh_sidebar()
         await self._refresh_status()
+        await self._send_early()
+
+    async def _send_early(self) -> None:
+        """Answer, in order, the messages sent while the model loaded (and any sent meanwhile);
+        then the input box sends as usual."""
+        try:
+            while self._early and not self._quitting:
+                for note in list(self.query(".early-note")):
+                    await note.remove()
+                await self._dispatch(self._early.pop(0), wait=True)
+        finally:
+            self._loading = False
+
+    async def _dispatch(self, text: str, wait: bool = False) -> None:
+        """A line from the input box: a slash command or a message (``wait``: until it is answered)."""
+        if text.strip().startswith("/"):
+            await self.run_command(text.strip())
+        elif wait:
+            await self._send(text)
+            while self.generating and not self._quitting:
+                await asyncio.sleep(0.02)
+        else:
+            self.send(text)
 
     # -- engine calls ---------------------------------------------------------
 
@@ -251,10 +283,12 @@ class ChatApp(TurnsMixin, ConversationsMixin, CommandsMixin, App):
     @on(ChatInput.Submitted)
     async def _submitted(self, event: ChatInput.Submitted) -> None:
         text = event.text
-        if text.strip().startswith("/"):
-            await self.run_command(text.strip())
-        else:
-            self.send(text)
+        if self._loading:
+            self._early.append(text)
+            note = await self.note(f"Waiting for the model to load; this will be sent then: {safe_text(text)[:80]}")
+            note.add_class("early-note")
+            return
+        await self._dispatch(text)
 
     @on(Sidebar.Open)
     def _sidebar_open(self, msg: Sidebar.Open) -> None:
