@@ -45,7 +45,7 @@ QUESTIONS = ["Why is the sky blue?", "And at sunset?", "What about on Mars?", "W
 
 def start_single(model_dir: Path, dtype: str, data_dir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-c", "import sys; from chatkv.tui.cli import main; sys.exit(main())", "serve",
+    cmd = [sys.executable, "-c", "import sys; from chatkv.cli import main; sys.exit(main())", "serve",
            "--model", str(model_dir), "--port", str(port), "--data-dir", str(data_dir), "--dtype", dtype,
            "--log-level", "warning"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")

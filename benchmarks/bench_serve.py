@@ -117,7 +117,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def start_server(model_dir: Path, dtype: str, data_dir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-c", "import sys; from chatkv.tui.cli import main; sys.exit(main())", "serve",
+    cmd = [sys.executable, "-c", "import sys; from chatkv.cli import main; sys.exit(main())", "serve",
            "--model", str(model_dir), "--port", str(port), "--data-dir", str(data_dir), "--dtype", ENGINE_DTYPES[dtype],
            "--log-level", "warning"]
     proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)

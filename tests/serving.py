@@ -101,7 +101,7 @@ def serve_process(model_dir, data, *args: str):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from chatkv.tui.cli import main; sys.exit(main())", "serve",
+        [sys.executable, "-c", "import sys; from chatkv.cli import main; sys.exit(main())", "serve",
          "--model", str(model_dir), "--data-dir", str(data), "--port", str(port), *args],
         stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"

@@ -116,7 +116,7 @@ def test_pipe_mode_in_a_real_process(model_dir, tmp_path):
 
     env = dict(os.environ, CHATKV_HOME=str(tmp_path))
     p = subprocess.run(
-        [sys.executable, "-m", "chatkv.tui.cli", "--model", model_dir, "--max-tokens", "5"],
+        [sys.executable, "-m", "chatkv.cli", "--model", model_dir, "--max-tokens", "5"],
         input=b"What is the capital of France?\n", capture_output=True, env=env, timeout=120,
     )
     assert p.returncode == 0, p.stderr.decode()

@@ -30,14 +30,14 @@ def _env(home: Path) -> dict:
 
 
 def chatkv(model_dir, *args, home: Path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, input=None):
-    cmd = [sys.executable, "-m", "chatkv.tui.cli", "--model", model_dir, "--max-tokens", "8", *args]
+    cmd = [sys.executable, "-m", "chatkv.cli", "--model", model_dir, "--max-tokens", "8", *args]
     return subprocess.run(cmd, input=input, stdin=None if input is not None else stdin, stdout=stdout,
                           stderr=subprocess.PIPE, env=_env(home), timeout=TIMEOUT)
 
 
 def shell(command: str, model_dir, home: Path) -> subprocess.CompletedProcess:
     """``command`` in bash, with ``CHATKV`` the chatkv command line on the tiny model."""
-    cli = f"{sys.executable} -m chatkv.tui.cli --model {model_dir} --max-tokens 8"
+    cli = f"{sys.executable} -m chatkv.cli --model {model_dir} --max-tokens 8"
     return subprocess.run(["bash", "-c", command], capture_output=True, env={**_env(home), "CHATKV": cli},
                           timeout=TIMEOUT)
 
@@ -204,7 +204,7 @@ def _fill(disk: Path) -> Path:
 
 def test_a_full_disk_under_the_database_is_one_line_and_nothing_half_stored(model_dir, small_disk):
     home = small_disk / "home"
-    cmd = [sys.executable, "-m", "chatkv.tui.cli", "--model", model_dir, "--max-tokens", "8"]
+    cmd = [sys.executable, "-m", "chatkv.cli", "--model", model_dir, "--max-tokens", "8"]
     child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=_env(home))
     try:
         child.stdin.write(b"hello\n")
@@ -255,7 +255,7 @@ def _rows(home: Path):
 
 
 def kb_cmd(*args, home: Path, stdout=subprocess.PIPE):
-    return subprocess.run([sys.executable, "-m", "chatkv.tui.cli", *args], stdin=subprocess.DEVNULL, stdout=stdout,
+    return subprocess.run([sys.executable, "-m", "chatkv.cli", *args], stdin=subprocess.DEVNULL, stdout=stdout,
                           stderr=subprocess.PIPE, env=_env(home), timeout=TIMEOUT)
 
 

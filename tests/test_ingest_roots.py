@@ -93,7 +93,7 @@ def test_a_knowledge_base_never_holds_the_outside_file(tree, tmp_path):
 
 def _chatkv(*args, home: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, CHATKV_HOME=str(home))
-    return subprocess.run([sys.executable, "-m", "chatkv.tui.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "chatkv.cli", *args], capture_output=True, text=True,
                           env=env, timeout=300, stdin=subprocess.DEVNULL)
 
 

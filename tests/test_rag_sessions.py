@@ -137,7 +137,7 @@ def test_bad_rag_settings_are_clear_errors(engine, corpus):
 
 
 def test_cli_ingest_kb_commands_and_chat_over_a_kb(model_dir, corpus, tmp_path, monkeypatch, capsys):
-    from chatkv.tui.cli import main
+    from chatkv.cli import main  # the console script: ingest and kb are its subcommands
 
     monkeypatch.setenv("CHATKV_HOME", str(tmp_path))
     (corpus.parent / "bad").mkdir(exist_ok=True)

@@ -72,7 +72,7 @@ def _chatkv_command() -> list[str]:
     script = shutil.which("chatkv", path=str(Path(sys.executable).parent))
     if script:
         return [script]
-    return [sys.executable, "-c", "import sys; from chatkv.tui.cli import main; sys.exit(main())"]
+    return [sys.executable, "-c", "import sys; from chatkv.cli import main; sys.exit(main())"]
 
 
 class Server:

@@ -1,4 +1,4 @@
-"""The ``chatkv`` command: the terminal chat app, a one-shot prompt, or a plain line-mode chat.
+"""The chat face of the ``chatkv`` command: the terminal app, a one-shot prompt, or a plain line-mode chat.
 
     chatkv                          # the Textual app (tui/app.py) when stdin and stdout are terminals
     chatkv chat                     # the same
@@ -10,8 +10,10 @@
     chatkv --model ./my-llama-dir --temperature 0.7 "Tell me a joke"
     chatkv --data-dir DIR           # conversations, knowledge bases and snapshots in DIR
     chatkv --kb python-docs [--sources 4] [--pin docs/intro.md]   # chat over a knowledge base
-    chatkv ingest docs/ --kb python-docs; chatkv kb list | info | search | remove   (tui/kb_cli.py)
-    chatkv serve [--host 127.0.0.1] [--port 8000] [--api-key KEY]   # OpenAI-compatible HTTP (chatkv/server/cli.py)
+
+``chatkv serve``, ``chatkv ingest`` and ``chatkv kb`` are other faces; ``chatkv/cli.py`` (the
+console script) hands each to its own (``chatkv/server/cli.py``, ``tui/kb_cli.py``) and everything
+else here.
 
 Stored text reaches the terminal only through ``tui/terminal_text.py``'s ``safe_text`` (no control
 sequences). Only the public SDK is used here.
@@ -29,15 +31,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from chatkv import ChatKVError, InvalidRequest
+from chatkv import ChatKVError, Engine, InvalidRequest
 from chatkv.config import HEADS, KV_DTYPES, OVERFLOW_POLICIES, WEIGHTS
-from chatkv.engine import Engine
 from chatkv.outputs import GenerationResult, Reply
 from chatkv.sampling import SamplingParams
 from chatkv.tui.failures import Stdout, check_data_dir, error, note
 from chatkv.tui.terminal_text import SafeStream, safe_text
 
 LATEST = "latest"  # --resume without an id
+OTHER_COMMANDS = ("serve", "ingest", "kb")  # chatkv.cli's; never a prompt here
 # The sampling options; None = not given. Line mode fills in DEFAULTS, the app gets only what was given.
 SAMPLING = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed")
 DEFAULTS = {"max_tokens": 256, "temperature": 0.0}
@@ -84,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                    help="how the KV cache is stored: auto (default: the model's dtype), bf16, fp16, fp32, int8 or fp8 "
                         "(int8/fp8: about half the memory and snapshot bytes of bf16; see docs/kv-dtypes.md for their quality)")
+    p.epilog = ("other commands: chatkv serve (an OpenAI-compatible HTTP server), chatkv ingest PATH... --kb NAME, "
+                "chatkv kb list|info|search|remove; each takes --help")
     return p
 
 
@@ -147,8 +151,6 @@ def _chat(session, params: SamplingParams, show_stats: bool, script: list[str] |
     one stores nothing). A stdout that fails mid-reply: the reply is still received and stored,
     then the chat ends (``chatkv.tui.failures.Stdout``)."""
     if script is None:
-        weights = weights if weights is not None else getattr(getattr(getattr(session, "_m", None), "engine", None),
-                                                               "weights", None)
         how = f" Weights: {weights.label}." if weights is not None else ""
         which = f"conversation {session.id}. " if session is not None else ""
         _note(f"chatkv: {which}Type a message; /exit or Ctrl-D to leave.{how}")
@@ -264,18 +266,10 @@ def _resume(engine: Engine, conv_id: str):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] in ("ingest", "kb"):
-        try:
-            from chatkv.tui.kb_cli import run
-
-            return run(argv)
-        except ChatKVError as e:
-            _error(e)
-            return 2
-    if argv and argv[0] == "serve":  # chatkv serve [options]: the OpenAI-compatible HTTP server
-        from chatkv.server.cli import main as serve
-
-        return serve(argv[1:])
+    if argv and argv[0] in OTHER_COMMANDS:  # run as python -m chatkv.tui.cli: not a prompt to answer
+        _error(f"'{argv[0]}' is a command of chatkv (chatkv {argv[0]} ..., or python -m chatkv.cli {argv[0]} ...); "
+               "this module runs the chat only")
+        return 2
     if argv and argv[0] == "chat":  # chatkv chat [options]: the same as chatkv [options]
         argv = argv[1:]
     args = _parser().parse_args(argv)

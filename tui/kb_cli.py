@@ -14,8 +14,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from chatkv import ChatKVError
 from chatkv.retrieval import KnowledgeBase
-from chatkv.tui.failures import Stdout, check_data_dir, note
+from chatkv.tui.failures import Stdout, check_data_dir, error, note
 from chatkv.tui.terminal_text import safe_text
 
 
@@ -45,6 +46,16 @@ def parser() -> argparse.ArgumentParser:
     rm.add_argument("name")
     rm.add_argument("source")
     return p
+
+
+def main(argv: list[str]) -> int:
+    """``chatkv ingest ...`` / ``chatkv kb ...`` (``argv`` starts with the command): its exit status;
+    a ChatKVError is one line on stderr and status 2, never a traceback."""
+    try:
+        return run(argv)
+    except ChatKVError as e:
+        error(e)
+        return 2
 
 
 def run(argv: list[str]) -> int:
