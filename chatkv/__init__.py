@@ -21,6 +21,11 @@ from chatkv.errors import (
 __all__ = [
     "Engine",
     "SamplingParams",
+    # what the faces (chatkv serve, the app) need besides, each imported on first use
+    "TurnRenderer",
+    "LOCAL_USER",
+    "data_dir",
+    "ensure_default_model",
     "ChatKVError",
     "ContextOverflow",
     "ConversationBusy",
@@ -39,8 +44,9 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``from chatkv import Engine, SamplingParams``, imported on first use so that
-    ``import chatkv.storage`` or ``chatkv.retrieval`` does not load torch and the model code."""
+    """``from chatkv import Engine, SamplingParams`` (and the rest of ``__all__`` past the errors),
+    imported on first use so that ``import chatkv.storage`` or ``chatkv.retrieval`` does not load
+    torch, the model code or the database schema."""
     if name == "Engine":
         from chatkv.engine import Engine
 
@@ -49,4 +55,20 @@ def __getattr__(name: str):
         from chatkv.sampling import SamplingParams
 
         return SamplingParams
+    if name == "TurnRenderer":  # the chat template's token deltas (a reply's closing tokens, a prompt's continuation)
+        from chatkv.turns import TurnRenderer
+
+        return TurnRenderer
+    if name == "LOCAL_USER":  # the owner of conversations made without a user (the app's, the SDK's)
+        from chatkv.storage.models import LOCAL_USER
+
+        return LOCAL_USER
+    if name == "data_dir":  # data_dir(path=None): the data directory chatkv uses, created private if missing
+        from chatkv.storage.paths import data_dir
+
+        return data_dir
+    if name == "ensure_default_model":  # the packaged default model, converted once into a data directory
+        from chatkv.weights import ensure_default_model
+
+        return ensure_default_model
     raise AttributeError(f"module 'chatkv' has no attribute {name!r}")

@@ -471,6 +471,11 @@ class Engine:
         return self.session_manager.store.list_conversations(include_archived=include_archived, tenant=self.config.tenant,
                                                              owner=user or LOCAL_USER)
 
+    def sessions_in_memory(self) -> list[str]:
+        """Ids of this process's open conversations whose KV is in memory now (kept between turns,
+        or in a turn); opens the conversation store if it is not open yet. Any thread."""
+        return self.session_manager.in_memory()
+
     def spill_idle(self) -> int:
         """Spill sessions idle past ``idle_spill_s`` to disk now; returns how many."""
         if self._loop.closed:

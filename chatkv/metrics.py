@@ -139,6 +139,11 @@ class EngineMetrics:
         self._pending.append((result.usage, result.finish_reason, result.preemptions, seq.arrival,
                               seq.first_token_time, seq.finish_time))
 
+    @property
+    def pending(self) -> int:
+        """Finished requests not yet folded into the counters (``drain`` folds them; a scrape drains)."""
+        return len(self._pending)
+
     def drain(self) -> int:
         """Fold the finished requests into the counters and histograms; how many."""
         n = 0

@@ -74,6 +74,17 @@ class TurnRenderer:
             raise InvalidRequest("the chat template rewrites earlier turns when a message is added; cannot take a delta")
         return text_tokens.encode_rendered(self.tokenizer, r, len(self._base_text))
 
+    def continuation(self, messages: list[dict], k: int) -> list[int] | None:
+        """The prompt of ``messages`` (up to the reply) after its first ``k`` messages, when those
+        are a closed conversation whose ids the caller holds: the tokens of the whole render from
+        where the render of ``messages[:k]`` alone ends. None when the template renders those
+        ``k`` messages differently once more follow (it rewrites earlier turns): no delta then."""
+        full = self._rendered(messages, True)
+        before = self._render(messages[:k], False)
+        if not full.text.startswith(before):
+            return None
+        return text_tokens.encode_rendered(self.tokenizer, full, len(before))
+
     def close_reply(self, generated: list[int]) -> list[int]:
         """End-of-turn tokens after a reply; a stop token the model already produced is not repeated."""
         closing = self._closing

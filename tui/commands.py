@@ -63,7 +63,7 @@ class CommandsMixin:
         if self.generating:
             self.notify("A reply is being generated; press Esc first.", severity="warning")
             return
-        from chatkv.engine import Engine
+        from chatkv import Engine
 
         data_dir = self.data_dir or (getattr(self.engine.config, "data_dir", None) if self.engine else None)
         kw = {"data_dir": data_dir} if data_dir else {}

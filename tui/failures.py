@@ -67,7 +67,7 @@ class Stdout:
 
 def check_data_dir(explicit: str | None) -> None:
     """StorageError, before any model loads, when the data directory cannot be created or written."""
-    from chatkv.storage.paths import data_dir
+    from chatkv import data_dir
 
     given = explicit if explicit is not None else os.environ.get("CHATKV_HOME")
     fix = "give --data-dir (or CHATKV_HOME) a directory chatkv can create and write"

@@ -74,7 +74,7 @@ class ServerState:
 
     def metrics_tick(self) -> None:
         """Fold finished requests into the metrics now and then, so an unscraped server stays small."""
-        if len(self.metrics._pending) > 256:
+        if self.metrics.pending > 256:
             self.metrics.drain()
 
     def embedding_available(self) -> bool:

@@ -119,8 +119,7 @@ def main(argv: list[str]) -> int:
         return 2
     import uvicorn
 
-    from chatkv import ChatKVError
-    from chatkv.engine import Engine
+    from chatkv import ChatKVError, Engine
     from chatkv.server.app import create_app
 
     config = {"dtype": args.dtype, "data_dir": args.data_dir, "db_url": args.db_url or None, "weights": args.weights,

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from chatkv.context_window import ContextOverflow
-from chatkv.errors import ChatKVError, ConversationBusy, EngineClosed, InvalidRequest, LeaseLost, SessionError, StorageError
+from chatkv.errors import (ChatKVError, ContextOverflow, ConversationBusy, EngineClosed, InvalidRequest, LeaseLost, SessionError,
+                           StorageError)
 
 
 class APIError(Exception):

@@ -36,7 +36,7 @@ from pathlib import Path
 from starlette.requests import Request
 
 from chatkv.server.errors import APIError
-from chatkv.storage.models import LOCAL_USER
+from chatkv import LOCAL_USER
 
 log = logging.getLogger("chatkv.server")
 USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")

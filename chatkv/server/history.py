@@ -6,7 +6,7 @@ and bytes that were no whole character come back as U+FFFD. One differing id ear
 history and the radix cache misses everything after it. So, per server process, a small
 LRU maps a hash of a message prefix ending in an assistant reply to the exact token ids
 the engine had for it: the prompt it was given, the reply's tokens as generated, and the
-template's end-of-turn tokens (as a session appends them, ``chatkv.turns``). The next
+template's end-of-turn tokens (as a session appends them, ``chatkv.TurnRenderer``). The next
 request that starts with that prefix gets those ids, followed by its new messages rendered
 on their own (the text the chat template adds after the prefix), so its prompt is the
 previous request's prompt + reply, token for token, and hits the KV those left in the
@@ -29,10 +29,8 @@ from array import array
 from collections import OrderedDict
 from itertools import islice
 
-from chatkv import text_tokens
+from chatkv import LOCAL_USER, TurnRenderer
 from chatkv.errors import check_text
-from chatkv.storage.models import LOCAL_USER
-from chatkv.turns import TurnRenderer
 
 
 def prefix_keys(messages: list[dict], user: str | None = None) -> list[bytes]:
@@ -52,7 +50,6 @@ class HistoryTokens:
     """The LRU; thread-safe. ``max_tokens`` bounds the ids held (4 bytes each)."""
 
     def __init__(self, tokenizer, max_tokens: int = 4_000_000):
-        self._tok = tokenizer
         self._turns = TurnRenderer(tokenizer)
         self._lru: OrderedDict[bytes, array] = OrderedDict()
         self._size = 0
@@ -63,9 +60,6 @@ class HistoryTokens:
 
     def __len__(self) -> int:
         return len(self._lru)
-
-    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self._tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
 
     def prompt(self, messages: list[dict], user: str | None = None) -> tuple[list[int], int]:
         """The prompt's token ids for ``messages`` (ending with a user message), and how many
@@ -82,23 +76,16 @@ class HistoryTokens:
                     self._lru.move_to_end(keys[k - 1])
             if ids is None:
                 continue
-            full = self._rendered(messages)
-            before = self._render(messages[:k], False)
-            if not full.text.startswith(before):  # the template rewrites earlier turns
+            rest = self._turns.continuation(messages, k)  # a client's text is data (chatkv.text_tokens)
+            if rest is None:  # the template rewrites earlier turns
                 break
             with self._lock:
                 self.hits += 1
-            return ids.tolist() + text_tokens.encode_rendered(self._tok, full, len(before)), k
+            return ids.tolist() + rest, k
         if any(m["role"] == "assistant" for m in messages):
             with self._lock:
                 self.misses += 1
-        return text_tokens.encode_rendered(self._tok, self._rendered(messages)), 0
-
-    def _rendered(self, messages: list[dict]) -> text_tokens.Rendered:
-        """The prompt's render, its contents located: a client's text is data (``chatkv.text_tokens``)."""
-        r = text_tokens.render(lambda ms: self._render(ms, True), messages)
-        text_tokens.check_locatable(self._tok, r, messages)
-        return r
+        return self._turns.first(messages), 0
 
     def recent_keys(self, n: int) -> list[bytes]:
         """The ``n`` most recently used prefix keys (newest last): what a replica reports to

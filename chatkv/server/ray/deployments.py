@@ -96,7 +96,7 @@ class EngineReplica:
     def __init__(self, opts: ReplicaOptions):
         import torch
 
-        from chatkv.engine import Engine
+        from chatkv import Engine
         from chatkv.server.app import create_app
 
         torch.set_num_threads(max(1, opts.threads))
@@ -106,7 +106,7 @@ class EngineReplica:
                               owns_engine=True)
         self.state = self.app.state.chatkv
         self.engine.start()
-        self.sessions = self.engine.session_manager  # the store is opened now, not on the first turn
+        self.engine.sessions_in_memory()  # the store is opened now, not on the first turn
         self.replica = serve.get_replica_context().replica_id.unique_id
 
     async def call(self, call: HttpCall, keys: RouteKeys):
@@ -120,7 +120,7 @@ class EngineReplica:
         """What this replica holds, for the router (see ``affinity.py``)."""
         from chatkv.server.ray.affinity import KEY_BYTES
 
-        return {"at": time.time(), "sessions": self.sessions.in_memory(),
+        return {"at": time.time(), "sessions": self.engine.sessions_in_memory(),
                 "prefixes": [k.hex()[:KEY_BYTES] for k in self.state.history.recent_keys(REPORT_PREFIXES)],
                 "in_flight": self.state.limit.running}
 

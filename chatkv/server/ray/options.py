@@ -76,12 +76,12 @@ def _run(args, engine_config: dict) -> int:
         engine_config = dict(engine_config, device="cuda")
     EngineConfig.from_kwargs(**engine_config)  # a bad option fails here, not N times in the replicas
     if engine_config.get("data_dir") is None:  # every replica on one resolved directory
-        from chatkv.storage.paths import data_dir
+        from chatkv import data_dir
 
         engine_config = dict(engine_config, data_dir=str(data_dir(None)))
     model = args.model
     if model is None:  # converted once, here, not by N replicas at once into one data dir
-        from chatkv.weights.gguf import ensure_default_model
+        from chatkv import ensure_default_model
 
         model = str(ensure_default_model(Path(engine_config["data_dir"])))
     try:
