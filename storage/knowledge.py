@@ -43,7 +43,6 @@ nothing.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,6 +54,7 @@ from sqlalchemy.orm import Session, defer
 
 from chatkv.errors import InvalidRequest, StorageError
 from chatkv.storage import db
+from chatkv.storage.fts import fts_query  # shared with message search (a user's words as FTS5 syntax)
 from chatkv.storage.knowledge_records import (
     KB_NAME_PATTERN,
     ChunkRecord,
@@ -80,35 +80,6 @@ __all__ = [
     "check_kb_name",
     "fts_query",
 ]
-
-MAX_QUERY_TERMS = 32
-MAX_TERM_CHARS = 64
-_WORD = re.compile(r"[^\W_]+")  # letters and digits: what FTS5's unicode61 tokenizer keeps
-# Dropped from lexical queries when a query has other words (they match nearly every chunk).
-STOPWORDS = frozenset(
-    """a an and are as at be been but by can could did do does doing for from had has have how i if in
-    into is it its me my no not of on or our should so than that the their them then there these they
-    this to was we were what when where which while who whom why will with would you your""".split()
-)
-
-
-def fts_query(query: str) -> Optional[str]:
-    """An FTS5 MATCH expression for a user's words, or None when it has none.
-
-    Each word (a run of letters/digits, at most ``MAX_TERM_CHARS`` long) is quoted
-    and the words are OR-ed, so BM25 ranks chunks by how many of the rarer words
-    they hold; common English words are dropped unless the query has nothing else.
-    Nothing the user typed is read as FTS5 syntax.
-    """
-    words: list[str] = []
-    for w in _WORD.findall(query.lower()):
-        if len(w) <= MAX_TERM_CHARS and w not in words:
-            words.append(w)
-    content = [w for w in words if w not in STOPWORDS] or words
-    if not content:
-        return None
-    return " OR ".join(f'"{w}"' for w in content[:MAX_QUERY_TERMS])  # a word holds no '"'
-
 
 # ---------------------------------------------------------------- the store
 

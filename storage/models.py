@@ -232,6 +232,8 @@ class ConversationLease(Base):
 # The SQLite FTS5 table over kb_chunks.text, created by migration 0002 (with its
 # shadow tables FTS_TABLE_*), outside these models; the schema comparison skips it.
 FTS_TABLE = "kb_chunks_fts"
+# The same over messages.content (migration 0006): search across conversations.
+MESSAGES_FTS = "messages_fts"
 
 
 class KnowledgeBase(Base):

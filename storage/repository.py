@@ -62,6 +62,7 @@ from chatkv.storage.records import (
     check_owner,
 )
 from chatkv.storage.models import LOCAL_USER, message_hash
+from chatkv.storage import message_search
 from chatkv.storage import message_tree as tree
 
 _CURRENT = object()  # add_message's default parent: the conversation's current leaf
@@ -483,6 +484,17 @@ class Store:
             if "Could not decode to UTF-8" in str(e.__cause__ or ""):
                 raise self._undecodable(conv_id) from e.__cause__
             raise
+
+    def search(self, query: str, owner: str = LOCAL_USER, tenant: Optional[str] = None,
+               limit: int = 20) -> list[message_search.SearchHit]:
+        """Messages of ``owner``'s conversations (every branch) whose text holds ``query``'s
+        words, best first (``storage.message_search``: FTS5 on SQLite, LIKE elsewhere)."""
+        check_str("query", query, 10_000)
+        check_owner(owner)
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 1000:
+            raise InvalidRequest(f"limit must be an int in [1, 1000], got {limit!r}")
+        with self._reading() as s:
+            return message_search.search(s, query, owner, tenant, limit)
 
     def rebuild_history(self, conv_id: str, token_ids: list[int], context: Optional[dict] = None) -> None:
         """After the stored text was found changed (a message no longer matches its hash): make

@@ -208,3 +208,54 @@ def test_a_damaged_parent_cycle_ends_the_walk():
     nodes = {1: tree.Node(1, 2), 2: tree.Node(2, 1)}
     assert [n.id for n in tree.chain(nodes, 1)] == [2, 1]
     assert tree.newest_leaf(nodes, 1) == 2
+
+
+# -- search across conversations (FTS5 on SQLite, LIKE on PostgreSQL) ---------------------------------------
+
+
+def test_search_finds_messages_of_every_branch_of_the_owners_conversations_only(url, tmp_path):
+    with Store.open(url, data_dir=tmp_path) as s:
+        a = s.create_conversation("cooking", "m", "", {}).id
+        b = s.create_conversation("caches", "m", "", {}).id
+        other = s.create_conversation("alice's", "m", "", {}, owner="alice").id
+        s.add_message(a, "user", "How long should I boil an egg?")
+        s.add_message(a, "assistant", "About seven minutes for a firm yolk.")
+        q = s.add_message(b, "user", "Why does the KV cache make turn 20 cheap?")
+        s.add_message(b, "assistant", "Because the history's attention state is kept.")
+        edited = s.add_message(b, "user", "Explain paged KV blocks", parent_id=q.parent_id)
+        s.add_message(other, "user", "my KV cache notes")
+        hits = s.search("kv cache")
+        assert {h.message.id for h in hits} == {q.id, edited.id}  # both branches; not alice's
+        assert all(h.conversation_id == b and h.title == "caches" for h in hits)
+        assert "KV" in hits[0].snippet
+        assert [h.message.content for h in s.search("boil EGG")] == ["How long should I boil an egg?"]
+        assert [h.conversation_id for h in s.search("kv", owner="alice")] == [other]
+        assert s.search("nothing like this anywhere") == [] and s.search("   ") == []
+        if url.startswith("sqlite"):  # BM25 over stems: another form of the word matches
+            assert [h.message.id for h in s.search("caching")] == [q.id]
+        s.delete_conversation(b)
+        assert s.search("kv cache") == []
+
+
+def test_search_reads_nothing_typed_as_query_syntax(url, tmp_path):
+    with Store.open(url, data_dir=tmp_path) as s:
+        c = s.create_conversation("t", "m", "", {}).id
+        m = s.add_message(c, "user", "100% sure that a_b is not a*b (or NEAR) \"quoted\"")
+        for hostile in ['"', "*", "a*b", "NEAR(", "content:x", "100%", "a_b", "')--", "\\", "(or NEAR)", "\x00"]:
+            hits = s.search(hostile)
+            assert all(h.message.id == m.id for h in hits), hostile
+        assert [h.message.id for h in s.search("100%")] == [m.id]
+        assert s.search("%") == [] and s.search("_") == []  # no word: nothing, never "match everything"
+        for bad in (0, -1, 10**6, True, "5"):
+            with pytest.raises(InvalidRequest, match="limit must be"):
+                s.search("x", limit=bad)
+        with pytest.raises(InvalidRequest, match="query is"):
+            s.search("x" * 10_001)
+
+
+def test_0006_indexes_the_messages_already_there(tmp_path):
+    url = f"sqlite:///{tmp_path / DB_FILENAME}"
+    conv = _old_database(url)
+    with Store.open(url, data_dir=tmp_path) as s:
+        assert [h.message.content for h in s.search("joke")] == ["Tell me a joke"]
+        assert {h.conversation_id for h in s.search("evicted cache")} == {conv}

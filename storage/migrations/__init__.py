@@ -23,7 +23,7 @@ from sqlalchemy import Connection, Engine, text
 from sqlalchemy.exc import DBAPIError
 
 from chatkv.errors import ChatKVError
-from chatkv.storage.models import FTS_TABLE
+from chatkv.storage.models import FTS_TABLE, MESSAGES_FTS
 
 HEAD = "0006"
 SCRIPT_LOCATION = Path(__file__).resolve().parent
@@ -53,10 +53,10 @@ def config(url: Optional[str] = None, connection: Optional[Connection] = None):
 
 def include_name(name: Optional[str], type_: str, parent_names: dict) -> bool:
     """Alembic's ``include_name`` hook: leave out of schema comparisons (autogenerate)
-    the tables a migration makes outside the ORM models, i.e. the SQLite FTS5 table
-    ``kb_chunks_fts`` and its shadow tables ``kb_chunks_fts_*``."""
+    the tables a migration makes outside the ORM models, i.e. the SQLite FTS5 tables
+    ``kb_chunks_fts`` and ``messages_fts`` and their shadow tables."""
     if type_ == "table" and name is not None:
-        return not (name == FTS_TABLE or name.startswith(FTS_TABLE + "_"))
+        return not any(name == t or name.startswith(t + "_") for t in (FTS_TABLE, MESSAGES_FTS))
     return True
 
 

@@ -21,6 +21,9 @@ the store always listed them in), and makes each conversation's newest message i
 leaf; its token history stays in ``conversations.token_ids``. ``parent_id`` and
 ``current_leaf_id`` are plain integers, not foreign keys (the store checks them, and a
 conversation's delete takes its messages with it), so SQLite adds them with ALTER TABLE.
+
+On SQLite it also creates ``messages_fts``, an FTS5 index over ``messages.content`` kept in
+step by triggers (search across conversations), and fills it from the messages already there.
 """
 
 from typing import Sequence, Union
@@ -34,6 +37,22 @@ branch_labels: Union[str, Sequence[str], None] = None
 depends_on: Union[str, Sequence[str], None] = None
 
 BATCH = 1000
+# SQLite: an FTS5 index over messages.content (external content), kept in step by triggers
+# as the knowledge base's is (0002), for search across conversations; filled from the rows
+# already there. Other databases search with LIKE (chatkv.storage.message_search).
+FTS_SQL = (
+    "CREATE VIRTUAL TABLE messages_fts USING fts5("
+    "content, content='messages', content_rowid='id', "
+    "tokenize='porter unicode61 remove_diacritics 2')",
+    "CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN "
+    "INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content); END",
+    "CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN "
+    "INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content); END",
+    "CREATE TRIGGER messages_fts_update AFTER UPDATE OF content ON messages BEGIN "
+    "INSERT INTO messages_fts(messages_fts, rowid, content) VALUES ('delete', old.id, old.content); "
+    "INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content); END",
+    "INSERT INTO messages_fts(messages_fts) VALUES ('rebuild')",
+)
 
 
 def upgrade() -> None:
@@ -62,6 +81,9 @@ def upgrade() -> None:
             conn.execute(messages.update().where(messages.c.id == sa.bindparam("row_id"))
                          .values(parent_id=sa.bindparam("parent")), links)
         last_id = rows[-1][0]
+    if conn.dialect.name == "sqlite":
+        for statement in FTS_SQL:
+            op.execute(statement)
     if last_of:
         conn.execute(conversations.update().where(conversations.c.id == sa.bindparam("conv"))
                      .values(current_leaf_id=sa.bindparam("leaf")),
@@ -71,6 +93,10 @@ def upgrade() -> None:
 def downgrade() -> None:
     # plain DROP COLUMN (SQLite >= 3.35), as in 0003 and 0005. The branches other than the
     # current one become messages of one flat list again (the store before 0006 lists them all).
+    if op.get_bind().dialect.name == "sqlite":
+        for trigger in ("messages_fts_update", "messages_fts_delete", "messages_fts_insert"):
+            op.execute(f"DROP TRIGGER IF EXISTS {trigger}")
+        op.execute("DROP TABLE IF EXISTS messages_fts")
     op.drop_column("conversations", "current_leaf_id")
     op.drop_index(op.f("ix_messages_parent_id"), table_name="messages")
     op.drop_column("messages", "context")
