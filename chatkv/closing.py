@@ -146,8 +146,7 @@ def _grace(engine: Closing, timeout: float | None) -> bool:
             except Exception as e:  # noqa: BLE001 - a failed step ends its requests, as on the loop thread
                 log.exception("engine step failed during close(); failing its requests")
                 with loop.lock:
-                    for seq in engine.scheduler.sequences():
-                        engine.scheduler.fail(seq, e)
+                    engine.scheduler.fail_all(e)
                     loop._publish()
             time.sleep(0.001)  # callers stepping the same requests get the lock too
         else:

@@ -75,7 +75,6 @@ class Engine:
         self._kbs: dict = {}  # open knowledge bases by name
         self._embedder = None  # the embedding model, loaded once for every knowledge base
         self._loop = EngineLoop(self)  # started by start(); until then the caller's thread steps
-        self.scheduler.can_wait = lambda: self._loop.running
         self._gate = closing.Gate()  # what close() still admits (chatkv.closing)
         self._open_lock = threading.Lock()  # the store and knowledge bases open once, whichever thread asks first
 
@@ -162,6 +161,7 @@ class Engine:
         max_context: int | None = None,
         priority: int = 0,
         admitted: bool = False,
+        on_finish=None,
     ) -> Sequence:
         """Queue one request; it runs on the next ``step`` calls. Validates before queueing.
 
@@ -175,13 +175,15 @@ class Engine:
         After ``start()`` call it on the loop thread (``on_loop``); ``submit`` does.
         ``admitted``: part of a call that began before ``close()`` (a session turn, ``generate``):
         refused only once close's grace period is over, where a new request is refused at once.
+        ``on_finish``: ``fn(seq)`` called once as it finishes, on the thread that steps (a session
+        turn takes its retained KV there).
         """
         if not admitted:
             self._gate.check("a new request")
         if not self._loop.owns_state():
             return self.on_loop(lambda: self.add_request(
                 prompt, params, retain=retain, prefix=prefix, namespace=namespace, max_context=max_context, priority=priority,
-                admitted=True))
+                admitted=True, on_finish=on_finish))
         if self._gate.cut:
             raise EngineClosed("the engine was closed before this request started; nothing of it was run")
         params = params if params is not None else SamplingParams()
@@ -215,9 +217,10 @@ class Engine:
             out=TextStream(self.tokenizer, params.stop),
             retain=retain,
             prefix=prefix,
+            namespace=namespace,
+            priority=priority,
+            on_finish=on_finish,
         )
-        seq.namespace = namespace
-        seq.priority = priority
         if self._loop.running:  # its output reaches the caller through a stream
             self._loop.track(seq)
         self.scheduler.add(seq)
@@ -284,6 +287,10 @@ class Engine:
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def fail_all(self, error: Exception) -> None:
+        """End every request with ``error`` (a step raised; where the engine's state lives)."""
+        self.scheduler.fail_all(error)
 
     def step(self) -> list[Sequence]:
         """Run one batched forward over everything scheduled; return the sequences that finished."""
@@ -374,7 +381,7 @@ class Engine:
     def drive(self, seq: Sequence) -> Iterator[str]:
         """Step the engine until ``seq`` finishes, yielding its settled new text as it appears.
         Raises the request's own error if it ended with one."""
-        stream = getattr(seq, "stream", None)
+        stream = seq.stream
         if stream is not None and self.started:  # the loop steps; its pieces arrive here
             yield from stream
             return
@@ -513,8 +520,9 @@ class Engine:
 
         def collect() -> EngineStats:
             kv = self.kv.stats()
+            running, waiting = self.scheduler.counts()
             out = EngineStats(
-                num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                num_running=running, num_waiting=waiting,
                 **{k: kv[k] for k in ("blocks_total", "blocks_free", "blocks_cached", "host_blocks_total",
                                       "host_blocks_used", "evicted_to_host", "host_hits") if k in kv},
             )

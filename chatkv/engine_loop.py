@@ -46,7 +46,6 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 from chatkv.errors import EngineClosed
 
 if TYPE_CHECKING:
-    from chatkv.scheduler import Scheduler
     from chatkv.sequence import Sequence
 
 log = logging.getLogger("chatkv.engine")
@@ -222,13 +221,13 @@ class Steps(Protocol):
     """What the loop needs of the engine it drives (``chatkv.engine.Engine`` is one); the loop
     names this, never the Engine class, so the two modules do not import each other."""
 
-    scheduler: Scheduler
-
     def has_work(self) -> bool: ...
 
     def step(self) -> list[Sequence]: ...
 
     def abort(self, seq: Sequence) -> None: ...
+
+    def fail_all(self, error: Exception) -> None: ...
 
 
 class EngineLoop:
@@ -319,7 +318,7 @@ class EngineLoop:
 
     def track(self, seq: "Sequence") -> RequestStream:
         """The stream that carries ``seq``'s output (made once; loop thread or no loop)."""
-        stream = getattr(seq, "stream", None)
+        stream = seq.stream
         if stream is None:
             stream = seq.stream = RequestStream(self, seq)
             self._streams[seq] = stream
@@ -379,18 +378,12 @@ class EngineLoop:
                 else:
                     if fut is not None:
                         fut.set_result(out)
-            if eng.has_work():
+            if eng.has_work():  # (a finished turn's KV is its session's at once: nothing to wait for)
                 try:
-                    if not eng.step() and not eng.scheduler.running:
-                        # waiting requests, none can start yet (a finished turn's KV is being
-                        # handed over): let the threads that hand it over run
-                        with self._cv:
-                            if not self._commands:
-                                self._cv.wait(0.002)
+                    eng.step()
                 except Exception as e:  # noqa: BLE001 - a bug in the step: its requests fail, the loop goes on
                     log.exception("engine step failed; failing its requests")
-                    for seq in eng.scheduler.sequences():
-                        eng.scheduler.fail(seq, e)
+                    eng.fail_all(e)
             self._publish()
 
     def _publish(self) -> None:

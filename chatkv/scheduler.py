@@ -18,15 +18,16 @@ holding none (waiting, finished).
 
 from __future__ import annotations
 
+import logging
 import time
-import weakref
 from collections import deque
-from typing import Callable
 
 from chatkv.errors import OutOfBlocks
 from chatkv.kv_manager import KVManager
 from chatkv.sequence import Sequence, Status
 
+
+log = logging.getLogger("chatkv.engine")
 
 AGE_ROUNDS = 32  # a request passed over this many times goes first, whatever its priority
 
@@ -35,10 +36,6 @@ class Scheduler:
     def __init__(self, kv: KVManager, max_batch_tokens: int, max_running: int, age_rounds: int = AGE_ROUNDS):
         self.kv = kv
         self.age_rounds = age_rounds
-        # finished requests whose retained KV their conversation has not taken yet (the engine
-        # loop hands it over between steps): while any exist, "cannot fit" may be transient
-        self._handing_over: weakref.WeakSet[Sequence] = weakref.WeakSet()
-        self.can_wait: Callable[[], bool] = lambda: False  # True while another thread settles turns (engine loop)
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
         self.waiting: deque[Sequence] = deque()
@@ -53,6 +50,10 @@ class Scheduler:
     def sequences(self) -> list[Sequence]:
         """Every sequence that may hold KV (for integrity checks)."""
         return list(self.waiting) + self.running
+
+    def counts(self) -> tuple[int, int]:
+        """(running, waiting) requests now."""
+        return len(self.running), len(self.waiting)
 
     # -- ending requests ------------------------------------------------------------
 
@@ -69,8 +70,19 @@ class Scheduler:
             seq.out.finish()
         finally:  # a finished sequence holds no KV, whatever the detokenizer raised
             seq.retained = self.kv.release(seq, retain=seq.retain and reason != "error")
-            if seq.retained is not None:
-                self._handing_over.add(seq)
+            self._hand_over(seq)
+
+    @staticmethod
+    def _hand_over(seq: Sequence) -> None:
+        """Call the finished sequence's owner (once): a session turn takes its retained KV now, on
+        this thread, so no KV is ever in transit. A failing owner never breaks the scheduler."""
+        owner, seq.on_finish = seq.on_finish, None
+        if owner is None:
+            return
+        try:
+            owner(seq)
+        except Exception as e:  # noqa: BLE001 - the retained KV stays on seq, which its owner ends
+            log.warning("request %s: its finish callback failed (%s: %s)", seq.seq_id, type(e).__name__, e)
 
     def abort(self, seq: Sequence) -> None:
         """End a request now, waiting or running; what it generated so far stays in its result."""
@@ -81,6 +93,11 @@ class Scheduler:
         """End a request with an error of its own (it is raised to whoever drives it)."""
         if not seq.finished:
             self._finish(seq, "error", error)
+
+    def fail_all(self, error: Exception) -> None:
+        """End every request with ``error`` (a step that raised: a bug, not a request's own error)."""
+        for seq in self.sequences():
+            self.fail(seq, error)
 
     # -- admission --------------------------------------------------------------------
 
@@ -140,11 +157,9 @@ class Scheduler:
                 plan.append((seq, chunk))
                 budget -= chunk
             for seq in self.waiting:  # passed over this round
-                seq.passed_over = getattr(seq, "passed_over", 0) + 1
+                seq.passed_over += 1
         if not plan and self.waiting and not self.running and self._free_waiting_prefixes(blocked):
             return plan  # KV handed to waiting requests went down a tier: the next step retries
-        if not plan and self.can_wait() and any(s.retained is not None for s in list(self._handing_over)):
-            return plan  # a finished turn's KV is on its way to its session, which may release it
         if not plan and self.waiting and not self.running:
             # nothing runs and the one whose turn it was cannot start: it never will (not waiting[0],
             # which may rank behind it and fit)
@@ -163,8 +178,8 @@ class Scheduler:
         """Admission order: requests passed over ``age_rounds`` times first (nothing starves),
         then lower ``priority`` (interactive turns 0 before batch jobs 1), then the longest
         cached prefix (those cost the least to start), then arrival."""
-        aged = getattr(seq, "passed_over", 0) >= self.age_rounds
-        return (not aged, getattr(seq, "priority", 0), -self.kv.cached_len(seq.token_ids, seq.namespace), seq.seq_id)
+        aged = seq.passed_over >= self.age_rounds
+        return (not aged, seq.priority, -self.kv.cached_len(seq.token_ids, seq.namespace), seq.seq_id)
 
     def _free_waiting_prefixes(self, keep: Sequence | None) -> bool:
         """Nothing runs and a request cannot start: the KV other waiting requests were handed

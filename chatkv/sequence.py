@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Hashable
+from typing import TYPE_CHECKING, Any, Callable, Hashable
 
 import torch
 
@@ -45,6 +45,11 @@ class Sequence:
     num_restored: int = 0  # tokens brought back from disk before admission (sessions)
     num_host: int = 0  # tokens copied back from the host-memory tier before its first admission
     namespace: Hashable | None = None  # radix namespace of its KV; None: the KV manager's default
+    priority: int = 0  # lower is admitted first (session turns 0, generate batches 1; the scheduler's rank)
+    passed_over: int = 0  # scheduling rounds it waited through while others were admitted (aging)
+    on_finish: Callable[["Sequence"], None] | None = None  # its owner, called once at finish on the thread
+    # that steps (the loop thread): a session turn takes ``retained`` here, so no KV is ever ownerless
+    stream: Any = None  # the engine loop's RequestStream carrying its output, once tracked
     num_prefilled: int = 0  # tokens this request actually computed before its first sample
     finish_reason: str | None = None  # "stop" | "length" | "aborted" | "error"
     error: Exception | None = None  # why it ended with finish_reason "error"

@@ -79,7 +79,7 @@ class Session:
         self.window = None  # chatkv.context_window.ContextState: what the KV window holds, the overflow policy
         self.closed = False
         self.busy = False
-        self.ending = None  # the turn in flight's end (session_manager._TurnEnd), which close() may run
+        self.ending = None  # the turn in flight's end (chatkv.turn.TurnEnd), which close() may run
         self.last_used = time.monotonic()
         self.owner = "local"  # the user it belongs to (chatkv serve's API keys; the app and SDK: "local")
 

@@ -1,51 +1,66 @@
-"""SessionManager: saved conversations and their turns.
+"""SessionManager: saved conversations, and the one writer of their sessions' state.
 
-(Past 400 lines: a turn's phases (plan, restore, store, drive, settle, write-behind) share the
-session's state and run in order; split across modules they would hand that state around.)
+(Past 400 lines: besides a session's life (create, resume, rebuild, close, delete) it holds
+every write of a session's state - its turn's (``chatkv.turn`` asks for each), its lease's
+sync with the stored conversation, its spills - so that one module says who changes what.)
 
 It owns the conversation database (``storage.Store``) of one data directory and the
 conversations' snapshots (``chatkv.snapshots``), holds each open session's KV between
-turns through the KV manager, and runs a turn with three engine calls: add a request,
-drive it, abort it. It never imports the engine (the engine creates it). Contracts:
+turns through the KV manager, and runs each turn as a ``chatkv.turn.Turn`` (three engine
+calls: add a request, drive it, abort it). It never imports the engine (the engine creates
+it). Contracts:
 
 - a turn's input is validated before anything is stored; its user message (and the
   history's tokens) are committed before generation, the reply before the turn reports
   done; an interrupted reply keeps what was produced, marked ``interrupted``;
-- a session holds its KV as one RetainedKV (``session.kept``) between turns; a shared
-  system prompt is pinned while any open session uses it;
+- a session holds its KV as one RetainedKV (``session.kept``) between turns, handed to it
+  by its request's finish on the loop thread; a shared system prompt is pinned while any
+  open session uses it;
 - an idle session, or any idle session when blocks run short, is spilled to disk and
   its KV released; the next turn restores it (see ``chatkv.snapshots``);
 - a history longer than the context window is handled by the session's overflow policy
   before anything is stored (see ``chatkv.context_window``); messages are never deleted;
-- a turn runs under the conversation's lease, so processes sharing the store never
-  interleave a conversation (see ``chatkv.session_leases``).
+- several processes, one store: a turn, a resume's clean-up and a spill run under the
+  conversation's lease (``store.leases.hold``, see ``chatkv.storage.leases``), so a process
+  writes a conversation only while it holds it and never on top of a history it has not
+  seen. Under the lease a session behind the stored conversation (another process stored
+  turns since; told by the ``Mark`` the lease returns, else by comparing the token history)
+  is reloaded, its KV for the old history dropped; a turn left without its reply (its
+  process died) is closed as an interrupted empty reply, exactly once. A spill writes the
+  snapshot only when the session is current. Idle and pressure spills go without a lease:
+  the write-behind of the session's last turn, queued under its lease, already made its
+  snapshot current, so they write nothing. ``marks`` keeps per conversation the ``Mark``
+  last seen (None: unknown, compare the tokens).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
-
-import copy
+from typing import TYPE_CHECKING, Iterator
 
 from chatkv import context_window as cw
 from chatkv import rag as rag_context
-from chatkv import session_leases as leased
 from chatkv import text_tokens
 from chatkv.config import OVERFLOW_POLICIES
-from chatkv.errors import EngineClosed, InvalidRequest, OutOfBlocks, SessionError, check_text
-from chatkv.kv_manager import RetainedKV
+from chatkv.errors import ConversationBusy, InvalidRequest, SessionError, check_text
+from chatkv.kv_types import RetainedKV
 from chatkv.outputs import Reply
 from chatkv.sampling import SamplingParams
 from chatkv.session import Session
-from chatkv.snapshots import Snapshots
+from chatkv.snapshots import Resident, Snapshots
 from chatkv.storage.models import LOCAL_USER
 from chatkv.storage.records import check_owner
 from chatkv.storage.repository import Store
+from chatkv.turn import Turn, TurnEnd
 from chatkv.turns import TurnRenderer
+
+if TYPE_CHECKING:
+    from chatkv.storage.leases import Held, Mark
+    from chatkv.storage.records import ConversationInfo
 
 DEFAULT_TITLE = "New chat"
 RAG_KEY = "knowledge"  # in a conversation's stored params: {"kb": name, "top_k": k, "documents": [...]}
@@ -69,36 +84,6 @@ def _rag_settings(knowledge, top_k: int, documents: list[str] | None) -> dict | 
     return {"kb": knowledge.name, "top_k": top_k, "documents": docs}
 
 
-class _TurnEnd:
-    """A turn's end (settle its request, store its reply), run once by whichever comes first:
-    the turn's own generator or ``engine.close()``; the other gets the same Reply (or error)."""
-
-    def __init__(self, fn):
-        self._fn = fn
-        self._lock = threading.Lock()
-        self._ran = False
-        self._out: Reply | None = None
-        self._error: BaseException | None = None
-
-    def run(self, blocking: bool = True) -> Reply | None:
-        """The Reply; None without ``blocking`` while the other side is running it."""
-        if not self._lock.acquire(blocking):
-            return None
-        try:
-            if not self._ran:
-                self._ran = True
-                try:
-                    self._out = self._fn()
-                except BaseException as e:
-                    self._error = e
-                    raise
-            elif self._error is not None:
-                raise self._error
-            return self._out
-        finally:
-            self._lock.release()
-
-
 class SessionManager:
     def __init__(self, engine, data_dir: Path):
         """``engine``: used for ``add_request``, ``drive``, ``abort``, its ``kv`` manager,
@@ -116,10 +101,10 @@ class SessionManager:
         self.live: dict[str, Session] = {}
         self.closed = False  # engine.close() closed it: every session of it raises EngineClosed
         self._resume_lock = threading.RLock()
-        self.marks: dict = {}  # conversation id -> the stored state last seen (chatkv.session_leases)
+        self.marks: dict[str, Mark | None] = {}  # conversation id -> the stored state last seen (its lease's)
         self.overflow = cfg.overflow
         self.sink_tokens = cfg.sink_tokens
-        self.kv.on_pressure = lambda missing: self.snapshots.relieve(self.live.values(), missing)
+        self.kv.on_pressure = self.relieve
 
     def held_kv(self) -> list[RetainedKV | None]:
         """The KV every open session holds (for integrity checks)."""
@@ -196,7 +181,7 @@ class SessionManager:
         msgs = self.store.messages(s.id)
         if msgs and msgs[-1].role == "user" and s.tokens:
             # a turn without its reply: closed as interrupted unless another process is generating it now
-            leased.settle(self, s)
+            self._close_unreplied(s)
         if rag:
             s.knowledge = self.engine.knowledge_base(rag["kb"])
             s.top_k, s.documents = rag["top_k"], list(rag["documents"])
@@ -271,7 +256,7 @@ class SessionManager:
         if s.busy:
             raise SessionError(f"session '{s.id}' is generating; finish or interrupt the reply first")
         try:
-            leased.spill(self, s)  # under the lease, only if current
+            self.spill(s)  # under the lease, only if current
         finally:
             self.kv.unpin(s.pinned)
             s.pinned = None
@@ -279,11 +264,8 @@ class SessionManager:
             self.live.pop(s.id, None)
 
     def delete(self, s: Session) -> None:
-        self.store.leases.acquire(s.id)  # ConversationBusy while another process generates it
-        try:
-            self._delete(s)
-        finally:
-            self.store.leases.release(s.id)  # its row went with the conversation
+        with self.store.leases.hold(s.id):  # ConversationBusy while another process generates it
+            self._delete(s)  # (its lease row goes with the conversation)
 
     def _delete(self, s: Session) -> None:
         self.kv.drop(s.kept)
@@ -310,11 +292,56 @@ class SessionManager:
         return params, params.pop(OVERFLOW_KEY, None)
 
     def spill(self, s: Session) -> bool:
-        return leased.spill(self, s)
+        """Release the session's KV, writing its snapshot first only under the lease and only if
+        the session is current. True if it had KV in memory."""
+        if s.kept is None:
+            return False
+        held, current = None, False
+        try:
+            with self.store.leases.hold(s.id) as held:
+                current = self._behind(s, held.mark) is None
+                if current:
+                    return self.engine.on_loop(lambda: self._spill_now(s, wait=True))
+                log.info("conversation %s: behind the stored conversation; KV released without a snapshot write", s.id)
+                return True
+        except Exception as e:  # busy elsewhere, deleted, or no database: the snapshot is not ours to write
+            if held is not None:
+                raise
+            log.info("conversation %s: KV released without a snapshot write (%s: %s)", s.id, type(e).__name__, e)
+            return True
+        finally:
+            if not current:
+                self.engine.on_loop(lambda: self._drop_kv(s))
+            if held is not None:
+                self.remember(s, held, current)
 
     def spill_idle(self, now: float | None = None, keep: Session | None = None) -> int:
-        """Spill every session idle for longer than ``idle_spill_s``; returns how many."""
-        return self.snapshots.spill_idle(self.live.values(), self.idle_spill_s, now, keep)
+        """Release every session idle for ``idle_spill_s`` or longer (its snapshot is current, or
+        queued); returns how many (loop thread)."""
+        now = time.monotonic() if now is None else now
+        self.snapshots.drain()
+        done = 0
+        for s in list(self.live.values()):
+            if s is not keep and not s.busy and s.kept is not None and now - s.last_used >= self.idle_spill_s:
+                done += self._spill_now(s, wait=False)
+        return done
+
+    def relieve(self, missing_blocks: int) -> None:
+        """Blocks ran short (the KV manager asks): spill idle sessions, least recently used first (loop thread)."""
+        self.snapshots.relieve([Resident(s.id, s.tokens, s.kept, s.last_used, functools.partial(self._forget_kv, s, s.kept))
+                                for s in list(self.live.values()) if not s.busy and s.kept is not None], missing_blocks)
+
+    def _spill_now(self, s: Session, wait: bool) -> bool:
+        kept, s.kept = s.kept, None
+        return self.snapshots.spill(s.id, s.tokens, kept, wait=wait)
+
+    def _forget_kv(self, s: Session, kept: RetainedKV) -> None:
+        if s.kept is kept:
+            s.kept = None
+
+    def _drop_kv(self, s: Session) -> None:
+        self.kv.drop(s.kept)
+        s.kept = None
 
     def close(self) -> None:
         self.closed = True
@@ -346,186 +373,123 @@ class SessionManager:
                     log.warning("conversation %s: the interrupted reply was not stored at close (%s: %s)",
                                 s.id, type(e).__name__, e)
 
-    # -- a turn -------------------------------------------------------------
+    # -- a turn (chatkv.turn) and the session state it changes -------------------------
 
     def turn(self, s: Session, text: str, params: SamplingParams) -> Iterator[str | Reply]:
         """A turn under the conversation's lease: ConversationBusy while another process generates
-        it; a session behind the stored conversation is reloaded first (chatkv.session_leases)."""
-        return self._in_flight(leased.turn(self, s, self._turn(s, text, params)))
+        it; a session behind the stored conversation is reloaded first."""
+        return Turn(self, s, text, params).run()
 
-    def _in_flight(self, turn: Iterator[str | Reply]) -> Iterator[str | Reply]:
-        """The turn counted as in flight for engine.close() (EngineClosed once it began)."""
-        with self.engine._gate.turn():
-            yield from turn
+    def take_kv(self, s: Session) -> RetainedKV | None:
+        """A turn takes the session's KV into its request (loop thread)."""
+        kept, s.kept = s.kept, None
+        return kept
 
-    def _turn(self, s: Session, text: str, params: SamplingParams) -> Iterator[str | Reply]:
-        arrival = time.perf_counter()  # TTFT counts the restore from disk too
-        params.validate()
-        on_loop = self.engine.on_loop  # KV work runs where the engine's state lives (the loop thread once started)
-        on_loop(lambda: self.spill_idle(keep=s))
-        window = self.engine.context_window
-        reserve = cw.reply_room(params.max_tokens, window)
-        content, hits, query = text, [], None
-        if s.knowledge is not None:
-            query = rag_context.standalone_query(text, s.last_question)
-            found = s.knowledge.search(query, k=s.top_k)
-            if s.window.policy == "error":
-                fits = lambda m: len(self._prompt(s, m)) < window - reserve  # noqa: E731
-            else:  # the history makes way for the sources
-                fits = lambda m: (s.window.prefix or 0) + len(self._delta(s, m)) < window - reserve  # noqa: E731
-            content, hits = rag_context.fit_sources(text, found, fits)
-        delta = self._delta(s, content)
-        st = copy.deepcopy(s.window)
-        plan = cw.plan(st, len(s.tokens), len(delta), reserve, window, self.kv.block_size, self.sink_tokens)
-
-        user_ns = self.kv.user_namespace(s.owner)  # a server user's KV is never another's (None: the local user)
-
-        def admit():
-            kept, restored = s.kept, 0
-            s.kept = None
-            old_ns = self._namespace(s.id, st)
-            if kept is None and s.tokens and plan.kind != "truncate":
-                kept, restored = self.snapshots.restore(s.id, s.tokens + delta, namespace=old_ns or user_ns)
-            context = s.tokens
-            if plan.kind != "none":
-                context = cw.apply(st, plan, s.tokens)
-                kept, restored = self._move_window(s, plan, st, kept, restored, old_ns, context)
-                s.tokens, s.window = context, st  # the KV in memory is the new window's now
-            try:
-                seq = self.engine.add_request(context + delta, params, retain=True, prefix=kept,
-                                              namespace=self._namespace(s.id, st) or user_ns, max_context=window,
-                                              admitted=True)  # the turn was admitted (close() waits for it)
-            except BaseException:
-                s.kept = kept  # nothing happened: the session keeps its KV
-                raise
-            return seq, context, restored
-
-        seq, context, restored = on_loop(admit)
-        first_turn = not context
-        prompt = context + delta
-        seq.num_restored = restored
-        seq.arrival = arrival
-        st.turns.append(self._first_turn_start(prompt, content) if first_turn else len(context))
-        if first_turn:
-            st.prefix = st.turns[0]
-        try:
-            meta = {"query": query, "sources": [h.chunk_id for h in hits]} if query is not None else None
-            # committed before generation, with the window it was computed in
-            self.store.add_message(s.id, "user", text, meta=meta, token_ids=prompt, context=st.to_json())
-        except BaseException:
-            st.turns.pop()
-            on_loop(lambda: self._take_back(s, seq))
-            raise
-        if not s.tokens and s.title == DEFAULT_TITLE:  # name a new chat after its first message
-            s.title = " ".join(text.split())[:48] or DEFAULT_TITLE
-            self.store.rename(s.id, s.title)
-        s.tokens, s.window = prompt, st
-        s.last_question = text
-        s.busy = True
-        info = cw.ContextInfo(
-            policy=st.policy, window=window, context_tokens=len(prompt), dropped_tokens=plan.drop,
-            dropped_turns=plan.turns, total_dropped_tokens=st.dropped_tokens, total_dropped_turns=st.dropped_turns,
-            sink_tokens=st.sink if st.private else 0, recomputed=plan.kind == "truncate",
-        )
-        def finish() -> Reply:
-            """The turn's end, once: by this generator, or by engine.close() while its caller holds it."""
-            on_loop(lambda: self._settle(s, seq))
-            r = seq.result()
-            sources = rag_context.sources_of(r.text, hits)
-            msg_meta = {"sources": [x.as_json() for x in sources]} if sources else {}
-            if plan.drop:
-                msg_meta["context"] = {"dropped_tokens": plan.drop, "dropped_turns": plan.turns, "policy": st.policy}
-            msg = self.store.add_message(
-                s.id,
-                "assistant",
-                r.text,
-                status="complete" if r.finish_reason in ("stop", "length") else "interrupted",
-                meta=msg_meta or None,
-                token_ids=s.tokens,
-                context=st.to_json(),
-                **r.usage.message_columns(),
-            )
-            on_loop(lambda: self._after_turn(s, msg.id))
-            return Reply(text=r.text, usage=r.usage, finish_reason=r.finish_reason, message_id=msg.id, sources=sources,
-                         context=info)
-
-        s.ending = _TurnEnd(finish)
-        suspended = self.engine._gate.suspended  # while the caller holds a piece, close() does not wait for it
-        cut = None
-        pieces = self.engine.drive(seq)
-        try:
-            try:
-                for piece in pieces:
-                    with suspended():
-                        yield piece
-            except EngineClosed as e:  # close() ended the request: its reply is stored below, interrupted
-                cut = e
-        finally:
-            pieces.close()
-            try:
-                reply = s.ending.run()
-            finally:
-                s.ending = None
-        if cut is not None:
-            raise EngineClosed("the engine was closed during this turn; the reply so far is stored, marked interrupted",
-                               reply=reply) from None
-        with suspended():
-            yield reply
-
-    def _take_back(self, s: Session, seq) -> None:
-        """The user message was not stored: the request goes, the session keeps its KV if the
-        request was not admitted yet (loop thread)."""
-        kept, seq.prefix = seq.prefix, None
-        self.engine.abort(seq)
-        self.kv.drop(seq.retained)
-        seq.retained = None
+    def keep_kv(self, s: Session, kept: RetainedKV | None) -> None:
+        """The turn's request was refused: the session keeps its KV (loop thread)."""
         s.kept = kept
 
-    def _settle(self, s: Session, seq) -> None:
-        """End the turn's request; the session keeps its KV for the next turn, and is no longer
+    def window_moved(self, s: Session, context: list[int], st: cw.ContextState) -> None:
+        s.tokens, s.window = context, st
+
+    def begin(self, s: Session) -> None:
+        s.busy = True
+
+    def handed(self, s: Session, tokens: list[int], kept: RetainedKV | None) -> None:
+        """The turn's request finished: the session keeps its KV for the next turn, and is no longer
         busy: from here memory pressure may spill it, even before its reply is stored (loop thread)."""
-        self.engine.abort(seq)  # no-op when it finished
-        s.tokens = seq.token_ids + self.renderer.close_reply(seq.generated_ids)
-        s.kept, seq.retained = seq.retained, None
+        s.tokens, s.kept = tokens, kept
         s.last_used = time.monotonic()
         s.busy = False
 
-    def _after_turn(self, s: Session, message_id: int) -> None:
-        """Pin the shared prefix; the new KV reaches the disk in the background (loop thread)."""
-        self._pin(s)
-        if s.kept is not None:  # else a spill (memory pressure) already queued it
-            self.snapshots.write_behind(s.id, s.tokens, s.kept, fence=message_id)
+    def committed(self, s: Session, st: cw.ContextState, text: str, tokens: list[int] | None, end: TurnEnd) -> None:
+        """The user message is stored (``tokens``: the history now; None when the request finished
+        first and gave the session its whole history already)."""
+        if not s.tokens and s.title == DEFAULT_TITLE:  # name a new chat after its first message
+            s.title = " ".join(text.split())[:48] or DEFAULT_TITLE
+            self.store.rename(s.id, s.title)
+        if tokens is not None:
+            s.tokens = tokens
+        s.window, s.last_question, s.ending = st, text, end
+
+    def taken_back(self, s: Session, kept: RetainedKV | None, tokens: list[int] | None) -> None:
+        """The user message was not stored: the session keeps ``kept`` and (``tokens``) its history
+        as it was, dropping the KV of a request that finished meanwhile (loop thread)."""
+        if tokens is not None:
+            self.kv.drop(s.kept)
+            s.tokens = tokens
+        s.kept = kept
+        s.busy = False
+
+    def ended(self, s: Session) -> None:
+        s.ending = None
+
+    # -- leases: several processes, one store --------------------------------------------
+
+    def sync(self, s: Session, mark: Mark) -> None:
+        """Under the lease: reload a session that is behind; close a turn left without its reply."""
+        info = self._behind(s, mark)
+        if info is not None:
+            self._reload(s, info)
+        if mark.last_role == "user" and s.tokens:
+            # its process died while replying (a live one would still hold the lease)
+            s.tokens = s.tokens + self.renderer.close_reply([])
+            self.store.add_message(s.id, "assistant", "", status="interrupted", token_ids=s.tokens)
+            log.info("conversation %s: a turn left without its reply was closed as interrupted", s.id)
+
+    def remember(self, s: Session, held: Held, current: bool) -> None:
+        """After the lease: the stored state, if the session is known to match it."""
+        if not self.closed:  # engine.close() closed the store, which gave every lease back
+            self.marks[s.id] = held.released if current else None
+
+    def _behind(self, s: Session, mark: Mark) -> ConversationInfo | None:
+        """Under the lease: the stored conversation if the session's history differs from it, else None."""
+        if self.marks.get(s.id) == mark and len(s.tokens) == mark.token_count:
+            return None
+        info = self.store.get_conversation(s.id)
+        if list(info.token_ids or ()) == s.tokens:
+            self.marks[s.id] = mark
+            return None
+        return info
+
+    def _reload(self, s: Session, info: ConversationInfo) -> None:
+        """Make ``s`` the stored conversation ``info``; its KV in memory (the old history's) is dropped."""
+        log.info("conversation %s: another process stored turns since this one looked (%d -> %d tokens); reloading",
+                 s.id, len(s.tokens), info.token_count)
+        old_ns = self._namespace(s.id, s.window) if s.window is not None else None
+        self.engine.on_loop(lambda: self._drop_kv(s))
+        s.params, overflow = self.stored_settings(info)
+        s.tokens = list(info.token_ids or ())
+        s.window = self.stored_window(s, info, overflow)
+        if old_ns is not None and old_ns != self._namespace(s.id, s.window):
+            self.engine.on_loop(lambda: self.kv.drop_namespace(old_ns))  # a moved sink window's re-rotated keys match nothing now
+        s.title = info.title
+        if s.knowledge is not None:
+            users = [x.content for x in self.store.messages(s.id) if x.role == "user"]
+            s.last_question = users[-1] if users else None
+
+    def _close_unreplied(self, s: Session) -> None:
+        """At resume, for a stored turn without its reply: close it as interrupted, unless a live
+        process holds the conversation (it is generating that reply now)."""
+        held, done = None, False
+        try:
+            with self.store.leases.hold(s.id) as held:
+                self.sync(s, held.mark)
+                done = True
+        except ConversationBusy:
+            if held is None:
+                return
+            raise
+        finally:
+            if held is not None:
+                self.remember(s, held, done)
+
+    # -- helpers of turns ------------------------------------------------------------------
 
     def _namespace(self, conv_id: str, st: cw.ContextState):
         """The radix namespace of a conversation's KV: the shared one, or once an attention-sink
         window has moved (keys re-rotated), one of its own per window epoch."""
         return (self.kv.namespace, "window", conv_id, st.epoch) if st.private else None
-
-    def _move_window(self, s: Session, plan: cw.Plan, st: cw.ContextState, kept, restored: int, old_ns, context):
-        """Make the KV in memory match the new window: dropped turns drop it (recomputed once);
-        a sink move keeps the sink and the recent blocks, keys re-rotated."""
-        if plan.kind == "truncate":
-            self.kv.drop(kept)
-            if old_ns is not None:
-                self.kv.drop_namespace(old_ns)
-            return None, 0
-        if kept is None:
-            return None, 0
-        try:
-            kept = self.kv.slide(kept, context, plan.sink, plan.drop, self._namespace(s.id, st),
-                                 self.engine.shift_keys, old_namespace=old_ns)
-        except OutOfBlocks as e:  # kept is ended: the window is recomputed instead
-            log.warning("conversation %s: no room to move its KV window (%s); recomputing it", s.id, e)
-            return None, 0
-        return kept, min(restored, kept.kv_len if kept is not None else 0)
-
-    def _delta(self, s: Session, content: str) -> list[int]:
-        """The tokens a turn whose user message is ``content`` adds to the context."""
-        if s.tokens:
-            return self.renderer.user_turn(content)
-        system = s.system_content
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
-        return self.renderer.first(messages)
 
     def _first_turn_start(self, prompt: list[int], content: str) -> int:
         """Where the first user turn starts in a first prompt: everything before it (the system
@@ -534,10 +498,6 @@ class SessionManager:
         if len(turn) <= len(prompt) and prompt[len(prompt) - len(turn):] == turn:
             return len(prompt) - len(turn)
         return len(prompt)  # a template whose first turn renders differently: the first turn stays
-
-    def _prompt(self, s: Session, content: str) -> list[int]:
-        """The whole prompt of a turn whose user message is ``content`` (before any window move)."""
-        return s.tokens + self._delta(s, content)
 
     def _pin(self, s: Session) -> None:
         """Pin the shared system prompt's blocks while this session is open."""

@@ -10,7 +10,7 @@ Each conversation's KV is stored as append-only segments plus a manifest
   conversation's (history truncated, a moved attention-sink window) the next write
   starts a new epoch: the whole KV as one base segment, older files removed after.
 - **spill** releases a session's KV; the snapshot is usually current already, so it
-  writes nothing (``spill_idle`` and ``relieve`` never wait for the disk).
+  writes nothing (an idle spill and ``relieve`` never wait for the disk).
 - **restore** verifies every segment (fingerprint, dtype, geometry, tokens, checksum) and
   uses the valid ones before the first bad one; the rest is recomputed and the manifest
   repaired. Missing, damaged or mismatched: a slower turn, never a wrong one.
@@ -25,8 +25,9 @@ Each conversation's KV is stored as append-only segments plus a manifest
   over the disk budget (this tenant's snapshots, sizes from their manifests) the least
   recently used are deleted.
 
-Spilling works on anything with a session's ``id``, ``tokens``, ``kept`` (the
-RetainedKV in memory), ``busy`` and ``last_used``.
+It never sees a Session: ``spill`` takes what ``write_behind`` takes (a conversation id, its
+tokens, the KV kept in memory), and ``relieve`` takes ``Resident`` records, each telling its
+owner (the session manager, the only writer of a session) when its KV was released.
 
 Past 400 lines: the write-behind queue, the writer's reports, restore and the disk budget
 share the per-conversation tracks; split, each half would reach into the other's state.
@@ -41,7 +42,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from chatkv import snapshot_rows as rows
 from chatkv.errors import OutOfBlocks, SnapshotInvalid
@@ -66,6 +67,17 @@ class _Track:
     hash: str | None
     seq: int = 0  # the last write queued for it
     fence: int = 0  # the id of the last stored message of that history (SegmentStore's fence)
+
+
+@dataclass(frozen=True)
+class Resident:
+    """A conversation whose KV is in memory and may be spilled under memory pressure."""
+
+    conv_id: str
+    tokens: Sequence[int]
+    kept: RetainedKV
+    last_used: float
+    released: Callable[[], None]  # its owner forgets the KV (called once it is released)
 
 
 class Snapshots:
@@ -277,42 +289,37 @@ class Snapshots:
             log.warning("KV of conversation %s not saved to disk (%s: %s); it will be recomputed", conv_id, type(e).__name__, e)
             return False
 
-    def spill(self, s, wait: bool = True) -> bool:
-        """Make sure the session's KV reaches its snapshot (waiting for it with ``wait``), then
-        release it from memory. True if it had KV in memory."""
-        kept = s.kept
+    def drain(self) -> None:
+        """Take in the writer's reports (the database rows they change are written later)."""
+        self._drain()
+
+    def spill(self, conv_id: str, tokens: Sequence[int], kept: RetainedKV | None, wait: bool = True) -> bool:
+        """Make sure ``kept`` (the KV of ``tokens[:kept.kv_len]``) reaches the conversation's
+        snapshot (waiting for it with ``wait``), then release it from memory: the caller's handle
+        is ended. True if there was KV to release."""
         if kept is None:
             return False
         try:
             if wait:
-                self.save(s.id, s.tokens, kept)
+                self.save(conv_id, tokens, kept)
             else:
                 try:
-                    self._queue(s.id, s.tokens, kept)
+                    self._queue(conv_id, tokens, kept)
                 except Exception as e:
-                    log.warning("KV of conversation %s not saved to disk (%s: %s); it will be recomputed", s.id, type(e).__name__, e)
+                    log.warning("KV of conversation %s not saved to disk (%s: %s); it will be recomputed", conv_id, type(e).__name__, e)
         finally:
-            s.kept = None
             self.kv.offload(kept)  # down a tier: host memory (if any), else evictable cache
         return True
 
-    def spill_idle(self, sessions: Iterable, idle_s: float, now: float | None = None, keep=None) -> int:
-        """Release every session idle for ``idle_s`` or longer (its snapshot is current, or queued); returns how many."""
-        now = time.monotonic() if now is None else now
-        self._drain()
-        done = 0
-        for s in list(sessions):
-            if s is not keep and not s.busy and s.kept is not None and now - s.last_used >= idle_s:
-                done += self.spill(s, wait=False)
-        return done
-
-    def relieve(self, sessions: Iterable, missing_blocks: int) -> None:
-        """Blocks ran short: spill idle sessions, least recently used first, until enough could be evicted."""
-        for s in sorted(sessions, key=lambda x: x.last_used):
+    def relieve(self, residents: Iterable[Resident], missing_blocks: int) -> None:
+        """Blocks ran short: spill conversations, least recently used first, until enough could be evicted."""
+        for r in sorted(residents, key=lambda x: x.last_used):
             if self.kv.cache.evictable_blocks >= missing_blocks:
                 break
-            if not s.busy and s.kept is not None:
-                self.spill(s, wait=False)
+            try:
+                self.spill(r.conv_id, r.tokens, r.kept, wait=False)
+            finally:
+                r.released()
 
     def _enforce_budget(self, keep: str | None) -> None:
         """Over the budget (this tenant's snapshots): delete the least recently used ones."""

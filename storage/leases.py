@@ -28,11 +28,15 @@ Contracts:
 
 ``acquire`` and ``release`` return a ``Mark``: where the stored history stands (token
 count, last message), so a process can tell that another one added turns since it looked.
+``with leases.hold(conversation_id) as held:`` is the two around a block of work: ``held.mark``
+is the acquire's, ``held.released`` the release's (None when the release failed or the store
+was closed meanwhile: a lease not given back expires within ``ttl_s``).
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import secrets
@@ -42,7 +46,7 @@ import weakref
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session, defer, sessionmaker
@@ -51,7 +55,7 @@ from chatkv.errors import ConversationBusy, LeaseLost, SessionError
 from chatkv.storage.models import Conversation, ConversationLease, Message
 from chatkv.storage.records import check_conversation_id
 
-__all__ = ["TTL_S", "Mark", "LeaseInfo", "Leases", "machine_id"]
+__all__ = ["TTL_S", "Mark", "Held", "LeaseInfo", "Leases", "machine_id"]
 
 log = logging.getLogger("chatkv.storage")
 
@@ -66,6 +70,15 @@ class Mark:
     token_count: int
     last_message_id: Optional[int]
     last_role: Optional[str]
+
+
+@dataclass
+class Held:
+    """A lease held by ``Leases.hold``: the stored state when it was taken and when it was given back."""
+
+    conversation_id: str
+    mark: Mark
+    released: Optional[Mark] = None
 
 
 @dataclass(frozen=True)
@@ -232,6 +245,21 @@ class Leases:
         finally:
             with self._lock:
                 self._held.discard(conv_id)
+
+    @contextlib.contextmanager
+    def hold(self, conv_id: str) -> Iterator[Held]:
+        """The conversation's lease around a block of work (``acquire``'s errors at entry); given
+        back at its end whatever happens in it. A release that fails is logged, not raised."""
+        held = Held(conv_id, self.acquire(conv_id))
+        try:
+            yield held
+        finally:
+            if not self._closed:  # closing the store gave every lease back
+                try:
+                    held.released = self.release(conv_id)
+                except Exception as e:  # the database went away: the lease expires by itself
+                    log.warning("conversation %s: lease not released (%s: %s); it expires within %.0f s",
+                                conv_id, type(e).__name__, e, self.ttl_s)
 
     def holder(self, conv_id: str) -> Optional[LeaseInfo]:
         """The conversation's lease row (live, expired or dead), or None."""
