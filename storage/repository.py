@@ -449,8 +449,9 @@ class Store:
             ids = tree.siblings(nodes, self._node_id(nodes, conv.id, message_id))
             return [message_info(m) for m in s.scalars(select(Message).where(Message.id.in_(ids)).order_by(Message.id))]
 
-    def switch_branch(self, conv_id: str, message_id: int) -> MessageInfo:
-        """Make the branch through ``message_id`` current, down to its most recent leaf; the
+    def switch_branch(self, conv_id: str, message_id: int, descend: bool = True) -> MessageInfo:
+        """Make the branch through ``message_id`` current, down to its most recent leaf (without
+        ``descend``: ending at ``message_id`` itself, so the next message follows it); the
         conversation's token history (and KV-window state) become that branch's, from what its
         messages recorded (empty when none did: it is recomputed from the text). Returns the
         leaf. Fenced by the lease, as ``add_message`` is. Nothing is deleted."""
@@ -458,7 +459,8 @@ class Store:
             conv = self._conversation(s, conv_id, lock=True)
             self.leases.check_write(s, conv.id)
             nodes = self._nodes(s, conv.id)
-            leaf = tree.newest_leaf(nodes, self._node_id(nodes, conv.id, message_id))
+            leaf = self._node_id(nodes, conv.id, message_id)
+            leaf = tree.newest_leaf(nodes, leaf) if descend else leaf
             if leaf != conv.current_leaf_id:
                 self._seal(s, conv, nodes)
                 tokens, context = tree.history(tree.chain(nodes, leaf))

@@ -135,6 +135,11 @@ def test_branches_edit_regenerate_and_switch(url, tmp_path):
         h4, ids4 = _turn(s, conv, h2, "third")
         assert [m.id for m in s.messages(conv)] == ids1 + ids2 + ids4
         assert s.switch_branch(conv, ids3[1]).id == ids3[1] and list(s.get_conversation(conv).token_ids) == h3
+        # without descending: the branch ends at that message, and the next one follows it
+        assert s.switch_branch(conv, ids1[1], descend=False).id == ids1[1]
+        assert list(s.get_conversation(conv).token_ids) == h and [m.id for m in s.messages(conv)] == ids1
+        h5, ids5 = _turn(s, conv, h, "second, again")
+        assert [m.id for m in s.branches(conv, ids2[0])] == [ids2[0], ids5[0]]
 
 
 def test_a_window_that_dropped_turns_is_recorded_and_replayed(tmp_path):
