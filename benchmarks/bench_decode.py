@@ -42,12 +42,16 @@ PROMPTS = ["Explain in a few paragraphs why the sky is blue.", "Write a short st
 
 
 def spec(mode: str) -> dict:
-    """``int4/h8`` -> weights=int4, head_weights=int8; ``/lean``: no bf16 copy for prefill (quant_dense_rows=0)."""
+    """``int4/h8`` -> weights=int4, head_weights=int8; ``/lean``: the quantised kernel for prefill too
+    (quant_dense_rows=0); ``/copy``: a resident bf16 copy for prefill (quant_dense="copy"; the default
+    dequantises into a scratch buffer per step)."""
     weights, *opts = mode.split("/")
     kw: dict = {"weights": weights}
     for o in opts:
         if o == "lean":
             kw["quant_dense_rows"] = 0
+        elif o == "copy":
+            kw["quant_dense"] = "copy"
         else:
             kw["head_weights"] = {"h8": "int8", "h4": "int4", "hf": "float"}[o]
     return kw

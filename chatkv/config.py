@@ -9,6 +9,7 @@ from chatkv.errors import InvalidRequest
 OVERFLOW_POLICIES = ("sink", "truncate", "error")
 WEIGHTS = ("auto", "bf16", "fp32", "int4", "int8")  # chatkv.weight_modes
 HEADS = ("auto", "float", "int8", "int4")
+QUANT_DENSE = ("scratch", "copy")  # chatkv.model.DENSE_KINDS
 KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8", "fp8")  # chatkv.model_runner.kv_format
 
 
@@ -24,7 +25,8 @@ class EngineConfig:
     weights: str = "auto"  # auto | bf16 | fp32 | int4 | int8 (chatkv.weight_modes: auto = a GGUF's own int4, else the float model)
     head_weights: str = "auto"  # the output matrix: auto (= float) | float | int8 | int4
     kv_dtype: str = "auto"  # the KV cache: auto (= the model's dtype) | bf16 | fp16 | fp32 | int8 | fp8 (e4m3, per-token scales)
-    quant_dense_rows: int = 16  # int4/int8: steps of this many rows or more use a bf16 copy (faster prefill; 0: 4-bit only, less memory)
+    quant_dense_rows: int = 16  # int4/int8: steps of this many rows or more compute in bf16 (faster prefill; 0: the quantised kernels only)
+    quant_dense: str = "scratch"  # how those steps get bf16 weights: "scratch" (dequantised per step, no copy resident) | "copy" (resident bf16 copy)
     threads: int | None = None  # compute threads at most; None: torch's (the cores)
     adaptive_threads: bool = True  # fewer threads while other processes keep cores busy (chatkv.cpu_threads)
     tenant: str = ""  # salt of the prefix-cache namespace: tenants never share KV
@@ -61,6 +63,8 @@ class EngineConfig:
             raise InvalidRequest(f"host_cache_bytes must be an int >= 0, got {cfg.host_cache_bytes!r}")
         if isinstance(cfg.quant_dense_rows, bool) or not isinstance(cfg.quant_dense_rows, int) or cfg.quant_dense_rows < 0:
             raise InvalidRequest(f"quant_dense_rows must be an int >= 0, got {cfg.quant_dense_rows!r}")
+        if cfg.quant_dense not in QUANT_DENSE:
+            raise InvalidRequest(f"quant_dense must be one of {', '.join(QUANT_DENSE)}, got {cfg.quant_dense!r}")
         if cfg.threads is not None and (isinstance(cfg.threads, bool) or not isinstance(cfg.threads, int) or cfg.threads < 1):
             raise InvalidRequest(f"threads must be an int >= 1 or None, got {cfg.threads!r}")
         if cfg.kv_dtype not in KV_DTYPES:

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from chatkv.errors import ModelNotFound, UnsupportedModel
 from chatkv.kernels import AttentionMetadata, attention_backend, kv_quant
 from chatkv.quant import GROUP, Int4Linear, Int8Linear, Q4Weight, quantize_int4, quantize_int8
+from chatkv.quant_prefill import Scratch, ScratchInt8, scratch_int4
 from chatkv.weights.gguf import read_q4
 from chatkv.weights.loading import load_config, read_weights
 
@@ -69,6 +70,9 @@ except (AttributeError, RuntimeError):  # a torch build without oneDNN
 
 #: Weight modes of the projections and of the output matrix (chatkv.quant): float = the model's dtype.
 WEIGHT_MODES = ("float", "int4", "int8")
+#: How the quantised modes' steps of ``dense_rows`` rows or more get bfloat16 weights:
+#: "scratch" dequantised per step into one reused buffer (chatkv.quant_prefill), "copy" a resident copy.
+DENSE_KINDS = ("scratch", "copy")
 
 #: A layer's projections as they are fused and stored: q, k, v; o; gate, up; down.
 PROJECTION_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
@@ -158,12 +162,14 @@ class LlamaModel:
 
     def __init__(self, config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu",
                  weights_mode: str = "float", head_mode: str = "float", q4: dict[str, Q4Weight] | None = None,
-                 dense_rows: int = 16, pack: bool = True, consume: bool = False):
+                 dense_rows: int = 16, pack: bool = True, consume: bool = False, dense: str = "scratch"):
         """``weights_mode``/``head_mode``: how the layers' projections / the output matrix are
         stored and computed (``WEIGHT_MODES``; the quantised ones need bfloat16 on CPU); ``q4``:
         a GGUF's own 4-bit weights by name, used as they are in int4 mode (others are quantised);
         ``dense_rows``: in the quantised modes, steps of this many rows or more (prefill chunks,
-        batched decodes) use a bfloat16 copy of the same weights, faster there (0: none kept);
+        batched decodes) compute with bfloat16 weights, faster there (0: the quantised kernels
+        for every step); ``dense`` (``DENSE_KINDS``): whether those weights are dequantised per
+        step into one reused buffer (``scratch``: no second copy resident) or a resident ``copy``;
         ``pack``: False computes the float weights with plain ``F.linear`` (no oneDNN prepacking:
         chatkv.weight_check's reference); ``consume``: the dicts are the caller's to give away,
         each projection's tensors are removed once stored (start-up peak memory: the float
@@ -173,7 +179,10 @@ class LlamaModel:
                 raise ValueError(f"{what} mode {mode!r} unknown; use one of {', '.join(WEIGHT_MODES)}")
             if mode != "float" and (dtype != torch.bfloat16 or torch.device(device).type != "cpu"):
                 raise ValueError(f"{what} mode {mode} computes in bfloat16 on CPU, not {dtype} on {device}")
+        if dense not in DENSE_KINDS:
+            raise ValueError(f"dense {dense!r} unknown; use one of {', '.join(DENSE_KINDS)}")
         self.weights_mode, self.head_mode = weights_mode, head_mode
+        self.scratch = Scratch(dtype)  # the scratch path's buffer, shared by every projection
         # the quantised modes keep the residual stream in float32 (module docstring: "Precision")
         self.residual_dtype = torch.float32 if weights_mode != "float" else dtype
         self._norm_weights: dict[int, torch.Tensor] = {}  # id(norm weight) -> its float32 copy
@@ -210,7 +219,8 @@ class LlamaModel:
             if consume:
                 for n in names:
                     weights.pop(n, None)
-                    q4.pop(n, None)
+                    if n in q4:
+                        del q4[n]  # without reading it (chatkv.weights.gguf.Q4File)
             return out
 
         def _proj(names: list[str], bias: torch.Tensor | None, mode: str, dense_rows: int) -> AnyLinear:
@@ -221,17 +231,23 @@ class LlamaModel:
                 parts = [q4[n] if n in q4 else quantize_int4(weights[n]) for n in names]
                 cat = lambda f: torch.cat([getattr(x, f) for x in parts])  # noqa: E731
                 q = Q4Weight(cat("codes"), cat("scale"), cat("minimum"))
-                dense = None
-                if dense_rows:
+                copy = None
+                if dense_rows and dense == "copy":
                     # a converted GGUF's float weights are its 4-bit numbers dequantised
                     # (chatkv.weights.gguf): those are the copy, with nothing to dequantise
                     own = all(n in q4 and weights[n].dtype == dtype for n in names)
-                    dense = Linear(torch.cat([w(n) for n in names]) if own else q.dequantize().to(dtype), bias)
-                return Int4Linear(q, bias, dense, dense_rows)
+                    copy = Linear(torch.cat([w(n) for n in names]) if own else q.dequantize().to(dtype), bias)
+                lin = Int4Linear(q, bias, copy, dense_rows)
+                if dense_rows and dense == "scratch":
+                    lin.dense = scratch_int4(lin, self.scratch)  # None: the int4 kernel for every step
+                return lin
             if mode == "int8":
-                q8 = quantize_int8(torch.cat([weights[n] for n in names]))
-                dense = Linear(q8.dequantize().to(dtype), bias) if dense_rows else None
-                return Int8Linear(q8, bias, dense, dense_rows)
+                q8 = quantize_int8(weights[names[0]] if len(names) == 1 else torch.cat([weights[n] for n in names]))
+                lin = Int8Linear(q8, bias, None, dense_rows)
+                if dense_rows:
+                    lin.dense = (ScratchInt8(lin.codes, q8.scale, lin.bias, self.scratch) if dense == "scratch"
+                                 else Linear(q8.dequantize().to(dtype), bias))
+                return lin
             return Linear(torch.cat([w(n) for n in names]), bias, pack)
 
         windows = _layer_windows(config)
@@ -275,7 +291,8 @@ class LlamaModel:
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype | None = None, device: str = "cpu",
-                        weights_mode: str = "float", head_mode: str = "float", dense_rows: int = 16) -> "LlamaModel":
+                        weights_mode: str = "float", head_mode: str = "float", dense_rows: int = 16,
+                        dense: str = "scratch") -> "LlamaModel":
         config = load_config(model_dir)
         if dtype is None:
             dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
@@ -283,7 +300,7 @@ class LlamaModel:
                 dtype = getattr(torch, dtype)
         q4 = read_q4(model_dir) if weights_mode == "int4" else None
         return cls(config, read_weights(model_dir), dtype, device, weights_mode, head_mode, q4, dense_rows,
-                   consume=True)
+                   consume=True, dense=dense)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 
 __all__ = ["GROUP", "Q4Weight", "Q8Weight", "Int4Linear", "Int8Linear", "quantize_int4", "quantize_int8",
-           "from_gguf_blocks", "dequantize_gguf_blocks", "kquant_scale_min", "int4_supported", "int8_supported"]
+           "from_gguf_blocks", "dequantize_gguf_blocks", "kquant_scale_min", "int4_supported", "int8_supported",
+           "pack_int4", "unpack_int4pack", "int4pack_block"]
 
 GROUP = 32  # inputs per int4 group: GGUF's block size and the kernel's group size
 
@@ -258,6 +259,49 @@ def _kernel_works(quantize, linear) -> bool:
         return False
 
 
+def unpack_int4pack(packed: torch.Tensor, n: int, block: int) -> torch.Tensor:
+    """The codes ``uint8 [N, K]`` of torch's CPU int4 packing ``packed`` (``uint8 [N, K / 2]``) of
+    ``n`` rows in blocks of ``block``: block ``b``'s bytes are ``[K, block / 2]``, byte ``[k, d]``
+    holding row ``b * block + d`` in its low nibble and row ``b * block + block / 2 + d`` in its
+    high one (aten/src/ATen/native/cpu/int4mm_kernel.cpp, weight_to_int4pack_kernel)."""
+    k = packed.numel() * 2 // n
+    p = packed.reshape(n // block, k, block // 2)
+    return torch.cat((p & 0x0F, p >> 4), dim=-1).transpose(1, 2).reshape(n, k)
+
+
+@functools.cache
+def int4pack_block() -> int | None:
+    """Rows per block of the int4 packing in this torch build on this CPU (64 on AVX-512, 32 on
+    AVX2; ``unpack_int4pack``), found by packing known codes once; None when it packs some other
+    way (then ``pack_int4`` leaves it to torch and chatkv.quant_prefill has no scratch path)."""
+    try:
+        codes = torch.randint(0, 16, (128, 64), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
+    if packed.dtype != torch.uint8 or packed.numel() != codes.numel() // 2:
+        return None
+    for block in (64, 32):
+        if torch.equal(unpack_int4pack(packed, 128, block), codes.to(torch.uint8)):
+            return block
+    return None
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """``codes`` (uint8 ``[N, K]``, 0..15) in the int4 kernel's packed layout: torch's own
+    ``_convert_weight_to_int4pack_for_cpu``, the same bytes, computed with a few vectorised uint8
+    ops where the layout is known (that op takes the codes as int32, 4 bytes each, and packs them
+    one at a time: most of a model's load time)."""
+    n, k = codes.shape
+    block = int4pack_block()
+    if block is None or n % block or codes.dtype != torch.uint8:
+        return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32).contiguous(), 1)
+    c = codes.view(n // block, 2, block // 2, k).permute(0, 3, 1, 2)  # [block, K, nibble, d]
+    out = torch.empty(n // block, k, block // 2, dtype=torch.uint8)
+    torch.bitwise_or(c[..., 0, :], c[..., 1, :] << 4, out=out)
+    return out.view(n, k // 2)
+
+
 def int4_supported() -> bool:
     return _kernel_works(quantize_int4, Int4Linear)
 
@@ -282,7 +326,7 @@ class Int4Linear:
         n, k = q.codes.shape
         self.out_features = n
         self.dense, self.dense_rows = dense, dense_rows
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.codes.to(torch.int32).contiguous(), 1)
+        self.packed = pack_int4(q.codes)
         zero = q.minimum + 8 * q.scale  # the kernel's (code - 8) * s + z
         self.scales_zeros = torch.stack((q.scale.t(), zero.t()), dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
         self.bias = None if bias is None else bias.to(torch.bfloat16)

@@ -1,13 +1,14 @@
 """Quantised weight modes prove themselves on the CPU they run on (issue 19).
 
-The int4 and int8 modes, and the bf16 copy their prefill uses, run on kernels this project
+The int4 and int8 modes, and the bf16 weights their prefill uses, run on kernels this project
 did not write and that differ between CPUs: torch's int4/int8 packing, oneDNN's prepacked
 matmuls, whatever ISA path each picks. So when a quantised mode loads, ``verify`` runs one
 fixed prompt of 48 tokens through the mode's two paths:
 
 - **decode**: one token a step, the few-row kernel (int4/int8 GEMV);
-- **batched**: the whole prompt in one step, the many-row path (the bf16 copy when
-  ``quant_dense_rows`` allows it, else the quantised kernel over many rows);
+- **batched**: the whole prompt in one step, the many-row path (bf16 weights when
+  ``quant_dense_rows`` allows it: dequantised into a scratch buffer, or the resident copy with
+  ``quant_dense="copy"``; else the quantised kernel over many rows);
 
 and compares their logits with a **reference**: the same quantised numbers dequantised to
 float32 and computed with plain ``F.linear`` (no prepacking), a float32 residual, the same
@@ -114,8 +115,8 @@ def _store(f: Path, key: str, verdict: Verdict) -> None:
         log.debug("weight check verdict not cached (%s)", err)
 
 
-def mode_name(weights: str, head: str, dense_rows: int) -> str:
-    return f"weights {weights}, head {head}, dense rows {dense_rows}"
+def mode_name(weights: str, head: str, dense_rows: int, dense: str = "scratch") -> str:
+    return f"weights {weights}, head {head}, dense rows {dense_rows}" + (f" ({dense})" if dense_rows else "")
 
 
 def reference_weight(name: str, t: torch.Tensor, how: str, q4: dict) -> torch.Tensor:
@@ -211,10 +212,11 @@ def load_checked(model_dir: Path, choice, config, tokenizer, base_fingerprint: s
     while True:
         model = LlamaModel.from_pretrained(model_dir, dtype=choice.dtype, device=config.device,
                                            weights_mode=choice.weights, head_mode=choice.head,
-                                           dense_rows=config.quant_dense_rows)
+                                           dense_rows=config.quant_dense_rows, dense=config.quant_dense)
         if choice.weights == "float" and choice.head == "float":
             return model, choice
-        verdict = verify(model, model_dir, choice.fingerprint(base_fingerprint), tokenizer, config.quant_dense_rows)
+        verdict = verify(model, model_dir, choice.fingerprint(base_fingerprint), tokenizer, config.quant_dense_rows,
+                         config.quant_dense)
         if verdict.ok:
             if getattr(model, "int8_groups", 0):
                 choice = WeightChoice(choice.dtype, choice.weights, choice.head,
@@ -231,12 +233,12 @@ def load_checked(model_dir: Path, choice, config, tokenizer, base_fingerprint: s
         choice = WeightChoice(choice.dtype, weights, "float", f"{nxt} (fallback: {choice.weights} failed its check here)")
 
 
-def verify(model, model_dir: Path, fingerprint: str, tokenizer, dense_rows: int) -> Verdict:
+def verify(model, model_dir: Path, fingerprint: str, tokenizer, dense_rows: int, dense: str = "scratch") -> Verdict:
     """The cached or fresh verdict on ``model`` (a quantised LlamaModel) on this machine."""
     from chatkv.weights.gguf import read_q4
     from chatkv.weights.loading import load_config, read_weights
 
-    key = f"{machine_key()}|{fingerprint}|{mode_name(model.weights_mode, model.head_mode, dense_rows)}"
+    key = f"{machine_key()}|{fingerprint}|{mode_name(model.weights_mode, model.head_mode, dense_rows, dense)}"
     f = cache_file()
     with _lock:
         hit = _load_cache(f).get(key)
@@ -247,7 +249,7 @@ def verify(model, model_dir: Path, fingerprint: str, tokenizer, dense_rows: int)
                                     model.head_mode)
         verdict = run_check(model, reference, prompt_ids(tokenizer))
         del reference
-        log.info("weight check (%s) on %s: %s in %.1f s", mode_name(model.weights_mode, model.head_mode, dense_rows),
+        log.info("weight check (%s) on %s: %s in %.1f s", mode_name(model.weights_mode, model.head_mode, dense_rows, dense),
                  cpu_model(), verdict.reason, verdict.seconds)
         _store(f, key, verdict)
         return verdict

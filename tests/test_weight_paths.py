@@ -16,8 +16,9 @@ quantisation dequantised: quantisation error is not what is tested here):
   answered right): the old bf16 residual 0.046-0.063 on chat prompts of the default
   template, the float32 residual 0.026-0.038 (0.017-0.021 on a plain-text prompt);
 - top-1 agreement over the prompt >= 85%, and the France prompt's answer token equal;
-- both paths: ``batched`` (the whole prompt in one step: the bf16 copy when
-  ``quant_dense_rows`` is 16, the quantised kernel over many rows when it is 0) and
+- both paths: ``batched`` (the whole prompt in one step: bf16 weights when
+  ``quant_dense_rows`` is 16, dequantised into a scratch buffer or, with ``quant_dense="copy"``,
+  a resident copy; the quantised kernel over many rows when it is 0) and
   ``decode`` (one token a step: the int4/int8 GEMV).
 
 And the self-check (chatkv.weight_check) with deliberately broken kernels: a mode that
@@ -91,22 +92,26 @@ def transformers_reference(model_dir, weights, mode: str, head: str):
     return hf.eval()
 
 
-CASES = [("int4", "int8", 16), ("int4", "int8", 0), ("int8", "float", 16)]
+# dense rows 16: the many-row steps' bf16 weights dequantised into a scratch buffer (the default)
+# or held as a resident copy; 0: the quantised kernel for every step
+CASES = [("int4", "int8", 16, "scratch"), ("int4", "int8", 16, "copy"), ("int4", "int8", 0, "scratch"),
+         ("int8", "float", 16, "scratch"), ("int8", "float", 16, "copy")]
 
 
-@pytest.mark.parametrize("mode, head, dense", CASES, ids=[f"{m}-head_{h}-dense{d}" for m, h, d in CASES])
+@pytest.mark.parametrize("mode, head, dense, kind", CASES,
+                         ids=[f"{m}-head_{h}-dense{d}" + (f"-{k}" if d else "") for m, h, d, k in CASES])
 def test_every_weight_mode_and_path_matches_transformers_on_its_own_weights(model_dir, weights, prompts, mode, head,
-                                                                            dense):
+                                                                            dense, kind):
     hf = transformers_reference(model_dir, weights, mode, head)
     model = LlamaModel.from_pretrained(model_dir, dtype=torch.bfloat16, weights_mode=mode, head_mode=head,
-                                       dense_rows=dense)
+                                       dense_rows=dense, dense=kind)
     for name, ids in prompts.items():
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0].float()
         for path in ("batched", "decode"):
             got = weight_check.path_logits(model, ids, batched=path == "batched")
             m = weight_check.compare(got, ref)
-            where = (mode, head, dense, name, path, m)
+            where = (mode, head, dense, kind, name, path, m)
             assert m["mean"] <= MAX_MEAN * m["std"], where
             assert m["top1"] >= MIN_TOP1, where
             if name == "france":  # the answer's first token: "The" (capital of France is Paris)
@@ -123,7 +128,7 @@ def fresh_cache(tmp_path, monkeypatch):
 
 
 def broken(path: str):
-    """An Int4Linear whose ``path`` (decode: the int4 kernel; batched: the dense copy) is wrong by
+    """An Int4Linear whose ``path`` (decode: the int4 kernel; batched: the bf16 weights) is wrong by
     a permutation of its outputs, at the model's own sizes only: as the fault of issue 19, it
     passes the load-time kernel probe of chatkv.quant (64 x 64 random weights), and has the
     scale of a real kernel fault, not of rounding."""
