@@ -35,7 +35,7 @@ from chatkv.kv_manager import KVManager, RetainedKV
 from chatkv.model_runner import ModelRunner
 from chatkv.outputs import EngineStats, GenerationResult
 from chatkv.sampling import SamplingParams, make_generator
-from chatkv.scheduler import Scheduler
+from chatkv.scheduler import NeedsBlocks, Scheduler
 from chatkv.sequence import Sequence
 from chatkv.session_manager import SessionManager
 from chatkv.weight_check import load_checked
@@ -305,11 +305,22 @@ class Engine:
         if self._gate.cut and self.scheduler.has_work():  # close()'s grace period is over
             closing.end_requests(self)
             return []
-        plan = self.scheduler.schedule()
+        plan = self._schedule()
         if not plan:
             return []
         self.threads.adjust()  # as many compute threads as there are free cores (chatkv.cpu_threads)
         return self.scheduler.postprocess(plan, self.runner.run(plan))
+
+    def _schedule(self) -> list:
+        """The next step's plan. Memory pressure is a result here, not a call from inside the KV
+        manager: a pass that finds blocks short says how many (``NeedsBlocks``); idle sessions
+        are spilled for them and the scheduler plans again, until nothing more can be spilled
+        (then it preempts or fails as it must)."""
+        sessions = self._sessions
+        plan = self.scheduler.schedule(relievable=sessions is not None)
+        while isinstance(plan, NeedsBlocks):
+            plan = self.scheduler.schedule(relievable=sessions.relieve(plan.blocks))
+        return plan
 
     # -- convenience --------------------------------------------------------
 

@@ -31,9 +31,12 @@ Contracts
   pins given, and that every handle issued and not ended is among ``handles``.
 * KV leaves and enters the pool as per-layer tensors ``[tokens, kv_heads, head_dim]``
   (``export_kv``/``import_kv``), independent of the block size.
-* ``make_room`` frees blocks by evicting unlocked cached blocks, then asking
-  ``on_pressure`` (the session layer spills idle conversations, making their blocks
-  evictable), then evicting again.
+* ``make_room`` frees blocks by evicting unlocked cached blocks. What eviction could not
+  free is its result, ``shortfall`` (the most blocks found missing since the caller last
+  zeroed it): the scheduler returns it as "needs N blocks" and the engine spills idle
+  conversations between two scheduling passes, never from inside ``reserve``. Only a caller
+  that spills for itself (the session layer around its own restore and window move) sets
+  ``on_pressure`` for the length of its call: asked after eviction, then eviction again.
 
 Tiers
 -----
@@ -81,6 +84,7 @@ class KVManager:
         self.namespace = namespace
         self.sharing = prefix_caching
         self.on_pressure: Callable[[int], None] | None = None  # called with the blocks still missing
+        self.shortfall = 0  # the most blocks make_room found missing after eviction (its caller zeroes it)
         self._pins: dict[tuple[int, ...], list] = {}  # token run -> [locked node, pin count]
         self._live: set[RetainedKV] = set()  # handles issued and not yet ended
 
@@ -359,10 +363,13 @@ class KVManager:
     # -- memory ---------------------------------------------------------------------
 
     def make_room(self, need: int) -> bool:
-        """Free blocks until ``need`` are free: evict cached blocks, then ask ``on_pressure``,
-        then evict again. True on success."""
+        """Free blocks until ``need`` are free: evict cached blocks (then, when set, ask
+        ``on_pressure`` and evict again). True on success; else ``shortfall`` holds at least
+        the blocks that eviction could not free."""
         if self.pool.num_free < need:
             self.cache.evict(need - self.pool.num_free)
+        if self.pool.num_free < need:
+            self.shortfall = max(self.shortfall, need - self.pool.num_free)
         if self.pool.num_free < need and self.on_pressure is not None:
             self.on_pressure(need - self.pool.num_free)
             self.cache.evict(need - self.pool.num_free)

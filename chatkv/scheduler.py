@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 
 from chatkv.errors import OutOfBlocks
 from chatkv.kv_manager import KVManager
@@ -30,6 +31,15 @@ from chatkv.sequence import Sequence, Status
 log = logging.getLogger("chatkv.engine")
 
 AGE_ROUNDS = 32  # a request passed over this many times goes first, whatever its priority
+
+
+@dataclass(frozen=True)
+class NeedsBlocks:
+    """``schedule(relievable=True)``'s answer when blocks ran short: ``blocks`` more could not be
+    freed by eviction. Whoever drives the steps frees them (spills idle conversations) and
+    schedules again; nothing was preempted or failed for it."""
+
+    blocks: int
 
 
 class Scheduler:
@@ -124,8 +134,13 @@ class Scheduler:
             seq.num_cached = seq.num_computed
         return chunk
 
-    def schedule(self) -> list[tuple[Sequence, int]]:
-        """Return ``(sequence, tokens to compute)`` pairs for the next step, in batch order."""
+    def schedule(self, relievable: bool = False) -> list[tuple[Sequence, int]] | NeedsBlocks:
+        """Return ``(sequence, tokens to compute)`` pairs for the next step, in batch order.
+
+        ``relievable``: memory held elsewhere may be freed on request (idle conversations): where
+        blocks run short, before preempting or failing anyone for them, return ``NeedsBlocks``
+        (what was reserved stays reserved; a second pass reuses it)."""
+        self.kv.shortfall = 0
         plan: list[tuple[Sequence, int]] = []
         budget = self.max_batch_tokens
         for seq in list(self.running):
@@ -133,6 +148,8 @@ class Scheduler:
                 continue
             want = min(len(seq.token_ids) - seq.num_computed, max(budget, 1))
             while not self.kv.reserve(seq, want):
+                if relievable and self.kv.shortfall:
+                    return NeedsBlocks(self.kv.shortfall)
                 victim = self.running[-1]
                 self._preempt(victim)
                 plan = [(s, n) for s, n in plan if s is not victim]
@@ -149,6 +166,8 @@ class Scheduler:
                     break
                 chunk = self._admit(seq, budget)
                 if chunk == 0:
+                    if relievable and self.kv.shortfall:
+                        return NeedsBlocks(self.kv.shortfall)
                     blocked = seq
                     break
                 self.waiting.remove(seq)

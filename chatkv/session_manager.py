@@ -35,6 +35,7 @@ it). Contracts:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -104,7 +105,6 @@ class SessionManager:
         self.marks: dict[str, Mark | None] = {}  # conversation id -> the stored state last seen (its lease's)
         self.overflow = cfg.overflow
         self.sink_tokens = cfg.sink_tokens
-        self.kv.on_pressure = self.relieve
 
     def held_kv(self) -> list[RetainedKV | None]:
         """The KV every open session holds (for integrity checks)."""
@@ -326,10 +326,25 @@ class SessionManager:
                 done += self._spill_now(s, wait=False)
         return done
 
-    def relieve(self, missing_blocks: int) -> None:
-        """Blocks ran short (the KV manager asks): spill idle sessions, least recently used first (loop thread)."""
-        self.snapshots.relieve([Resident(s.id, s.tokens, s.kept, s.last_used, functools.partial(self._forget_kv, s, s.kept))
-                                for s in list(self.live.values()) if not s.busy and s.kept is not None], missing_blocks)
+    def relieve(self, missing_blocks: int) -> bool:
+        """Blocks ran short: ``missing_blocks`` more than eviction could free. Spill idle sessions,
+        least recently used first, until that many more are evictable than now (what is evictable
+        now is what eviction left: the request's own history, unlocked when its admission was
+        given up, which it locks again). True if any was spilled (loop thread)."""
+        return self.snapshots.relieve(
+            [Resident(s.id, s.tokens, s.kept, s.last_used, functools.partial(self._forget_kv, s, s.kept))
+             for s in list(self.live.values()) if not s.busy and s.kept is not None],
+            missing_blocks + self.kv.cache.evictable_blocks) > 0
+
+    @contextlib.contextmanager
+    def relieving(self) -> Iterator[None]:
+        """Around the session layer's own KV work (a turn's restore and window move, loop thread):
+        blocks short there are freed by spilling idle sessions at once."""
+        self.kv.on_pressure = self.relieve
+        try:
+            yield
+        finally:
+            self.kv.on_pressure = None
 
     def _spill_now(self, s: Session, wait: bool) -> bool:
         kept, s.kept = s.kept, None

@@ -311,15 +311,18 @@ class Snapshots:
             self.kv.offload(kept)  # down a tier: host memory (if any), else evictable cache
         return True
 
-    def relieve(self, residents: Iterable[Resident], missing_blocks: int) -> None:
-        """Blocks ran short: spill conversations, least recently used first, until enough could be evicted."""
+    def relieve(self, residents: Iterable[Resident], missing_blocks: int) -> int:
+        """Blocks ran short: spill conversations, least recently used first, until enough could be
+        evicted. Returns how many were spilled."""
+        done = 0
         for r in sorted(residents, key=lambda x: x.last_used):
             if self.kv.cache.evictable_blocks >= missing_blocks:
                 break
             try:
-                self.spill(r.conv_id, r.tokens, r.kept, wait=False)
+                done += self.spill(r.conv_id, r.tokens, r.kept, wait=False)
             finally:
                 r.released()
+        return done
 
     def _enforce_budget(self, keep: str | None) -> None:
         """Over the budget (this tenant's snapshots): delete the least recently used ones."""

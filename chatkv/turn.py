@@ -26,7 +26,7 @@ import copy
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING, Callable, Hashable, Iterator, Protocol
+from typing import TYPE_CHECKING, Callable, ContextManager, Hashable, Iterator, Protocol
 
 from chatkv import context_window as cw
 from chatkv.errors import EngineClosed, OutOfBlocks
@@ -61,6 +61,8 @@ class Manager(Protocol):
     def remember(self, s: Session, held: Held, current: bool) -> None: ...
 
     def spill_idle(self, now: float | None = None, keep: Session | None = None) -> int: ...
+
+    def relieving(self) -> ContextManager[None]: ...
 
     def _namespace(self, conv_id: str, st: cw.ContextState) -> Hashable | None: ...
 
@@ -228,13 +230,14 @@ class Turn:
         m.spill_idle(keep=s)
         kept, restored = m.take_kv(s), 0
         old_ns = m._namespace(s.id, st)
-        if kept is None and s.tokens and plan.kind != "truncate":
-            kept, restored = m.snapshots.restore(s.id, s.tokens + self.delta, namespace=old_ns or self.user_ns)
         context = s.tokens
-        if plan.kind != "none":
-            context = cw.apply(st, plan, s.tokens)
-            kept, restored = self._move_window(kept, restored, old_ns, context)
-            m.window_moved(s, context, st)  # the KV in memory is the new window's now
+        with m.relieving():  # blocks short for the restore or the move: idle sessions are spilled
+            if kept is None and s.tokens and plan.kind != "truncate":
+                kept, restored = m.snapshots.restore(s.id, s.tokens + self.delta, namespace=old_ns or self.user_ns)
+            if plan.kind != "none":
+                context = cw.apply(st, plan, s.tokens)
+                kept, restored = self._move_window(kept, restored, old_ns, context)
+                m.window_moved(s, context, st)  # the KV in memory is the new window's now
         try:
             seq = self.engine.add_request(context + self.delta, self.params, retain=True, prefix=kept,
                                           namespace=m._namespace(s.id, st) or self.user_ns, max_context=self.window,
