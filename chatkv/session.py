@@ -52,6 +52,10 @@ class Manager(Protocol):
 
     def save_params(self, s: Session, params: dict) -> None: ...
 
+    def set_overflow(self, s: Session, policy: str) -> None: ...
+
+    def rename(self, s: Session, title: str) -> None: ...
+
     def delete(self, s: Session) -> None: ...
 
     def spill(self, s: Session) -> bool: ...
@@ -60,7 +64,8 @@ class Manager(Protocol):
 
 
 class Session:
-    """One conversation. Use it from one thread; close it (or use ``with``) to spill and release its KV."""
+    """One conversation. Use it from one thread; close it (or use ``with``) to spill and release its KV.
+    Its state is written by its manager alone (``chatkv.session_manager``); it reads it and asks."""
 
     def __init__(self, manager: Manager, conv_id: str, title: str, system: str | None, params: dict, tokens: list[int]):
         self._m = manager
@@ -165,8 +170,7 @@ class Session:
     def rename(self, title: str) -> None:
         self._check_open()
         check_text("title", title)
-        self._m.store.rename(self.id, title)
-        self.title = title
+        self._m.rename(self, title)
 
     def update_params(self, **changes) -> dict:
         """Change this conversation's default sampling settings (e.g. ``temperature=0.7,
@@ -177,7 +181,6 @@ class Session:
         new = {k: v for k, v in new.items() if v is not None}
         SamplingParams.from_dict(new).validate()
         self._m.save_params(self, new)
-        self.params = new
         return dict(new)
 
     @property
@@ -189,12 +192,7 @@ class Session:
         """Change this conversation's overflow policy (saved with it). Validated first."""
         self._check_open()
         check_overflow(policy)
-        old, self.window.policy = self.window.policy, policy
-        try:
-            self._m.save_params(self, self.params)
-        except BaseException:
-            self.window.policy = old
-            raise
+        self._m.set_overflow(self, policy)
 
     def archive(self, archived: bool = True) -> None:
         self._check_open()

@@ -278,9 +278,22 @@ class SessionManager:
             self.snapshots.delete(s.id)
 
     def save_params(self, s: Session, params: dict) -> None:
-        """Store a session's sampling settings, keeping its RAG settings beside them."""
+        """Store a session's sampling settings, keeping its RAG settings beside them; then it has them."""
+        self._store_settings(s, params, s.window.policy)
+        s.params = dict(params)
+
+    def set_overflow(self, s: Session, policy: str) -> None:
+        """Store a session's overflow policy (validated by the caller); then it has it."""
+        self._store_settings(s, s.params, policy)
+        s.window.policy = policy
+
+    def rename(self, s: Session, title: str) -> None:
+        self.store.rename(s.id, title)
+        s.title = title
+
+    def _store_settings(self, s: Session, params: dict, policy: str) -> None:
         stored = dict(params)
-        stored[OVERFLOW_KEY] = s.window.policy
+        stored[OVERFLOW_KEY] = policy
         if s.knowledge is not None:
             stored[RAG_KEY] = {"kb": s.knowledge.name, "top_k": s.top_k, "documents": list(s.documents)}
         self.store.set_params(s.id, stored)
