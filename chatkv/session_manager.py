@@ -430,12 +430,15 @@ class SessionManager:
         s.last_used = time.monotonic()
         s.busy = False
 
+    def name_new_chat(self, s: Session, text: str) -> None:
+        """A new chat's first user message is stored: the chat is named after it."""
+        if s.title == DEFAULT_TITLE:
+            s.title = " ".join(text.split())[:48] or DEFAULT_TITLE
+            self.store.rename(s.id, s.title)
+
     def committed(self, s: Session, st: cw.ContextState, text: str, tokens: list[int] | None, end: TurnEnd) -> None:
         """The user message is stored (``tokens``: the history now; None when the request finished
         first and gave the session its whole history already)."""
-        if not s.tokens and s.title == DEFAULT_TITLE:  # name a new chat after its first message
-            s.title = " ".join(text.split())[:48] or DEFAULT_TITLE
-            self.store.rename(s.id, s.title)
         if tokens is not None:
             s.tokens = tokens
         s.window, s.last_question, s.ending = st, text, end

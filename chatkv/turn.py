@@ -83,6 +83,8 @@ class Manager(Protocol):
 
     def handed(self, s: Session, tokens: list[int], kept: RetainedKV | None) -> None: ...
 
+    def name_new_chat(self, s: Session, text: str) -> None: ...
+
     def committed(self, s: Session, st: cw.ContextState, text: str, tokens: list[int] | None, end: TurnEnd) -> None: ...
 
     def taken_back(self, s: Session, kept: RetainedKV | None, tokens: list[int] | None) -> None: ...
@@ -290,6 +292,8 @@ class Turn:
             st.turns.pop()
             self.engine.on_loop(self._take_back)
             raise
+        if self.first_turn:
+            m.name_new_chat(s, self.text)
         with self._lock:  # a request that already finished has given the session its whole history
             m.committed(s, st, self.text, None if self.handed else self.prompt, self.end)
             self.committed = True

@@ -128,6 +128,31 @@ def test_a_user_message_not_stored_after_its_request_finished_leaves_the_session
     e.close()
 
 
+def test_a_request_that_finishes_before_its_user_message_is_stored_names_the_chat_and_keeps_the_history(
+        model_dir, tmp_path):
+    e = Engine(model_dir, EngineConfig(data_dir=str(tmp_path), num_blocks=128)).start()
+    s = e.session(params=GREEDY)
+    finished = threading.Event()
+    e.add_finish_listener(lambda result, seq: finished.set())
+    store = e.session_manager.store
+    real_add = store.add_message
+
+    def add_message(conv_id, role, *a, **kw):
+        if role == "user":
+            assert finished.wait(30), "the request never finished"
+        return real_add(conv_id, role, *a, **kw)
+
+    store.add_message = add_message
+    r = s.send("Name this chat after me")
+    store.add_message = real_add
+    assert s.title == "Name this chat after me" and store.get_conversation(s.id).title == s.title
+    assert s.tokens == list(store.get_conversation(s.id).token_ids)  # the history with the reply, as stored
+    assert r.usage.generated_tokens > 0 and len(s.tokens) > r.usage.prompt_tokens + r.usage.generated_tokens - 1
+    assert s.kept is not None and s.kept.kv_len <= len(s.tokens) and not s.busy
+    e.check_integrity()
+    e.close()
+
+
 def test_a_lease_is_held_around_a_block_and_given_back_after_it(model_dir, tmp_path):
     e = Engine(model_dir, EngineConfig(data_dir=str(tmp_path), num_blocks=64))
     s = e.session(params=GREEDY)
