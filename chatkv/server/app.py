@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from chatkv.metrics import EngineMetrics
-from chatkv.server import routes
+from chatkv.server import resp_routes, routes
 from chatkv.server.errors import APIError
 from chatkv.server.guards import ConcurrencyLimit, Users
 from chatkv.server.history import HistoryTokens
@@ -41,6 +41,7 @@ class ServerState:
         self.max_request_bytes = max_request_bytes
         self.context = engine.context_window  # prompt + reply of one request, in tokens
         self.history = HistoryTokens(engine.tokenizer, history_tokens)
+        self.responding: set[str] = set()  # conversations a /v1/responses request is branching (resp_routes.py)
         self.metrics = EngineMetrics(engine, model_name)
         self.metrics.registry.register(_ServerCollector(self))
         self.owns_engine = owns_engine
@@ -172,6 +173,9 @@ def create_app(
         routes=[
             Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
             Route("/v1/completions", routes.completions, methods=["POST"]),
+            Route("/v1/responses", resp_routes.create_response, methods=["POST"]),
+            Route("/v1/responses/{response_id}", resp_routes.get_response, methods=["GET"]),
+            Route("/v1/responses/{response_id}", resp_routes.delete_response, methods=["DELETE"]),
             Route("/v1/embeddings", routes.embeddings, methods=["POST"]),
             Route("/v1/models", routes.models, methods=["GET"]),
             Route("/health", routes.health, methods=["GET"]),

@@ -157,8 +157,14 @@ async def session_chat(state, messages: list[dict], params: SamplingParams, max_
         s = await to_thread.run_sync(_open_session, state.engine, messages, session_id, user)
     except Exception as e:  # noqa: BLE001
         raise from_chatkv(e) from e
+    return s.id, await session_turn(state, s, messages[-1]["content"], params, max_tokens)
+
+
+async def session_turn(state, s, text: str, params: SamplingParams, max_tokens: int | None) -> Events:
+    """The events of the next turn of the open session ``s`` (a ``chatkv`` Session): ``text``
+    asked after its current branch. The first piece is awaited here, as in ``session_chat``."""
     params.max_tokens = max_tokens if max_tokens is not None else state.context
-    gen = s.astream(messages[-1]["content"], params)
+    gen = s.astream(text, params)
     try:
         first = await gen.__anext__()
     except StopAsyncIteration:
@@ -185,4 +191,4 @@ async def session_chat(state, messages: list[dict], params: SamplingParams, max_
         finally:
             await gen.aclose()  # an early stop: the reply so far is stored, marked interrupted
 
-    return s.id, Events(events())
+    return Events(events())

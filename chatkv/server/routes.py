@@ -25,7 +25,7 @@ from chatkv.server.schemas import parse_chat, parse_completion, parse_embedding,
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-async def _body(request: Request) -> tuple[str, dict]:
+async def read_request(request: Request) -> tuple[str, dict]:
     """(the request's user, its JSON body)."""
     state = request.app.state.chatkv
     state.check_open()
@@ -36,7 +36,7 @@ async def _body(request: Request) -> tuple[str, dict]:
 CUT = "the server is shutting down: the reply was stopped (a session stores it as interrupted); retry on another server"
 
 
-async def _until_cut(state, items):
+async def until_cut(state, items):
     """``items`` as they come, until the server's graceful shutdown is nearly out of time
     (``state.cut``): then the request is stopped and this raises a 503 ``shutting_down``."""
     it = items.__aiter__()
@@ -79,22 +79,27 @@ def _short(text: str, limit: int = 80) -> str:
     return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
-def _check_model(state, model: str) -> None:
+def check_model(state, model: str) -> None:
     if model not in state.model_names:
         raise APIError(404, f"The model `{model}` does not exist (this server has {state.model_name!r}).",
                        "model_not_found", "model")
 
 
-def _stream_response(chunks, events, slot, state, headers=None) -> StreamingResponse:
-    """SSE of ``chunks`` (made from ``events``); an error after the first byte is an error event."""
+def _chat_error_events(error: APIError) -> list[bytes]:
+    return [sse(error.body()), sse("[DONE]")]
+
+
+def stream_response(chunks, events, slot, state, headers=None, error_events=_chat_error_events) -> StreamingResponse:
+    """SSE of ``chunks`` (made from ``events``); an error after the first byte is an error event
+    (``error_events(APIError)``: its bytes; chat's by default)."""
 
     async def body():
         try:
             async for item in chunks:
                 yield item
         except Exception as e:  # noqa: BLE001 - the status is sent: the error goes in the stream, as OpenAI's does
-            yield sse(from_chatkv(e).body())
-            yield sse("[DONE]")
+            for piece in error_events(from_chatkv(e)):
+                yield piece
         finally:
             slot.release()  # first: a cancelled task may not get past the next await
             state.metrics_tick()
@@ -108,9 +113,9 @@ def _stream_response(chunks, events, slot, state, headers=None) -> StreamingResp
 
 async def chat_completions(request: Request) -> Response:
     state = request.app.state.chatkv
-    who, body = await _body(request)
+    who, body = await read_request(request)
     req = parse_chat(body)
-    _check_model(state, req.model)
+    check_model(state, req.model)
     session_id = _session_id(request, req.session_id)
     slot = state.limit.acquire()
     streaming = False
@@ -123,9 +128,9 @@ async def chat_completions(request: Request) -> Response:
         headers = {"X-Session-Id": sid} if sid else None
         if req.stream:
             streaming = True
-            return _stream_response(_chat_sse(chat, _until_cut(state, events)), events, slot, state, headers)
+            return stream_response(_chat_sse(chat, until_cut(state, events)), events, slot, state, headers)
         done = None
-        async for item in _until_cut(state, events):
+        async for item in until_cut(state, events):
             if isinstance(item, gen.Done):
                 done = item
         return JSONResponse(chat.completion(done.text, done.finish_reason, done.usage), headers=headers)
@@ -149,9 +154,9 @@ async def _chat_sse(chat: Chat, events):
 
 async def completions(request: Request) -> Response:
     state = request.app.state.chatkv
-    who, body = await _body(request)
+    who, body = await read_request(request)
     req = parse_completion(body)
-    _check_model(state, req.model)
+    check_model(state, req.model)
     slot = state.limit.acquire()
     streaming = False
     runs = []
@@ -163,10 +168,10 @@ async def completions(request: Request) -> Response:
         out = Completion(state.model_name, req.include_usage)
         if req.stream:
             streaming = True
-            return _stream_response(_completion_sse(out, _until_cut(state, runs[0])), runs[0], slot, state)
+            return stream_response(_completion_sse(out, until_cut(state, runs[0])), runs[0], slot, state)
 
         async def finish(events):
-            async for item in _until_cut(state, events):
+            async for item in until_cut(state, events):
                 if isinstance(item, gen.Done):
                     return item
 
@@ -194,7 +199,7 @@ async def _completion_sse(out: Completion, events):
 
 async def embeddings(request: Request) -> Response:
     state = request.app.state.chatkv
-    req = parse_embedding((await _body(request))[1])
+    req = parse_embedding((await read_request(request))[1])
     slot = state.limit.acquire()
     try:
         embedder = await to_thread.run_sync(state.get_embedder)

@@ -265,3 +265,8 @@ def parse_embedding(body: dict) -> EmbeddingRequest:
     if dims is not None and (not _is_int(dims) or dims < 1):
         raise bad_value("dimensions", f"dimensions must be an integer >= 1, got {dims!r}")
     return EmbeddingRequest(model, inp, fmt, dims)
+
+
+# what resp_request.py (the Responses API's bodies) shares with the parsers above
+check_fields, model_field, bool_field, max_tokens_field, refuse_unless = _check_fields, _model, _bool, _max_tokens, _refuse_unless
+sampling_params, is_int = _params, _is_int
