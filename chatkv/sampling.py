@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol, Sequence
 
 import torch
 
@@ -48,6 +49,13 @@ class SamplingParams:
     - ``stop``: a list (or tuple) of non-empty str, each encodable as UTF-8 (no lone surrogates).
     - ``stop_token_ids``: a list (or tuple) of ints >= 0 (an id the vocabulary lacks never matches).
     - ``ignore_eos``: a bool.
+    - at most one constraint (chatkv.constraints; the output is valid when it ends by stop):
+      ``json_schema`` (a JSON schema: a dict, or a str holding one), ``regex`` (a str; the
+      whole output matches it), ``choice`` (a non-empty list of non-empty str; the output is
+      one of them), ``grammar`` (a lark or GBNF grammar, a str) or ``json_object=True`` (any
+      JSON object). A schema or grammar that cannot be enforced (invalid, or a keyword it
+      cannot keep) is refused with the reason. A constraint ends the output itself, so it
+      does not combine with ``ignore_eos``.
 
     Build from untrusted key/value input with ``SamplingParams.from_dict``, which also names
     unknown keys instead of raising ``TypeError``.
@@ -62,6 +70,11 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # stop strings, not included in the output text
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    json_schema: dict | str | None = None  # constraints: at most one (chatkv.constraints)
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "SamplingParams":
@@ -115,6 +128,51 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of ints >= 0")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "a bool")
+        self._validate_constraint(bad)
+
+    @property
+    def constrained(self) -> bool:
+        """True when a constraint limits the output (json_schema, regex, choice, grammar, json_object)."""
+        return (self.json_schema is not None or self.regex is not None or self.choice is not None
+                or self.grammar is not None or self.json_object is True)
+
+    def _validate_constraint(self, bad) -> None:
+        if not isinstance(self.json_object, bool):
+            raise bad("json_object", "a bool")
+        given = [n for n in ("json_schema", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if not given:
+            return
+        if len(given) > 1:
+            raise InvalidRequest(f"at most one constraint per request; got {' and '.join(given)}")
+        if self.ignore_eos:
+            raise InvalidRequest(f"ignore_eos cannot be combined with {given[0]}: the constraint ends the output")
+        if self.json_schema is not None:
+            schema = self.json_schema
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except ValueError as err:
+                    raise InvalidRequest(f"json_schema is a str that is not JSON: {err}") from None
+            if not isinstance(schema, dict):
+                raise bad("json_schema", "a JSON schema object (a dict, or a str holding one)")
+            try:
+                json.dumps(schema)
+            except (TypeError, ValueError) as err:
+                raise InvalidRequest(f"json_schema is not JSON-serialisable: {err}") from None
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                raise bad(name, "a non-empty str")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice:
+                raise bad("choice", "a non-empty list of non-empty strings")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise bad("choice", "a non-empty list of non-empty strings")
+        from chatkv.constraints import check, constraint_of
+
+        check(constraint_of(self))
 
 
 def make_generator(params: SamplingParams) -> torch.Generator | None:
@@ -192,3 +250,26 @@ def sample(
         return int(torch.argmax(logits))
     probs = probabilities(logits, params, history)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class RowMask(Protocol):
+    """What masks one row of logits: chatkv.constraints.Matcher."""
+
+    def mask_into(self, logits: torch.Tensor) -> None: ...
+
+
+def mask_rows(logits: torch.Tensor, masks: Sequence[RowMask | None]) -> list[Exception | None]:
+    """Mask, in place, each row ``i`` of the batch's ``logits [rows, vocab]`` whose ``masks[i]``
+    is not None (a constrained request's matcher) before its token is sampled; the others are
+    not touched, and a batch with no constrained row costs one pass over ``masks``.
+
+    Returns, per row, the error its matcher raised (that request's alone) or None."""
+    errors: list[Exception | None] = [None] * len(masks)
+    for row, m in enumerate(masks):
+        if m is None:
+            continue
+        try:
+            m.mask_into(logits[row])
+        except (RuntimeError, ValueError) as err:
+            errors[row] = err
+    return errors
