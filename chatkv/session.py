@@ -15,7 +15,7 @@ import json
 import threading
 import time
 from dataclasses import asdict
-from typing import TYPE_CHECKING, AsyncIterator, Iterator, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator, Protocol
 
 from chatkv.context_window import check_overflow
 from chatkv.errors import EngineClosed, InvalidRequest, SessionError, check_text
@@ -28,6 +28,38 @@ if TYPE_CHECKING:
 
 
 _DONE = object()
+
+
+def _last(pieces: Iterator[str | Reply]) -> Reply:
+    """Run a turn's stream to its end; its Reply."""
+    reply = None
+    for piece in pieces:
+        if isinstance(piece, Reply):
+            reply = piece
+    assert reply is not None
+    return reply
+
+
+def _depth_first(msgs: list) -> list:
+    """Messages in reading order: each followed by its replies, a message's versions one after another."""
+    children: dict = {}
+    for m in msgs:
+        children.setdefault(m.parent_id, []).append(m)
+    out, stack = [], list(reversed(children.get(None, [])))
+    while stack:
+        m = stack.pop()
+        out.append(m)
+        stack.extend(reversed(children.get(m.id, [])))
+    return out
+
+
+async def _alast(pieces: AsyncIterator[str | Reply]) -> Reply:
+    reply = None
+    async for piece in pieces:
+        if isinstance(piece, Reply):
+            reply = piece
+    assert reply is not None
+    return reply
 
 
 class _Failed:
@@ -49,6 +81,12 @@ class Manager(Protocol):
     engine: _Starts
 
     def turn(self, s: Session, text: str, params: SamplingParams) -> Iterator[str | Reply]: ...
+
+    def regenerate(self, s: Session, params: SamplingParams) -> Iterator[str | Reply]: ...
+
+    def edit(self, s: Session, message_id: int, text: str, params: SamplingParams) -> Iterator[str | Reply]: ...
+
+    def switch(self, s: Session, message_id: int, descend: bool = True): ...
 
     def save_params(self, s: Session, params: dict) -> None: ...
 
@@ -92,41 +130,91 @@ class Session:
 
     def send(self, text: str, params: SamplingParams | None = None) -> Reply:
         """Ask and wait for the whole reply."""
-        reply = None
-        for piece in self.stream(text, params):
-            if isinstance(piece, Reply):
-                reply = piece
-        assert reply is not None
-        return reply
+        return _last(self.stream(text, params))
 
     def stream(self, text: str, params: SamplingParams | None = None) -> Iterator[str | Reply]:
         """Yield the reply's text pieces as they are generated, then the Reply.
 
         Stopping early (closing the generator) keeps what was generated, marked interrupted.
         """
+        params = self._turn_checks(params, text)
+        yield from self._m.turn(self, text, params)
+
+    # -- branches: edit, regenerate, switch (the conversation is a tree; nothing is deleted) --
+
+    def regenerate(self, params: SamplingParams | None = None) -> Reply:
+        """Answer the last user message of the current branch again. The new reply is a sibling
+        of the old one (both stay: ``branches``, ``switch``) and becomes current; the history's
+        KV is reused, so only the reply is computed."""
+        return _last(self.stream_regenerate(params))
+
+    def stream_regenerate(self, params: SamplingParams | None = None) -> Iterator[str | Reply]:
+        """``regenerate``, streamed as ``stream`` streams a turn."""
+        params = self._turn_checks(params)
+        yield from self._m.regenerate(self, params)
+
+    def edit(self, message_id: int, text: str, params: SamplingParams | None = None) -> Reply:
+        """Ask ``text`` in place of user message ``message_id``: a sibling of it, made current and
+        answered. The old message and everything after it stay on their branch. Only the tokens
+        from the edited message on are computed; the shared prefix's KV is reused."""
+        return _last(self.stream_edit(message_id, text, params))
+
+    def stream_edit(self, message_id: int, text: str, params: SamplingParams | None = None) -> Iterator[str | Reply]:
+        """``edit``, streamed as ``stream`` streams a turn."""
+        params = self._turn_checks(params, text)
+        yield from self._m.edit(self, message_id, text, params)
+
+    def switch(self, message_id: int, *, descend: bool = True):
+        """Make the branch through ``message_id`` current, down to its most recent leaf (without
+        ``descend``: ending at that message, so the next turn follows it). Returns the leaf's
+        ``MessageInfo`` (None: before the first message). Its KV comes back from memory, from
+        disk, or is recomputed past the prefix still cached."""
         self._check_open()
-        check_text("message", text)
-        if not text.strip():
-            raise InvalidRequest("message is empty")
+        return self._m.switch(self, message_id, descend)
+
+    def branches(self, message_id: int):
+        """The siblings of ``message_id`` (the versions of that message), itself included, oldest first."""
+        self._check_engine()
+        return self._m.store.branches(self.id, message_id)
+
+    def tree(self):
+        """Every message of every branch, oldest first; each names its ``parent_id``."""
+        self._check_engine()
+        return self._m.store.message_tree(self.id)
+
+    def _turn_checks(self, params: SamplingParams | None, text: str | None = None) -> SamplingParams:
+        self._check_open()
+        if text is not None:
+            check_text("message", text)
+            if not text.strip():
+                raise InvalidRequest("message is empty")
         if params is not None and not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be SamplingParams, got {type(params).__name__}")
         if self.busy:
             raise SessionError(f"session '{self.id}' is already generating a reply")
-        yield from self._m.turn(self, text, params or self._default_params())
+        return params or self._default_params()
 
     async def asend(self, text: str, params: SamplingParams | None = None) -> Reply:
         """asyncio form of ``send`` (starts the engine loop if needed)."""
-        reply = None
-        async for piece in self.astream(text, params):
-            if isinstance(piece, Reply):
-                reply = piece
-        assert reply is not None
-        return reply
+        return await _alast(self.astream(text, params))
+
+    async def aregenerate(self, params: SamplingParams | None = None) -> Reply:
+        """asyncio form of ``regenerate``."""
+        return await _alast(self._athread(lambda: self.stream_regenerate(params)))
+
+    async def aedit(self, message_id: int, text: str, params: SamplingParams | None = None) -> Reply:
+        """asyncio form of ``edit``."""
+        return await _alast(self._athread(lambda: self.stream_edit(message_id, text, params)))
 
     async def astream(self, text: str, params: SamplingParams | None = None) -> AsyncIterator[str | Reply]:
         """asyncio form of ``stream``: the turn runs on a thread of its own (its database work
         and waits never block the event loop) while the engine loop computes it with every
         other request. Closing the iterator early interrupts the reply, as with ``stream``."""
+        async for item in self._athread(lambda: self.stream(text, params)):
+            yield item
+
+    async def _athread(self, make: Callable[[], Iterator[str | Reply]]) -> AsyncIterator[str | Reply]:
+        """The turn ``make()`` runs on a thread of its own, its pieces handed to asyncio."""
         self._m.engine.start()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
@@ -134,7 +222,7 @@ class Session:
 
         def work() -> None:
             try:
-                for piece in self.stream(text, params):
+                for piece in make():
                     loop.call_soon_threadsafe(queue.put_nowait, piece)
                     if stop.is_set():
                         break  # closes the turn: what was produced is kept, marked interrupted
@@ -208,8 +296,12 @@ class Session:
         self._check_open()
         return self._m.spill(self)
 
-    def export(self, fmt: str = "markdown") -> str:
-        msgs = self.messages()
+    def export(self, fmt: str = "markdown", tree: bool = False) -> str:
+        """The conversation as ``markdown`` or ``json``: the current branch, or with ``tree`` every
+        branch (each message names its parent; markdown lists a message's other versions after it)."""
+        if fmt not in ("markdown", "json"):
+            raise InvalidRequest(f"unknown export format '{fmt}'; use 'markdown' or 'json'")
+        msgs = self.tree() if tree else self.messages()
         if fmt == "json":
             return json.dumps(
                 {
@@ -223,14 +315,14 @@ class Session:
                 },
                 indent=2,
             )
-        if fmt == "markdown":
-            out = [f"# {self.title}", ""]
-            if self.system:
-                out += [f"> **System:** {self.system}", ""]
-            for m in msgs:
-                note = " (interrupted)" if m.status == "interrupted" else ""
-                out += [f"### {m.role.capitalize()}{note}", "", m.content, ""]
-            return "\n".join(out)
+        out = [f"# {self.title}", ""]
+        if self.system:
+            out += [f"> **System:** {self.system}", ""]
+        for m in _depth_first(msgs) if tree else msgs:
+            note = " (interrupted)" if m.status == "interrupted" else ""
+            where = f" · #{m.id}" + (f" after #{m.parent_id}" if m.parent_id is not None else "") if tree else ""
+            out += [f"### {m.role.capitalize()}{note}{where}", "", m.content, ""]
+        return "\n".join(out)
         raise InvalidRequest(f"unknown export format '{fmt}'; use 'markdown' or 'json'")
 
     def close(self) -> None:

@@ -196,16 +196,19 @@ class SessionManager:
         self.live[s.id] = s
         return s
 
-    def _rebuild(self, s: Session) -> None:
+    def _rebuild(self, s: Session, why: str | None = None) -> None:
         """Stored text that no longer matches its hash (edited behind the store's back, even at the
         same length): the token history, and so the KV, no longer say what the messages say. The
         stored text wins: the history is recomputed from it (the system prompt, then each turn
         rendered as a turn would render it), its snapshot dropped, and the KV computed afresh on
-        the next turn."""
+        the next turn. (``why``: another reason the history must come from the text.)"""
         msgs = self.store.messages(s.id)
         changed = [m.id for m in msgs if not m.intact]
-        log.warning("conversation %s: the stored text of message(s) %s no longer matches what was stored with it; "
-                    "recomputing the conversation's KV from the stored text", s.id, changed)
+        if why is None:
+            log.warning("conversation %s: the stored text of message(s) %s no longer matches what was stored with it; "
+                        "recomputing the conversation's KV from the stored text", s.id, changed)
+        else:
+            log.info("conversation %s: %s; its history is rendered from the stored text", s.id, why)
         tokens: list[int] = []
         st = cw.ContextState(policy=s.window.policy)  # the whole history, its turns where they start now
         for m in msgs:
@@ -408,6 +411,53 @@ class SessionManager:
         it; a session behind the stored conversation is reloaded first."""
         return Turn(self, s, text, params).run()
 
+    # -- branches: the conversation as a tree (storage.message_tree) ---------------------
+
+    def regenerate(self, s: Session, params: SamplingParams) -> Iterator[str | Reply]:
+        """Answer the current branch's last user message again: a sibling of its reply."""
+        users = [x for x in self.store.messages(s.id) if x.role == "user"]
+        if not users:
+            raise InvalidRequest(f"nothing to regenerate: conversation '{s.id}' has no user message yet")
+        return Turn(self, s, users[-1].content, params, branch=(users[-1].id, False), regenerate=True).run()
+
+    def edit(self, s: Session, message_id: int, text: str, params: SamplingParams) -> Iterator[str | Reply]:
+        """A sibling of user message ``message_id`` with ``text``, made current and answered."""
+        msg = self.store.get_message(s.id, message_id)
+        if msg.role != "user":
+            raise InvalidRequest(f"message {message_id} is an {msg.role} message; only a user message can be edited "
+                                 f"(regenerate() answers the last one again)")
+        return Turn(self, s, text, params, branch=(msg.parent_id, False)).run()
+
+    def switch(self, s: Session, message_id: int, descend: bool = True):
+        """Make the branch through ``message_id`` current (under the lease); its leaf's MessageInfo."""
+        if s.busy:
+            raise SessionError(f"session '{s.id}' is generating a reply; finish or interrupt it first")
+        held, done = None, False
+        try:
+            with self.store.leases.hold(s.id) as held:
+                self.sync(s, held.mark)
+                b = self.branch(s, message_id, descend)
+                done = True
+        finally:
+            if held is not None:
+                self.remember(s, held, done)
+        return b.info
+
+    def branch(self, s: Session, message_id: int | None, descend: bool) -> "_Branched":
+        """Under the lease: the conversation's current branch becomes ``message_id``'s, and the
+        session follows it. Its history is that branch's, from what its messages recorded (never
+        re-tokenised; only a branch stored before conversations were trees is rendered again from
+        its text). Its KV in memory was the old branch's: it goes back to the prefix cache, whose
+        blocks of the prefix the branches share serve the next turn."""
+        before = self.store.get_conversation(s.id).current_leaf_id
+        info = self.store.switch_branch(s.id, message_id, descend)
+        now = self.store.get_conversation(s.id)
+        if now.current_leaf_id != before or list(now.token_ids or ()) != s.tokens:
+            self._reload(s, now, "switched to another branch")
+            if not s.tokens and now.current_leaf_id is not None:  # a branch from before 0006: no tokens recorded
+                self._rebuild(s, "its token history was not recorded (stored before conversations were trees)")
+        return _Branched(before, info)
+
     def take_kv(self, s: Session) -> RetainedKV | None:
         """A turn takes the session's KV into its request (loop thread)."""
         kept, s.kept = s.kept, None
@@ -483,10 +533,10 @@ class SessionManager:
             return None
         return info
 
-    def _reload(self, s: Session, info: ConversationInfo) -> None:
+    def _reload(self, s: Session, info: ConversationInfo,
+                why: str = "another process stored turns since this one looked") -> None:
         """Make ``s`` the stored conversation ``info``; its KV in memory (the old history's) is dropped."""
-        log.info("conversation %s: another process stored turns since this one looked (%d -> %d tokens); reloading",
-                 s.id, len(s.tokens), info.token_count)
+        log.info("conversation %s: %s (%d -> %d tokens); reloading", s.id, why, len(s.tokens), info.token_count)
         old_ns = self._namespace(s.id, s.window) if s.window is not None else None
         self.engine.on_loop(lambda: self._drop_kv(s))
         s.params, overflow = self.stored_settings(info)
@@ -538,3 +588,10 @@ class SessionManager:
         n = len(sys_tokens) // self.kv.block_size * self.kv.block_size  # only whole blocks are shared
         if n and s.tokens[:n] == sys_tokens[:n]:
             s.pinned = self.kv.pin(sys_tokens[:n], self.kv.user_namespace(s.owner))
+
+
+class _Branched:
+    """What a branch switch did: the leaf it left (``leaf``) and the one it made current (``info``)."""
+
+    def __init__(self, leaf: int | None, info):
+        self.leaf, self.info = leaf, info

@@ -372,14 +372,15 @@ class Snapshots:
             return None, 0
         ns = {} if namespace is None else {"namespace": namespace}
         in_memory = self.kv.cached_len(prompt, **ns)
-        if in_memory >= min(man.end, len(prompt) - 1):
+        ours = self.segments.matching(man, prompt)  # another branch's segments past it stay on disk, unread
+        if in_memory >= min(ours.end if ours.segments else 0, len(prompt) - 1):
             return None, 0
         try:
-            k, v, good, why = self.segments.load(man, prompt)
+            k, v, good, why = self.segments.load(ours, prompt)
         except OSError as err:  # an unreadable disk: keep the files, recompute this time
             log.warning("snapshot of %s cannot be read (%s); recomputing", conv_id, err)
             return None, 0
-        if good is not man:
+        if good is not ours:  # a damaged segment: the manifest keeps those before it
             self._repair(conv_id, good, why)
         if not good.segments:
             return None, 0

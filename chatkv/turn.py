@@ -58,6 +58,8 @@ class Manager(Protocol):
 
     def sync(self, s: Session, mark: Mark) -> None: ...
 
+    def branch(self, s: Session, message_id: int | None, descend: bool) -> Branched: ...
+
     def remember(self, s: Session, held: Held, current: bool) -> None: ...
 
     def spill_idle(self, now: float | None = None, keep: Session | None = None) -> int: ...
@@ -92,6 +94,10 @@ class Manager(Protocol):
     def ended(self, s: Session) -> None: ...
 
 
+class Branched(Protocol):
+    leaf: int | None  # the leaf the conversation was on before the switch
+
+
 class TurnEnd:
     """A turn's end (settle its request, store its reply), run once by whichever comes first:
     the turn's own generator or ``engine.close()``; the other gets the same Reply (or error)."""
@@ -123,8 +129,14 @@ class TurnEnd:
 
 
 class Turn:
-    def __init__(self, m: Manager, s: Session, text: str, params: SamplingParams):
+    def __init__(self, m: Manager, s: Session, text: str, params: SamplingParams, *,
+                 branch: tuple[int | None, bool] | None = None, regenerate: bool = False):
         self.m, self.s, self.text, self.params = m, s, text, params
+        # where in the conversation's tree the turn starts: (message id or None for before the first
+        # one, descend) made current under the lease first; None: after the current leaf
+        self.branch = branch
+        self.regenerate = regenerate  # answer the last user message again: no new user message
+        self.stored = False  # a message of this turn is stored (else a failed branch turn goes back)
         self.engine = m.engine
         self.arrival = time.perf_counter()  # TTFT counts the restore from disk too
         self.window = 0  # the engine's context window, in tokens
@@ -156,7 +168,16 @@ class Turn:
             try:
                 with m.store.leases.hold(s.id) as held:
                     m.sync(s, held.mark)
-                    yield from self._phases()
+                    back = m.branch(s, *self.branch) if self.branch is not None else None
+                    try:
+                        yield from self._phases()
+                    except BaseException:
+                        if back is not None and not self.stored:  # nothing of it stored: the branch it left
+                            try:
+                                m.branch(s, back.leaf, False)
+                            except Exception:  # noqa: BLE001 - the turn's own error is the one to raise
+                                log.exception("conversation %s: could not go back to the branch it was on", s.id)
+                        raise
                     done = True
             finally:
                 if held is not None:
@@ -195,9 +216,9 @@ class Turn:
         self.params.validate()
         self.window = self.engine.context_window
         reserve = cw.reply_room(self.params.max_tokens, self.window)
-        if s.knowledge is not None:
+        if s.knowledge is not None and not self.regenerate:  # a regenerated answer reads the same sources
             self._retrieve(reserve)
-        self.delta = m._delta_from(s.tokens, s.system_content, self.content)
+        self.delta = [] if self.regenerate else m._delta_from(s.tokens, s.system_content, self.content)
         self.st = copy.deepcopy(s.window)
         self.window_plan = cw.plan(self.st, len(s.tokens), len(self.delta), reserve, self.window, m.kv.block_size,
                                    m.sink_tokens)
@@ -223,6 +244,8 @@ class Turn:
         self.first_turn = not self.context
         self.prompt = self.context + self.delta
         st = self.st
+        if self.regenerate:  # the user message's turn is in the window already
+            return
         st.turns.append(self.m._first_turn_start(self.prompt, self.content) if self.first_turn else len(self.context))
         if self.first_turn:
             st.prefix = st.turns[0]
@@ -286,8 +309,11 @@ class Turn:
         m, s, st = self.m, self.s, self.st
         try:
             meta = {"query": self.query, "sources": [h.chunk_id for h in self.hits]} if self.query is not None else None
-            # committed before generation, with the window it was computed in
-            m.store.add_message(s.id, "user", self.text, meta=meta, token_ids=self.prompt, context=st.to_json())
+            # committed before generation, with the window it was computed in (a regenerated
+            # answer follows the stored user message: nothing to store yet)
+            if not self.regenerate:
+                m.store.add_message(s.id, "user", self.text, meta=meta, token_ids=self.prompt, context=st.to_json())
+                self.stored = True
         except BaseException:
             st.turns.pop()
             self.engine.on_loop(self._take_back)
@@ -355,6 +381,7 @@ class Turn:
             context=st.to_json(),
             **r.usage.message_columns(),
         )
+        self.stored = True
         self.engine.on_loop(lambda: self.settle(msg.id))
         return Reply(text=r.text, usage=r.usage, finish_reason=r.finish_reason, message_id=msg.id, sources=sources,
                      context=self.info)

@@ -369,6 +369,18 @@ class SegmentStore:
             (self.root / s.file).unlink(missing_ok=True)
             raise
 
+    @staticmethod
+    def matching(man: Manifest, tokens: Sequence[int]) -> Manifest:
+        """The manifest of ``man``'s leading segments whose tokens are ``tokens``' own (by their
+        recorded hashes; no file is read). A shorter one is no damage: the snapshot goes on past
+        ``tokens`` (a reply regenerated) or holds another branch of the conversation from there."""
+        n = 0
+        for s in man.segments:
+            if s.end > len(tokens) or token_hash(tokens[s.start : s.end]) != s.token_hash:
+                break
+            n += 1
+        return man if n == len(man.segments) else man.truncated(n, token_hash(tokens[: man.segments[n].start]))
+
     def load(self, man: Manifest, tokens: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], Manifest, str]:
         """The KV of the longest run of valid segments from token 0 (checked against ``tokens``):
         ``(k, v, manifest of that run, why it stopped early or "")``. A bad segment is deleted;

@@ -433,6 +433,15 @@ class Store:
         row.token_base, row.token_tail, row.context = base, tail, conv.context
         nodes[leaf] = tree.Node(leaf, parent, base, tail, conv.context)
 
+    def get_message(self, conv_id: str, message_id: int) -> MessageInfo:
+        """One message of the conversation (any branch); InvalidRequest naming it if it is not one."""
+        with self._reading(conv_id) as s:
+            conv = self._conversation(s, conv_id)
+            m = s.get(Message, message_id) if isinstance(message_id, int) and not isinstance(message_id, bool) else None
+            if m is None or m.conversation_id != conv.id:
+                self._node_id({}, conv.id, message_id)  # raises the error, naming it
+            return message_info(m)
+
     def message_tree(self, conv_id: str) -> list[MessageInfo]:
         """Every message of the conversation, every branch, oldest first (each names its parent)."""
         with self._reading(conv_id) as s:
@@ -449,9 +458,10 @@ class Store:
             ids = tree.siblings(nodes, self._node_id(nodes, conv.id, message_id))
             return [message_info(m) for m in s.scalars(select(Message).where(Message.id.in_(ids)).order_by(Message.id))]
 
-    def switch_branch(self, conv_id: str, message_id: int, descend: bool = True) -> MessageInfo:
+    def switch_branch(self, conv_id: str, message_id: Optional[int], descend: bool = True) -> Optional[MessageInfo]:
         """Make the branch through ``message_id`` current, down to its most recent leaf (without
-        ``descend``: ending at ``message_id`` itself, so the next message follows it); the
+        ``descend``: ending at ``message_id`` itself, so the next message follows it; None
+        without ``descend``: before the first message, so the next one starts a new root); the
         conversation's token history (and KV-window state) become that branch's, from what its
         messages recorded (empty when none did: it is recomputed from the text). Returns the
         leaf. Fenced by the lease, as ``add_message`` is. Nothing is deleted."""
@@ -459,15 +469,15 @@ class Store:
             conv = self._conversation(s, conv_id, lock=True)
             self.leases.check_write(s, conv.id)
             nodes = self._nodes(s, conv.id)
-            leaf = self._node_id(nodes, conv.id, message_id)
+            leaf = self._node_id(nodes, conv.id, message_id, none_ok=not descend)
             leaf = tree.newest_leaf(nodes, leaf) if descend else leaf
             if leaf != conv.current_leaf_id:
                 self._seal(s, conv, nodes)
-                tokens, context = tree.history(tree.chain(nodes, leaf))
+                tokens, context = tree.history(tree.chain(nodes, leaf)) if leaf is not None else ([], None)
                 conv.token_ids, conv.token_count, conv.context = tokens or [], len(tokens or []), context
                 conv.current_leaf_id = leaf
                 conv.updated_at = CLOCK.now()
-            return message_info(s.get(Message, leaf))
+            return message_info(s.get(Message, leaf)) if leaf is not None else None
 
     def messages(self, conv_id: str) -> list[MessageInfo]:
         """The conversation's current branch, oldest first (``message_tree`` has every branch).
@@ -476,11 +486,11 @@ class Store:
         try:
             with self._reading() as s:
                 conv = self._conversation(s, conv_id)
-                q = select(Message).where(Message.conversation_id == conv.id).order_by(Message.id)
-                if conv.current_leaf_id is not None:
-                    rows = s.execute(select(Message.id, Message.parent_id).where(Message.conversation_id == conv.id))
-                    ids = [n.id for n in tree.chain({r[0]: tree.Node(r[0], r[1]) for r in rows}, conv.current_leaf_id)]
-                    q = q.where(Message.id.in_(ids))
+                if conv.current_leaf_id is None:  # no message yet, or a branch switched to before the first
+                    return []
+                rows = s.execute(select(Message.id, Message.parent_id).where(Message.conversation_id == conv.id))
+                ids = [n.id for n in tree.chain({r[0]: tree.Node(r[0], r[1]) for r in rows}, conv.current_leaf_id)]
+                q = select(Message).where(Message.id.in_(ids)).order_by(Message.id)
                 return [message_info(m) for m in s.scalars(q)]
         except StorageError as e:
             if "Could not decode to UTF-8" in str(e.__cause__ or ""):

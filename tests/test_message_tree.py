@@ -264,3 +264,20 @@ def test_0006_indexes_the_messages_already_there(tmp_path):
     with Store.open(url, data_dir=tmp_path) as s:
         assert [h.message.content for h in s.search("joke")] == ["Tell me a joke"]
         assert {h.conversation_id for h in s.search("evicted cache")} == {conv}
+
+
+def test_a_switch_before_the_first_message_starts_a_new_root(tmp_path):
+    with Store.open(data_dir=tmp_path) as s:
+        conv = s.create_conversation("t", "m", "", {}).id
+        _, ids = _turn(s, conv, [1, 2], "first")
+        assert s.switch_branch(conv, None, descend=False) is None
+        info = s.get_conversation(conv)
+        assert info.current_leaf_id is None and info.token_ids == () and s.messages(conv) == []
+        root2 = s.add_message(conv, "user", "another first", token_ids=[1, 2, 3])
+        assert root2.parent_id is None and [m.id for m in s.branches(conv, ids[0])] == [ids[0], root2.id]
+        assert s.switch_branch(conv, ids[0]).id == ids[1] and [m.id for m in s.messages(conv)] == ids
+        with pytest.raises(InvalidRequest, match="a message id must be an int"):
+            s.switch_branch(conv, None)  # descending from nothing is no branch
+        assert s.get_message(conv, ids[1]).role == "assistant"
+        with pytest.raises(InvalidRequest, match=f"message 999 is not a message of conversation {conv}"):
+            s.get_message(conv, 999)
