@@ -489,6 +489,13 @@ class Engine:
         return self.session_manager.store.list_conversations(include_archived=include_archived, tenant=self.config.tenant,
                                                              owner=user or LOCAL_USER)
 
+    def search(self, query: str, limit: int = 20, *, user: str | None = None):
+        """Messages of ``user``'s saved conversations (None: the local user), every branch, whose
+        text holds ``query``'s words, best first: ``SearchHit`` records (conversation_id, title,
+        message, snippet). ``session.switch(hit.message.id)`` opens that message's branch."""
+        self._gate.check("search()")
+        return self.session_manager.store.search(query, owner=user or LOCAL_USER, tenant=self.config.tenant, limit=limit)
+
     def sessions_in_memory(self) -> list[str]:
         """Ids of this process's open conversations whose KV is in memory now (kept between turns,
         or in a turn); opens the conversation store if it is not open yet. Any thread."""

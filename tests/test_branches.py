@@ -213,3 +213,18 @@ def test_export_writes_the_current_branch_or_the_whole_tree(model, tmp_path):
         data = json.loads(s.export("json", tree=True))
         assert len(data["messages"]) == 8 and {m["parent_id"] for m in data["messages"]} >= {None, q2.parent_id}
         assert len(json.loads(s.export("json"))["messages"]) == 4
+
+
+def test_engine_search_finds_a_message_on_another_branch_and_switch_opens_it(model, tmp_path):
+    _, d = model
+    with engine_at(d, tmp_path) as e:
+        s, replies = chat(e)
+        q2 = s.messages()[2]
+        s.edit(q2.id, "What is the capital of Italy?")
+        hits = e.search("capital France")
+        assert [h.message.id for h in hits][:1] == [q2.id] and hits[0].conversation_id == s.id
+        assert "France" in hits[0].snippet and e.search("capital", user="alice") == []
+        s.switch(hits[0].message.id)
+        assert s.messages()[2].id == q2.id
+        with pytest.raises(InvalidRequest, match="limit must be"):
+            e.search("x", limit=0)
