@@ -138,7 +138,7 @@ class Turn:
         self.regenerate = regenerate  # answer the last user message again: no new user message
         self.stored = False  # a message of this turn is stored (else a failed branch turn goes back)
         self.engine = m.engine
-        self.arrival = time.perf_counter()  # TTFT counts the restore from disk too
+        self.arrival = 0.0  # when the turn began under its lease (TTFT counts the restore from disk too)
         self.window = 0  # the engine's context window, in tokens
         self.content = text  # the user message as the model reads it (with retrieved sources)
         self.hits: list = []  # the retrieved chunks it holds
@@ -213,6 +213,7 @@ class Turn:
 
     def plan(self) -> None:
         m, s = self.m, self.s
+        self.arrival = time.perf_counter()
         self.params.validate()
         self.window = self.engine.context_window
         reserve = cw.reply_room(self.params.max_tokens, self.window)
