@@ -33,7 +33,7 @@ from chatkv.kernels import AttentionMetadata, attention_backend, kv_quant
 from chatkv.quant import GROUP, Int4Linear, Int8Linear, Q4Weight, quantize_int4, quantize_int8
 from chatkv.quant_prefill import Scratch, ScratchInt8, scratch_int4
 from chatkv.weights.gguf import read_q4
-from chatkv.weights.loading import load_config, read_weights
+from chatkv.weights.loading import load_config, read_weights, release_freed_memory
 
 
 # oneDNN prepacked linear (CPU). Batch-1 decode is bound by streaming the weights, and
@@ -143,9 +143,8 @@ def _layer_windows(config) -> list[int | None]:
 
 
 def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and cos/sin scaling for the config's RoPE (transformers' own init functions)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
+    """Inverse frequencies and cos/sin scaling for the config's RoPE (transformers' own init functions;
+    imported only for a scaled RoPE: the default one is computed here, as transformers does)."""
     params = config.rope_parameters
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
@@ -154,6 +153,8 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
         return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
     if rope_type in ("dynamic", "longrope"):
         raise UnsupportedModel(f"rope_type '{rope_type}' (length-dependent RoPE) is not supported yet")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     return ROPE_INIT_FUNCTIONS[rope_type](config)
 
 
@@ -299,8 +300,10 @@ class LlamaModel:
             if isinstance(dtype, str):
                 dtype = getattr(torch, dtype)
         q4 = read_q4(model_dir) if weights_mode == "int4" else None
-        return cls(config, read_weights(model_dir), dtype, device, weights_mode, head_mode, q4, dense_rows,
-                   consume=True, dense=dense)
+        model = cls(config, read_weights(model_dir), dtype, device, weights_mode, head_mode, q4, dense_rows,
+                    consume=True, dense=dense)
+        release_freed_memory()  # what loading freed on the heaps, not held resident
+        return model
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -489,23 +489,78 @@ def read_wide(model_dir: str | Path) -> dict[str, str]:
                             f"delete '{model_dir}' to convert the model again") from e
 
 
-def read_q4(model_dir: str | Path) -> dict[str, "Q4Weight"]:
+def read_q4(model_dir: str | Path) -> "Q4File | dict[str, Q4Weight]":
     """The 4-bit weights a converted GGUF directory keeps (name without ``model.`` -> Q4Weight);
-    empty when it has none (a Hugging Face directory, a GGUF without Q4 tensors)."""
+    empty when it has none (a Hugging Face directory, a GGUF without Q4 tensors). A mapping that
+    reads each weight from the file when it is asked for (``Q4File``), so that a loader taking
+    them one projection at a time never holds them all. A file that is not whole fails here."""
     path = Path(model_dir) / QUANT_FILE
     if not path.is_file():
         return {}
-    from safetensors import safe_open
+    return Q4File(path, model_dir)
 
-    out: dict[str, Q4Weight] = {}
-    try:
-        with safe_open(str(path), framework="pt") as st:
-            names = {k.rsplit(".", 1)[0] for k in st.keys()}
-            for name in names:
+
+class Q4File:
+    """The 4-bit weights of a ``QUANT_FILE``, read one at a time: ``q4[name]`` reads that weight's
+    codes (two a byte in the file), scales and minimums; ``pop`` also forgets the name. Nothing is
+    cached: each access reads the file again (the page cache keeps it)."""
+
+    def __init__(self, path: Path, model_dir: str | Path):
+        self.path, self.model_dir = path, model_dir
+        with self._open() as st:
+            self._names = dict.fromkeys(sorted({k.rsplit(".", 1)[0] for k in st.keys()}))
+
+    def _open(self):
+        from safetensors import safe_open
+
+        try:
+            return safe_open(str(self.path), framework="pt")
+        except Exception as e:  # SafetensorError, OSError: truncated, not safetensors
+            raise self._unreadable(e) from e
+
+    def _unreadable(self, e: BaseException) -> ModelNotFound:
+        return ModelNotFound(f"the 4-bit weights '{self.path}' are unreadable ({type(e).__name__}: {e}); "
+                             f"delete '{self.model_dir}' to convert the model again")
+
+    def __getitem__(self, name: str) -> Q4Weight:
+        if name not in self._names:
+            raise KeyError(name)
+        try:
+            with self._open() as st:
                 packed = st.get_tensor(name + ".codes")
                 codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
-                out[name] = Q4Weight(codes, st.get_tensor(name + ".scale"), st.get_tensor(name + ".minimum"))
-    except Exception as e:  # SafetensorError, OSError, a missing part
-        raise ModelNotFound(f"the 4-bit weights '{path}' are unreadable ({type(e).__name__}: {e}); "
-                            f"delete '{model_dir}' to convert the model again") from e
-    return out
+                return Q4Weight(codes, st.get_tensor(name + ".scale"), st.get_tensor(name + ".minimum"))
+        except ModelNotFound:
+            raise
+        except Exception as e:  # SafetensorError, a missing part
+            raise self._unreadable(e) from e
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self._names else default
+
+    def pop(self, name: str, *default):
+        value = self[name] if name in self._names or not default else default[0]
+        self._names.pop(name, None)
+        return value
+
+    def __delitem__(self, name: str) -> None:
+        """Forget ``name`` without reading it (a loader done with it)."""
+        del self._names[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self):
+        return iter(list(self._names))
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def keys(self):
+        return list(self._names)
+
+    def items(self):
+        return [(n, self[n]) for n in list(self._names)]
+
+    def values(self):
+        return [self[n] for n in list(self._names)]

@@ -22,7 +22,7 @@ import torch
 
 from chatkv.errors import ModelNotFound, UnsupportedModel
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "load_config", "read_weights", "load_tokenizer"]
+__all__ = ["SUPPORTED_MODEL_TYPES", "load_config", "read_weights", "load_tokenizer", "release_freed_memory"]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -142,3 +142,21 @@ def load_tokenizer(model_dir: str | Path):
 def _no_tokenizer(model_dir) -> str:
     return (f"no tokenizer in '{model_dir}': it has none of {', '.join(_TOKENIZER_FILES)}; "
             f"copy the model's tokenizer files (e.g. tokenizer.json and tokenizer_config.json) into it")
+
+
+def release_freed_memory() -> None:
+    """Hand the memory freed while a model loaded back to the system (glibc's ``malloc_trim``).
+
+    Loading frees as much as it keeps (each projection's source tensors once it is stored), in
+    pieces below glibc's mmap threshold that land on its heaps between live ones: freed, but
+    still resident until trimmed (measured on the default model in int4: 485-614 MiB resident
+    after loading, 465 after a trim). A no-op where there is no glibc."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # musl and others have no malloc_trim
+        pass
