@@ -13,43 +13,52 @@ request has no matcher and costs nothing: no mask is computed, no row touched.
 JSON is generated compact (", " and ": ", no free whitespace), so a model cannot run away in
 whitespace; a schema may override that with llguidance's ``x-guidance`` options.
 
-Why llguidance, not xgrammar: measured by benchmarks/bench_constraints.py on this machine (AMD
-EPYC, 2 cores shared with other work: load average 5-8 during the runs), the default model's
-tokenizer (49,152 tokens), xgrammar 0.2.9 against llguidance 1.9.1, 5 biased random walks per
-constraint, every ended walk checked (jsonschema, re.fullmatch, membership):
+Why llguidance, not xgrammar: measured by benchmarks/bench_constraints.py (2026-12-01, AMD EPYC,
+2 cores shared with other builds and test runs: load average 12 during the runs, so
+every time is inflated and varies 2-3x between runs; the ranges are over three runs), on the
+default model's tokenizer (49,152 tokens), xgrammar 0.2.9 against llguidance 1.9.1, 5 biased
+random walks per constraint, every walk that ended checked (jsonschema, re.fullmatch, membership):
 
 ==========================================  ===================  ===================
                                             xgrammar 0.2.9       llguidance 1.9.1
 ==========================================  ===================  ===================
-compile, 11 JSON schemas                    0.5-25 ms            0.8-10 ms
-compile regex / choice / grammar            0.2 / 0.3 / 0.3 ms   1.5 / 7 / 1.5 ms
-mask fill per token, median / p99           6 / 40 us            44 us / 6.4 ms
-mask fill per token, mean over a walk       12-60 us             70-600 us
-apply a mask to a 49,152-float row          108 us (its own);    98 us (its own);
-                                            61 us (chatkv's)     61-120 us (chatkv's)
-nested objects, arrays, enums, bounds,      all valid            all valid
-optional fields, pattern, lengths, anyOf,
-$ref, const, multipleOf, formats,
-prefixItems, patternProperties, min/max
-Properties, type lists
-allOf                                       0/12 valid           12/12 valid
-oneOf with overlapping branches             0/12 valid           refused (names it)
-propertyNames                               11/12 valid          refused (names it)
-uniqueItems, not, if/then                   accepted, ignored    refused (names them)
+compile, 19 JSON schemas                    0.4-58 ms            0.8-13 ms
+compile regex / choice / grammar            0.2 / 0.3 / 0.3 ms   1.5-15 / 2-11 / 2 ms
+mask fill per token, median                 4-9 us               30-63 us
+mask fill per token, mean / p99             21-45 / 42-59 us     95-250 us / 0.5-8 ms
+apply a step's mask to a 49,152-float row   106-227 us (its      47-130 us (its own,
+                                            own)                 torch.compile)
+the same with chatkv's apply_bitmask        60-134 us; 20 us at a quieter moment (numpy copyto)
+nested objects, arrays, enums, number       all valid            all valid
+bounds, optional fields, pattern, string
+lengths, anyOf, $ref, const, multipleOf,
+prefixItems, json_object, regex, choice,
+grammar
+allOf                                       0/5 valid (ignored)  5/5 valid
+oneOf with overlapping branches             0/5 valid            refused, named
+not                                         0/5 valid (ignored)  refused, named
+if/then                                     4/5 valid (ignored)  refused, named
+uniqueItems, propertyNames                  ignored (5/5 valid   refused, named
+                                            by chance)
 ==========================================  ===================  ===================
 
-xgrammar's masks are 5-10x cheaper, but both are small beside a decode step (about 14 ms at
-batch 1 on the default model here: 70 tok/s, README): llguidance's mean is 1-4% of it. What
-decides is the guarantee the issue asks for, "valid when it ends by stop": xgrammar compiles
-schemas whose keywords it does not enforce and then emits output that fails them (allOf
-ignored entirely; an overlapping oneOf treated as anyOf; uniqueItems, not, if/then dropped),
-so chatkv would need its own keyword allowlist and could still be wrong; llguidance enforces
-a keyword or refuses the schema with a message naming it ("Unimplemented keys:
-["uniqueItems"]"), which becomes the request's InvalidRequest. Its API is also the cleaner
-one for this engine: no exceptions from the matcher (an error state to query), validation
-without a tokenizer (so SamplingParams.validate can check a schema), ``validate_tokens`` and
-``rollback`` for speculative proposals, lark and GBNF grammars, and no dependencies (xgrammar
-pulls apache-tvm-ffi, pydantic, triton and transformers with it).
+Through chatkv's path (llguidance): ``Matcher.mask_into`` (fill + apply) median 75-110 us, mean
+230-440 us per constrained token, ``advance`` 15-46 us; a batch of 8 unconstrained rows costs
+``mask_rows`` 0.4-0.65 us a step (one look at each row's None). A batch-1 decode step of the
+default model is about 14 ms here (70 tok/s, README), so a constrained token costs 2-3% more.
+
+xgrammar's masks are 5-10x cheaper, and that was the first criterion; what decides is the
+guarantee the issue asks for, "valid when it ends by stop". xgrammar compiles schemas whose
+keywords it does not enforce and then emits output that fails them (allOf and not ignored; an
+overlapping oneOf treated as anyOf; uniqueItems, propertyNames, if/then dropped), so chatkv would
+need its own keyword allowlist and could still be wrong where the converter is partial.
+llguidance enforces a keyword or refuses the schema with a message naming it ("Unimplemented
+keys: ["uniqueItems"]"), which becomes the request's InvalidRequest. Its API is also the
+cleaner one for this engine: the matcher never raises (an error state to query), a grammar is
+validated without a tokenizer (so SamplingParams.validate checks a schema before any model is
+involved), ``validate_tokens`` and ``rollback`` serve speculative proposals, lark and GBNF are
+both read, and it has no dependencies (xgrammar brings apache-tvm-ffi, pydantic, triton and
+transformers). Its fill drops the GIL, so a later step can overlap it with the forward pass.
 """
 
 from __future__ import annotations
@@ -71,6 +80,7 @@ KINDS = ("json_schema", "regex", "choice", "grammar", "json_object")
 # compact JSON; a schema's own "x-guidance" options come after these and win
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 DEFAULT_CAPACITY = 128  # compiled grammars kept per tokenizer
+_NUMPY_FLOATS = (torch.float32, torch.float64, torch.float16)
 
 
 class ConstraintError(RuntimeError):
@@ -160,7 +170,10 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     words = bitmask.numpy().view(np.uint8)
     allowed = np.unpackbits(words, bitorder="little").view(np.bool_)
     n = min(logits.shape[-1], allowed.shape[0])
-    logits[:n].masked_fill_(~torch.from_numpy(allowed[:n]), float("-inf"))
+    if logits.device.type == "cpu" and logits.dtype in _NUMPY_FLOATS and logits.is_contiguous():
+        np.copyto(logits.numpy()[:n], -np.inf, where=~allowed[:n])  # in place, 3-5x torch's masked_fill_
+    else:
+        logits[:n].masked_fill_(~torch.from_numpy(allowed[:n]).to(logits.device), float("-inf"))
     if logits.shape[-1] > n:
         logits[n:] = float("-inf")
 

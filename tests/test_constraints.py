@@ -285,6 +285,9 @@ def test_apply_bitmask_bit_layout():
     longer = torch.zeros(100)
     apply_bitmask(longer, mask)
     assert torch.isfinite(longer).nonzero().flatten().tolist() == [0, 2, 63, 65]
+    for other in (torch.zeros(70, dtype=torch.bfloat16), torch.zeros(2, 70)[:, 0]):  # no numpy view: torch's path
+        apply_bitmask(other, mask[:1] if other.shape[0] == 2 else mask)
+        assert torch.isfinite(other).nonzero().flatten().tolist() == ([0] if other.shape[0] == 2 else [0, 2, 63, 65])
 
 
 @pytest.mark.parametrize("kwargs, says", [
