@@ -206,6 +206,11 @@ class Engine:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
+        matcher = None
+        if params.constrained:  # compiled once per constraint (cached); InvalidRequest if it cannot be
+            from chatkv.constraints import compiler_for, constraint_of
+
+            matcher = compiler_for(self.tokenizer).matcher(constraint_of(params), stop_ids)
         seq = Sequence(
             seq_id=next(self._ids),
             token_ids=ids,
@@ -220,6 +225,7 @@ class Engine:
             namespace=namespace,
             priority=priority,
             on_finish=on_finish,
+            matcher=matcher,
         )
         if self._loop.running:  # its output reaches the caller through a stream
             self._loop.track(seq)

@@ -19,7 +19,7 @@ from chatkv.config import EngineConfig
 from chatkv.host_pool import HostPool
 from chatkv.kernels import AttentionMetadata, build_metadata, kv_quant
 from chatkv.model import LlamaModel
-from chatkv.sampling import sample
+from chatkv.sampling import mask_rows, sample
 from chatkv.sequence import Sequence
 
 
@@ -130,7 +130,11 @@ class ModelRunner:
                 samplers.append(seq)
         logits = self.forward(self.build_batch(items))
         out: dict[Sequence, int | Exception] = {}
+        masked = mask_rows(logits, [seq.matcher for seq in samplers])  # constrained rows only
         for row, seq in enumerate(samplers):
+            if masked[row] is not None:  # its constraint's matcher failed
+                out[seq] = masked[row]
+                continue
             try:
                 out[seq] = sample(logits[row], seq.params, seq.token_ids, seq.generator)
             except (RuntimeError, ValueError) as err:  # e.g. non-finite logits from broken weights

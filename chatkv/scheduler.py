@@ -250,10 +250,14 @@ class Scheduler:
         if seq.first_token_time is None:
             seq.first_token_time = time.perf_counter()
         seq.token_ids.append(token)
+        if seq.matcher is not None and not seq.matcher.advance(token):  # masked: only a forced token
+            raise RuntimeError(f"token {token} breaks the request's constraint")
         if token in seq.stop_ids:
             seq.finish_reason = "stop"
         elif seq.out.add(token):
             seq.finish_reason = "stop"  # a stop string
+        elif seq.matcher is not None and seq.matcher.is_done():
+            seq.finish_reason = "stop"  # the constraint is complete: nothing but EOS could follow
         elif seq.num_generated >= seq.params.max_tokens or len(seq.token_ids) >= seq.max_total_tokens:
             seq.finish_reason = "length"
         return seq.finish_reason is not None

@@ -51,6 +51,7 @@ class Sequence:
     # that steps (the loop thread): a session turn takes ``retained`` here, so no KV is ever ownerless
     stream: Any = None  # the engine loop's RequestStream carrying its output, once tracked
     num_prefilled: int = 0  # tokens this request actually computed before its first sample
+    matcher: Any = None  # a constrained request's chatkv.constraints.Matcher (None: unconstrained)
     finish_reason: str | None = None  # "stop" | "length" | "aborted" | "error"
     error: Exception | None = None  # why it ended with finish_reason "error"
     preemptions: int = 0
