@@ -3,13 +3,17 @@
 Covers the config, the tokenizer and chat template files, and the full bytes of
 every weights file. Hashing ~270 MB of weights takes a fraction of a second, so
 each file's digest is remembered in ``<cache_dir>/fingerprints.json`` keyed by
-(path, size, mtime, inode) and recomputed only when one of those changes.
+(path, size, mtime, inode) and recomputed only when one of those changes. Without a
+``cache_dir`` the user's cache directory keeps them (``CHATKV_CACHE_DIR``, else the
+platform's, as chatkv.weight_check's verdicts): an engine given no data directory
+(a one-shot ``chatkv "..."``) hashed the whole model at every start.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 from chatkv.storage.files import atomic_write, make_private_dir
@@ -30,17 +34,26 @@ def _file_digest(f: Path, cache: dict) -> str:
     return cache[key]
 
 
+def _user_cache_dir() -> str:
+    base = os.environ.get("CHATKV_CACHE_DIR")
+    if base:
+        return base
+    from platformdirs import user_cache_dir
+
+    return user_cache_dir("chatkv")
+
+
 def model_fingerprint(model_dir: str | Path, cache_dir: str | Path | None = None) -> str:
     """A 32-hex-digit digest of everything in ``model_dir`` that decides the KV it computes.
 
-    ``cache_dir``, when given, keeps the per-file digests of the weights between
-    calls (best effort: an unwritable cache is ignored). Never raises for the cache;
-    an unreadable model file raises OSError.
+    ``cache_dir`` (default: the user's cache directory) keeps the per-file digests of the
+    weights between calls (best effort: an unwritable cache is ignored). Never raises for
+    the cache; an unreadable model file raises OSError.
     """
     path = Path(model_dir)
-    cache_file = Path(cache_dir) / "fingerprints.json" if cache_dir else None
+    cache_file = Path(cache_dir or _user_cache_dir()) / "fingerprints.json"
     cache: dict = {}
-    if cache_file is not None and cache_file.is_file():
+    if cache_file.is_file():
         try:
             cache = json.loads(cache_file.read_text())
         except (OSError, ValueError):
@@ -55,7 +68,7 @@ def model_fingerprint(model_dir: str | Path, cache_dir: str | Path | None = None
             h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
     for f in sorted(path.glob("*.safetensors")):
         h.update(f"{f.name}:{_file_digest(f, cache)}\0".encode())
-    if cache_file is not None and cache != before:
+    if cache != before:
         try:  # best effort: a cache that cannot be written only costs the next start a re-hash
             make_private_dir(cache_file.parent)
             data = json.dumps(cache)
