@@ -22,6 +22,8 @@ from chatkv.constraints import (
 from chatkv.errors import InvalidRequest
 from chatkv.sampling import SamplingParams, make_generator, mask_rows, sample
 
+pytestmark = pytest.mark.tiny_model("llama", seed=0)  # the engine tests' model (model_dir)
+
 
 def _default_tokenizer():
     """The packaged default model's tokenizer: the converted model's files when the data dir has
@@ -329,3 +331,68 @@ def test_from_dict_and_the_constraint_key():
     assert p.constrained and constraint_of(p) == Constraint("choice", '["a", "b"]')
     assert not SamplingParams().constrained and constraint_of(SamplingParams()) is None
     assert constraint_of(SamplingParams(json_object=True)).kind == "json_object"
+
+
+# -- through the real Engine (a tiny model with a real byte-level BPE tokenizer) ----------------
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    from chatkv.engine import Engine
+
+    e = Engine.from_pretrained(model_dir, dtype="float32")
+    yield e
+    e.close()
+
+
+PROMPTS = ["The quick brown fox", "What is the capital", "Hello, how are you", "Key-value caches keep"]
+OBJ = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -50, "maximum": 50},
+                                        "b": {"enum": ["x", "y"]}},
+       "required": ["a", "b"], "additionalProperties": False}
+
+
+def test_engine_batch_mixes_constrained_and_free_requests(engine):
+    """Constrained and free requests share steps; each constrained output that ends by stop is
+    valid; the free ones are token for token what they are without the constrained ones."""
+    free = [SamplingParams(max_tokens=12, temperature=0.8, seed=3), SamplingParams(max_tokens=10, temperature=0)]
+    alone = engine.generate([PROMPTS[0], PROMPTS[2]], free)
+    constrained = [SamplingParams(max_tokens=80, temperature=1.0, seed=s, **c) for s, c in enumerate(
+        [dict(json_schema=OBJ), dict(regex=REGEX), dict(choice=CHOICE), dict(json_object=True), dict(grammar=LARK)])]
+    mixed = engine.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[1], PROMPTS[3], PROMPTS[0]],
+                            [free[0], constrained[0], free[1], constrained[1], constrained[2], constrained[3], constrained[4]])
+    assert [r.token_ids for r in (mixed[0], mixed[2])] == [r.token_ids for r in alone]
+    assert [r.text for r in (mixed[0], mixed[2])] == [r.text for r in alone]
+    stopped = 0
+    for params, r in zip(constrained, mixed[1:2] + mixed[3:]):
+        assert r.finish_reason in ("stop", "length"), r
+        if r.finish_reason == "stop":
+            stopped += 1
+            assert _valid(params, r.text), (params, r.text)
+    assert stopped >= 3, [r.finish_reason for r in mixed]
+
+
+def test_engine_constrained_walks_end_valid(engine):
+    """More seeds per kind through the engine: every output ending by stop validates."""
+    cases = [dict(json_schema=OBJ), dict(json_schema=SCHEMAS[8]), dict(regex=REGEX), dict(choice=CHOICE)]
+    params = [SamplingParams(max_tokens=60, temperature=t, seed=s, **c)
+              for c in cases for s, t in enumerate([1.0, 0.7, 0.0])]
+    results = engine.generate([PROMPTS[i % 4] for i in range(len(params))], params)
+    for p, r in zip(params, results):
+        if r.finish_reason == "stop":
+            assert _valid(p, r.text), (p, r.text)
+        else:
+            assert r.finish_reason == "length" and r.usage.generated_tokens == p.max_tokens
+
+
+def test_engine_length_first_is_reported_as_length(engine):
+    r = engine.generate(PROMPTS[0], SamplingParams(max_tokens=3, temperature=0, json_schema=OBJ))
+    assert r.finish_reason == "length" and len(r.token_ids) == 3
+    assert r.text.startswith("{")
+
+
+def test_engine_refuses_a_constraint_it_cannot_enforce(engine):
+    with pytest.raises(InvalidRequest, match=r'Unimplemented keys: \["uniqueItems"\]'):
+        engine.generate(PROMPTS[0], SamplingParams(json_schema={"type": "array", "uniqueItems": True}))
+    with pytest.raises(InvalidRequest, match="unsatisfiable"):
+        engine.generate(PROMPTS[0], SamplingParams(json_schema={"type": "object", "required": ["a"],
+                                                                "properties": {"a": {"type": "integer", "minimum": 3, "maximum": 1}}}))
+    assert engine.generate(PROMPTS[0], SamplingParams(max_tokens=2, temperature=0)).finish_reason == "length"
