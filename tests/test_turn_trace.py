@@ -12,12 +12,11 @@ KV manager's pressure relief. What is left of the 24 goal lies in storage (ten f
 database row writes of both messages, the lease, and the write-behind's segment, manifest and
 safetensors file on the writer thread) and in the engine's own core.
 
-Two files joined the path in other commits of the same day and are not counted in 32:
-chatkv/hiradix_cache.py (the host tier layered on the radix tree, issue 21 item 3: the tree
-of an engine with a host tier is a HiRadixCache) and storage/message_tree.py (conversations
-as trees, issue 22: every stored message records its branch's history). They are named in
-``JOINED`` and counted apart: the bound is this redesign's count of the rest, and the test
-fails above it, so the path cannot grow unnoticed."""
+Two files joined the path in other commits of the same day: chatkv/hiradix_cache.py (the
+host tier layered on the radix tree, issue 21 item 3: the tree of an engine with a host tier is
+a HiRadixCache) and storage/message_tree.py (conversations as trees, issue 22: every stored
+message records its branch's history). Every file counts: the whole path is 34 today, the
+bound, so it cannot grow unnoticed; the goal of 24 is not met."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ from chatkv.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = tuple(str(ROOT / p) + os.sep for p in ("chatkv", "kernels", "retrieval", "storage", "tui"))
-TODAY, GOAL = 32, 24
-JOINED = {"chatkv/hiradix_cache.py", "storage/message_tree.py"}  # see above: the whole path is TODAY + these
+TODAY, GOAL = 34, 24
 # functions a plain turn must not run: retrieval without a knowledge base, spilling when nothing spills
 OFF_PATH = {("chatkv/snapshots.py", "spill"), ("chatkv/snapshots.py", "relieve"), ("chatkv/snapshots.py", "restore"),
             ("chatkv/session_manager.py", "relieve"), ("chatkv/session_manager.py", "_spill_now"),
@@ -71,7 +69,7 @@ def test_one_plain_turn_runs_through_at_most_todays_files(model_dir, tmp_path):
         threading.setprofile(None)
     engine.close()
     assert "chatkv/session_manager.py" in files and "chatkv/model.py" in files, sorted(files)  # it saw both threads
-    assert len(files - JOINED) <= TODAY, sorted(files - JOINED)
+    assert len(files) <= TODAY, sorted(files)
     assert not ran & OFF_PATH, sorted(ran & OFF_PATH)
     assert "chatkv/rag.py" not in files and "chatkv/turn.py" in files, sorted(files)
     assert not any(f.startswith(("retrieval/", "tui/")) for f in files), sorted(files)  # no knowledge base, no app
