@@ -17,7 +17,8 @@ from chatkv.config import EngineConfig  # noqa: E402
 from chatkv.engine import Engine  # noqa: E402
 from chatkv.tui.app import ChatApp  # noqa: E402
 from chatkv.tui.screens.dialogs import ConfirmScreen, HelpScreen, PromptScreen, SettingsScreen  # noqa: E402
-from chatkv.tui.widgets.chat import ChatInput, ChatMessage, StatusLine  # noqa: E402
+from chatkv.tui.screens.search import SearchScreen  # noqa: E402
+from chatkv.tui.widgets.chat import EDITING, ChatInput, ChatMessage, StatusLine  # noqa: E402
 from chatkv.tui.widgets.sidebar import ConversationItem  # noqa: E402
 from chatkv.tui.widgets.sources import SourcesPanel  # noqa: E402
 from chatkv.tui.widgets.titles import safe_text  # noqa: E402
@@ -255,7 +256,8 @@ async def test_slash_commands(engine, model_dir, tmp_path):
         assert app.session.system == "You are terse."
         await say(pilot, app, "/regenerate")
         users = [m.text for m in messages(app) if m.role == "user"]
-        assert users == ["Name a prime.", "Name a prime."]
+        assert users == ["Name a prime."]  # answered again in place (issue 22), not asked again as a new turn
+        await say(pilot, app, "And another?")
         await say(pilot, app, "/stats")
         assert "| 2 |" in messages(app)[-1].text and "KV pool" in messages(app)[-1].text
         assert f"{engine.kv_dtype}, {engine.kv_bytes_per_token} bytes a token" in messages(app)[-1].text
@@ -394,3 +396,150 @@ async def test_a_message_typed_while_the_model_loads_is_answered_once_it_is_read
         assert [(m.role, m.content) for m in stored][0] == ("user", "Hello early") and stored[1].role == "assistant"
         assert isinstance(app.focused, ChatInput)
     app.engine.close()
+
+
+# -- conversations as trees (issue 22): regenerate in place, edit, the branch switcher, search --
+
+
+def switcher(w: ChatMessage) -> str:
+    """The ``◀ i/n ▶`` line under a message ('' when it is hidden: a message with one version)."""
+    if not w.switcher.display:
+        return ""
+    return "".join(str(part.render()) for part in (w.switcher.prev, w.switcher.label, w.switcher.next))
+
+
+async def test_regenerate_streams_into_the_reply_in_place_and_the_switcher_flips_back(engine):
+    app = ChatApp(engine=engine, sampling=FAST)
+    async with app.run_test(size=SIZE) as pilot:
+        await idle(pilot, app)
+        await say(pilot, app, "Name a colour.")
+        user, reply = messages(app)
+        old = reply.message_id
+        assert old == app.session.messages()[-1].id and switcher(reply) == ""  # one version: no switcher
+        await say(pilot, app, "/regenerate")
+        assert messages(app) == [user, reply]  # the same widgets: the reply was streamed into in place
+        stored = app.session.messages()
+        assert [m.role for m in stored] == ["user", "assistant"] and stored[-1].id != old
+        assert reply.message_id == stored[-1].id and reply.text == safe_text(stored[-1].content)
+        assert [m.id for m in app.session.branches(stored[-1].id)] == [old, stored[-1].id]  # the old one is kept
+        assert reply.versions == [old, stored[-1].id] and switcher(reply) == "◀ 2/2 ▶"
+        u = app.last_usage  # the history's KV was reused: only its last partial block is computed
+        assert u.cached_tokens > 0 and u.computed_tokens <= engine.config.block_size
+        # a click on ◀ shows the old reply (its branch is current), ▶ goes back
+        await pilot.click(reply.switcher.prev)
+        await idle(pilot, app)
+        assert app.session.messages()[-1].id == old
+        shown = messages(app)
+        assert [m.role for m in shown] == ["user", "assistant"] and shown[-1].message_id == old
+        assert switcher(shown[-1]) == "◀ 1/2 ▶" and shown[-1].text == safe_text(app.session.messages()[-1].content)
+        # the keys on the focused message, and /branch
+        assert app.focused is shown[-1]
+        await pilot.press("right")
+        await idle(pilot, app)
+        assert app.session.messages()[-1].id == stored[-1].id and switcher(messages(app)[-1]) == "◀ 2/2 ▶"
+        await say(pilot, app, "/branch prev")
+        assert app.session.messages()[-1].id == old and switcher(messages(app)[-1]) == "◀ 1/2 ▶"
+        await say(pilot, app, "/branch prev")  # no earlier version: said, nothing changes
+        assert app.session.messages()[-1].id == old and not errors(app)
+        await say(pilot, app, "/branch sideways")
+        assert app.session.messages()[-1].id == old and not errors(app)
+        # the next turn follows the branch shown
+        await say(pilot, app, "And another?")
+        assert [m.parent_id for m in app.session.messages()][2] == old
+
+
+async def test_up_on_an_empty_input_edits_the_last_message_and_the_view_shows_the_new_branch(engine):
+    app = ChatApp(engine=engine, sampling=FAST)
+    async with app.run_test(size=SIZE) as pilot:
+        await idle(pilot, app)
+        await say(pilot, app, "First question.")
+        await say(pilot, app, "Second question.")
+        old = app.session.messages()
+        box = app.query_one(ChatInput)
+        box.focus()
+        await pilot.press("up")
+        assert box.text == "Second question." and box.edit_of == old[2].id
+        assert box.has_class("editing") and box.border_title == EDITING  # visibly marked
+        await pilot.press("escape")  # leaves edit mode
+        assert box.edit_of is None and not box.has_class("editing") and box.text == ""
+        await pilot.press("up")
+        box.text = "Second question, edited."
+        await pilot.press("enter")
+        await idle(pilot, app)
+        assert box.edit_of is None and not box.has_class("editing")
+        stored = app.session.messages()
+        assert [m.content for m in stored[:3]] == ["First question.", old[1].content, "Second question, edited."]
+        assert stored[2].parent_id == old[1].id and len(stored) == 4
+        shown = messages(app)
+        assert [(m.role, m.message_id) for m in shown] == [(m.role, m.id) for m in stored]
+        assert shown[2].text == "Second question, edited." and switcher(shown[2]) == "◀ 2/2 ▶"
+        assert shown[3].text == safe_text(stored[3].content) and switcher(shown[3]) == ""
+        assert [m.id for m in app.session.branches(stored[2].id)] == [old[2].id, stored[2].id]
+        # e on a focused user message edits that one (here the first: a new root)
+        shown[0].focus()
+        await pilot.press("e")
+        assert box.edit_of == stored[0].id and box.text == "First question." and app.focused is box
+        box.text = "First question, edited."
+        await pilot.press("enter")
+        await idle(pilot, app)
+        shown = messages(app)
+        assert [m.text for m in shown][:1] == ["First question, edited."] and len(shown) == 2
+        assert switcher(shown[0]) == "◀ 2/2 ▶"
+        # ◀ on it goes back to the first branch, down to its newest leaf (the edited second question)
+        await pilot.click(shown[0].switcher.prev)
+        await idle(pilot, app)
+        assert [m.text for m in messages(app)][::2] == ["First question.", "Second question, edited."]
+        # e on a reply says only your messages can be edited
+        messages(app)[1].focus()
+        await pilot.press("e")
+        assert box.edit_of is None and not errors(app)
+
+
+async def test_search_opens_the_conversation_and_the_branch_of_the_hit(engine):
+    app = ChatApp(engine=engine, sampling=FAST)
+    async with app.run_test(size=SIZE) as pilot:
+        await idle(pilot, app)
+        await say(pilot, app, "Tell me about kettles.")
+        a = app.session.id
+        kettles = app.session.messages()[0].id
+        box = app.query_one(ChatInput)
+        await pilot.press("up")
+        box.text = "Tell me about teapots."
+        await pilot.press("enter")
+        await idle(pilot, app)
+        assert app.session.messages()[0].content == "Tell me about teapots."  # the kettle branch is not current
+        await pilot.press("ctrl+n")
+        await idle(pilot, app)
+        await say(pilot, app, "Something else entirely.")
+        b = app.session.id
+        # Ctrl+F: the dialog, the words typed, Enter, the hits
+        await pilot.press("ctrl+f")
+        await idle(pilot, app)
+        assert isinstance(app.screen, SearchScreen)
+        app.screen.query_one("#query").value = "kettles"
+        app.screen.query_one("#query").focus()
+        await pilot.press("enter")
+        await idle(pilot, app)
+        hits = app.screen.hits
+        assert [(h.conversation_id, h.message.id) for h in hits] == [(a, kettles)]
+        assert "kettles" in hits[0].snippet and hits[0].title
+        assert "1 found" in str(app.screen.query_one("#search-status").render())
+        await pilot.press("enter")  # opens the highlighted hit
+        await idle(pilot, app)
+        assert not isinstance(app.screen, SearchScreen)
+        assert app.session.id == a and app.session.messages()[0].id == kettles
+        shown = messages(app)
+        assert shown[0].text == "Tell me about kettles." and shown[0].message_id == kettles
+        assert switcher(shown[0]) == "◀ 1/2 ▶" and app.focused is shown[0]
+        # /search TEXT from the input box, on the open conversation's other branch; Esc closes it
+        await say(pilot, app, "/search teapots")
+        assert isinstance(app.screen, SearchScreen) and len(app.screen.hits) == 1
+        await pilot.press("enter")
+        await idle(pilot, app)
+        assert app.session.id == a and app.session.messages()[0].content == "Tell me about teapots."
+        await say(pilot, app, "/search zebra")
+        assert isinstance(app.screen, SearchScreen) and app.screen.hits == []
+        assert "No message holds" in str(app.screen.query_one("#search-status").render())
+        await pilot.press("escape")
+        await idle(pilot, app)
+        assert not isinstance(app.screen, SearchScreen) and app.session.id == a and b != a and not errors(app)

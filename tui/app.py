@@ -10,8 +10,8 @@ The app calls only the public SDK.
 
 This module holds the app's layout, state, start-up, shared helpers, event routing and
 quitting; the rest is mixed in: turns (tui/chat_turns.py), conversations (tui/conversations.py),
-slash commands, actions and the command palette (tui/commands.py); the engine thread is
-tui/engine_thread.py.
+branches (the versions of a message, edit, switch: tui/branches.py), slash commands, actions and
+the command palette (tui/commands.py); the engine thread is tui/engine_thread.py.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from textual.widgets import Footer, Label, ProgressBar
 
 from chatkv.errors import ChatKVError
 from chatkv.outputs import Usage
+from chatkv.tui.branches import BranchesMixin
 from chatkv.tui.commands import CommandsMixin
 from chatkv.tui.conversations import ConversationsMixin
 from chatkv.tui.engine_thread import EngineThread
@@ -62,7 +63,7 @@ class _NotifyHandler(logging.Handler):
             pass
 
 
-class ChatApp(TurnsMixin, ConversationsMixin, CommandsMixin, App):
+class ChatApp(TurnsMixin, BranchesMixin, ConversationsMixin, CommandsMixin, App):
     """The chat app. Pass ``engine=`` (already loaded; the app never closes it) or ``model=``/``data_dir=``
     (loaded on start with a progress indicator, closed on exit)."""
 
@@ -73,6 +74,7 @@ class ChatApp(TurnsMixin, ConversationsMixin, CommandsMixin, App):
         Binding("ctrl+n", "new_chat", "New chat"),
         Binding("ctrl+b", "toggle_sidebar", "Sidebar"),
         Binding("ctrl+s", "settings", "Settings"),
+        Binding("ctrl+f", "search", "Search"),
         Binding("f1", "help", "Help"),
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
@@ -124,7 +126,7 @@ class ChatApp(TurnsMixin, ConversationsMixin, CommandsMixin, App):
                 with Vertical(id="ingest"):
                     yield Label("", id="ingest-label")
                     yield ProgressBar(total=None, show_eta=False, id="ingest-bar")
-                yield ChatInput(id="input")
+                yield ChatInput(editable=self._editable, id="input")
             yield SourcesPanel(id="sources")
         yield StatusLine("", id="status")
         yield Footer()
@@ -183,10 +185,13 @@ class ChatApp(TurnsMixin, ConversationsMixin, CommandsMixin, App):
         finally:
             self._loading = False
 
-    async def _dispatch(self, text: str, wait: bool = False) -> None:
-        """A line from the input box: a slash command or a message (``wait``: until it is answered)."""
+    async def _dispatch(self, text: str, wait: bool = False, edit_of: int | None = None) -> None:
+        """A line from the input box: a slash command, a message, or (``edit_of``) the new text of
+        that user message (``wait``: until it is answered)."""
         if text.strip().startswith("/"):
             await self.run_command(text.strip())
+        elif edit_of is not None:
+            self.edit(edit_of, text)
         elif wait:
             await self._send(text)
             while self.generating and not self._quitting:
@@ -263,21 +268,6 @@ class ChatApp(TurnsMixin, ConversationsMixin, CommandsMixin, App):
         await self.query_one("#chat", VerticalScroll).remove_children()
         self.query_one("#sources").display = False
 
-    async def _show_history(self) -> None:
-        msgs = await self._call(self.session.messages, what="Messages") or []
-        await self._clear_chat()
-        widgets = []
-        for m in msgs:
-            if m.role not in ("user", "assistant"):
-                continue
-            sources = (m.meta or {}).get("sources") or [] if m.role == "assistant" else []
-            widgets.append(ChatMessage(m.role, m.content, interrupted=m.status == "interrupted",
-                                       sources=sources, id=self._new_id()))
-        chat = self.query_one("#chat", VerticalScroll)
-        if widgets:
-            await chat.mount_all(widgets)
-        chat.scroll_end(animate=False)
-
     # -- events (message handlers stay here: @on only registers on the App class itself) --
 
     @on(ChatInput.Submitted)
@@ -288,7 +278,7 @@ class ChatApp(TurnsMixin, ConversationsMixin, CommandsMixin, App):
             note = await self.note(f"Waiting for the model to load; this will be sent then: {safe_text(text)[:80]}")
             note.add_class("early-note")
             return
-        await self._dispatch(text)
+        await self._dispatch(text, edit_of=event.edit_of)
 
     @on(Sidebar.Open)
     def _sidebar_open(self, msg: Sidebar.Open) -> None:

@@ -18,7 +18,7 @@ from textual.widgets import Markdown
 from chatkv.errors import ChatKVError
 from chatkv.outputs import Reply, Usage
 from chatkv.sampling import SamplingParams
-from chatkv.tui.widgets.chat import StatusLine
+from chatkv.tui.widgets.chat import ChatMessage, StatusLine
 from chatkv.tui.widgets.titles import safe_text
 
 
@@ -65,6 +65,22 @@ class TurnsMixin:
         return self.session is not None
 
     async def _send(self, text: str) -> None:
+        """A new message at the end of the branch shown, and its reply."""
+        await self._turn_of(lambda s, p: s.stream(text, p), user_text=text)
+
+    async def _regenerate(self) -> None:
+        """The branch's last user message answered again, streamed into its reply's widget in place
+        (the old reply stays, a sibling of the new one: the switcher shows both)."""
+        await self._turn_of(lambda s, p: s.stream_regenerate(p), regenerate=True)
+
+    async def _edit(self, message_id: int, text: str) -> None:
+        """User message ``message_id`` asked again as ``text``: a new version of it, answered; the view
+        drops what followed it on the old branch (kept there: the switcher goes back to it)."""
+        await self._turn_of(lambda s, p: s.stream_edit(message_id, text, p), user_text=text, edit_of=message_id)
+
+    async def _turn_of(self, make, user_text: str | None = None, regenerate: bool = False,
+                       edit_of: int | None = None) -> None:
+        """Start the turn ``make(session, params)`` (an SDK stream) and stream it into its reply's widget."""
         self.generating = True  # set before any await: a second Enter is refused
         try:
             t_sent = time.perf_counter()
@@ -77,25 +93,53 @@ class TurnsMixin:
                 self._error(e, "Settings")
                 self.generating = False
                 return
-            await self._add_message("user", text)
-            self._reply_widget = await self._add_message("assistant", "")
+            if regenerate:
+                self._reply_widget = await self._reply_to_regenerate()
+            elif edit_of is not None:
+                self._reply_widget = await self._reply_to_edit(edit_of, user_text)
+            else:
+                await self._add_message("user", user_text)
+                self._reply_widget = await self._add_message("assistant", "")
             self._stream = Markdown.get_stream(self._reply_widget.body)
             self._turn += 1
             self._cancel.clear()
             self.turn_timing = {"sent": t_sent}
             self.query_one(StatusLine).update("generating…  (Esc stops)")
-            self._turn_future = self.worker_thread.submit(self._run_turn, self.session, text, params, self._turn)
+            session = self.session
+            self._turn_future = self.worker_thread.submit(self._run_turn, session, lambda: make(session, params), self._turn)
         except Exception as e:  # noqa: BLE001
             self.generating = False
             self._error(e, "Send")
 
-    def _run_turn(self, session, text: str, params, turn: int) -> None:
-        """On the engine thread: stream the turn, posting pieces; Esc (the cancel flag) closes the stream."""
+    async def _reply_to_regenerate(self) -> ChatMessage:
+        """The widget the regenerated reply streams into: the last reply, emptied (a new one after a
+        last user message that has none)."""
+        shown = self._branch_widgets()
+        if shown and shown[-1].role == "assistant":
+            await shown[-1].restart()
+            return shown[-1]
+        return await self._add_message("assistant", "")
+
+    async def _reply_to_edit(self, message_id: int, text: str) -> ChatMessage:
+        """The edited message shows its new text, what followed it goes, and its reply streams below."""
+        shown = self._branch_widgets()
+        at = next((i for i, w in enumerate(shown) if w.message_id == message_id), None)
+        if at is None:  # not shown (an id of another branch): the view is redrawn when the turn ends
+            await self._add_message("user", text)
+        else:
+            children = list(self.query_one("#chat", VerticalScroll).children)
+            for w in children[children.index(shown[at]) + 1:]:  # everything after it, notes included
+                await w.remove()
+            await shown[at].restart(text)
+        return await self._add_message("assistant", "")
+
+    def _run_turn(self, session, make, turn: int) -> None:
+        """On the engine thread: stream the turn ``make()``, posting pieces; Esc (the cancel flag) closes the stream."""
         reply = usage = error = None
         interrupted = False
         gen = None
         try:
-            gen = session.stream(text, params)
+            gen = make()
             for piece in gen:
                 if isinstance(piece, Reply):
                     reply = piece
@@ -192,6 +236,7 @@ class TurnsMixin:
         self._turn_future = None
         if msg.error:
             self._error(msg.error, "Reply")
+        await self._sync_branch_view()  # the stored ids and versions of what is shown (redrawn if it differs)
         self._update_status()
         await self._refresh_sidebar()
 

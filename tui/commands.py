@@ -16,6 +16,7 @@ from chatkv.errors import ChatKVError
 from chatkv.outputs import Usage
 from chatkv.sampling import SamplingParams
 from chatkv.tui.screens.dialogs import HelpScreen, PromptScreen, SettingsScreen
+from chatkv.tui.screens.search import SearchScreen
 from chatkv.tui.widgets.chat import ChatMessage
 from chatkv.tui.widgets.sidebar import Sidebar
 from chatkv.tui.widgets.sources import SourcesPanel
@@ -158,14 +159,32 @@ class CommandsMixin:
             if self.session is None:
                 self.notify("Nothing to regenerate yet.", severity="warning")
             return
-        msgs = await self._call(self.session.messages, what="Regenerate") or []
-        users = [m.content for m in msgs if m.role == "user"]
-        if not users:
+        if not any(w.role == "user" for w in self._branch_widgets()):
             self.notify("Nothing to regenerate yet.", severity="warning")
             return
-        # TODO(SDK): the SDK's history is append-only, so this asks the last question again as a new
-        # turn; replacing the last reply in place needs e.g. session.regenerate() / truncate(message_id).
-        self.send(users[-1])
+        # answered again in place: the new reply is a sibling of the old one, which the switcher keeps
+        self.run_worker(self._regenerate(), exclusive=False)
+
+    async def cmd_search(self, arg: str) -> None:
+        """``/search TEXT``: the search dialog, with TEXT's hits."""
+        self.action_search(arg)
+
+    def action_search(self, query: str = "") -> None:
+        """Ctrl+F: search every saved conversation; the hit chosen opens its conversation and branch."""
+        if self.engine is None:
+            self.notify("No model is loaded yet.", severity="warning")
+            return
+        self.run_worker(self._search(query))
+
+    async def _search(self, query: str) -> None:
+        engine = self.engine
+
+        async def find(q: str):
+            return await self._call(engine.search, q, what="Search")
+
+        hit = await self.push_screen_wait(SearchScreen(find, query))
+        if hit is not None:
+            await self.open_message(hit.conversation_id, hit.message.id)
 
     async def cmd_export(self, arg: str) -> None:
         fmt, _, path = arg.partition(" ")
@@ -277,7 +296,11 @@ class CommandsMixin:
     def get_system_commands(self, screen):
         yield from super().get_system_commands(screen)
         yield SystemCommand("New chat", "Start a new conversation (/new)", self.action_new_chat)
-        yield SystemCommand("Regenerate", "Ask the last question again (/regenerate)", lambda: self._run("/regenerate"))
+        yield SystemCommand("Regenerate", "Answer the last question again; the old reply is kept (/regenerate)",
+                            lambda: self._run("/regenerate"))
+        yield SystemCommand("Edit last message", "Your last message into the input box to edit (/edit, Up)",
+                            lambda: self._run("/edit"))
+        yield SystemCommand("Search…", "Search every conversation (/search TEXT, Ctrl+F)", self.action_search)
         yield SystemCommand("Sources", "Open the last reply's sources (/sources)", lambda: self._run("/sources"))
         yield SystemCommand("Stats", "Token counts and timings of each turn (/stats)", lambda: self._run("/stats"))
         yield SystemCommand("Export Markdown", "Write the chat to a .md file (/export md)", lambda: self._run("/export md"))

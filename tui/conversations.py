@@ -31,7 +31,32 @@ class ConversationsMixin:
         await self._refresh_status()
         self.query_one(ChatInput).focus()
 
-    async def _open(self, conv_id: str) -> None:
+    async def open_message(self, conv_id: str, message_id: int) -> None:
+        """Open conversation ``conv_id`` (a search hit's) on the branch through ``message_id``, that
+        message in view."""
+        if not self._can_act("opening a search result"):
+            return
+        if self.session is None or self.session.id != conv_id:
+            await self._open(conv_id, message_id)
+        else:
+            session = self.session
+
+            def switch() -> bool:
+                session.switch(message_id)
+                return True
+
+            if await self._call(switch, what="Open"):
+                self.last_usage = None
+                await self._show_history()
+                await self._refresh_status()
+        for w in self._branch_widgets():
+            if w.message_id == message_id:
+                w.focus()
+                w.scroll_visible(animate=False)
+                break
+
+    async def _open(self, conv_id: str, message_id: int | None = None) -> None:
+        """Resume conversation ``conv_id`` (``message_id``: on the branch through that message)."""
         if not self._can_act("opening another conversation"):
             return
         if self.session is not None and self.session.id == conv_id:
@@ -48,6 +73,12 @@ class ConversationsMixin:
         if s is None:
             await self._refresh_sidebar()
             return
+        if message_id is not None:
+            def switch() -> bool:
+                s.switch(message_id)
+                return True
+
+            await self._call(switch, what="Open")  # a failure is said; the conversation opens as it was
         self.session = s
         self.system = s.system
         self.params = dict(s.params)

@@ -97,11 +97,13 @@ class SettingsScreen(ModalScreen[dict | None]):
 HELP = """\
 # chatkv
 
-**Keys**: Enter sends · Shift+Enter or Ctrl+J adds a line · Up/Down recall earlier inputs ·
+**Keys**: Enter sends · Shift+Enter or Ctrl+J adds a line · Up on an empty box edits your
+last message (Enter sends it as a new version, Esc leaves) · Up/Down recall earlier inputs ·
 Esc stops a reply (what was produced is kept) · Ctrl+N new chat · Ctrl+B sidebar ·
-Ctrl+S settings · Ctrl+P command palette · Ctrl+Q quit.
+Ctrl+F search every chat · Ctrl+S settings · Ctrl+P command palette · Ctrl+Q quit.
 In the sidebar: Enter opens · n new · r rename · a archive · d delete.
-On a message (Tab/click to focus it): c copies it.
+On a message (Tab/click to focus it): c copies it · e edits it (yours) ·
+Left/Right (or a click on ◀ ▶) shows its other versions.
 
 | command | what it does |
 |---|---|
@@ -112,7 +114,10 @@ On a message (Tab/click to focus it): c copies it.
 | `/ingest PATH` | add files or a directory to the attached knowledge base |
 | `/sources` | open the last reply's sources in the side panel |
 | `/pin SOURCE` | a new chat with a document of the knowledge base pinned |
-| `/regenerate` | ask the last question again |
+| `/regenerate` | answer the last question again in place (the old reply stays a version) |
+| `/edit` | your last message into the input box, to send as a new version |
+| `/branch prev\\|next` | the previous or next version of the focused (or last) message with versions |
+| `/search TEXT` | search every conversation; the chosen hit opens its chat and branch |
 | `/export md\\|json [PATH]` | write the conversation to a file |
 | `/stats` | token counts and timings of every turn, and the KV pool |
 | `/settings` | temperature, max tokens, system prompt |
