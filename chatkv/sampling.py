@@ -55,7 +55,9 @@ class SamplingParams:
       one of them), ``grammar`` (a lark or GBNF grammar, a str) or ``json_object=True`` (any
       JSON object). A schema or grammar that cannot be enforced (invalid, or a keyword it
       cannot keep) is refused with the reason. A constraint ends the output itself, so it
-      does not combine with ``ignore_eos``.
+      does not combine with ``ignore_eos``; ``stop`` strings still end it where they match
+      (finish_reason "stop", the output cut there), and ``stop_token_ids`` are allowed only
+      where the constraint may end.
 
     Build from untrusted key/value input with ``SamplingParams.from_dict``, which also names
     unknown keys instead of raising ``TypeError``.
