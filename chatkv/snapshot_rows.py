@@ -7,8 +7,8 @@ behind it. ``reconcile`` runs when a snapshot directory is opened (before any wr
 - a manifest whose conversation exists gets its row written if the row differs (or is
   missing: a process killed between the manifest switch and the row);
 - a manifest that is damaged, or whose conversation was deleted, is removed with its files;
-- files no manifest lists (segments of an interrupted write or of a replaced epoch,
-  snapshots of the old single-file format) are removed;
+- files no branch of a manifest lists (segments of an interrupted write, of a replaced
+  epoch or of a dropped branch, snapshots of the old single-file format) are removed;
 - a row whose manifest is missing is removed.
 
 Only this tenant's files (keys ending in its salt) are touched. Nothing here raises for
@@ -98,7 +98,7 @@ def _reconcile(segments: SegmentStore, store: Store, tenant: str, salt: str) -> 
             key + MANIFEST_SUFFIX, man.end, man.token_hash, man.nbytes
         ):
             record(store, conv, man)
-        for name in sorted(set(files.get(key, [])) - {s.file for s in man.segments}):
+        for name in sorted(set(files.get(key, [])) - man.files()):  # a file of any of its branches stays
             log.info("snapshot file %s is listed by no manifest; removed", name)
             _unlink(segments, name)
     for key, names in files.items():

@@ -7,13 +7,18 @@ Each conversation's KV is stored as append-only segments plus a manifest
   out of the pool (``KVManager.export_kv(kept, start)``) and queues them; the reply is
   not delayed by any file I/O. A clean interpreter exit, ``close`` and an explicit
   ``spill`` wait for what is queued. If the stored tokens are no longer a prefix of the
-  conversation's (history truncated, a moved attention-sink window) the next write
-  starts a new epoch: the whole KV as one base segment, older files removed after.
+  conversation's, the write keeps the segments of any branch on disk that hold the
+  history's own leading tokens (a regenerated reply, an edited message, a branch switched
+  back to: the other branch stays on disk beside it, sharing those files) and appends
+  after them; a history that shares no whole segment (truncated, a moved attention-sink
+  window) starts a new epoch: the whole KV as one base segment, older files removed after.
 - **spill** releases a session's KV; the snapshot is usually current already, so it
   writes nothing (an idle spill and ``relieve`` never wait for the disk).
-- **restore** verifies every segment (fingerprint, dtype, geometry, tokens, checksum) and
-  uses the valid ones before the first bad one; the rest is recomputed and the manifest
-  repaired. Missing, damaged or mismatched: a slower turn, never a wrong one.
+- **restore** reads the branch on disk sharing the longest prefix with the prompt, verifies
+  every segment (fingerprint, dtype, geometry, tokens, checksum) and uses the valid ones
+  before the first bad one; the rest is recomputed and the manifest repaired (a branch
+  not listing the bad file keeps all of its own). Missing, damaged or mismatched: a
+  slower turn, never a wrong one.
 - the **manifest is the authority** for what is on disk; the database row (LRU order)
   is bookkeeping that may lag: written when a spill, flush or close waits for the writer,
   on restore, and at least every ``ROW_SYNC_S`` (not on every turn: a transaction per turn
@@ -94,7 +99,8 @@ class Snapshots:
         self._tracks: dict[str, _Track] = {}
         self._pending: Counter[str] = Counter()
         self._seq = 0
-        self._sizes: dict[str, int] = {}  # bytes on disk per conversation, from its manifest
+        self._sizes: dict[str, int] = {}  # bytes on disk per conversation, from its manifest (shared files once)
+        self._known: dict[str, Manifest] = {}  # the last manifest the disk was seen to hold (its branches)
         self._dirty: dict[str, Manifest | None] = {}  # rows to bring up to date (None: delete)
         self._dirty_since: float | None = None
         self._closed = False
@@ -103,6 +109,7 @@ class Snapshots:
         self.written: list[Written] = []  # the writer's reports, oldest first (the last 1000)
         for conv, man in rows.reconcile(self.segments, store, tenant, self._salt).items():
             self._sizes[conv] = man.nbytes
+            self._known[conv] = man
             if self._mine(man):  # another model's is kept for it; this engine's first write replaces it
                 self._tracks[conv] = _Track(man.epoch, man.end, None, man.token_hash, fence=man.fence)
 
@@ -126,8 +133,10 @@ class Snapshots:
         """The disk now holds ``man`` for the conversation: its row is written at the next sync."""
         if man is None:
             self._sizes.pop(conv_id, None)
+            self._known.pop(conv_id, None)
         else:
             self._sizes[conv_id] = man.nbytes
+            self._known[conv_id] = man
         self._dirty[conv_id] = man
         if self._dirty_since is None:
             self._dirty_since = time.monotonic()
@@ -142,6 +151,7 @@ class Snapshots:
         self._wait(conv_id)
         self._tracks.pop(conv_id, None)
         self._sizes.pop(conv_id, None)
+        self._known.pop(conv_id, None)
         self._dirty.pop(conv_id, None)
         rows.remove_files(self.segments, self.key(conv_id))
         rows.forget(self.store, conv_id)
@@ -189,15 +199,19 @@ class Snapshots:
             return False
         t = self._tracks.get(conv_id)
         fence = max(fence, t.fence if t is not None else 0)
+        toks = list(tokens[:n])
         if t is not None and t.end and self._continues(t, tokens):
             if t.end >= n:
                 return True
             start, base, epoch = t.end, False, t.epoch
         else:
-            start, base, epoch = 0, True, new_epoch()
+            start = self._shared(conv_id, toks)
+            if start >= n:  # a branch on disk holds it all (switched back to): nothing to write
+                self._tracks[conv_id] = _Track(new_epoch(), n, toks, None, t.seq if t else 0, fence)
+                return True
+            base, epoch = start == 0, new_epoch()
         k, v = self.kv.export_kv(kept, start)
         self._seq += 1
-        toks = list(tokens[:n])
         job = AppendJob(conv_id, self.key(conv_id), self._seq, toks, start, k, v, epoch, base,
                         self.fingerprint, self.kv_dtype, fence)
         if not self._writer.submit(job):
@@ -205,6 +219,15 @@ class Snapshots:
         self._tracks[conv_id] = _Track(epoch, n, toks, None, self._seq, fence)
         self._pending[conv_id] += 1
         return True
+
+    def _shared(self, conv_id: str, tokens: list[int]) -> int:
+        """Where a write of ``tokens`` leaving the tracked branch starts: the end of the longest run
+        of whole leading segments of a branch last seen on disk that hold its tokens (0: none, a
+        new epoch). Hashes only, no file I/O; the writer checks the disk again under its lock."""
+        man = self._known.get(conv_id)
+        if man is None or not self._mine(man):
+            return 0
+        return max(self.segments.matching(view, tokens).end for view in man.views())
 
     def _handle(self, w: Written) -> None:
         self._pending[w.conv_id] -= 1
@@ -372,7 +395,7 @@ class Snapshots:
             return None, 0
         ns = {} if namespace is None else {"namespace": namespace}
         in_memory = self.kv.cached_len(prompt, **ns)
-        ours = self.segments.matching(man, prompt)  # another branch's segments past it stay on disk, unread
+        ours = self.segments.best(man, prompt)  # the branch sharing most with it; the others stay on disk, unread
         if in_memory >= min(ours.end if ours.segments else 0, len(prompt) - 1):
             return None, 0
         try:
@@ -381,7 +404,7 @@ class Snapshots:
             log.warning("snapshot of %s cannot be read (%s); recomputing", conv_id, err)
             return None, 0
         if good is not ours:  # a damaged segment: the manifest keeps those before it
-            self._repair(conv_id, good, why)
+            self._repair(conv_id, man, good, ours.segments[len(good.segments)].file, why)
         if not good.segments:
             return None, 0
         n = min(good.end, len(prompt) - 1)  # leave at least one token to compute, for the logits
@@ -401,18 +424,25 @@ class Snapshots:
     def _discard(self, conv_id: str) -> None:
         self._tracks.pop(conv_id, None)
         self._sizes.pop(conv_id, None)
+        self._known.pop(conv_id, None)
         self._dirty.pop(conv_id, None)
         rows.remove_files(self.segments, self.key(conv_id))
         rows.forget(self.store, conv_id)
 
-    def _repair(self, conv_id: str, good: Manifest, why: str) -> None:
-        """A segment was bad: the manifest keeps the valid ones before it."""
-        if not good.segments:
+    def _repair(self, conv_id: str, man: Manifest, good: Manifest, bad: str, why: str) -> None:
+        """Segment file ``bad`` was bad: every branch listing it keeps the valid ones before it,
+        the others stay whole; ``good`` (the branch restored, so cut) becomes current."""
+        fixed = man.cut(bad, good)
+        if fixed is None:
             log.warning("snapshot of %s unusable (%s); recomputing", conv_id, why)
             self._discard(conv_id)
             return
-        log.warning("snapshot of %s: %s; restoring its first %d tokens, recomputing the rest", conv_id, why, good.end)
-        self._tracks[conv_id] = _Track(good.epoch, good.end, None, good.token_hash, fence=good.fence)
+        if good.segments:
+            log.warning("snapshot of %s: %s; restoring its first %d tokens, recomputing the rest", conv_id, why, good.end)
+        else:
+            log.warning("snapshot of %s: %s; recomputing this branch (%d other(s) kept)", conv_id, why, len(fixed.branches) + 1)
+        good = fixed
+        self._tracks[conv_id] = _Track(good.epoch, good.end, None, good.token_hash or None, fence=good.fence)
         try:
             self.segments.write_manifest(good)
             self.segments.remove(good.key, keep=good)

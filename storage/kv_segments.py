@@ -1,5 +1,8 @@
 """A conversation's KV on disk as append-only segments plus a manifest (write-behind snapshots).
 
+(Past 400 lines: the manifest's format, the branches it lists and the append that changes
+them are checked together, so the writer and the checks on read cannot drift apart.)
+
 Layout, in one flat directory (``kv/``), for a conversation key ``K`` (``[A-Za-z0-9_-]``):
 
     K.json                              the manifest: the only authority for what is on disk
@@ -9,9 +12,19 @@ A segment is a ``KVStore`` snapshot (same format, checksum and checks) of its ow
 with two more header fields, ``segment_start`` and ``epoch``, that a load requires. The
 manifest (JSON, never pickle) records the model fingerprint, kv dtype, geometry, the epoch,
 the hash of all its tokens, and per segment: file, start, end, token hash, checksum, size;
-plus a crc32 of its own text. Segments of one epoch are contiguous from token 0 and were all
-computed on the same history; a history that changed under them (truncated, a moved
-attention-sink window) starts a new epoch: one fresh base segment.
+plus a crc32 of its own text. A segment's epoch is the one in its file name (and header).
+
+Branches. A conversation is a tree: ``segments`` is the branch written last (the current
+one) and ``branches`` the others (most recently current first, at most ``MAX_BRANCHES`` in
+all), each a run of segments contiguous from token 0. Branches share the segment files of
+their common prefix: an append whose tokens leave the current branch keeps the longest run
+of whole leading segments, of any branch, whose recorded token hashes are its tokens', and
+writes only what follows (``matching`` picks the same run for a restore). A file is deleted
+only once no branch of the manifest lists it, and ``nbytes`` counts a shared file once. A
+history that shares no whole segment with any branch (truncated, a moved attention-sink
+window) is a ``base`` write: one fresh segment of a new epoch, every older file removed.
+Segment names never repeat within a manifest: a new segment's epoch is a fresh one
+whenever its name is listed already.
 
 Writing (``append``): the segment is written to a temp file, fsynced, renamed, the directory
 fsynced; then the manifest is replaced the same way; only then are files it no longer lists
@@ -43,7 +56,8 @@ first, so damage on disk is never laundered into a fresh checksum.
 
 Loading (``load``) verifies every segment in order (fingerprint, dtype, geometry, tokens,
 checksum, its place in the manifest) and stops at the first bad one: the segments before it
-are used, the bad one is deleted, and the caller repairs the manifest to that prefix.
+are used, the bad one is deleted, and the caller repairs the manifest (``Manifest.cut``):
+every branch listing the bad file ends before it, the others are kept as they are.
 """
 
 from __future__ import annotations
@@ -89,6 +103,31 @@ def new_epoch() -> str:
     return secrets.token_hex(4)
 
 
+def segment_epoch(file: str) -> str:
+    """The epoch in a segment's file name (its header must say the same)."""
+    return _SEGMENT_RE.fullmatch(file).group(2)
+
+
+def shared_run(segs: Sequence["Segment"], tokens: Sequence[int]) -> int:
+    """How many leading segments of ``segs`` hold ``tokens``' own tokens (by their recorded hashes)."""
+    n = 0
+    for s in segs:
+        if s.end > len(tokens) or token_hash(tokens[s.start : s.end]) != s.token_hash:
+            break
+        n += 1
+    return n
+
+
+def _others(current: tuple, branches: Sequence[tuple]) -> tuple:
+    """``branches`` less the empty ones, duplicates and those whose files are a prefix of ``current``'s,
+    at most MAX_BRANCHES - 1 of them (the first kept)."""
+    out: list[tuple] = []
+    for b in branches:
+        if b and b != current[: len(b)] and b not in out:
+            out.append(b)
+    return tuple(out[: SegmentStore.MAX_BRANCHES - 1])
+
+
 @dataclass(frozen=True)
 class Segment:
     file: str
@@ -115,6 +154,7 @@ class Manifest:
     token_hash: str  # of tokens[:end]
     segments: tuple[Segment, ...]
     fence: int = 0  # the id of the history's last stored message (0: unknown); see the module doc
+    branches: tuple[tuple[Segment, ...], ...] = ()  # the other branches, most recently current first
 
     @property
     def end(self) -> int:
@@ -122,7 +162,35 @@ class Manifest:
 
     @property
     def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.segments)
+        """Bytes of every file it lists, a file shared by branches counted once."""
+        return sum({s.file: s.nbytes for b in self.all_branches() for s in b}.values())
+
+    def all_branches(self) -> tuple[tuple[Segment, ...], ...]:
+        return (self.segments, *self.branches)
+
+    def files(self) -> set[str]:
+        return {s.file for b in self.all_branches() for s in b}
+
+    def views(self) -> list["Manifest"]:
+        """One single-branch manifest per branch, the current one first (token_hash "" unless current)."""
+        return [self] if not self.branches else [replace(self, branches=())] + [
+            replace(self, segments=b, branches=(), token_hash="", epoch=segment_epoch(b[-1].file)) for b in self.branches]
+
+    def cut(self, bad: str, good: "Manifest") -> "Manifest | None":
+        """Every branch ends before segment file ``bad`` (a damaged one); ``good``, a branch of this
+        manifest already cut there, becomes current. None if no segment is left."""
+        upto = lambda b: b[: [s.file for s in b].index(bad)] if any(s.file == bad for s in b) else b  # noqa: E731
+        cut = [upto(b) for b in self.all_branches()]
+        if good.segments:
+            current, digest = good.segments, good.token_hash
+        else:
+            left = [b for b in cut if b]
+            if not left:
+                return None
+            current = left[0]
+            digest = self.token_hash if current == self.segments else ""
+        others = _others(current, cut)
+        return replace(self, segments=current, token_hash=digest, branches=others, epoch=segment_epoch(current[-1].file))
 
     def geometry(self) -> tuple[int, int, int]:
         return self.num_layers, self.num_kv_heads, self.head_dim
@@ -130,6 +198,10 @@ class Manifest:
     def to_json(self) -> str:
         body = asdict(self)
         body["segments"] = [asdict(s) for s in self.segments]
+        if self.branches:
+            body["branches"] = [[asdict(s) for s in b] for b in self.branches]
+        else:  # a manifest of one branch reads as before branches existed
+            del body["branches"]
         body = {"format": MANIFEST_FORMAT, "format_version": MANIFEST_VERSION, **body}
         text = json.dumps(body, sort_keys=True, separators=(",", ":"))
         return json.dumps({**body, "checksum": f"crc32:{zlib.crc32(text.encode()):08x}"}, sort_keys=True, indent=0)
@@ -154,20 +226,28 @@ class Manifest:
             raise bad(f"belongs to {body.get('key')!r}")
         try:
             segs = tuple(Segment(**s) for s in body["segments"])
-            fields = {f: body[f] for f in cls.__dataclass_fields__ if f not in ("segments", "fence")}
-            man = cls(**fields, segments=segs, fence=body.get("fence", 0))
+            others = body.get("branches", [])
+            if not isinstance(others, list) or not all(isinstance(b, list) and b for b in others):
+                raise TypeError("branches is not a list of segment lists")
+            branches = tuple(tuple(Segment(**s) for s in b) for b in others)
+            fields = {f: body[f] for f in cls.__dataclass_fields__ if f not in ("segments", "fence", "branches")}
+            man = cls(**fields, segments=segs, fence=body.get("fence", 0), branches=branches)
         except (KeyError, TypeError) as e:
             raise bad(f"lacks a field or has an unknown one ({e})") from None
-        for obj in (man, *segs):
+        for obj in (man, *(s for b in man.all_branches() for s in b)):
             for f in obj.__dataclass_fields__:
                 value, want = getattr(obj, f), obj.__dataclass_fields__[f].type
-                if f != "segments" and not (type(value) is int if want == "int" else type(value) is str):
+                if f not in ("segments", "branches") and not (type(value) is int if want == "int" else type(value) is str):
                     raise bad(f"field {f} is {value!r}, not a {want}")
-        pos = 0
-        for s in segs:
-            if s.start != pos or s.end <= s.start or not _SEGMENT_RE.fullmatch(s.file) or not s.file.startswith(key + "_"):
-                raise bad(f"lists segment {s.file!r} [{s.start}, {s.end}) out of order")
-            pos = s.end
+        seen: dict[str, Segment] = {}
+        for b in man.all_branches():
+            pos = 0
+            for s in b:
+                if s.start != pos or s.end <= s.start or not _SEGMENT_RE.fullmatch(s.file) or not s.file.startswith(key + "_"):
+                    raise bad(f"lists segment {s.file!r} [{s.start}, {s.end}) out of order")
+                if seen.setdefault(s.file, s) != s:
+                    raise bad(f"lists segment {s.file!r} twice with different fields")
+                pos = s.end
         return man
 
     def truncated(self, n_segments: int, prefix_hash: str) -> "Manifest":
@@ -188,6 +268,7 @@ class SegmentStore:
 
     SEAL_TOKENS = 512
     MAX_OPEN = 8
+    MAX_BRANCHES = 8  # branches a manifest keeps (the current one included); older ones are dropped
 
     def __init__(self, root: Path):
         self.files = KVStore(root)  # never raises; it sweeps temp files of dead writers
@@ -261,7 +342,7 @@ class SegmentStore:
     def _remove(self, key: str, keep: Manifest | None) -> None:
         if keep is None:
             self.manifest_path(key).unlink(missing_ok=True)
-        listed = {s.file for s in keep.segments} if keep is not None else set()
+        listed = keep.files() if keep is not None else set()
         for name in self.scan()[1].get(key, []):
             if name not in listed:
                 (self.root / name).unlink(missing_ok=True)
@@ -273,7 +354,12 @@ class SegmentStore:
         """Store the KV ``k``/``v`` of ``tokens[start:]`` after what ``key`` holds, or (``base``) as the
         first segment of epoch ``epoch`` (start must be 0), replacing every older file. Returns the new
         manifest and the bytes written. Diverged if it does not continue the manifest on disk, or if
-        the disk holds a newer history's snapshot (a higher ``fence``)."""
+        the disk holds a newer history's snapshot (a higher ``fence``).
+
+        Not ``base``: ``tokens`` may leave the current branch (another branch of the conversation).
+        The longest run of whole leading segments of any branch holding ``tokens``' own tokens is
+        kept (it must reach ``start``: the KV given begins there) and only what follows is written;
+        the branch left is kept beside it. Diverged if no branch reaches ``start``."""
         end = len(tokens)
         k, v = [t.to("cpu") for t in k], [t.to("cpu") for t in v]  # from a device pool: copied here, off the engine thread
         if k[0].shape[0] != end - start:
@@ -292,40 +378,67 @@ class SegmentStore:
             if start != 0:
                 raise ValueError(f"snapshot {key}: a base segment must start at token 0, not {start}")
             keep: tuple[Segment, ...] = ()
+            others: tuple[tuple[Segment, ...], ...] = ()
         else:
-            if old is None or old.epoch != epoch or old.end != start:
-                have = "nothing" if old is None else f"epoch {old.epoch} [0, {old.end})"
-                raise Diverged(f"snapshot {key}: append of epoch {epoch} at {start} but the disk holds {have}", old)
+            if old is None:
+                raise Diverged(f"snapshot {key}: append of epoch {epoch} at {start} but the disk holds nothing", old)
             if (old.model_fingerprint, old.kv_dtype, old.geometry()) != (model_fingerprint, kv_dtype, geometry):
                 raise Diverged(f"snapshot {key}: the manifest is of another model, dtype or geometry", old)
-            keep = old.segments
+            keep, others = self._shared(old, tokens, start)
+            if keep and keep[-1].end > start:  # more is on disk already than the caller knew
+                cut = keep[-1].end - start
+                k, v, start = [t[cut:] for t in k], [t[cut:] for t in v], keep[-1].end
+            referenced = {f.file for b in others for f in b}  # another branch's: shared, never merged away
             run = 0
-            while run < len(keep) and keep[-1 - run].size < self.SEAL_TOKENS:
+            while run < len(keep) and keep[-1 - run].size < self.SEAL_TOKENS and keep[-1 - run].file not in referenced:
                 run += 1
-            if run + 1 > self.MAX_OPEN:  # merge the trailing unsealed run with the new tokens
+            if start < end and run + 1 > self.MAX_OPEN:  # merge the trailing unsealed run with the new tokens
                 merged = keep[-run:]
-                pk, pv = self._read_run(old, merged, tokens)
+                pk, pv = self._read_run(old, keep, run, tokens)
                 k = [torch.cat([a, b]) for a, b in zip(pk, k)]
                 v = [torch.cat([a, b]) for a, b in zip(pv, v)]
                 start, keep = merged[0].start, keep[:-run]
-        name = f"{key}_{epoch}_{start}_{end}"
-        meta = self.files.save(name, tokens[start:end], k, v, model_fingerprint=model_fingerprint, kv_dtype=kv_dtype,
-                               extra_meta={"segment_start": str(start), "epoch": epoch})
-        seg = Segment(name + SEGMENT_SUFFIX, start, end, meta.token_hash, meta.checksum, meta.nbytes)
-        man = Manifest(key, epoch, model_fingerprint, kv_dtype, *geometry, token_hash(tokens), keep + (seg,),
-                       fence=max(fence, old.fence if old is not None else 0))
+        nbytes = 0
+        if start < end:
+            listed = old.files() if old is not None else set()
+            if f"{key}_{epoch}_{start}_{end}{SEGMENT_SUFFIX}" in listed:  # another branch's name: never overwritten
+                epoch = new_epoch()
+            name = f"{key}_{epoch}_{start}_{end}"
+            meta = self.files.save(name, tokens[start:end], k, v, model_fingerprint=model_fingerprint, kv_dtype=kv_dtype,
+                                   extra_meta={"segment_start": str(start), "epoch": epoch})
+            keep += (Segment(name + SEGMENT_SUFFIX, start, end, meta.token_hash, meta.checksum, meta.nbytes),)
+            nbytes = meta.nbytes
+        else:  # the disk holds all of it already (a branch switched back to): it becomes current
+            epoch = segment_epoch(keep[-1].file)
+        man = Manifest(key, epoch, model_fingerprint, kv_dtype, *geometry, token_hash(tokens), keep,
+                       fence=max(fence, old.fence if old is not None else 0), branches=_others(keep, others))
+        if man == old:
+            return man, 0
         self.write_manifest(man)
-        try:  # after the switch: files the manifest no longer lists
+        try:  # after the switch: files no branch of the manifest lists any more
             if base:
                 self._remove(key, man)
             else:
-                listed = {s.file for s in man.segments}
-                for s in old.segments:
-                    if s.file not in listed:
-                        (self.root / s.file).unlink(missing_ok=True)
+                for name in old.files() - man.files():
+                    (self.root / name).unlink(missing_ok=True)
         except OSError as e:  # swept at the next open
             log.warning("snapshot %s: old segments not removed (%s)", key, e)
-        return man, meta.nbytes
+        return man, nbytes
+
+    @staticmethod
+    def _shared(old: Manifest, tokens: Sequence[int], start: int):
+        """(the segments ``tokens`` keeps, the branches kept beside it) for a non-base append at ``start``."""
+        current = old.segments
+        if old.end == start and start <= len(tokens) and token_hash(tokens[:start]) == old.token_hash:
+            best = current  # it continues the current branch (the common case: one hash)
+        else:
+            runs = [b[: shared_run(b, tokens)] for b in old.all_branches()]
+            best = max(runs, key=lambda r: r[-1].end if r else 0)  # the first longest: the current one on a tie
+            if (best[-1].end if best else 0) < start:
+                raise Diverged(f"snapshot {old.key}: append at {start} but no branch on disk holds its tokens "
+                               f"[0, {start}) (the longest shares {best[-1].end if best else 0})", old)
+        # the branches left (with the current one first) stay, less those the new branch holds whole
+        return best, tuple(b for b in old.all_branches() if b != best[: len(b)])
 
     def _readable_manifest(self, key: str) -> Manifest | None:
         try:
@@ -334,17 +447,18 @@ class SegmentStore:
             log.warning("%s; it will be replaced", e)
             return None
 
-    def _read_run(self, man: Manifest, run: tuple[Segment, ...], tokens: Sequence[int]):
-        """The verified KV of the segments ``run`` (for a merge). A bad one: the manifest is cut
-        before it on disk and Diverged is raised."""
+    def _read_run(self, man: Manifest, branch: tuple[Segment, ...], run: int, tokens: Sequence[int]):
+        """The verified KV of the last ``run`` segments of ``branch`` (for a merge). A bad one: every
+        branch is cut before it on disk (this one becomes current) and Diverged is raised."""
         ks, vs = [], []
-        for s in run:
+        for i in range(len(branch) - run, len(branch)):
+            s = branch[i]
             try:
                 k, v, _ = self._load_segment(man, s, tokens)
             except (SnapshotInvalid, ValueError) as e:
-                i = man.segments.index(s)
-                cut = man.truncated(i, token_hash(tokens[: s.start]))
-                if cut.segments:
+                good = replace(man, segments=branch[:i], token_hash=token_hash(tokens[: s.start]), branches=())
+                cut = man.cut(s.file, good)
+                if cut is not None:
                     self.write_manifest(cut)
                     self.remove(man.key, keep=cut)
                 else:
@@ -362,7 +476,7 @@ class SegmentStore:
             return self.files.load(
                 stem, token_ids=tokens[s.start : s.end], model_fingerprint=man.model_fingerprint, kv_dtype=man.kv_dtype,
                 num_layers=man.num_layers, num_kv_heads=man.num_kv_heads, head_dim=man.head_dim,
-                expect={"token_count": str(s.size), "segment_start": str(s.start), "epoch": man.epoch,
+                expect={"token_count": str(s.size), "segment_start": str(s.start), "epoch": segment_epoch(s.file),
                         "checksum": s.checksum, "token_hash": s.token_hash},
             )
         except ValueError:  # a layout this build cannot use: discarded like damage
@@ -374,12 +488,15 @@ class SegmentStore:
         """The manifest of ``man``'s leading segments whose tokens are ``tokens``' own (by their
         recorded hashes; no file is read). A shorter one is no damage: the snapshot goes on past
         ``tokens`` (a reply regenerated) or holds another branch of the conversation from there."""
-        n = 0
-        for s in man.segments:
-            if s.end > len(tokens) or token_hash(tokens[s.start : s.end]) != s.token_hash:
-                break
-            n += 1
-        return man if n == len(man.segments) else man.truncated(n, token_hash(tokens[: man.segments[n].start]))
+        n = shared_run(man.segments, tokens)
+        if n == len(man.segments) and man.token_hash:
+            return man
+        return man.truncated(n, token_hash(tokens[: man.segments[n - 1].end if n else 0]))
+
+    def best(self, man: Manifest, tokens: Sequence[int]) -> Manifest:
+        """``matching`` of the branch of ``man`` that holds the longest prefix of ``tokens`` (the
+        current one on a tie), as a manifest of that one branch."""
+        return max((self.matching(view, tokens) for view in man.views()), key=lambda m: m.end)
 
     def load(self, man: Manifest, tokens: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], Manifest, str]:
         """The KV of the longest run of valid segments from token 0 (checked against ``tokens``):

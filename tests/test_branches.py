@@ -104,7 +104,7 @@ def test_switch_brings_a_branch_back_in_memory_and_after_a_restart(model, tmp_pa
         s, replies = chat(e)
         old_tokens = list(s.tokens)
         q2 = s.messages()[2]
-        s.edit(q2.id, "What is the capital of Italy?")
+        edited = s.edit(q2.id, "What is the capital of Italy?")
         leaf = s.switch(q2.id)
         assert leaf.id == replies[-1].message_id and s.tokens == old_tokens  # the recorded history, not re-tokenised
         r = s.send("Thanks!")
@@ -119,7 +119,10 @@ def test_switch_brings_a_branch_back_in_memory_and_after_a_restart(model, tmp_pa
         assert [m.content for m in s2.messages()][2] == "What is the capital of Italy?"
         r2 = s2.send("Is it far?")
         check(ref, s2, r2)
-        assert r2.usage.cached_tokens + r2.usage.computed_tokens == r2.usage.prompt_tokens
+        # the branch left before the restart kept its KV on disk beside the other's (shared prefix
+        # files): all of its KV comes back (a turn's last generated token has none), nothing recomputed
+        assert r2.usage.restored_tokens == edited.usage.prompt_tokens + edited.usage.generated_tokens - 1
+        assert r2.usage.cached_tokens + r2.usage.restored_tokens + r2.usage.computed_tokens == r2.usage.prompt_tokens
     finally:
         e2.close()
 
