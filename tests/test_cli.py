@@ -298,3 +298,34 @@ def test_kv_dtype_option_stores_the_conversation_quantised(model_dir, tmp_path, 
     with pytest.raises(SystemExit) as e:
         main(["--model", model_dir, "--kv-dtype", "int4"])
     assert e.value.code == 2 and "--kv-dtype: invalid choice: 'int4'" in capsys.readouterr().err
+
+
+def test_search_prints_one_line_a_hit_on_every_branch_and_exits_1_on_none(model_dir, tmp_path, monkeypatch, capsys):
+    """chatkv --search TEXT (issue 22): conversation id, title, role and snippet of each hit, one a
+    line on stdout, exit 0; no hit is one line on stderr and exit 1; the app never opens."""
+    from chatkv.engine import Engine
+
+    calls = _fake_app(monkeypatch)
+    monkeypatch.setenv("CHATKV_HOME", str(tmp_path))
+    with Engine.from_pretrained(model_dir, data_dir=str(tmp_path)) as engine:
+        with engine.session(title="Kitchen \x1b[31mtalk", params={"max_tokens": 3}) as s:
+            s.send("Tell me about kettles")
+            first = s.messages()[0].id
+            s.edit(first, "Tell me about teapots")  # the kettle question is on a branch no longer current
+        conv = s.id
+    import sys
+
+    captured = sys.stdout
+    terminal = _Stream(tty=True)
+    monkeypatch.setattr("sys.stdin", _Stream("", tty=True))
+    monkeypatch.setattr("sys.stdout", terminal)  # in a terminal too: a listing, not the app
+    assert main(["--model", model_dir, "--search", "kettles"]) == 0
+    assert terminal.getvalue().splitlines() == [f"{conv}  Kitchen talk  user  Tell me about kettles"] and calls == []
+    monkeypatch.setattr("sys.stdout", captured)
+    assert main(["--model", model_dir, "--search", "teapots kettles"]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 2
+    assert main(["--model", model_dir, "--search", "zebra"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.splitlines()) == 1 and "no match" in out.err
+    assert main(["--search", "  "]) == 2  # refused before any model loads
+    assert "--search needs words" in capsys.readouterr().err and calls == []

@@ -6,6 +6,7 @@
     chatkv --plain                  # line mode in a terminal too
     chatkv "What is the capital of France?"           # one-shot
     chatkv --list                   # saved conversations, newest first
+    chatkv --search "paris trip"    # messages of every saved conversation (every branch) holding those words
     chatkv --resume [ID]            # continue one (no id: the latest); its KV comes back from disk
     chatkv --model ./my-llama-dir --temperature 0.7 "Tell me a joke"
     chatkv --data-dir DIR           # conversations, knowledge bases and snapshots in DIR
@@ -65,6 +66,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (line mode and one-shot)")
     p.add_argument("--stats", action="store_true", help="line mode: print token counts and timings after each reply")
     p.add_argument("--list", action="store_true", help="list saved conversations and exit")
+    p.add_argument("--search", metavar="TEXT", default=None,
+                   help="print the messages of saved conversations (every branch) holding TEXT's words, one a line "
+                        "(conversation id, title, role, snippet), and exit: 0, or 1 when none matches")
     p.add_argument("--resume", metavar="ID", nargs="?", const=LATEST, default=None,
                    help="continue a saved conversation; without ID, the latest")
     p.add_argument("--title", default=None, help="line mode: title of a new saved conversation")
@@ -215,6 +219,26 @@ def _check_prompt(prompt: str | None) -> str | None:
     return prompt
 
 
+def _check_search(text: str | None) -> str | None:
+    if text is not None and not text.strip():
+        raise InvalidRequest("--search needs words to find")
+    return text
+
+
+def _search(engine: Engine, text: str) -> int:
+    """The hits of ``text``, one a line: conversation id, title, role, snippet. 1 (and one line
+    on stderr) when none matches, as grep."""
+    hits = engine.search(text)
+    if not hits:
+        _note(f"no match for {safe_text(text, oneline=True)!r}")
+        return 1
+    stdout = Stdout()
+    for h in hits:
+        stdout.write(f"{h.conversation_id}  {safe_text(h.title, oneline=True)}  {h.message.role}  "
+                     f"{safe_text(h.snippet, oneline=True)}", end="\n")
+    return stdout.status()
+
+
 def _check_resume(resume: str | None) -> str | None:
     if resume is not None and not resume.strip():
         raise InvalidRequest("--resume needs a conversation id (chatkv --list), or no value at all for the latest")
@@ -276,13 +300,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_prompt(args.prompt)
         _check_resume(args.resume)
+        _check_search(args.search)
         given = {k: getattr(args, k) for k in SAMPLING if getattr(args, k) is not None}
         params = SamplingParams(**{**DEFAULTS, **given})
         params.validate()
         check_data_dir(args.data_dir)
-        if args.prompt is None and not args.list and not args.plain and _is_terminal():
+        listing = args.list or args.search is not None
+        if args.prompt is None and not listing and not args.plain and _is_terminal():
             return _open_app(args, given)
+        # the public SDK reads the store through an Engine, so --list and --search load the model too
         engine = Engine.from_pretrained(args.model, dtype=args.dtype, data_dir=args.data_dir, **_engine_options(args))
+        if args.search is not None:
+            with engine:
+                return _search(engine, args.search)
         if args.list:
             stdout = Stdout()
             for c in engine.sessions():
