@@ -11,6 +11,7 @@ WEIGHTS = ("auto", "bf16", "fp32", "int4", "int8")  # chatkv.weight_modes
 HEADS = ("auto", "float", "int8", "int4")
 QUANT_DENSE = ("scratch", "copy")  # chatkv.model.DENSE_KINDS
 KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8", "fp8")  # chatkv.model_runner.kv_format
+SPECULATIVE = ("auto", "off", "lookup")  # chatkv.speculative.MODES
 
 
 @dataclass
@@ -31,6 +32,9 @@ class EngineConfig:
     adaptive_threads: bool = True  # fewer threads while other processes keep cores busy (chatkv.cpu_threads)
     tenant: str = ""  # salt of the prefix-cache namespace: tenants never share KV
     enable_prefix_caching: bool = True
+    # speculative decoding by prompt lookup (chatkv.speculative): exact, greedy or sampled
+    speculative: str = "auto"  # "auto" (as many proposals as pay, per sequence) | "lookup" (always, when a match exists) | "off"
+    num_speculative_tokens: int = 5  # proposals per sequence and step at most (0: off)
     # conversations longer than the context (chatkv.context_window)
     context_window: int | None = None  # tokens a conversation's KV may hold; None: the model's context (and the pool)
     overflow: str = "sink"  # beyond it: "sink" (keep the first tokens + a recent window), "truncate" (drop oldest turns), "error"
@@ -69,6 +73,11 @@ class EngineConfig:
             raise InvalidRequest(f"threads must be an int >= 1 or None, got {cfg.threads!r}")
         if cfg.kv_dtype not in KV_DTYPES:
             raise InvalidRequest(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {cfg.kv_dtype!r}")
+        if cfg.speculative not in SPECULATIVE:
+            raise InvalidRequest(f"speculative must be one of {', '.join(SPECULATIVE)}, got {cfg.speculative!r}")
+        n = cfg.num_speculative_tokens
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 64:
+            raise InvalidRequest(f"num_speculative_tokens must be an int in [0, 64], got {n!r}")
         if cfg.max_batch_tokens < 1:
             raise InvalidRequest(f"max_batch_tokens must be >= 1, got {cfg.max_batch_tokens}")
         return cfg

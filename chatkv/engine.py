@@ -37,6 +37,7 @@ from chatkv.outputs import EngineStats, GenerationResult
 from chatkv.sampling import SamplingParams, make_generator
 from chatkv.scheduler import NeedsBlocks, Scheduler
 from chatkv.sequence import Sequence
+from chatkv.speculative import Speculator
 from chatkv.session_manager import SessionManager
 from chatkv.weight_check import load_checked
 from chatkv.weight_modes import choose as choose_weights
@@ -66,7 +67,8 @@ class Engine:
             self.runner.pool, (self.fingerprint, self.kv_dtype, self.config.tenant), self.config.enable_prefix_caching,
             host=self.runner.host_pool,
         )
-        self.scheduler = Scheduler(self.kv, self.config.max_batch_tokens, self.config.max_running)
+        self.scheduler = Scheduler(self.kv, self.config.max_batch_tokens, self.config.max_running,
+                                   speculator=Speculator.from_config(self.config))
         self.max_context = int(getattr(hf_config, "max_position_embeddings", 2048))
         self.context_window = self._context_window()
         self.eos_ids = self._eos_ids()

@@ -159,6 +159,14 @@ class KVManager:
         seq.block_table.extend(self.pool.allocate(need))
         return True
 
+    def trim(self, seq: SequenceKV) -> None:
+        """Give back the blocks of ``seq.block_table`` past its ``num_computed`` tokens (they held
+        only rejected speculative tokens' KV; the sequence's own, never shared)."""
+        keep = -(-seq.num_computed // self.block_size)
+        if len(seq.block_table) > keep:
+            self.pool.decref(seq.block_table[keep:])
+            del seq.block_table[keep:]
+
     def release(self, seq: SequenceKV, retain: bool = False) -> RetainedKV | None:
         """End everything ``seq`` holds: its computed full blocks go into the tree first (so a
         later request hits them), then its references and lock are dropped. With ``retain``

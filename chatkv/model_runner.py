@@ -5,7 +5,10 @@ computes (a prefill chunk or one decode token), their first position, its block
 table, and whether its last new token's logits are wanted. ``build_batch`` turns
 them into the model's flat inputs and the attention metadata (one per sliding
 window size); ``forward`` runs the model; ``run`` does both for a scheduler plan
-and samples the next token of every sequence whose prompt is complete.
+and samples the next token of every sequence whose prompt is complete. A sequence with
+proposals to verify (``seq.draft``, chatkv.speculative; never a constrained one) computes its
+last token and the proposals in the same batch, every row's logits kept, and gets back the
+tokens ``speculative.verify`` accepts.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from chatkv.kernels import AttentionMetadata, build_metadata, kv_quant
 from chatkv.model import LlamaModel
 from chatkv.sampling import mask_rows, sample
 from chatkv.sequence import Sequence
+from chatkv.speculative import verify
 
 
 @dataclass
@@ -118,18 +122,26 @@ class ModelRunner:
         return self.model.forward(batch.input_ids, batch.positions, self.pool.kv, batch.metas, batch.logits_rows,
                                   self.pool.quant).cpu()
 
-    def run(self, plan: list[tuple[Sequence, int]]) -> dict[Sequence, int | Exception]:
+    def run(self, plan: list[tuple[Sequence, int]]) -> dict[Sequence, int | list[int] | Exception]:
         """Compute a scheduler plan; return the next token of every sequence whose prompt is now
-        complete, or the error its sampling raised (it is that request's alone)."""
-        items, samplers = [], []
+        complete (the list of tokens ``verify`` accepts for one verifying a draft), or the error
+        its sampling raised (it is that request's alone)."""
+        items, samplers, verifying = [], [], []
         for seq, n in plan:
             start = seq.num_computed
+            if seq.draft:  # its last token, then the proposals: every row's logits
+                assert start + 1 == len(seq.token_ids) and n == 1 + len(seq.draft), "a draft is verified while decoding"
+                items.append(BatchItem(seq.token_ids[start:] + seq.draft, start, seq.block_table, "all"))
+                verifying.append(seq)
+                continue
             done = start + n == len(seq.token_ids)
             items.append(BatchItem(seq.token_ids[start : start + n], start, seq.block_table, "last" if done else "none"))
             if done:
                 samplers.append(seq)
         logits = self.forward(self.build_batch(items))
-        out: dict[Sequence, int | Exception] = {}
+        out: dict[Sequence, int | list[int] | Exception] = {}
+        if verifying:  # the rows in batch order: split them into the samplers' and the verifiers'
+            logits, verify_rows = self._split_rows(plan, logits)
         masked = mask_rows(logits, [seq.matcher for seq in samplers])  # constrained rows only
         for row, seq in enumerate(samplers):
             if masked[row] is not None:  # its constraint's matcher failed
@@ -139,4 +151,22 @@ class ModelRunner:
                 out[seq] = sample(logits[row], seq.params, seq.token_ids, seq.generator)
             except (RuntimeError, ValueError) as err:  # e.g. non-finite logits from broken weights
                 out[seq] = err
+        for seq in verifying:
+            try:
+                out[seq] = verify(verify_rows[seq], seq.draft, seq.params, seq.token_ids, seq.generator)
+            except (RuntimeError, ValueError) as err:
+                out[seq] = err
         return out
+
+    @staticmethod
+    def _split_rows(plan: list[tuple[Sequence, int]], logits: torch.Tensor):
+        """(the one-token samplers' logits rows, {verifying sequence: its rows}) from a batch's rows."""
+        plain, rows, at = [], {}, 0
+        for seq, n in plan:
+            if seq.draft:
+                rows[seq] = logits[at : at + n]
+                at += n
+            elif seq.num_computed + n == len(seq.token_ids):
+                plain.append(at)
+                at += 1
+        return logits[plain], rows

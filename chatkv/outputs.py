@@ -19,11 +19,18 @@ class Usage:
     generated_tokens: int = 0
     ttft_s: float = 0.0  # time to first token
     tokens_per_s: float = 0.0  # generated tokens after the first, per second
+    proposed_tokens: int = 0  # speculative decoding: tokens proposed for verification (chatkv.speculative)
+    accepted_tokens: int = 0  # of which the model accepted (each one a token without a step of its own)
+
+    NOT_STORED = ("proposed_tokens", "accepted_tokens")  # no message column holds them (yet)
 
     def message_columns(self) -> dict:
-        """The fields as the database's message columns name them (``ttft_ms``)."""
+        """The fields as the database's message columns name them (``ttft_ms``); the
+        speculation counts are not stored."""
         stats = asdict(self)
         stats["ttft_ms"] = stats.pop("ttft_s") * 1000
+        for name in self.NOT_STORED:
+            del stats[name]
         return stats
 
     @classmethod

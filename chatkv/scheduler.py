@@ -10,7 +10,14 @@ back to the front of the queue. A request that cannot fit even alone is finished
 with an ``OutOfBlocks`` error of its own.
 
 ``postprocess`` takes the sampled tokens: it appends them, feeds the text stream,
-checks stop tokens, stop strings and length, and finishes sequences. ``abort``
+checks stop tokens, stop strings and length, and finishes sequences.
+
+Speculative decoding (a ``Speculator``, chatkv.speculative): after the plan is made, decoding
+sequences may get proposals (``seq.draft``) out of what is left of the step's token budget and
+of the free blocks (never by evicting, preempting or spilling anyone); such a sequence computes
+``1 + len(draft)`` tokens. Its sampled result is then a list of tokens: they are appended one at
+a time through the same stop/length checks (the rest dropped at the first stop), only the KV of
+the accepted ones counts as computed, and the blocks past it go back to the pool. ``abort``
 ends a request in any state. All KV is held and released through the KVManager;
 whatever raises in here leaves every sequence either holding its KV (running) or
 holding none (waiting, finished).
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 from chatkv.errors import OutOfBlocks
 from chatkv.kv_manager import KVManager
 from chatkv.sequence import Sequence, Status
+from chatkv.speculative import Speculator
 
 
 log = logging.getLogger("chatkv.engine")
@@ -43,8 +51,10 @@ class NeedsBlocks:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_batch_tokens: int, max_running: int, age_rounds: int = AGE_ROUNDS):
+    def __init__(self, kv: KVManager, max_batch_tokens: int, max_running: int, age_rounds: int = AGE_ROUNDS,
+                 speculator: Speculator | None = None):
         self.kv = kv
+        self.speculator = speculator  # None: no speculative decoding
         self.age_rounds = age_rounds
         self.max_batch_tokens = max_batch_tokens
         self.max_running = max_running
@@ -191,7 +201,28 @@ class Scheduler:
                 f"pinned prefixes, {pool.num_free} free; close idle sessions, lower max_tokens or raise "
                 "kv_cache_bytes / num_blocks"
             ))
+        if self.speculator is not None and plan:
+            plan = self._speculate(plan, budget)
         return plan
+
+    def _speculate(self, plan: list[tuple[Sequence, int]], budget: int) -> list[tuple[Sequence, int]]:
+        """Give decoding sequences of ``plan`` proposals to verify, within ``budget`` tokens and the
+        free blocks; such a sequence's entry becomes ``1 + len(draft)`` tokens."""
+        decodes = [s for s, n in plan if n == 1 and s.num_computed + 1 == len(s.token_ids) and s.num_generated > 0]
+        if not decodes:
+            return plan
+        drafts = self.speculator.assign(decodes, sum(n for _, n in plan), budget)
+        if not drafts:
+            return plan
+        bs, pool = self.kv.block_size, self.kv.pool
+        for seq, draft in drafts.items():
+            held = len(seq.block_table) * bs - seq.num_computed - 1  # room in the blocks it holds
+            extra = max(len(draft) - held, 0)
+            if -(-extra // bs) > pool.num_free:  # only free blocks: speculation never evicts
+                draft = draft[: held + pool.num_free * bs]
+            if draft and self.kv.reserve(seq, 1 + len(draft)):
+                seq.draft = list(draft)
+        return [(s, n + len(s.draft)) for s, n in plan]
 
     def _rank(self, seq: Sequence) -> tuple:
         """Admission order: requests passed over ``age_rounds`` times first (nothing starves),
@@ -218,6 +249,8 @@ class Scheduler:
         """Account the computed tokens, append each sampled token (or fail its sequence), and
         finish the sequences that are done. Returns the sequences that finished."""
         for seq, n in plan:
+            if seq.draft:
+                n = 1  # its draft's KV counts once verified (below)
             seq.num_computed += n
             if seq.first_token_time is None:
                 seq.num_prefilled += n
@@ -225,7 +258,11 @@ class Scheduler:
         for seq, token in sampled.items():
             try:
                 if isinstance(token, Exception):
+                    seq.draft = []
                     self.fail(seq, token)
+                elif isinstance(token, list):
+                    if not self._append_verified(seq, token):
+                        continue
                 elif self._append(seq, token):
                     self._finish(seq, seq.finish_reason)
                 else:
@@ -244,6 +281,25 @@ class Scheduler:
             self.fail(seq, err)
         except Exception:  # its text stream failed again while settling: recorded and released already
             pass
+
+    def _append_verified(self, seq: Sequence, tokens: list[int]) -> bool:
+        """Append a verification step's tokens one at a time, as plain decoding would have, up to
+        the first that ends the sequence; count the accepted proposals' KV as computed and give
+        back the blocks past it. True when it finished."""
+        draft, seq.draft = seq.draft, []
+        self.speculator.observe(seq, len(draft), len(tokens) - 1)
+        seq.num_computed += len(tokens) - 1  # the accepted proposals: their KV is the model's own
+        done = False
+        for token in tokens:
+            if self._append(seq, token):
+                done = True
+                break
+        seq.num_computed = min(seq.num_computed, len(seq.token_ids) - 1)  # the last token never has KV
+        if done:
+            self._finish(seq, seq.finish_reason)
+        else:
+            self.kv.trim(seq)
+        return done
 
     def _append(self, seq: Sequence, token: int) -> bool:
         """Add a sampled token; return True when the sequence is done (finish_reason set)."""

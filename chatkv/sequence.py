@@ -16,6 +16,7 @@ from chatkv.sampling import SamplingParams
 if TYPE_CHECKING:
     from chatkv.kv_types import RetainedKV
     from chatkv.radix_cache import Node
+    from chatkv.speculative import SpecState
 
 
 class Status(enum.Enum):
@@ -55,6 +56,8 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "aborted" | "error"
     error: Exception | None = None  # why it ended with finish_reason "error"
     preemptions: int = 0
+    draft: list[int] = field(default_factory=list)  # tokens proposed for this step's verification (chatkv.speculative)
+    spec: SpecState | None = None  # its speculation state: proposer, acceptance, counts (None: never speculated)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -91,6 +94,8 @@ class Sequence:
             generated_tokens=self.num_generated,
             ttft_s=first - self.arrival,
             tokens_per_s=(self.num_generated - 1) / decode_s if self.num_generated > 1 and decode_s > 0 else 0.0,
+            proposed_tokens=self.spec.proposed if self.spec is not None else 0,
+            accepted_tokens=self.spec.accepted if self.spec is not None else 0,
         )
 
     def result(self) -> GenerationResult:

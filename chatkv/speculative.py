@@ -1,0 +1,244 @@
+"""Speculative decoding from the request's own tokens (prompt lookup), exact, in continuous batching.
+
+A decoding sequence whose recent text continues something it has already seen (a source being
+quoted, code being rewritten, a pinned document, its own reply) gets up to ``k`` proposed
+tokens. The scheduler reserves KV for ``[last token + proposals]`` and the model runner
+computes all of them in the same step as the rest of the batch (one forward, every row's
+logits); ``verify`` keeps the proposals the target model agrees with plus one token of its own,
+and the scheduler appends those one at a time through the normal stop/length path and gives
+back the KV (and the blocks) of the rest.
+
+Pieces:
+
+* ``Proposer``: proposes up to ``k`` tokens to follow a request's tokens, with a ``key`` naming
+  the kind of guess (its acceptance is tracked per key). ``NgramProposer`` is prompt lookup:
+  the longest suffix of the tokens (4 tokens down to 1) that occurred before, and what followed
+  it there (the latest occurrence; continued periodically when the match runs into the end, so
+  a loop proposes its next period). A draft model would be another ``Proposer``.
+* ``verify``: the tokens the step emits. At each position ``i`` it draws ``x_i`` from the
+  target's distribution exactly as plain decoding would (``sampling.sample`` with the request's
+  own generator, the repetition penalty seeing the history plus the tokens accepted before
+  ``i``), and accepts the proposal ``d_i`` iff ``x_i == d_i``; the first ``x_i`` that differs
+  (or the bonus after all ``k``) is emitted and ends the step. For a point-mass draft this *is*
+  rejection sampling: ``d`` is accepted with probability ``p(d)`` and a rejected position's
+  token is distributed as ``p`` with ``d`` removed, renormalised, so the output distribution is
+  exactly the target's. Greedy is the ``temperature == 0`` case (the argmax). Because it draws
+  the same numbers in the same order as plain decoding, a seeded request gives the same tokens
+  with speculation on or off. (A draft model with its own distribution ``q`` would need the
+  general ``min(1, p/q)`` rule instead.)
+* ``Speculator``: the engine's policy. ``speculative="lookup"`` proposes ``k`` tokens whenever a
+  match exists; ``"auto"`` (the default) gives each sequence as many proposals as pay: the
+  ``j``-th proposal is expected to add ``alpha ** j`` tokens (``alpha``: the sequence's recent
+  acceptance rate for that kind of match, decayed so it is re-probed now and then) and costs
+  one more row of the step (``row_cost`` of a one-row step: ~0.2 on a CPU, measured from the
+  int4 batch-1 and batch-8 decode rates); proposals are added best first while they raise the
+  step's expected tokens per second. So free-form text (low acceptance) and big batches (a step
+  already worth many tokens) speculate little or not at all. Steps never grow past
+  ``max_rows`` (below ``quant_dense_rows``, where quantised weights stay on their few-row
+  kernel), past the step's token budget, or into blocks that are not free (speculation never
+  evicts, preempts or spills anyone). Constrained requests (``SamplingParams.constrained``) do
+  not speculate: their proposals would have to pass the matcher's mask position by position.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from chatkv.sampling import SamplingParams, sample
+
+MODES = ("auto", "off", "lookup")
+MAX_NGRAM = 4
+DECAY = 0.9  # weight of past acceptance per verification
+IDLE_DECAY = 0.98  # per step a kind of match is not tried: its estimate drifts back to the prior
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]
+    key: Any  # the kind of guess (NgramProposer: the match length); acceptance is tracked per key
+
+
+class Proposer(Protocol):
+    """Proposes tokens to follow a request's tokens. One per request: it may keep an index of
+    the tokens it has seen (they only grow while the request runs)."""
+
+    def propose(self, tokens: list[int], k: int) -> Proposal | None: ...
+
+
+class NgramProposer:
+    """Prompt lookup over the request's own tokens: the longest suffix (``max_n`` tokens down to
+    ``min_n``) seen before, continued with what followed its latest occurrence."""
+
+    def __init__(self, max_n: int = MAX_NGRAM, min_n: int = 1):
+        self.max_n, self.min_n = max_n, min_n
+        self._index: dict[tuple[int, ...], int] = {}  # n-gram -> the position after its latest occurrence
+        self._indexed = 0  # n-grams ending before this position are indexed
+        self._seen: list[int] | None = None
+
+    def _extend(self, tokens: list[int]) -> None:
+        if self._seen is not tokens or len(tokens) < self._indexed:  # another list: start again
+            self._index.clear()
+            self._indexed, self._seen = 0, tokens
+        idx, top = self._index, self.max_n
+        for end in range(max(self._indexed, 1), len(tokens)):  # an n-gram ending at ``end`` has a continuation
+            for n in range(1, min(top, end) + 1):
+                idx[tuple(tokens[end - n : end])] = end
+        self._indexed = max(self._indexed, len(tokens))
+
+    def propose(self, tokens: list[int], k: int) -> Proposal | None:
+        if k <= 0 or len(tokens) < 2:
+            return None
+        self._extend(tokens)
+        size = len(tokens)
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            end = self._index.get(tuple(tokens[size - n :]))
+            if end is None:
+                continue
+            out: list[int] = []
+            for j in range(k):  # past the end the match continues into the proposal itself (a loop)
+                pos = end + j
+                out.append(tokens[pos] if pos < size else out[pos - size])
+            return Proposal(out, n)
+        return None
+
+
+@dataclass
+class SpecState:
+    """One request's speculation: its proposer, its acceptance per kind of match, its counts."""
+
+    proposer: Proposer
+    stats: dict = field(default_factory=dict)  # key -> [accepted, tried], decayed
+    key: Any = None  # the kind of the proposal in flight
+    drafts: int = 0  # verification steps
+    proposed: int = 0  # proposed tokens
+    accepted: int = 0  # of which accepted
+    accepted_per_pos: list[int] = field(default_factory=list)  # accepted proposals by position (0 = first)
+
+    def alpha(self, key: Any) -> float:
+        acc, tried = self.stats.get(key, (0.0, 0.0))
+        return (acc + 1.0) / (tried + 2.0)  # a uniform prior: 0.5 before any evidence
+
+    def observe(self, key: Any, proposed: int, accepted: int) -> None:
+        acc, tried = self.stats.get(key, (0.0, 0.0))
+        trials = accepted + (1 if accepted < proposed else 0)
+        self.stats[key] = [acc * DECAY + accepted, tried * DECAY + trials]
+        self.drafts += 1
+        self.proposed += proposed
+        self.accepted += accepted
+        while len(self.accepted_per_pos) < proposed:
+            self.accepted_per_pos.append(0)
+        for i in range(accepted):
+            self.accepted_per_pos[i] += 1
+
+    def idle(self, key: Any) -> None:
+        s = self.stats.get(key)
+        if s is not None:
+            s[0] *= IDLE_DECAY
+            s[1] *= IDLE_DECAY
+
+
+def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, history: list[int],
+           generator: torch.Generator | None) -> list[int]:
+    """The tokens a verification step emits, from ``logits [len(draft) + 1, vocab]`` (row ``i``:
+    the target's logits after the history and ``draft[:i]``): the accepted proposals, then the
+    target's own token at the first disagreement (or after all of them). See the module doc."""
+    out: list[int] = []
+    for i in range(len(draft) + 1):
+        token = sample(logits[i], params, history + out if out else history, generator)
+        out.append(token)
+        if i == len(draft) or token != draft[i]:
+            break
+    return out
+
+
+def eligible(seq: Any) -> int:
+    """How many tokens ``seq`` may have proposed now (0: it does not speculate this step)."""
+    if seq.params.constrained or seq.matcher is not None:
+        return 0
+    left = min(seq.params.max_tokens - seq.num_generated, seq.max_total_tokens - len(seq.token_ids))
+    return max(left - 1, 0)  # the step also emits the target's own token after the proposals
+
+
+class Speculator:
+    def __init__(self, mode: str = "auto", max_k: int = 5, row_cost: float = 0.2, max_rows: int = 15,
+                 proposer=NgramProposer):
+        if mode not in MODES:
+            raise ValueError(f"speculative must be one of {', '.join(MODES)}, got {mode!r}")
+        self.mode, self.max_k, self.row_cost, self.max_rows = mode, max_k, row_cost, max_rows
+        self.proposer = proposer  # a factory: one Proposer per request
+
+    @classmethod
+    def from_config(cls, config) -> "Speculator | None":
+        """The engine's speculator (None when ``speculative="off"``)."""
+        if config.speculative == "off" or config.num_speculative_tokens == 0:
+            return None
+        on_cpu = str(config.device).startswith("cpu")
+        max_rows = config.quant_dense_rows - 1 if config.quant_dense_rows > 1 else 32
+        return cls(config.speculative, config.num_speculative_tokens, 0.2 if on_cpu else 0.02, max_rows)
+
+    def state(self, seq: Any) -> SpecState:
+        if seq.spec is None:
+            seq.spec = SpecState(self.proposer())
+        return seq.spec
+
+    def assign(self, decodes: list[Any], rows: int, budget: int) -> dict[Any, list[int]]:
+        """Proposals for some of ``decodes`` (sequences decoding one token this step, in a step
+        of ``rows`` rows with ``budget`` tokens left): ``{seq: proposed tokens}``. The caller
+        reserves their KV and may shorten them; ``observe`` takes the outcome."""
+        room = min(budget, self.max_rows - rows)
+        if room <= 0:
+            return {}
+        offers = []
+        for seq in decodes:
+            k = min(eligible(seq), self.max_k)
+            if k <= 0:
+                continue
+            st = self.state(seq)
+            p = st.proposer.propose(seq.token_ids, k)
+            if p is not None and p.tokens:
+                offers.append((seq, st, p))
+        if self.mode == "lookup":
+            out = {}
+            for seq, st, p in offers:
+                take = min(len(p.tokens), room)
+                if take <= 0:
+                    break
+                out[seq], st.key, room = p.tokens[:take], p.key, room - take
+            return out
+        return self._auto(offers, len(decodes), rows, room)
+
+    def _auto(self, offers, tokens: int, rows: int, room: int) -> dict[Any, list[int]]:
+        """Add proposals best first (expected tokens ``alpha ** j``) while each adds more tokens
+        per unit of step time than the step yields on average."""
+        r = self.row_cost
+        gain, cost = float(tokens), 1.0 + r * max(rows - 1, 0)
+        heap, alphas, taken = [], {}, {}
+        for i, (seq, st, p) in enumerate(offers):
+            a = st.alpha(p.key)
+            alphas[i] = a
+            heap.append((-a, i, 1))
+        heapq.heapify(heap)
+        while heap and room > 0:
+            neg_e, i, j = heapq.heappop(heap)
+            e = -neg_e
+            if e * cost <= r * gain:  # the best one left does not pay: none after it does
+                break
+            taken[i] = j
+            gain, cost, room = gain + e, cost + r, room - 1
+            if j < len(offers[i][2].tokens):
+                heapq.heappush(heap, (-(e * alphas[i]), i, j + 1))
+        out = {}
+        for i, (seq, st, p) in enumerate(offers):
+            if i in taken:
+                out[seq], st.key = p.tokens[: taken[i]], p.key
+            else:
+                st.idle(p.key)
+        return out
+
+    @staticmethod
+    def observe(seq: Any, proposed: int, accepted: int) -> None:
+        seq.spec.observe(seq.spec.key, proposed, accepted)
