@@ -64,8 +64,9 @@ TTL_S = 30.0  # a lease not renewed for this long may be broken by another proce
 
 @dataclass(frozen=True)
 class Mark:
-    """Where a conversation's stored history stands. Equal marks: no turn was stored in between
-    (message ids are never reused, and every stored message changes ``last_message_id``)."""
+    """Where a conversation's stored history stands: its token count and its current leaf (the
+    last message of its current branch). Equal marks: no turn was stored and no branch switched
+    to in between (message ids are never reused, and every stored message becomes the leaf)."""
 
     token_count: int
     last_message_id: Optional[int]
@@ -145,10 +146,11 @@ def _release_all() -> None:
 
 
 def _mark(s: Session, conv: Conversation) -> Mark:
-    last = s.execute(
-        select(Message.id, Message.role).where(Message.conversation_id == conv.id).order_by(Message.id.desc()).limit(1)
-    ).first()
-    return Mark(conv.token_count, last[0] if last else None, last[1] if last else None)
+    """The conversation's current leaf (migration 0006): every stored message becomes it, and
+    a branch switch moves it, so another process's switch is seen as well as its turns."""
+    leaf = conv.current_leaf_id
+    role = s.scalar(select(Message.role).where(Message.id == leaf)) if leaf is not None else None
+    return Mark(conv.token_count, leaf, role)
 
 
 def _info(row: ConversationLease) -> LeaseInfo:
