@@ -83,3 +83,41 @@ def test_delete_confirmation(snap_compare, engine):
         await idle(pilot, app)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=delete)
+
+
+def test_a_regenerated_reply_and_its_branch_switcher(snap_compare, engine):
+    """/regenerate in place: the reply's ◀ 2/2 ▶ (issue 22)."""
+    conv = saved_chats(engine)
+    app = ChatApp(engine=engine, resume=conv, sampling=FAST, mask_volatile=True)
+
+    async def regenerate(pilot):
+        await idle(pilot, app)
+        await app.run_command("/regenerate")
+        await idle(pilot, app)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=regenerate)
+
+
+def test_editing_the_last_message(snap_compare, engine):
+    """Up on an empty input: the last user message in the input box, in marked edit mode."""
+    conv = saved_chats(engine)
+    app = ChatApp(engine=engine, resume=conv, sampling=FAST, mask_volatile=True)
+
+    async def edit(pilot):
+        await idle(pilot, app)
+        await pilot.press("up")
+        await idle(pilot, app)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=edit)
+
+
+def test_search_dialog_with_its_hits(snap_compare, engine):
+    saved_chats(engine)
+    app = ChatApp(engine=engine, sampling=FAST, mask_volatile=True)
+
+    async def search(pilot):
+        await idle(pilot, app)
+        await app.run_command("/search capital river")
+        await idle(pilot, app)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=search)

@@ -146,7 +146,7 @@ class ChatMessage(Vertical, can_focus=True):
         self.app.notify("Message copied to the clipboard.", timeout=2)
 
 
-EDITING = "Editing your message · Enter sends it as a new version · Esc leaves"
+EDITING = "Editing your message · Enter sends a new version · Esc leaves"
 
 
 class ChatInput(TextArea):
