@@ -408,6 +408,8 @@ class Snapshots:
         if not good.segments:
             return None, 0
         n = min(good.end, len(prompt) - 1)  # leave at least one token to compute, for the logits
+        if n <= in_memory:  # what was left after a damaged segment memory holds already
+            return None, 0
         try:
             kept = self.kv.import_kv(prompt, n, k, v, **ns)
         except OutOfBlocks:
