@@ -178,6 +178,8 @@ async def session_turn(state, s, text: str, params: SamplingParams, max_tokens: 
         try:
             while True:
                 if isinstance(item, Reply):
+                    async for _ in gen:  # the turn ends, its lease given back, before the reply is answered:
+                        pass  # a client's next request at once must not find the conversation still busy
                     yield Done(item.text, item.finish_reason, item.usage)
                     return
                 yield item

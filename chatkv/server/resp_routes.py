@@ -25,6 +25,8 @@ deletes no part of a conversation tree.
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 from anyio import to_thread
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -38,6 +40,11 @@ from chatkv.server.resp_request import (ResponsesRequest, parse_id, parse_respon
                                         response_not_found, stored_id, unstored_id)
 from chatkv.server.resp_shapes import EventStream, ResponseShape
 from chatkv.server.routes import check_model, read_request, stream_response, until_cut
+
+
+def _epoch(t: datetime) -> float:
+    """A stored time in seconds since the epoch (the store's times are UTC; SQLite gives them back naive)."""
+    return (t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)).timestamp()
 
 
 def _busy(conv_id: str) -> APIError:
@@ -69,7 +76,7 @@ class Node:
         conv_id, message_id = ids
         try:
             self.session = engine.resume(conv_id, user=user)
-            self.tree = self.session.tree() if hasattr(self.session, 'tree') else self.session.messages()  # DEV: until Session.tree lands
+            self.tree = self.session.tree()
         except Exception as e:  # noqa: BLE001
             raise _sdk_error(e, not_found) from e
         by_id = {m.id: m for m in self.tree}
@@ -106,6 +113,8 @@ def _one_question(req: ResponsesRequest, chained: bool) -> tuple[str | None, str
         raise unsupported("input", "a stored response's input is one user message (after any system or developer "
                                    "messages): send the earlier turns as a chain of responses with "
                                    "previous_response_id, or the whole history with store=false")
+    if not msgs[-1]["content"].strip():
+        raise APIError(400, "the user message is empty", "invalid_value", "input")
     parts = ([req.instructions] if req.instructions else []) + [m["content"] for m in msgs[:n_sys]]
     return ("\n\n".join(parts) if parts else None), msgs[-1]["content"]
 
@@ -161,9 +170,11 @@ async def _stored(state, req: ResponsesRequest, who: str):
                 raise from_chatkv(e) from e
         try:
             events = await gen.session_turn(state, s, text, req.params, req.max_output_tokens)
-        except BaseException:
+        except BaseException as e:
             if prev is None:  # nothing of it was asked: no empty conversation is left behind
                 await to_thread.run_sync(_forget, s)
+            if isinstance(e, APIError) and e.param == "session_id":  # busy: the conversation is named by the id
+                e.param = "previous_response_id"
             raise
         try:
             asked = [m for m in await to_thread.run_sync(s.messages) if m.role == "user"][-1]
@@ -173,7 +184,7 @@ async def _stored(state, req: ResponsesRequest, who: str):
     finally:
         if conv_id is not None:
             state.responding.discard(conv_id)
-    return _shape(state, req, stored_id(s.id, asked.id), s.system, asked.created_at.timestamp()), events
+    return _shape(state, req, stored_id(s.id, asked.id), s.system, _epoch(asked.created_at)), events
 
 
 def _forget(s) -> None:
@@ -248,7 +259,7 @@ async def get_response(request: Request) -> Response:
     state, who, rid = _found(request)
     node = await to_thread.run_sync(Node, state.engine, rid, who, response_not_found(rid))
     shape = ResponseShape(rid, state.model_name, instructions=node.session.system, previous_response_id=node.previous_id,
-                          store=True, max_output_tokens=None, created_at=node.input.created_at.timestamp())
+                          store=True, max_output_tokens=None, created_at=_epoch(node.input.created_at))
     out = node.output
     if out is None:
         return JSONResponse(shape.object("in_progress"))
