@@ -142,13 +142,12 @@ def main() -> None:
             if not args.no_peer:
                 from rag_eval_peer import llamaindex_retriever
 
-                for label, size in (("LlamaIndex fusion", None), ("LlamaIndex fusion, 256-token chunks", 256)):
-                    peer = llamaindex_retriever(topic_texts(), size)
-                    if isinstance(peer, str):
-                        print(f"LlamaIndex: not run: {peer}")
-                        break
-                    print(f"{label}: {peer.chunks} chunks")
-                    retrievers[label] = peer
+                peer = llamaindex_retriever(topic_texts())
+                if isinstance(peer, str):
+                    print(f"LlamaIndex: not run: {peer}")
+                else:
+                    print(f"LlamaIndex: {peer.chunks} chunks")
+                    retrievers["LlamaIndex fusion"] = peer
             rows = retrieval_rows(retrievers, splits, questions)
             print_table(f"Retrieval (k={K} chunks; hit/MRR by document, answer@3 by chunk text)",
                         ["retriever", "split", "n", "hit@1", "hit@3", "hit@10", "MRR@10", "answer@3"], rows)

@@ -18,9 +18,9 @@ from typing import Callable, Union
 Retriever = Callable[[str, int], list[tuple[str, str]]]
 
 
-def llamaindex_retriever(texts: dict[str, str], chunk_size: int | None = None) -> Union[Retriever, str]:
+def llamaindex_retriever(texts: dict[str, str]) -> Union[Retriever, str]:
     """A ``retrieve(question, k) -> [(topic, chunk text)]`` over LlamaIndex's fusion retriever, or a
-    sentence saying why it cannot run here. ``chunk_size`` None keeps LlamaIndex's default splitter."""
+    sentence saying why it cannot run here."""
     try:
         from llama_index.core import Document, Settings, VectorStoreIndex
         from llama_index.core.node_parser import SentenceSplitter
@@ -34,7 +34,7 @@ def llamaindex_retriever(texts: dict[str, str], chunk_size: int | None = None) -
 
     Settings.llm = None
     Settings.embed_model = HuggingFaceEmbedding(model_name=str(default_model_dir()))
-    splitter = SentenceSplitter() if chunk_size is None else SentenceSplitter(chunk_size=chunk_size, chunk_overlap=chunk_size // 8)
+    splitter = SentenceSplitter()  # its defaults: what from_documents uses when given none
     docs = [Document(text=t, metadata={"topic": name}, id_=name) for name, t in texts.items()]
     index = VectorStoreIndex.from_documents(docs, transformations=[splitter])
     nodes = list(index.docstore.docs.values())
