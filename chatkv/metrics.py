@@ -14,7 +14,10 @@ can run several), and ``render()`` gives the text exposition format for ``/metri
   ``prompt_tokens_restored_total`` (loaded from a snapshot on disk),
   ``prompt_tokens_computed_total``, ``prefix_cache_queries_total`` / ``prefix_cache_hits_total``
   (tokens looked up / found in any tier, as vLLM counts them), ``num_preemptions_total``,
-  ``request_success_total{finished_reason}``.
+  ``request_success_total{finished_reason}``; speculative decoding as vLLM counts it:
+  ``spec_decode_num_drafts_total`` (verification steps), ``spec_decode_num_draft_tokens_total``
+  (proposed tokens), ``spec_decode_num_accepted_tokens_total`` and
+  ``spec_decode_num_accepted_tokens_per_pos_total{position}`` (0 = a draft's first token).
   Histograms: ``time_to_first_token_seconds``, ``inter_token_latency_seconds`` (a request's
   mean gap between tokens, observed once per gap: the engine does not time every token),
   ``e2e_request_latency_seconds``, ``request_prompt_tokens``, ``request_generation_tokens``.
@@ -124,6 +127,11 @@ class EngineMetrics:
         self.hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (any tier)")
         self.preemptions = counter("num_preemptions", "Preemptions of running requests")
         self.success = counter("request_success", "Finished requests by finish reason", lab + ["finished_reason"])
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verification steps (drafts verified)")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative tokens proposed")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted")
+        self.spec_per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Speculative tokens accepted, by "
+                                    "position in the draft", lab + ["position"])
         self.ttft = hist("time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between generated tokens", ITL_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Request latency from arrival to finish", E2E_BUCKETS)
@@ -136,8 +144,10 @@ class EngineMetrics:
 
     def _on_finish(self, result, seq) -> None:
         """On the engine thread: keep what the counters need, nothing more."""
+        spec = getattr(seq, "spec", None)
+        drafts = (spec.drafts, tuple(spec.accepted_per_pos)) if spec is not None else (0, ())
         self._pending.append((result.usage, result.finish_reason, result.preemptions, seq.arrival,
-                              seq.first_token_time, seq.finish_time))
+                              seq.first_token_time, seq.finish_time, drafts))
 
     @property
     def pending(self) -> int:
@@ -150,15 +160,19 @@ class EngineMetrics:
         m = self.model_name
         with self._drain_lock:
             while self._pending:
-                usage, reason, preemptions, arrival, first, finish = self._pending.popleft()
+                usage, reason, preemptions, arrival, first, finish, (drafts, per_pos) = self._pending.popleft()
                 n += 1
                 hit = usage.cached_tokens + usage.host_tokens + usage.restored_tokens
                 for c, v in ((self.prompt_tokens, usage.prompt_tokens), (self.generation_tokens, usage.generated_tokens),
                              (self.cached_tokens, usage.cached_tokens), (self.host_tokens, usage.host_tokens),
                              (self.restored_tokens, usage.restored_tokens), (self.computed_tokens, usage.computed_tokens),
-                             (self.queries, usage.prompt_tokens), (self.hits, hit), (self.preemptions, preemptions)):
+                             (self.queries, usage.prompt_tokens), (self.hits, hit), (self.preemptions, preemptions),
+                             (self.spec_drafts, drafts), (self.spec_draft_tokens, usage.proposed_tokens),
+                             (self.spec_accepted, usage.accepted_tokens)):
                     if v:
                         c.labels(m).inc(v)
+                for pos, v in enumerate(per_pos):
+                    self.spec_per_pos.labels(m, str(pos)).inc(v)
                 self.success.labels(m, reason).inc()
                 self.prompt_hist.labels(m).observe(usage.prompt_tokens)
                 self.gen_hist.labels(m).observe(usage.generated_tokens)
