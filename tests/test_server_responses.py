@@ -240,6 +240,9 @@ def test_a_busy_conversation_is_a_409(engine, alice):
         with pytest.raises(openai.ConflictError) as e:
             alice.responses.create(model=MODEL, input="Me too?", previous_response_id=r.id, **GREEDY)
         assert e.value.body["code"] == "session_busy"
+        with pytest.raises(openai.ConflictError) as e:  # nor deleted under it
+            alice.responses.delete(r.id)
+        assert (e.value.body["code"], e.value.body["param"]) == ("session_busy", "response_id")
     finally:
         turn.close()
     # another process's turn (its lease: here a second Store, as another process has): ConversationBusy, a 409
@@ -262,6 +265,22 @@ def test_an_answered_response_leaves_its_conversation_free(engine, alice):
         r = alice.responses.create(model=MODEL, input=f"Step {i}.", previous_response_id=r.id, **GREEDY)
         s.send(f"And step {i}?", SamplingParams(max_tokens=2, temperature=0))  # a sibling branch, at once
     assert len(s.tree()) == 2 + 4 * 4
+
+
+def _successes(server) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = raw(server.url, "/metrics")[1]
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "chatkv:request_success_total")
+
+
+def test_responses_are_counted_in_the_metrics(server, alice):
+    before = _successes(server)
+    r = alice.responses.create(model=MODEL, instructions=SYSTEM, input="Count me.", **GREEDY)
+    list(alice.responses.create(model=MODEL, input="And me.", previous_response_id=r.id, stream=True, **GREEDY))
+    alice.responses.create(model=MODEL, input="Me too.", store=False, **GREEDY)
+    assert _successes(server) >= before + 3
 
 
 def test_a_new_chain_that_cannot_be_asked_leaves_no_conversation(engine, alice):

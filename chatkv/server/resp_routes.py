@@ -47,9 +47,9 @@ def _epoch(t: datetime) -> float:
     return (t if t.tzinfo is not None else t.replace(tzinfo=timezone.utc)).timestamp()
 
 
-def _busy(conv_id: str) -> APIError:
+def _busy(conv_id: str, param: str = "previous_response_id") -> APIError:
     return APIError(409, f"conversation '{conv_id}' is answering another request; retry when it is done",
-                    "session_busy", "previous_response_id")
+                    "session_busy", param)
 
 
 def _sdk_error(e: Exception, not_found: APIError) -> APIError:
@@ -59,8 +59,8 @@ def _sdk_error(e: Exception, not_found: APIError) -> APIError:
     if isinstance(e, SessionError) and str(e).startswith("unknown conversation id"):
         return not_found
     err = from_chatkv(e)
-    if err.param == "session_id":
-        err.param = "previous_response_id"
+    if err.param == "session_id":  # busy: the conversation is named by the response id
+        err.param = not_found.param
     return err
 
 
@@ -277,7 +277,7 @@ async def delete_response(request: Request) -> Response:
                                          "where that is a whole conversation: delete the chain's first response "
                                          "(the one made without previous_response_id)")
     if s.id in state.responding or s.busy:
-        raise _busy(s.id)
+        raise _busy(s.id, "response_id")
     try:
         await to_thread.run_sync(s.delete)
     except Exception as e:  # noqa: BLE001
