@@ -74,6 +74,8 @@ class Reply:
     message_id: int
     sources: list = field(default_factory=list)
     context: object = None  # chatkv.context_window.ContextInfo: what the KV window kept and dropped
+    parsed: object = None  # send(json_schema=...): the reply as JSON (None unless it ended by stop, valid)
+    tool_calls: list = field(default_factory=list)  # send(tools=...): chatkv.tools.ToolCall, in order
 
 
 @dataclass

@@ -53,6 +53,12 @@ def _depth_first(msgs: list) -> list:
     return out
 
 
+def _finished(pieces: Iterator[str | Reply], opts) -> Iterator[str | Reply]:
+    """A turn's pieces, its Reply completed by its options (parsed, tool_calls)."""
+    for piece in pieces:
+        yield opts.finish(piece) if isinstance(piece, Reply) else piece
+
+
 async def _alast(pieces: AsyncIterator[str | Reply]) -> Reply:
     reply = None
     async for piece in pieces:
@@ -80,7 +86,9 @@ class Manager(Protocol):
     store: Store
     engine: _Starts
 
-    def turn(self, s: Session, text: str, params: SamplingParams) -> Iterator[str | Reply]: ...
+    renderer: object  # chatkv.turns.TurnRenderer
+
+    def turn(self, s: Session, text: str, params: SamplingParams, **options) -> Iterator[str | Reply]: ...
 
     def regenerate(self, s: Session, params: SamplingParams) -> Iterator[str | Reply]: ...
 
@@ -125,20 +133,61 @@ class Session:
         self.ending = None  # the turn in flight's end (chatkv.turn.TurnEnd), which close() may run
         self.last_used = time.monotonic()
         self.owner = "local"  # the user it belongs to (chatkv serve's API keys; the app and SDK: "local")
+        self.tools: list = []  # the last turn's tools (chatkv.tools.Tool), tools_seen their specs as rendered
+        self.tools_seen: str | None = None
+        self.pending_calls: dict = {}  # the last reply's tool calls awaiting results, by id
 
     # -- turns --------------------------------------------------------------
 
-    def send(self, text: str, params: SamplingParams | None = None) -> Reply:
-        """Ask and wait for the whole reply."""
-        return _last(self.stream(text, params))
+    def send(self, text: str, params: SamplingParams | None = None, *, json_schema=None, tools=None,
+             tool_choice="auto") -> Reply:
+        """Ask and wait for the whole reply. ``json_schema``: the reply is constrained to it and
+        ``reply.parsed`` is the object (None when it ended by length). ``tools`` (Python callables
+        or OpenAI-style specs, rendered by the chat template): ``reply.tool_calls`` are the calls
+        it made; ``tool_choice`` "required" or a function's name forces one (chatkv.tools)."""
+        return _last(self.stream(text, params, json_schema=json_schema, tools=tools, tool_choice=tool_choice))
 
-    def stream(self, text: str, params: SamplingParams | None = None) -> Iterator[str | Reply]:
-        """Yield the reply's text pieces as they are generated, then the Reply.
+    def stream(self, text: str, params: SamplingParams | None = None, *, json_schema=None, tools=None,
+               tool_choice="auto") -> Iterator[str | Reply]:
+        """Yield the reply's text pieces as they are generated, then the Reply (options: ``send``).
 
         Stopping early (closing the generator) keeps what was generated, marked interrupted.
         """
         params = self._turn_checks(params, text)
-        yield from self._m.turn(self, text, params)
+        if json_schema is None and tools is None:
+            yield from self._m.turn(self, text, params)
+            return
+        from chatkv.tools import TurnOptions  # only a turn with options needs it
+
+        opts = TurnOptions(self, self._m.renderer, params, json_schema, tools, tool_choice)
+        yield from _finished(self._m.turn(self, text, opts.params, **opts.turn_options()), opts)
+
+    def send_tool_results(self, results: dict, params: SamplingParams | None = None, *, tools=None,
+                          tool_choice="auto") -> Reply:
+        """Answer the last reply's tool calls (``{call_id: result}``, each result a str or
+        JSON-serialisable) as ``role: "tool"`` messages; the model goes on from them, the
+        conversation's KV reused. ``tools``: the last turn's unless given."""
+        return _last(self.stream_tool_results(results, params, tools=tools, tool_choice=tool_choice))
+
+    def stream_tool_results(self, results: dict, params: SamplingParams | None = None, *, tools=None,
+                            tool_choice="auto") -> Iterator[str | Reply]:
+        """``send_tool_results``, streamed as ``stream`` streams a turn."""
+        from chatkv.tools import TurnOptions, result_messages
+
+        params = self._turn_checks(params)
+        msgs = result_messages(results, self.pending_calls)
+        opts = TurnOptions(self, self._m.renderer, params, None, tools if tools is not None else self.tools, tool_choice)
+        text = json.dumps([{k: m[k] for k in ("tool_call_id", "name", "content")} for m in msgs])
+        render = lambda tokens, system, content: self._m.renderer.tool_turn(msgs)  # noqa: E731
+        yield from _finished(self._m.turn(self, text, opts.params, render=render, role="tool"), opts)
+
+    def run_tools(self, text: str, tools, params: SamplingParams | None = None, *, tool_choice="auto",
+                  max_steps: int = 5) -> Reply:
+        """Ask ``text`` with ``tools`` (Python callables); run each call and send its result back
+        until the model answers in text, at most ``max_steps`` replies (chatkv.tools.run_loop)."""
+        from chatkv.tools import run_loop
+
+        return run_loop(self, text, tools, params, tool_choice=tool_choice, max_steps=max_steps)
 
     # -- branches: edit, regenerate, switch (the conversation is a tree; nothing is deleted) --
 
@@ -194,9 +243,9 @@ class Session:
             raise SessionError(f"session '{self.id}' is already generating a reply")
         return params or self._default_params()
 
-    async def asend(self, text: str, params: SamplingParams | None = None) -> Reply:
-        """asyncio form of ``send`` (starts the engine loop if needed)."""
-        return await _alast(self.astream(text, params))
+    async def asend(self, text: str, params: SamplingParams | None = None, **options) -> Reply:
+        """asyncio form of ``send`` (starts the engine loop if needed; options as ``send``'s)."""
+        return await _alast(self.astream(text, params, **options))
 
     async def aregenerate(self, params: SamplingParams | None = None) -> Reply:
         """asyncio form of ``regenerate``."""
@@ -206,11 +255,11 @@ class Session:
         """asyncio form of ``edit``."""
         return await _alast(self._athread(lambda: self.stream_edit(message_id, text, params)))
 
-    async def astream(self, text: str, params: SamplingParams | None = None) -> AsyncIterator[str | Reply]:
+    async def astream(self, text: str, params: SamplingParams | None = None, **options) -> AsyncIterator[str | Reply]:
         """asyncio form of ``stream``: the turn runs on a thread of its own (its database work
         and waits never block the event loop) while the engine loop computes it with every
         other request. Closing the iterator early interrupts the reply, as with ``stream``."""
-        async for item in self._athread(lambda: self.stream(text, params)):
+        async for item in self._athread(lambda: self.stream(text, params, **options)):
             yield item
 
     async def _athread(self, make: Callable[[], Iterator[str | Reply]]) -> AsyncIterator[str | Reply]:

@@ -406,10 +406,11 @@ class SessionManager:
 
     # -- a turn (chatkv.turn) and the session state it changes -------------------------
 
-    def turn(self, s: Session, text: str, params: SamplingParams) -> Iterator[str | Reply]:
+    def turn(self, s: Session, text: str, params: SamplingParams, **options) -> Iterator[str | Reply]:
         """A turn under the conversation's lease: ConversationBusy while another process generates
-        it; a session behind the stored conversation is reloaded first."""
-        return Turn(self, s, text, params).run()
+        it; a session behind the stored conversation is reloaded first. ``options``: Turn's
+        ``render`` and ``role`` (a turn with tools, or of tool results: chatkv.tools)."""
+        return Turn(self, s, text, params, **options).run()
 
     # -- branches: the conversation as a tree (storage.message_tree) ---------------------
 

@@ -130,8 +130,13 @@ class TurnEnd:
 
 class Turn:
     def __init__(self, m: Manager, s: Session, text: str, params: SamplingParams, *,
-                 branch: tuple[int | None, bool] | None = None, regenerate: bool = False):
+                 branch: tuple[int | None, bool] | None = None, regenerate: bool = False,
+                 render: Callable[[list[int], str | None, str], list[int]] | None = None, role: str = "user"):
         self.m, self.s, self.text, self.params = m, s, text, params
+        # the new message's tokens from (history, system content, content); None: a plain user
+        # message (a turn with tools or of tool results renders its own: chatkv.tools)
+        self.render = render
+        self.role = role  # the stored role of the new message: "user", or "tool" (tool results)
         # where in the conversation's tree the turn starts: (message id or None for before the first
         # one, descend) made current under the lease first; None: after the current leaf
         self.branch = branch
@@ -217,9 +222,9 @@ class Turn:
         self.params.validate()
         self.window = self.engine.context_window
         reserve = cw.reply_room(self.params.max_tokens, self.window)
-        if s.knowledge is not None and not self.regenerate:  # a regenerated answer reads the same sources
+        if s.knowledge is not None and not self.regenerate and self.role == "user":  # a regenerated answer reads the same sources
             self._retrieve(reserve)
-        self.delta = [] if self.regenerate else m._delta_from(s.tokens, s.system_content, self.content)
+        self.delta = [] if self.regenerate else (self.render or m._delta_from)(s.tokens, s.system_content, self.content)
         self.st = copy.deepcopy(s.window)
         self.window_plan = cw.plan(self.st, len(s.tokens), len(self.delta), reserve, self.window, m.kv.block_size,
                                    m.sink_tokens)
@@ -313,7 +318,7 @@ class Turn:
             # committed before generation, with the window it was computed in (a regenerated
             # answer follows the stored user message: nothing to store yet)
             if not self.regenerate:
-                m.store.add_message(s.id, "user", self.text, meta=meta, token_ids=self.prompt, context=st.to_json())
+                m.store.add_message(s.id, self.role, self.text, meta=meta, token_ids=self.prompt, context=st.to_json())
                 self.stored = True
         except BaseException:
             st.turns.pop()

@@ -42,10 +42,11 @@ class TurnRenderer:
         self._base = base[:-1] + [{"role": "assistant", "content": "A"}]
         self._base_text = self._render(self._base, False)
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
+    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        extra = {"tools": tools} if tools else {}  # the template's own tool rendering (issue 25)
         try:
             return self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
             )
         except TemplateError as e:
             raise InvalidRequest(f"the model's chat template rejects this conversation: {e}") from None
@@ -54,25 +55,60 @@ class TurnRenderer:
         """Template markup only (no content of anyone's): special-token strings are control tokens."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _rendered(self, messages: list[dict], add_generation_prompt: bool) -> text_tokens.Rendered:
+    def _rendered(self, messages: list[dict], add_generation_prompt: bool,
+                  tools: list[dict] | None = None) -> text_tokens.Rendered:
         """The render and where its contents lie: contents are data (``chatkv.text_tokens``)."""
-        r = text_tokens.render(lambda ms: self._render(ms, add_generation_prompt), messages)
+        r = text_tokens.render(lambda ms: self._render(ms, add_generation_prompt, tools), messages)
         text_tokens.check_locatable(self.tokenizer, r, messages)
         return r
 
-    def first(self, messages: list[dict]) -> list[int]:
-        """The whole prompt of a conversation's first turn (system prompt included)."""
+    def first(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        """The whole prompt of a conversation's first turn (system prompt included; ``tools``:
+        OpenAI-style tool specs the template renders where it puts them)."""
         for i, m in enumerate(messages):
             check_text(f"message {i} ({m.get('role')})", m.get("content"))
-        return text_tokens.encode_rendered(self.tokenizer, self._rendered(messages, True))
+        return text_tokens.encode_rendered(self.tokenizer, self._rendered(messages, True, tools))
 
-    def user_turn(self, content: str) -> list[int]:
-        """Tokens to append after a closed assistant turn for a new user message, up to the reply."""
+    def user_turn(self, content: str, tools: list[dict] | None = None) -> list[int]:
+        """Tokens to append after a closed assistant turn for a new user message, up to the reply
+        (``tools``: first the template's tool block, for tools the conversation has not seen)."""
         check_text("the message", content)
         r = self._rendered(self._base + [{"role": "user", "content": content}], True)
         if not r.text.startswith(self._base_text):
             raise InvalidRequest("the chat template rewrites earlier turns when a message is added; cannot take a delta")
+        header = self.tools_header(tools) if tools else []
+        return header + text_tokens.encode_rendered(self.tokenizer, r, len(self._base_text))
+
+    def tool_turn(self, results: list[dict]) -> list[int]:
+        """Tokens to append after a closed assistant turn that called tools: the template's
+        rendering of ``results`` (``role: "tool"`` messages, their contents data), up to the reply."""
+        for i, m in enumerate(results):
+            check_text(f"tool result {i}", m.get("content"))
+        r = self._rendered(self._base + list(results), True)
+        if not r.text.startswith(self._base_text):
+            raise InvalidRequest("the chat template rewrites earlier turns when a tool result is added; cannot take a delta")
         return text_tokens.encode_rendered(self.tokenizer, r, len(self._base_text))
+
+    def renders_tools(self, tools: list[dict]) -> bool:
+        """Whether the chat template shows ``tools`` to the model at all (one without tool
+        support ignores them)."""
+        one = [{"role": "user", "content": _MARK}]
+        return self._render(one, True, tools) != self._render(one, True)
+
+    def tools_header(self, tools: list[dict]) -> list[int]:
+        """The template's tool block alone (what it renders before the first user message with
+        ``tools`` and not without them), for tools added to a conversation already begun."""
+        one = [{"role": "user", "content": _MARK}]
+        plain, withs = self._render(one, False), self._render(one, False, tools)
+        a, b = plain[: plain.index(_MARK)], withs[: withs.index(_MARK)]
+        n = 0
+        while n < min(len(a), len(b)) and a[len(a) - 1 - n] == b[len(b) - 1 - n]:
+            n += 1
+        block = b[: len(b) - n]
+        if not block.strip():
+            raise InvalidRequest("the model's chat template renders tools only at the start of a conversation, or not "
+                                 "at all; give the tools with the conversation's first message")
+        return self._encode(block)
 
     def continuation(self, messages: list[dict], k: int) -> list[int] | None:
         """The prompt of ``messages`` (up to the reply) after its first ``k`` messages, when those

@@ -77,3 +77,44 @@ def make_model(out_dir: Path, model_type: str = "llama", seed: int = 0, dtype=to
     model.save_pretrained(str(out_dir))
     make_tokenizer(out_dir)
     return model
+
+
+# A Qwen2.5-style chat template with tool support (Hermes <tool_call> format), as Qwen2.5 ships it
+# but without its default system prompt's wording.
+QWEN2_TOOLS = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\\n</tool_call><|im_end|>\\n' }}"
+    "{%- else %}{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def make_tool_model(out_dir: Path, seed: int = 0):
+    """The tiny Qwen2-style model with a tool-capable chat template (QWEN2_TOOLS)."""
+    from transformers import AutoTokenizer
+
+    model = make_model(out_dir, "qwen2", seed=seed, max_position_embeddings=4096)  # the tool block is long in a 384-token vocabulary
+    tok = AutoTokenizer.from_pretrained(str(out_dir))
+    tok.chat_template = QWEN2_TOOLS
+    tok.save_pretrained(str(out_dir))
+    return model
