@@ -14,7 +14,8 @@ validated by hand in ``schemas.py`` and FastAPI would bring nothing we use.
 Modules: ``app`` (the app, its state and lifespan), ``routes`` (the handlers), ``schemas``
 (request validation), ``generation`` (stateless requests and session turns), ``history``
 (canonical tokens for clients that re-send their history), ``responses`` (OpenAI's shapes,
-SSE), ``guards`` (API keys and the users they are, body size, concurrency), ``errors`` (OpenAI's error JSON),
+SSE), ``resp_routes``, ``resp_request`` and ``resp_shapes`` (the Responses API: its routes, its
+bodies and ids, its objects and stream events), ``guards`` (API keys and the users they are, body size, concurrency), ``errors`` (OpenAI's error JSON),
 ``cli`` (the options, the engine, uvicorn). Metrics live in ``chatkv.metrics``. ``chatkv serve --ray``
 (replicas on Ray Serve) is the subpackage ``chatkv.server.ray``; nothing here imports it but
 ``cli``, through ``ray.options``. Only the public SDK is used (``tests/test_faces_public_api.py``).
