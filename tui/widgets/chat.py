@@ -119,6 +119,13 @@ class ChatMessage(Vertical, can_focus=True):
             self.switcher.show(self.versions.index(message_id), len(self.versions))
         else:
             self.switcher.display = False
+        if self.is_mounted:
+            self.refresh_bindings()  # the footer's Left/Right follow the versions
+
+    def check_action(self, action: str, parameters) -> bool | None:
+        if action == "branch":  # Left/Right only where there is another version (and only then in the footer)
+            return len(self.versions) > 1
+        return True
 
     def action_edit(self) -> None:
         self.post_message(self.Edit(self))
