@@ -30,6 +30,7 @@ PUBLIC_MODULES = {
     "chatkv.sampling",  # SamplingParams
     "chatkv.metrics",  # EngineMetrics: one engine's Prometheus collectors
     "chatkv.retrieval",  # KnowledgeBase, Embedder (the package's exports, not its modules)
+    "chatkv.tools",  # tool specs from callables or JSON, tool_choice, the parsing of calls (issue 25)
 }
 # names that hold an SDK object in the faces' code (Engine, Session, EngineMetrics, KnowledgeBase...)
 SDK_HANDLES = {"engine", "session", "sessions", "metrics", "kb", "knowledge", "knowledge_base", "store", "seq",

@@ -93,9 +93,9 @@ async def _events(stream, on_done=None) -> AsyncIterator[str | Done]:
 
 
 async def stateless_chat(state, messages: list[dict], params: SamplingParams, max_tokens: int | None,
-                         user: str | None = None):
+                         user: str | None = None, tools: list[dict] | None = None):
     try:
-        ids, _ = await to_thread.run_sync(state.history.prompt, messages, user)
+        ids, _ = await to_thread.run_sync(state.history.prompt, messages, user, tools)
     except Exception as e:  # noqa: BLE001 - text that is not valid Unicode, a template that refuses
         raise from_chatkv(e) from e
     params.max_tokens = fit_max_tokens(state.context, len(ids), max_tokens)

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from itertools import islice
 
 from chatkv import LOCAL_USER, TurnRenderer
-from chatkv.errors import check_text
+from chatkv.errors import InvalidRequest, check_text
 
 
 def prefix_keys(messages: list[dict], user: str | None = None) -> list[bytes]:
@@ -61,11 +61,16 @@ class HistoryTokens:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def prompt(self, messages: list[dict], user: str | None = None) -> tuple[list[int], int]:
+    def prompt(self, messages: list[dict], user: str | None = None, tools: list[dict] | None = None) -> tuple[list[int], int]:
         """The prompt's token ids for ``messages`` (ending with a user message), and how many
-        leading messages came from the map (0: the whole conversation was tokenised)."""
+        leading messages came from the map (0: the whole conversation was tokenised). With
+        ``tools`` (specs the template renders, issue 25) it is rendered whole: the map is not used."""
         for i, m in enumerate(messages):
             check_text(f"messages[{i}].content", m["content"])
+        if tools:
+            if not self._turns.renders_tools(tools):
+                raise InvalidRequest("tools: the model's chat template does not render tools (it has no 'tools' support)")
+            return self._turns.first(messages, tools), 0
         keys = prefix_keys(messages, user)
         for k in range(len(messages) - 1, 0, -1):
             if messages[k - 1]["role"] != "assistant":

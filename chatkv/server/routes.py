@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from chatkv.server import generation as gen
+from chatkv.server import tool_calls
 from chatkv.server.errors import APIError, from_chatkv
 from chatkv.server.guards import check_api_key, read_body
 from chatkv.server.responses import Chat, Completion, sse, sum_usage
@@ -117,36 +118,62 @@ async def chat_completions(request: Request) -> Response:
     req = parse_chat(body)
     check_model(state, req.model)
     session_id = _session_id(request, req.session_id)
+    template = getattr(state.engine.tokenizer, "chat_template", None)
+    params = tool_calls.constrain(req.params, req.tools, req.tool_choice, template)
+    calling = bool(req.tools) and req.tool_choice != "none"  # the reply may be tool calls
+    if session_id and (req.tools or any(m["role"] == "tool" for m in req.messages)):
+        raise APIError(400, "tools and tool messages are taken without a session only (not with session_id yet)",
+                       "unsupported_parameter", "tools")
     slot = state.limit.acquire()
     streaming = False
     try:
         if session_id:
-            sid, events = await gen.session_chat(state, req.messages, req.params, req.max_tokens, session_id, who)
+            sid, events = await gen.session_chat(state, req.messages, params, req.max_tokens, session_id, who)
         else:
-            sid, events = None, await gen.stateless_chat(state, req.messages, req.params, req.max_tokens, who)
+            sid, events = None, await gen.stateless_chat(state, req.messages, params, req.max_tokens, who,
+                                                         tool_calls.specs(req.tools))
         chat = Chat(state.model_name, sid, req.include_usage)
         headers = {"X-Session-Id": sid} if sid else None
+        calls = (lambda text: tool_calls.reply_calls(text, req.tools, req.tool_choice, template)) if calling else None
         if req.stream:
             streaming = True
-            return stream_response(_chat_sse(chat, until_cut(state, events)), events, slot, state, headers)
+            return stream_response(_chat_sse(chat, until_cut(state, events), calls), events, slot, state, headers)
         done = None
         async for item in until_cut(state, events):
             if isinstance(item, gen.Done):
                 done = item
-        return JSONResponse(chat.completion(done.text, done.finish_reason, done.usage), headers=headers)
+        out = chat.completion(done.text, done.finish_reason, done.usage)
+        content, found = calls(done.text) if calls else (done.text, [])
+        if found:
+            out["choices"][0]["message"] = tool_calls.message(content, found)
+            out["choices"][0]["finish_reason"] = "tool_calls"
+        return JSONResponse(out, headers=headers)
     finally:
         if not streaming:
             slot.release()
             state.metrics_tick()
 
 
-async def _chat_sse(chat: Chat, events):
+async def _chat_sse(chat: Chat, events, calls=None):
+    """Text pieces as they come; with tools (``calls``) the reply is read whole first, then sent
+    as delta.tool_calls (one whole call each) or, when it called none, as its text."""
     yield sse(chat.chunk({"role": "assistant", "content": ""}))
+    held: list[str] = []
     async for item in events:
         if isinstance(item, gen.Done):
-            yield sse(chat.chunk({}, item.finish_reason))
+            finish = item.finish_reason
+            if calls is not None:
+                content, found = calls("".join(held))
+                if content:
+                    yield sse(chat.chunk({"content": content}))
+                for delta in tool_calls.deltas(found):
+                    yield sse(chat.chunk(delta))
+                finish = "tool_calls" if found else finish
+            yield sse(chat.chunk({}, finish))
             if chat.include_usage:
                 yield sse(chat.usage_chunk(item.usage))
+        elif calls is not None:
+            held.append(item)
         else:
             yield sse(chat.chunk({"content": item}))
     yield sse("[DONE]")

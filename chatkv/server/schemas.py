@@ -5,19 +5,21 @@ What is taken, besides OpenAI's own fields: vLLM's sampling extensions ``top_k``
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, and chatkv's ``session_id``.
 Fields a client library commonly sends that change nothing here (``user``, ``metadata``,
 ``store``, ``service_tier``) are accepted and ignored. Anything asking for what chatkv does
-not do (``n`` > 1, ``logprobs``, tools, non-zero penalties, ``logit_bias``, images) is
+not do (``n`` > 1, ``logprobs``, non-zero penalties, ``logit_bias``, images) is
 refused with ``unsupported_parameter`` instead of being silently dropped; an unknown field
 is refused with ``unknown_parameter``, as OpenAI does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
 
 from chatkv.errors import InvalidRequest
 from chatkv.sampling import SamplingParams
+from chatkv.server import tool_calls
 from chatkv.server.errors import APIError, bad_value, unsupported
 
 IGNORED = {"user", "metadata", "store", "service_tier"}
@@ -41,6 +43,8 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     session_id: str | None = None
+    tools: list = field(default_factory=list)  # chatkv.tools.Tool (tool_calls.py)
+    tool_choice: object = "none"
 
 
 @dataclass
@@ -194,15 +198,20 @@ def _messages(body: dict) -> list[dict]:
         if not isinstance(m, dict):
             raise bad_value(f"messages[{i}]", f"messages[{i}] must be an object, got {type(m).__name__}")
         role = m.get("role")
-        if role not in ROLES:
-            if role in ("tool", "function"):
-                raise unsupported(f"messages[{i}].role", f"messages[{i}].role {role!r}: tool calls are not supported")
-            raise bad_value(f"messages[{i}].role", f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}")
-        if m.get("tool_calls") or m.get("function_call"):
-            raise unsupported(f"messages[{i}].tool_calls", "tool calls are not supported")
+        if role not in ROLES and role != "tool":
+            if role == "function":
+                raise unsupported(f"messages[{i}].role", f"messages[{i}].role 'function' is the deprecated form; use 'tool'")
+            raise bad_value(f"messages[{i}].role", f"messages[{i}].role must be one of {sorted(ROLES)} or 'tool', got {role!r}")
+        if m.get("function_call"):
+            raise unsupported(f"messages[{i}].function_call", "function_call is the deprecated form; use tool_calls")
+        if role == "tool" or (role == "assistant" and m.get("tool_calls")):  # tool_calls.py
+            content = _content(i, m) if m.get("content") is not None else ""
+            out.append(tool_calls.history_message(i, m, role, content))
+            continue
         out.append({"role": ROLES[role], "content": _content(i, m)})
-    if out[-1]["role"] != "user":
-        raise bad_value("messages", f"the last message must be the user's, got {out[-1]['role']!r}")
+    if out[-1]["role"] not in ("user", "tool"):
+        raise bad_value("messages", f"the last message must be the user's or a tool result, got {out[-1]['role']!r}")
+    tool_calls.check_call_ids(out)
     return out
 
 
@@ -210,18 +219,19 @@ def parse_chat(body: dict) -> ChatRequest:
     _check_fields(body, CHAT_FIELDS)
     model = _model(body)
     messages = _messages(body)
-    for name in ("tools", "functions"):
-        _refuse_unless(body, name, lambda v: v == [], "no tool calls")
-    _refuse_unless(body, "tool_choice", lambda v: v == "none", "no tool calls")
+    listed, choice = tool_calls.tools(body)
+    constraint = tool_calls.response_format(body)
     _refuse_unless(body, "top_logprobs", lambda v: v == 0, "no log probabilities")
-    _refuse_unless(body, "response_format", lambda v: v == {"type": "text"}, "text output only")
     _refuse_unless(body, "modalities", lambda v: v == ["text"], "text output only")
     session_id = body.get("session_id")
     if session_id is not None and (not isinstance(session_id, str) or not session_id):
         raise bad_value("session_id", f"session_id must be a non-empty string, got {session_id!r}")
     stream, include_usage = _stream(body)
-    return ChatRequest(model, messages, _params(body), _max_tokens(body, "max_completion_tokens", "max_tokens"),
-                       stream, include_usage, session_id)
+    params = _params(body)
+    if constraint:
+        params = dataclasses.replace(params, **constraint)
+    return ChatRequest(model, messages, params, _max_tokens(body, "max_completion_tokens", "max_tokens"),
+                       stream, include_usage, session_id, listed, choice)
 
 
 def parse_completion(body: dict) -> CompletionRequest:

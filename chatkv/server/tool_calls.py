@@ -1,0 +1,150 @@
+"""Structured output and tool calls on /v1/chat/completions (issue 25): ``response_format``
+(``json_object``, ``json_schema``) as a constraint of the request's SamplingParams; ``tools`` and
+``tool_choice`` (auto, none, required, a named function; the forcing ones constrain the output
+to calls, chatkv.tools); ``role: "tool"`` messages and assistant ``tool_calls`` in the history,
+rendered by the model's own chat template; the reply's calls as ``message.tool_calls``.
+
+Every refusal is an OpenAI-shaped 400 whose ``param`` is the path of the problem.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from chatkv.errors import InvalidRequest
+from chatkv.server.errors import APIError, bad_value, unsupported
+from chatkv.tools import ToolCall, call_format, chosen, forcing, parse_calls, tools_of
+
+
+def _path_of(e: InvalidRequest, default: str) -> str:
+    """chatkv.tools' messages start with the path ("tools[0].function.name: ...")."""
+    head = str(e).split(":", 1)[0]
+    return head if " " not in head else default
+
+
+def response_format(body: dict) -> dict:
+    """SamplingParams fields for ``response_format`` (empty for text)."""
+    rf = body.get("response_format")
+    if rf is None:
+        return {}
+    if not isinstance(rf, dict):
+        raise bad_value("response_format", f"response_format must be an object, got {rf!r}")
+    kind = rf.get("type")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind != "json_schema":
+        raise bad_value("response_format.type", f"response_format.type must be 'text', 'json_object' or 'json_schema', "
+                                                f"got {kind!r}")
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise bad_value("response_format.json_schema", "response_format.json_schema must be an object with a 'schema'")
+    name = js.get("name")
+    if name is not None and not isinstance(name, str):
+        raise bad_value("response_format.json_schema.name", f"response_format.json_schema.name must be a string")
+    strict = js.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_value("response_format.json_schema.strict", "response_format.json_schema.strict must be a boolean")
+    schema = js.get("schema")
+    if not isinstance(schema, dict):
+        raise bad_value("response_format.json_schema.schema", "response_format.json_schema.schema must be a JSON schema object")
+    from chatkv.sampling import SamplingParams
+
+    try:
+        SamplingParams(json_schema=schema).validate()
+    except InvalidRequest as e:
+        code = "unsupported_parameter" if "Unimplemented" in str(e) or "unsupported" in str(e).lower() else "invalid_value"
+        raise APIError(400, f"response_format.json_schema.schema: {e}", code, "response_format.json_schema.schema") from None
+    return {"json_schema": schema}
+
+
+def tools(body: dict) -> tuple[list, object]:
+    """The request's tools (chatkv.tools.Tool) and its tool_choice."""
+    for name in ("functions", "function_call"):
+        if body.get(name) not in (None, []):
+            raise unsupported(name, f"{name} is the deprecated form; send tools and tool_choice")
+    raw, choice = body.get("tools"), body.get("tool_choice", "auto")
+    if raw is None or raw == []:
+        if choice not in (None, "auto", "none"):
+            raise bad_value("tool_choice", "tool_choice needs tools")
+        return [], "none"
+    try:
+        listed = tools_of(raw)
+        chosen(listed, choice if choice is not None else "auto")
+    except InvalidRequest as e:
+        where = "tool_choice" if str(e).startswith("tool_choice") else "tools"
+        raise bad_value(_path_of(e, where), str(e)) from None
+    return listed, choice if choice is not None else "auto"
+
+
+def history_message(i: int, m: dict, role: str, content) -> dict:
+    """A ``tool`` message or an assistant message with ``tool_calls``, as the template reads them."""
+    if role == "tool":
+        cid = m.get("tool_call_id")
+        if not isinstance(cid, str) or not cid:
+            raise bad_value(f"messages[{i}].tool_call_id", f"messages[{i}].tool_call_id must be the id of a tool call")
+        return {"role": "tool", "content": content, "tool_call_id": cid}
+    calls = m.get("tool_calls")
+    if not isinstance(calls, list) or not calls:
+        raise bad_value(f"messages[{i}].tool_calls", f"messages[{i}].tool_calls must be a non-empty array")
+    out = []
+    for j, c in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(c, dict) or not isinstance(c.get("id"), str) or not isinstance(fn, dict):
+            raise bad_value(where, f"{where} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise bad_value(f"{where}.function.name", f"{where}.function.name: a tool call needs a name")
+        args = fn.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            raise bad_value(f"{where}.function.arguments", f"{where}.function.arguments is not JSON") from None
+        out.append({"id": c["id"], "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return {"role": "assistant", "content": content or "", "tool_calls": out}
+
+
+def check_call_ids(messages: list[dict]) -> None:
+    """Each tool message answers a call of an earlier assistant message."""
+    seen: set[str] = set()
+    for i, m in enumerate(messages):
+        for c in m.get("tool_calls") or ():
+            seen.add(c["id"])
+        if m["role"] == "tool" and m["tool_call_id"] not in seen:
+            raise bad_value(f"messages[{i}].tool_call_id",
+                            f"messages[{i}].tool_call_id {m['tool_call_id']!r} answers no tool call of an earlier message")
+
+
+def constrain(params, listed: list, choice, chat_template: str | None):
+    """``params`` with the constraint a forcing tool_choice needs (or as they are)."""
+    forced = chosen(listed, choice) if listed else None
+    if forced is None:
+        return params
+    if params.constrained:
+        raise bad_value("tool_choice", "a tool_choice that forces a call cannot be combined with response_format")
+    return dataclasses.replace(params, **forcing(forced, call_format(chat_template)))
+
+
+def specs(listed: list) -> list[dict] | None:
+    return [t.spec() for t in listed] or None
+
+
+def reply_calls(text: str, listed: list, choice, chat_template: str | None) -> tuple[str | None, list[ToolCall]]:
+    """The reply's content (None when it is calls only) and its calls."""
+    if not listed or choice == "none":
+        return text, []
+    content, calls = parse_calls(text, listed, call_format(chat_template))
+    if not calls:
+        return text, []
+    return (content or None), calls
+
+
+def message(content: str | None, calls: list[ToolCall]) -> dict:
+    return {"role": "assistant", "content": content, "refusal": None, "tool_calls": [c.as_openai() for c in calls]}
+
+
+def deltas(calls: list[ToolCall]) -> list[dict]:
+    """The stream's ``delta.tool_calls`` pieces: one per call, whole (id, name, arguments)."""
+    return [{"tool_calls": [{"index": i, **c.as_openai()}]} for i, c in enumerate(calls)]
