@@ -23,6 +23,7 @@ from chatkv.errors import InvalidRequest
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+tagged_calls = _TAGGED  # the Hermes/Qwen call markup, for a stream that splits text from calls
 HERMES = "hermes"  # <tool_call>...</tool_call>
 BARE = "json"  # one JSON object
 

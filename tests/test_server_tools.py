@@ -160,3 +160,26 @@ def test_bad_requests_are_openai_400s_naming_the_path(client, server, extra, cod
     assert out["error"]["code"] == code and out["error"]["param"] == param, out
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(**body)
+
+
+def test_an_auto_reply_streams_its_text_before_any_call(client):
+    chunks = [c.choices[0].delta.content for c in client.chat.completions.create(
+        model=MODEL, messages=user("Hello"), max_tokens=12, temperature=0.0, tools=[WEATHER], stream=True)
+        if c.choices and c.choices[0].delta.content]
+    assert len(chunks) > 1  # not held to the end: no call began
+
+
+def test_the_call_stream_splits_text_from_calls():
+    from chatkv.server.tool_calls import CallStream, reply_calls
+    from chatkv.tools import tools_of
+
+    listed = tools_of([WEATHER])
+    split = CallStream("... <tool_call> ...")
+    sent = [split.feed(p) for p in ["Sure", ". <tool", "_call>\n{\"name\": \"get_weather\", ",
+                                    "\"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>"]]
+    assert "".join(sent) == "Sure. " and sent[1] == ". "
+    rest, found = split.finish(lambda t: reply_calls(t, listed, "auto", "<tool_call>"))
+    assert rest == "" and [(c.name, c.arguments) for c in found] == [("get_weather", {"city": "Oslo"})]
+    plain = CallStream("<tool_call>")
+    assert plain.feed("a <tool") == "a " and plain.feed("box>") == "<toolbox>"
+    assert plain.finish(lambda t: reply_calls(t, listed, "auto", "<tool_call>")) == ("", [])

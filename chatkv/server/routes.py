@@ -137,7 +137,7 @@ async def chat_completions(request: Request) -> Response:
         calls = (lambda text: tool_calls.reply_calls(text, req.tools, req.tool_choice, template)) if calling else None
         if req.stream:
             streaming = True
-            return stream_response(_chat_sse(chat, until_cut(state, events), calls), events, slot, state, headers)
+            return stream_response(_chat_sse(chat, until_cut(state, events), calls, template), events, slot, state, headers)
         done = None
         async for item in until_cut(state, events):
             if isinstance(item, gen.Done):
@@ -154,16 +154,16 @@ async def chat_completions(request: Request) -> Response:
             state.metrics_tick()
 
 
-async def _chat_sse(chat: Chat, events, calls=None):
-    """Text pieces as they come; with tools (``calls``) the reply is read whole first, then sent
-    as delta.tool_calls (one whole call each) or, when it called none, as its text."""
+async def _chat_sse(chat: Chat, events, calls=None, template=None):
+    """Text pieces as they come; with tools (``calls``) text streams until a call begins, the
+    calls are sent at the end as delta.tool_calls (one whole call each; tool_calls.CallStream)."""
     yield sse(chat.chunk({"role": "assistant", "content": ""}))
-    held: list[str] = []
+    split = tool_calls.CallStream(template) if calls is not None else None
     async for item in events:
         if isinstance(item, gen.Done):
             finish = item.finish_reason
-            if calls is not None:
-                content, found = calls("".join(held))
+            if split is not None:
+                content, found = split.finish(calls)
                 if content:
                     yield sse(chat.chunk({"content": content}))
                 for delta in tool_calls.deltas(found):
@@ -172,8 +172,10 @@ async def _chat_sse(chat: Chat, events, calls=None):
             yield sse(chat.chunk({}, finish))
             if chat.include_usage:
                 yield sse(chat.usage_chunk(item.usage))
-        elif calls is not None:
-            held.append(item)
+        elif split is not None:
+            now = split.feed(item)
+            if now:
+                yield sse(chat.chunk({"content": now}))
         else:
             yield sse(chat.chunk({"content": item}))
     yield sse("[DONE]")

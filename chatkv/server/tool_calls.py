@@ -14,7 +14,7 @@ import json
 
 from chatkv.errors import InvalidRequest
 from chatkv.server.errors import APIError, bad_value, unsupported
-from chatkv.tools import ToolCall, call_format, chosen, forcing, parse_calls, tools_of
+from chatkv.tools import ToolCall, call_format, chosen, forcing, parse_calls, tagged_calls, tools_of
 
 
 def _path_of(e: InvalidRequest, default: str) -> str:
@@ -148,3 +148,37 @@ def message(content: str | None, calls: list[ToolCall]) -> dict:
 def deltas(calls: list[ToolCall]) -> list[dict]:
     """The stream's ``delta.tool_calls`` pieces: one per call, whole (id, name, arguments)."""
     return [{"tool_calls": [{"index": i, **c.as_openai()}]} for i, c in enumerate(calls)]
+
+
+class CallStream:
+    """A streamed reply that may hold tool calls: text before a call streams as content as it
+    comes (only a tail that could begin ``<tool_call>`` waits); from the first call on it is held
+    and read whole at the end. A template whose calls are bare JSON holds the whole reply."""
+
+    TAG = "<tool_call>"
+
+    def __init__(self, chat_template: str | None):
+        self.text, self.sent = "", 0
+        self.holding = call_format(chat_template) != "hermes"
+
+    def feed(self, piece: str) -> str:
+        """What may be sent as content now."""
+        self.text += piece
+        if self.holding:
+            return ""
+        at = self.text.find(self.TAG, self.sent)
+        if at >= 0:
+            end, self.holding = at, True
+        else:
+            keep = next((k for k in range(len(self.TAG) - 1, 0, -1) if self.text.endswith(self.TAG[:k])), 0)
+            end = len(self.text) - keep
+        out, self.sent = self.text[self.sent:end], end
+        return out
+
+    def finish(self, calls) -> tuple[str, list[ToolCall]]:
+        """The content not yet sent, and the reply's calls (``calls``: text -> (content, calls))."""
+        _, found = calls(self.text)
+        rest = self.text[self.sent:]
+        if found:
+            rest = tagged_calls.sub("", rest).strip()
+        return rest, found
