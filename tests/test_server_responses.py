@@ -16,6 +16,7 @@ One tiny random llama (tests/tiny.py) on one started engine for the in-process s
 from __future__ import annotations
 
 import json
+import signal
 import time
 import uuid
 
@@ -348,10 +349,12 @@ def test_a_chained_request_keeps_the_conversations_instructions(server, alice):
 # ------------------------------------------------------------------ restart
 
 
-def test_a_chain_survives_a_restart_and_its_kv_is_restored(tmp_path_factory):
-    """Three chained turns, ``chatkv serve`` stopped and started again on the same data
-    directory, then turn 4: it continues the stored chain, and its history's KV comes back
-    from the snapshot on disk (at least 80% of its input is cached, most of it restored)."""
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["stopped", "killed"])
+def test_a_chain_survives_a_restart_and_its_kv_is_restored(tmp_path_factory, stop):
+    """Three chained turns, ``chatkv serve`` stopped (or killed: the write-behind segments are
+    on disk already) and started again on the same data directory, then turn 4: it continues
+    the stored chain, and its history's KV comes back from the snapshot on disk (at least 80%
+    of its input is cached, most of it restored)."""
     model_dir, data = tiny_model(tmp_path_factory), tmp_path_factory.mktemp("served")
     args = ("--dtype", "float32")
     proc, url = serve_process(model_dir, data, *args)
@@ -360,8 +363,8 @@ def test_a_chain_survives_a_restart_and_its_kv_is_restored(tmp_path_factory):
         chain = [c.responses.create(model=model_dir.name, instructions=SYSTEM, input="Turn one.", **GREEDY)]
         for q in ("Turn two.", "Turn three."):
             chain.append(c.responses.create(model=model_dir.name, input=q, previous_response_id=chain[-1].id, **GREEDY))
-        proc.terminate()
-        assert proc.wait(60) == 0
+        proc.send_signal(stop)
+        assert proc.wait(60) == (0 if stop == signal.SIGTERM else -signal.SIGKILL)
     finally:
         if proc.poll() is None:
             proc.kill()
