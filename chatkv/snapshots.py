@@ -10,8 +10,10 @@ Each conversation's KV is stored as append-only segments plus a manifest
   conversation's, the write keeps the segments of any branch on disk that hold the
   history's own leading tokens (a regenerated reply, an edited message, a branch switched
   back to: the other branch stays on disk beside it, sharing those files) and appends
-  after them; a history that shares no whole segment (truncated, a moved attention-sink
-  window) starts a new epoch: the whole KV as one base segment, older files removed after.
+  after them. Sharing no whole segment (compaction merged the common prefix's segments),
+  a branch is written whole from token 0 and the other still kept; a history that changed
+  along its branch (truncated, a moved attention-sink window) starts a new epoch: the
+  whole KV as one base segment, older files removed after.
 - **spill** releases a session's KV; the snapshot is usually current already, so it
   writes nothing (an idle spill and ``relieve`` never wait for the disk).
 - **restore** reads the branch on disk sharing the longest prefix with the prompt, verifies
@@ -198,7 +200,8 @@ class Snapshots:
         if n == 0 or self._closed:
             return False
         t = self._tracks.get(conv_id)
-        fence = max(fence, t.fence if t is not None else 0)
+        left = t.fence if t is not None else 0  # the last message of the history stored before
+        fence = max(fence, left)
         toks = list(tokens[:n])
         if t is not None and t.end and self._continues(t, tokens):
             if t.end >= n:
@@ -209,7 +212,7 @@ class Snapshots:
             if start >= n:  # a branch on disk holds it all (switched back to): nothing to write
                 self._tracks[conv_id] = _Track(new_epoch(), n, toks, None, t.seq if t else 0, fence)
                 return True
-            base, epoch = start == 0, new_epoch()
+            base, epoch = start == 0 and not self._other_branch(conv_id, left, fence), new_epoch()
         k, v = self.kv.export_kv(kept, start)
         self._seq += 1
         job = AppendJob(conv_id, self.key(conv_id), self._seq, toks, start, k, v, epoch, base,
@@ -228,6 +231,23 @@ class Snapshots:
         if man is None or not self._mine(man):
             return 0
         return max(self.segments.matching(view, tokens).end for view in man.views())
+
+    def _other_branch(self, conv_id: str, left: int, leaf: int) -> bool:
+        """Whether message ``left`` is on another branch than message ``leaf`` (not its ancestor):
+        the history stored before is still the conversation's, so a write sharing no whole segment
+        with it keeps it beside (a copy of the common prefix, not a base write replacing it). A
+        history that changed along one branch (truncated, a moved sink window) is replaced."""
+        if not left or not leaf or left == leaf:
+            return False
+        try:
+            parent = {m.id: m.parent_id for m in self.store.message_tree(conv_id)}
+        except Exception as e:  # a cache: a base write then, as before branches
+            log.debug("conversation %s: message tree not read (%s)", conv_id, e)
+            return False
+        node = leaf
+        while node is not None and node != left:
+            node = parent.get(node)
+        return node is None and left in parent
 
     def _handle(self, w: Written) -> None:
         self._pending[w.conv_id] -= 1

@@ -52,7 +52,9 @@ segments" must keep rewriting ever larger segments as the history grows (O(histo
 per token). A restore reads at most ``history / SEAL_TOKENS`` sealed segments plus
 ``MAX_OPEN`` small ones (plus at most ``MAX_OPEN - 1`` small ones left before each turn
 that was itself sealed on arrival). A merge reads its segments back and verifies them
-first, so damage on disk is never laundered into a fresh checksum.
+first, so damage on disk is never laundered into a fresh checksum. A segment another branch
+lists is never merged (it stays shared), so a branch may hold more small segments than
+``MAX_OPEN``: at most those it shares with other branches.
 
 Loading (``load``) verifies every segment in order (fingerprint, dtype, geometry, tokens,
 checksum, its place in the manifest) and stops at the first bad one: the segments before it

@@ -43,7 +43,7 @@ class AppendJob:
     key: str
     seq: int  # increases per job; lets the engine tell the latest write of a conversation
     tokens: list[int]  # the conversation's tokens[:end]
-    start: int
+    start: int  # where k/v begin; a branch on disk may hold more of ``tokens`` already (kept, not rewritten)
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     epoch: str
@@ -153,6 +153,6 @@ class SegmentWriter:
             return Written(job.conv_id, job.seq, False, on_disk, known, seconds=time.perf_counter() - t0,
                            error=f"{type(e).__name__}: {e}", io_error=True)
         self._warned = False
-        merged = man.segments[-1].start < job.start
+        merged = nbytes > 0 and man.segments[-1].start < job.start  # nothing written: a branch on disk held it all
         return Written(job.conv_id, job.seq, True, man, True, nbytes=nbytes, merged=merged,
                        seconds=time.perf_counter() - t0)

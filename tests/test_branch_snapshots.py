@@ -300,3 +300,25 @@ def test_the_disk_budget_counts_shared_files_once(model, tmp_path):
         snaps.flush()
         assert snaps.segments.read_manifest(snaps.key(s.id)) is None
         assert not list((tmp_path / "kv").glob(f"{snaps.key(s.id)}_*"))
+
+
+def test_a_branch_sharing_no_whole_segment_is_kept_beside_the_other(model, tmp_path):
+    """Compaction merged the common prefix into one segment with the rest (MAX_OPEN 1: every
+    write merges), so an edit shares no whole segment: the new branch is written whole from
+    token 0 and the branch left stays on disk, restored after a restart."""
+    ref, d = model
+    with engine_at(d, tmp_path) as e:
+        e.session_manager.snapshots.segments.MAX_OPEN = 1
+        s, replies, edited, man = _two_branches(e)
+        sid, a_leaf = s.id, replies[-1].message_id
+    assert len(man.segments) == 1 and [len(b) for b in man.branches] == [1]
+    assert (man.branches[0][0].end, man.end) == (kv_len(replies[-1]), kv_len(edited))
+    e = engine_at(d, tmp_path)
+    try:
+        s = e.resume(sid)
+        s.switch(a_leaf)
+        ra = s.send("Thanks!")
+        check(ref, s, ra)
+        assert ra.usage.restored_tokens == kv_len(replies[-1])
+    finally:
+        e.close()
