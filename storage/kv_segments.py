@@ -21,8 +21,9 @@ their common prefix: an append whose tokens leave the current branch keeps the l
 of whole leading segments, of any branch, whose recorded token hashes are its tokens', and
 writes only what follows (``matching`` picks the same run for a restore). A file is deleted
 only once no branch of the manifest lists it, and ``nbytes`` counts a shared file once. A
-history that shares no whole segment with any branch (truncated, a moved attention-sink
-window) is a ``base`` write: one fresh segment of a new epoch, every older file removed.
+history that replaced the one stored (truncated, a moved attention-sink window) is, by the
+caller's choice, a ``base`` write: one fresh segment of a new epoch, every older file
+removed; a non-base write sharing nothing starts at token 0 and keeps every branch.
 Segment names never repeat within a manifest: a new segment's epoch is a fresh one
 whenever its name is listed already.
 
