@@ -183,3 +183,36 @@ def test_the_call_stream_splits_text_from_calls():
     plain = CallStream("<tool_call>")
     assert plain.feed("a <tool") == "a " and plain.feed("box>") == "<toolbox>"
     assert plain.finish(lambda t: reply_calls(t, listed, "auto", "<tool_call>")) == ("", [])
+
+
+def test_response_format_on_a_session_turn(client, server):
+    r = client.chat.completions.create(
+        model=MODEL, messages=user("Rate it"), max_tokens=60, temperature=0.0, extra_headers={"X-Session-Id": "new"},
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}})
+    if r.choices[0].finish_reason == "stop":
+        jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+    status, out, _ = raw(server.url, "/v1/chat/completions",
+                         {"model": MODEL, "messages": user("x"), "tools": [WEATHER], "session_id": "new"})
+    assert status == 400 and out["error"]["param"] == "tools"
+
+
+def test_a_real_chatkv_serve_process(tmp_path):
+    """``chatkv serve`` in its own process: a json_schema reply and a forced tool call."""
+    from tests.serving import serve_process
+
+    make_tool_model(tmp_path / "m", seed=1)
+    proc, url = serve_process(tmp_path / "m", tmp_path / "data", "--served-model-name", MODEL)
+    try:
+        c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = c.chat.completions.create(model=MODEL, messages=user("Rate it"), max_tokens=60, temperature=0.0,
+                                      response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}})
+        if r.choices[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
+        r = c.chat.completions.create(model=MODEL, messages=user("Weather?"), max_tokens=150, temperature=0.0,
+                                      tools=[WEATHER], tool_choice="required")
+        assert r.choices[0].finish_reason == "tool_calls"
+        call = r.choices[0].message.tool_calls[0]
+        assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")
+    finally:
+        proc.terminate()
+        proc.wait(30)
