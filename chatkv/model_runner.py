@@ -7,8 +7,12 @@ them into the model's flat inputs and the attention metadata (one per sliding
 window size); ``forward`` runs the model; ``run`` does both for a scheduler plan
 and samples the next token of every sequence whose prompt is complete. A sequence with
 proposals to verify (``seq.draft``, chatkv.speculative; never a constrained one) computes its
-last token and the proposals in the same batch, every row's logits kept, and gets back the
-tokens ``speculative.verify`` accepts.
+last token and the proposals in the same batch and gets back the tokens ``speculative.verify``
+accepts. They go in as ``1 + len(draft)`` one-token items over the same block table (item ``i``
+at position ``start + i``, seeing the keys the items before it stored in the same layer), not as
+one ``logits="all"`` chunk: so each row takes the decode attention path a plain decode step
+takes, and its logits are a plain decode's, bit for bit, also in bf16 (a chunk would take the
+prefill path, whose rounding differs and flips near-tied greedy picks).
 """
 
 from __future__ import annotations
@@ -129,9 +133,10 @@ class ModelRunner:
         items, samplers, verifying = [], [], []
         for seq, n in plan:
             start = seq.num_computed
-            if seq.draft:  # its last token, then the proposals: every row's logits
+            if seq.draft:  # its last token, then the proposals: one decode query each (see the module doc)
                 assert start + 1 == len(seq.token_ids) and n == 1 + len(seq.draft), "a draft is verified while decoding"
-                items.append(BatchItem(seq.token_ids[start:] + seq.draft, start, seq.block_table, "all"))
+                for i, token in enumerate(seq.token_ids[start:] + seq.draft):
+                    items.append(BatchItem([token], start + i, seq.block_table, "last"))
                 verifying.append(seq)
                 continue
             done = start + n == len(seq.token_ids)
