@@ -56,6 +56,11 @@ def control_ids(tokenizer) -> frozenset[int]:
     return out
 
 
+def control_strings(tokenizer) -> list[str]:
+    """The text of every control token (``control_ids``), e.g. ``<|im_start|>``."""
+    return _control_strings(tokenizer)
+
+
 def _control_strings(tokenizer) -> list[str]:
     dec = getattr(tokenizer, "added_tokens_decoder", {})
     ctrl = control_ids(tokenizer)

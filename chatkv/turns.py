@@ -43,6 +43,8 @@ class TurnRenderer:
         self._base_text = self._render(self._base, False)
 
     def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
+        if tools:
+            self._check_tools(tools)
         extra = {"tools": tools} if tools else {}  # the template's own tool rendering (issue 25)
         try:
             return self.tokenizer.apply_chat_template(
@@ -50,6 +52,27 @@ class TurnRenderer:
             )
         except TemplateError as e:
             raise InvalidRequest(f"the model's chat template rejects this conversation: {e}") from None
+
+    def _check_tools(self, tools: list[dict]) -> None:
+        """Tool specs are rendered inside the template's markup and tokenised with it, so a
+        control token's text in a name, a description or a schema would become that control
+        token (a forged turn, as issue 20 found for messages): such a spec is refused."""
+        controls = text_tokens.control_strings(self.tokenizer)
+        if not controls:
+            return
+        stack: list[tuple[str, object]] = [(f"tools[{i}]", t) for i, t in enumerate(tools)]
+        while stack:
+            where, v = stack.pop()
+            if isinstance(v, dict):
+                stack.extend((f"{where}.{k}", x) for k, x in v.items())
+                stack.extend((f"{where} (a key)", k) for k in v)
+            elif isinstance(v, (list, tuple)):
+                stack.extend((f"{where}[{i}]", x) for i, x in enumerate(v))
+            elif isinstance(v, str):
+                hit = next((c for c in controls if c in v), None)
+                if hit is not None:
+                    raise InvalidRequest(f"{where} holds the model's control token {hit!r}; a tool's name, description "
+                                         "and schema are rendered as template markup, so they may not contain it")
 
     def _encode(self, text: str) -> list[int]:
         """Template markup only (no content of anyone's): special-token strings are control tokens."""
