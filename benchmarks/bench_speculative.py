@@ -1,0 +1,210 @@
+"""Speculative decoding by prompt lookup (issue 24): decode tok/s with ``speculative`` auto
+(the default) and lookup against ``off``, the same engine and process, on the default model.
+
+Workloads (chat-templated, greedy, EOS honoured, ``--tokens`` at most). Greedy speculation
+computes each verified row as a plain decode row (chatkv.model_runner), so the modes generate
+the same tokens wherever the model's decode is batch-invariant (float32: the tests); in bf16 a
+row decoded beside others of other lengths takes a masked attention whose rounding differs from
+a lone decode's (as in plain continuous batching), so a near-tie can flip: the table says
+whether auto's tokens are off's, and from which token they differ if not.
+
+- input-grounded, as RAG and chat users run them: quote a retrieved source, rewrite a pasted
+  code block, answer from a pinned document;
+- free-form chat (nothing to look up: the adaptive off-switch's case).
+
+Batch 1: each prompt alone, the request's decode rate (``usage.tokens_per_s``: tokens after
+the first over the time after the first; prefill excluded). Batch 8: the 4 prompts twice in
+one ``generate``, generated tokens over the call's wall time. Modes take turns within each
+repeat (background load hits all alike); medians. The modes share one engine (its speculator
+is swapped between runs: the same weights, the same pool and prefix cache). The peer: llama.cpp (llama-cpp-python on
+the packaged GGUF) plain and with its ``LlamaPromptLookupDecoding`` draft model, the same
+prompt tokens, the same number of tokens, timestamped per token.
+
+    .venv/bin/python benchmarks/bench_speculative.py [--tokens 128] [--repeats 3] [--no-llama-cpp]
+"""
+
+from __future__ import annotations
+
+import time
+
+from common import OtherLoad, common_prefix, cpu_line, goal, load_average, median, parser, print_table, setup
+
+SOURCE = (
+    "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 individual reefs "
+    "and 900 islands stretching for over 2,300 kilometres over an area of approximately 344,400 square "
+    "kilometres. The reef is located in the Coral Sea, off the coast of Queensland, Australia. It can be seen "
+    "from outer space and is the world's biggest single structure made by living organisms. This reef structure "
+    "is composed of and built by billions of tiny organisms, known as coral polyps."
+)
+CODE = '''def moving_average(values, window):
+    if window <= 0:
+        raise ValueError("window must be positive")
+    result = []
+    total = 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        if i >= window - 1:
+            result.append(total / window)
+    return result
+'''
+DOCUMENT = (
+    "Return policy. Items may be returned within 30 days of delivery for a full refund, provided they are "
+    "unused and in their original packaging. To start a return, sign in to your account, open the order, and "
+    "choose Return items. Refunds are issued to the original payment method within 5 business days after the "
+    "returned item arrives at our warehouse. Shipping costs are not refunded unless the item arrived damaged."
+)
+WORKLOADS = {
+    "quote a source": [
+        {"role": "system", "content": "You answer using the retrieved source, quoting it exactly."},
+        {"role": "user", "content": f"Source:\n{SOURCE}\n\nQuote the source's description of the reef word for word."},
+    ],
+    "rewrite code": [
+        {"role": "user", "content": f"Add type hints to this Python function and return the whole function:\n\n{CODE}"},
+    ],
+    "answer from a pinned document": [
+        {"role": "system", "content": f"Answer from this document only, quoting it.\n\nDocument:\n{DOCUMENT}"},
+        {"role": "user", "content": "How do I return an item and when do I get my refund?"},
+    ],
+    "free-form chat": [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message in a bottle."},
+    ],
+}
+GROUNDED = [w for w in WORKLOADS if w != "free-form chat"]
+MODES = ("off", "auto", "lookup")
+
+
+def batch1(engine, ids, n, mode):
+    from chatkv.sampling import SamplingParams
+
+    engine.scheduler.speculator = _speculators[mode]
+    r = engine.generate(ids, SamplingParams(max_tokens=n, temperature=0))
+    return r.usage.tokens_per_s, r
+
+
+def batch8(engine, prompts, n, mode):
+    from chatkv.sampling import SamplingParams
+
+    engine.scheduler.speculator = _speculators[mode]
+    t = time.perf_counter()
+    outs = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0))
+    return sum(o.usage.generated_tokens for o in outs) / (time.perf_counter() - t), outs
+
+
+def llama_decode(llm, ids, n):
+    stamps, toks = [], []
+    for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+        stamps.append(time.perf_counter())
+        toks.append(tok)
+        if len(toks) == n:
+            break
+    return (n - 1) / (stamps[-1] - stamps[0]) if n > 1 else 0.0, toks
+
+
+_speculators: dict = {}
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--no-llama-cpp", action="store_true")
+    args = p.parse_args()
+    model_dir = setup(args)
+    print(cpu_line())
+    print(f"load average at start: {load_average()}")
+    load = OtherLoad()
+    from chatkv.engine import Engine
+    from chatkv.speculative import Speculator
+    from chatkv.config import EngineConfig
+
+    engine = Engine.from_pretrained(model_dir)
+    print(f"weights: {engine.weights.label}; threads {args.threads}")
+    for mode in MODES:
+        cfg = EngineConfig(speculative=mode, quant_dense_rows=engine.config.quant_dense_rows)
+        _speculators[mode] = Speculator.from_config(cfg)
+    ids = {w: engine.encode_chat(m) for w, m in WORKLOADS.items()}
+    n = args.tokens
+    for w in WORKLOADS:  # warm-up (and the prompts' KV in the prefix cache for every mode alike)
+        batch1(engine, ids[w], 8, "auto")
+    rate = {(w, m): [] for w in WORKLOADS for m in MODES}
+    got: dict = {}
+    rate8 = {m: [] for m in MODES}
+    prompts8 = [ids[w] for w in WORKLOADS] * 2
+    for _ in range(args.repeats):
+        for w in WORKLOADS:
+            for m in MODES:
+                r, res = batch1(engine, ids[w], n, m)
+                rate[w, m].append(r)
+                got[w, m] = res
+        for m in MODES:
+            r, outs = batch8(engine, prompts8, n, m)
+            rate8[m].append(r)
+            got["batch8", m] = outs
+    same = {}  # greedy agreement with off: bf16 rounding of a batched decode row can flip a near-tie
+    for w in WORKLOADS:
+        a, b = got[w, "auto"].token_ids, got[w, "off"].token_ids
+        same[w] = "yes" if a == b else f"from token {common_prefix(a, b)}"
+
+    lc = {}
+    if not args.no_llama_cpp:
+        lc = llama_peer(args, ids, {w: len(got[w, "off"].token_ids) for w in WORKLOADS})
+
+    rows = []
+    for w in WORKLOADS:
+        off, auto, look = (median(rate[w, m]) for m in MODES)
+        u = got[w, "auto"].usage
+        ul = got[w, "lookup"].usage
+        target = 1.6 if w in GROUNDED else 0.97
+        peer = ""
+        if w in lc:
+            peer = f"{lc[w][0]:.1f} / {lc[w][1]:.1f} ({auto / lc[w][1]:.2f}x)"
+        rows.append([w, len(got[w, "off"].token_ids), same[w], f"{off:.1f}", f"{auto:.1f}", f"{auto / off:.2f}x", goal(auto / off, target),
+                     f"{look:.1f} ({look / off:.2f}x)", f"{u.accepted_tokens}/{u.proposed_tokens}",
+                     f"{ul.accepted_tokens}/{ul.proposed_tokens}", peer])
+    print_table(f"batch 1, decode tok/s (median of {args.repeats}), greedy, up to {n} tokens",
+                ["workload", "tokens", "auto's = off's", "off", "auto", "auto/off", "goal", "lookup (vs off)", "accepted/proposed auto",
+                 "lookup", "llama.cpp plain / lookup (auto vs lookup)"], rows)
+    off8, auto8, look8 = (median(rate8[m]) for m in MODES)
+    acc = sum(o.usage.accepted_tokens for o in got["batch8", "auto"])
+    prop = sum(o.usage.proposed_tokens for o in got["batch8", "auto"])
+    print_table("batch 8 (the 4 prompts twice, one generate), generated tok/s over wall time",
+                ["off", "auto", "auto/off", "goal", "lookup (vs off)", "accepted/proposed auto"],
+                [[f"{off8:.1f}", f"{auto8:.1f}", f"{auto8 / off8:.2f}x", goal(auto8 / off8, 1.0),
+                  f"{look8:.1f} ({look8 / off8:.2f}x)", f"{acc}/{prop}"]])
+    print(f"\nload average at end: {load_average()}; {load}")
+    engine.close()
+
+
+def llama_peer(args, ids, counts) -> dict:
+    """{workload: (plain tok/s, LlamaPromptLookupDecoding tok/s)} on the same prompt tokens."""
+    try:
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        print("llama.cpp: llama-cpp-python not installed; no peer")
+        return {}
+    from chatkv.weights import packaged_gguf_path
+
+    path = str(packaged_gguf_path())
+    plain = llama_cpp.Llama(model_path=path, n_threads=args.threads, n_ctx=2048, verbose=False)
+    look = llama_cpp.Llama(model_path=path, n_threads=args.threads, n_ctx=2048, verbose=False,
+                           draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
+    out = {}
+    for w, toks in ids.items():
+        n = counts[w]
+        rp, rl = [], []
+        for _ in range(args.repeats):
+            r, a = llama_decode(plain, toks, n)
+            rp.append(r)
+            r, b = llama_decode(look, toks, n)
+            rl.append(r)
+        out[w] = (median(rp), median(rl))
+        if a != b:
+            print(f"llama.cpp: {w}: lookup decoding's tokens differ from its plain greedy ({len(a)} tokens)")
+    return out
+
+
+if __name__ == "__main__":
+    main()
