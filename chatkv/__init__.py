@@ -21,6 +21,7 @@ from chatkv.errors import (
 __all__ = [
     "Engine",
     "SamplingParams",
+    "Conversations",
     # what the faces (chatkv serve, the app) need besides, each imported on first use
     "TurnRenderer",
     "LOCAL_USER",
@@ -55,6 +56,10 @@ def __getattr__(name: str):
         from chatkv.sampling import SamplingParams
 
         return SamplingParams
+    if name == "Conversations":  # the saved conversations, listed and searched without a model
+        from chatkv.conversations import Conversations
+
+        return Conversations
     if name == "TurnRenderer":  # the chat template's token deltas (a reply's closing tokens, a prompt's continuation)
         from chatkv.turns import TurnRenderer
 

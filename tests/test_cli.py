@@ -329,3 +329,7 @@ def test_search_prints_one_line_a_hit_on_every_branch_and_exits_1_on_none(model_
     assert out.out == "" and len(out.err.splitlines()) == 1 and "no match" in out.err
     assert main(["--search", "  "]) == 2  # refused before any model loads
     assert "--search needs words" in capsys.readouterr().err and calls == []
+    # listing and searching read the store alone: no model is loaded (this path names none)
+    missing = str(tmp_path / "no-such-model")
+    assert main(["--model", missing, "--search", "kettles"]) == 0 and conv in capsys.readouterr().out
+    assert main(["--model", missing, "--list"]) == 0 and conv in capsys.readouterr().out

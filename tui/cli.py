@@ -32,7 +32,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from chatkv import ChatKVError, Engine, InvalidRequest
+from chatkv import ChatKVError, Conversations, Engine, InvalidRequest
 from chatkv.config import HEADS, KV_DTYPES, OVERFLOW_POLICIES, WEIGHTS
 from chatkv.outputs import GenerationResult, Reply
 from chatkv.sampling import SamplingParams
@@ -225,10 +225,10 @@ def _check_search(text: str | None) -> str | None:
     return text
 
 
-def _search(engine: Engine, text: str) -> int:
+def _search(saved: Conversations, text: str) -> int:
     """The hits of ``text``, one a line: conversation id, title, role, snippet. 1 (and one line
     on stderr) when none matches, as grep."""
-    hits = engine.search(text)
+    hits = saved.search(text)
     if not hits:
         _note(f"no match for {safe_text(text, oneline=True)!r}")
         return 1
@@ -308,16 +308,15 @@ def main(argv: list[str] | None = None) -> int:
         listing = args.list or args.search is not None
         if args.prompt is None and not listing and not args.plain and _is_terminal():
             return _open_app(args, given)
-        # the public SDK reads the store through an Engine, so --list and --search load the model too
+        if listing:  # the store alone: no model is loaded to list or search what is saved
+            with Conversations(args.data_dir) as saved:
+                if args.search is not None:
+                    return _search(saved, args.search)
+                stdout = Stdout()
+                for c in saved.list():
+                    stdout.write(f"{c.id}  {c.updated_at:%Y-%m-%d %H:%M}  {safe_text(c.title, oneline=True)}", end="\n")
+                return stdout.status()
         engine = Engine.from_pretrained(args.model, dtype=args.dtype, data_dir=args.data_dir, **_engine_options(args))
-        if args.search is not None:
-            with engine:
-                return _search(engine, args.search)
-        if args.list:
-            stdout = Stdout()
-            for c in engine.sessions():
-                stdout.write(f"{c.id}  {c.updated_at:%Y-%m-%d %H:%M}  {safe_text(c.title, oneline=True)}", end="\n")
-            return stdout.status()
         if args.prompt is not None and args.kb is None and args.resume is None:
             messages = [{"role": "system", "content": args.system}] if args.system else []
             return _one_shot(engine, messages + [{"role": "user", "content": args.prompt}], params, args.stats)
