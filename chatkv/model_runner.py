@@ -37,6 +37,7 @@ class BatchItem:
     start: int  # position of the first one (= tokens of the sequence already in the pool)
     block_table: list[int]  # covers start + len(token_ids) tokens
     logits: str = "last"  # "last": the last new token's logits, "all": every new token's, "none"
+    exact: bool = False  # a decode query computed over exactly its own keys (kernels.build_metadata)
 
 
 @dataclass
@@ -99,8 +100,9 @@ class ModelRunner:
         self.host_pool = HostPool.for_pool(self.pool, config.host_cache_bytes) if config.enable_prefix_caching else None
 
     def build_batch(self, items: list[BatchItem]) -> Batch:
-        ids, pos, tables, qlens, ctx, rows = [], [], [], [], [], []
+        ids, pos, tables, qlens, ctx, rows, exact = [], [], [], [], [], [], []
         for it in items:
+            exact.append(it.exact)
             n = len(it.token_ids)
             first_row = len(ids)
             ids.extend(it.token_ids)
@@ -117,7 +119,8 @@ class ModelRunner:
         return Batch(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),
-            {w: build_metadata(tables, qlens, ctx, bs, w, device=dev) for w in self.model.windows},
+            {w: build_metadata(tables, qlens, ctx, bs, w, device=dev, exact=exact if any(exact) else None)
+             for w in self.model.windows},
             torch.tensor(rows, dtype=torch.long, device=dev),
         )
 
@@ -136,7 +139,9 @@ class ModelRunner:
             if seq.draft:  # its last token, then the proposals: one decode query each (see the module doc)
                 assert start + 1 == len(seq.token_ids) and n == 1 + len(seq.draft), "a draft is verified while decoding"
                 for i, token in enumerate(seq.token_ids[start:] + seq.draft):
-                    items.append(BatchItem([token], start + i, seq.block_table, "last"))
+                    # exact: each row's attention as its lone decode computes it, so what is accepted
+                    # is what plain decoding gives (a padded row's bf16 rounding differs)
+                    items.append(BatchItem([token], start + i, seq.block_table, "last", exact=True))
                 verifying.append(seq)
                 continue
             done = start + n == len(seq.token_ids)

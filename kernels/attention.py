@@ -40,7 +40,9 @@ class Prefill:
     q_len: int
     blocks: torch.Tensor  # [num blocks] long
     kv_len: int
-    mask: torch.Tensor  # [q_len, kv_len] bool, True = attend (causal, and the sliding window if any)
+    # [q_len, kv_len] bool, True = attend (causal, and the sliding window if any); None: every key
+    # (an exact decode row, below)
+    mask: torch.Tensor | None
 
 
 @dataclass
@@ -79,18 +81,28 @@ def build_metadata(
     block_size: int,
     sliding_window: int | None = None,
     device: str | torch.device = "cpu",
+    exact: list[bool] | None = None,
 ) -> AttentionMetadata:
-    """Describe one flattened step. ``context_lens[i]`` counts sequence i's new tokens too."""
+    """Describe one flattened step. ``context_lens[i]`` counts sequence i's new tokens too.
+
+    ``exact[i]``: sequence i's single query is computed over exactly its own keys, as a lone
+    decode is, not padded to the longest decode row of the step with a mask: a padded row's
+    rounding differs from a lone one's (bf16: up to 2e-3), so speculative decoding's
+    verification rows, which must give what plain decoding gives, are exact (without a
+    sliding window; a window's rows are always padded)."""
     assert len(block_tables) == len(query_lens) == len(context_lens)
+    exact = exact or [False] * len(query_lens)
     slots: list[int] = []
     prefills: list[Prefill] = []
     decodes: list[tuple[int, list[int], int, int]] = []  # (row, block ids, first valid key, end of keys)
     start = 0
-    for table, q_len, ctx in zip(block_tables, query_lens, context_lens):
+    for table, q_len, ctx, alone in zip(block_tables, query_lens, context_lens, exact):
         assert 0 < q_len <= ctx <= len(table) * block_size, (q_len, ctx, len(table), block_size)
         slots.extend(table[t // block_size] * block_size + t % block_size for t in range(ctx - q_len, ctx))
         n_blocks = -(-ctx // block_size)
-        if q_len == 1:
+        if q_len == 1 and alone and sliding_window is None:  # its own call over its own keys, unmasked
+            prefills.append(Prefill(start, 1, torch.tensor(table[:n_blocks], dtype=torch.long, device=device), ctx, None))
+        elif q_len == 1:
             # only the blocks inside the window: the first one may hold a few keys before it
             first = 0 if sliding_window is None else max(0, ctx - sliding_window) // block_size
             lo = 0 if sliding_window is None else max(0, ctx - sliding_window) - first * block_size
@@ -198,7 +210,8 @@ def paged_attention(
         ks = _gather(k_cache, p.blocks, 1, p.kv_len, q.dtype, quant)[0]
         vs = _gather(v_cache, p.blocks, 1, p.kv_len, q.dtype, quant)[0]
         # 4-D inputs: with 3-D ones CPU SDPA takes its slow generic path (~3x slower for long prefixes)
-        o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=p.mask.repeat(group, 1), scale=scale)[0]
+        mask = None if p.mask is None else p.mask.repeat(group, 1)
+        o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, scale=scale)[0]
         out[p.start : p.start + p.q_len] = o.view(kv_heads, group, p.q_len, head_dim).permute(2, 0, 1, 3).reshape(
             p.q_len, heads, head_dim
         )

@@ -141,3 +141,35 @@ def test_window_wider_than_context_is_full_attention():
         store_kv(kc, vc, meta.slot_mapping, new_k, new_v)
         outs.append(paged_attention(q, kc, vc, meta, scale=1 / math.sqrt(8)))
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("first, other", [(150, 700), (2001, 2100), (60, 64)])
+def test_exact_decode_rows_equal_lone_decodes_bit_for_bit(dtype, first, other):
+    """Speculative decoding verifies k proposals as k+1 decode rows of one step, each at its own
+    length. Padded to the longest row with a mask, a row's bf16 rounding differs from the lone
+    decode plain decoding computes (up to 2e-3 measured), so accepted tokens could differ from
+    plain greedy output; an ``exact`` row equals its lone decode bit for bit, at the product's
+    shapes (SmolLM2-135M: 9 query / 3 KV heads of 64, blocks of 16, a ~2k-token history)."""
+    torch.manual_seed(0)
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    lens = [first + i for i in range(6)] + [37, other]  # one sequence's verification rows, then two others
+    nblocks = sum(-(-n // bs) for n in lens) + 4
+    k_cache = torch.randn(nblocks, bs, kv_heads, d).to(dtype)
+    v_cache = torch.randn(nblocks, bs, kv_heads, d).to(dtype)
+    shared = list(range(-(-lens[5] // bs)))  # the six rows share one block table
+    nxt = len(shared)
+    tables = [shared] * 6
+    for n in lens[6:]:
+        tables.append(list(range(nxt, nxt + -(-n // bs))))
+        nxt += len(tables[-1])
+    q = torch.randn(len(lens), heads, d).to(dtype)
+    exact = [True] * 6 + [False, False]
+    meta = build_metadata(tables, [1] * len(lens), lens, bs, exact=exact)
+    out = paged_attention(q, k_cache, v_cache, meta, 1 / math.sqrt(d))
+    for i in range(6):
+        alone = paged_attention(q[i : i + 1], k_cache, v_cache, build_metadata([tables[i]], [1], [lens[i]], bs),
+                                1 / math.sqrt(d))
+        assert torch.equal(out[i], alone[0]), i
+    padded = paged_attention(q, k_cache, v_cache, build_metadata(tables, [1] * len(lens), lens, bs), 1 / math.sqrt(d))
+    torch.testing.assert_close(out, padded, atol=5e-3, rtol=0)  # the same attention, up to rounding
