@@ -114,7 +114,9 @@ class BlockPool:
             assert self.ref_counts[b] > 0, f"decref of free block {b}"
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
-                self._free.append(b)
+                # reused first (LIFO): a long-running engine keeps resident only the most blocks
+                # ever in use at once; the pool's never-touched pages stay unallocated (issue 19)
+                self._free.appendleft(b)
                 freed += 1
         return freed
 
