@@ -66,6 +66,7 @@ def test_streamed_chat_matches_plain_and_reports_cached_tokens(engine, client):
     split = usage.model_extra["chatkv"]
     assert split["cached_tokens"] + split["host_tokens"] + split["restored_tokens"] == usage.prompt_tokens_details.cached_tokens
     assert split["computed_tokens"] == n - usage.prompt_tokens_details.cached_tokens
+    assert 0 <= split["accepted_tokens"] <= split["proposed_tokens"]  # speculative decoding's, when it ran
 
 
 def test_text_completions_models_health_and_embeddings(engine, server, client):

@@ -34,6 +34,8 @@ def usage_json(u: Usage) -> dict:
             "host_tokens": u.host_tokens,
             "restored_tokens": u.restored_tokens,
             "computed_tokens": u.computed_tokens,
+            "proposed_tokens": u.proposed_tokens,  # speculative decoding (prompt lookup): drafted
+            "accepted_tokens": u.accepted_tokens,  # ... and of those, generated
             "ttft_s": round(u.ttft_s, 6),
             "tokens_per_s": round(u.tokens_per_s, 3),
         },
@@ -44,7 +46,7 @@ def sum_usage(usages: list[Usage]) -> Usage:
     out = Usage()
     for u in usages:
         for name in ("prompt_tokens", "cached_tokens", "host_tokens", "restored_tokens", "computed_tokens",
-                     "generated_tokens"):
+                     "generated_tokens", "proposed_tokens", "accepted_tokens"):
             setattr(out, name, getattr(out, name) + getattr(u, name))
     out.ttft_s = max((u.ttft_s for u in usages), default=0.0)
     return out
