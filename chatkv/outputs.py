@@ -22,15 +22,10 @@ class Usage:
     proposed_tokens: int = 0  # speculative decoding: tokens proposed for verification (chatkv.speculative)
     accepted_tokens: int = 0  # of which the model accepted (each one a token without a step of its own)
 
-    NOT_STORED = ("proposed_tokens", "accepted_tokens")  # no message column holds them (yet)
-
     def message_columns(self) -> dict:
-        """The fields as the database's message columns name them (``ttft_ms``); the
-        speculation counts are not stored."""
+        """The fields as the database's message columns name them (``ttft_ms``)."""
         stats = asdict(self)
         stats["ttft_ms"] = stats.pop("ttft_s") * 1000
-        for name in self.NOT_STORED:
-            del stats[name]
         return stats
 
     @classmethod

@@ -24,10 +24,12 @@ STAT_FIELDS = (
     "computed_tokens",
     "generated_tokens",
     "host_tokens",
+    "proposed_tokens",
+    "accepted_tokens",
     "ttft_ms",
     "tokens_per_s",
 )
-_INT_STATS = frozenset(STAT_FIELDS[:6])
+_INT_STATS = frozenset(STAT_FIELDS[:8])
 
 
 # ---------------------------------------------------------------- plain data
@@ -68,6 +70,8 @@ class MessageInfo:
     computed_tokens: Optional[int] = None
     generated_tokens: Optional[int] = None
     host_tokens: Optional[int] = None
+    proposed_tokens: Optional[int] = None  # speculative decoding (migration 0006)
+    accepted_tokens: Optional[int] = None
     ttft_ms: Optional[float] = None
     tokens_per_s: Optional[float] = None
     content_hash: Optional[str] = None  # message_hash(role, content) as written (None: not recorded)

@@ -344,3 +344,21 @@ def test_constrained_requests_do_not_speculate_and_stay_valid(model_dir):
     assert constrained.finish_reason != "stop" or constrained.text in choices
     assert free.usage.proposed_tokens > 0
     e.check_integrity()
+
+
+def test_a_turns_speculation_counts_are_stored_with_its_reply(tmp_path):
+    """usage.proposed_tokens / accepted_tokens reach the stored message (migration 0006) and come
+    back as the reply's usage after a restart (the app's /stats reads them there)."""
+    from chatkv.outputs import Usage
+
+    d = tmp_path / "m"
+    make_model(d, "llama", seed=3, max_position_embeddings=4096)
+    text = "one two three four five six seven eight " * 6
+    with Engine(d, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=256, speculative="lookup")) as e:
+        s = e.session(params=dict(max_tokens=24, temperature=0.0, ignore_eos=True))
+        r = s.send(text)
+        conv = s.id
+    with Engine(d, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=256)) as e:
+        stored = Usage.from_message(e.resume(conv).messages()[-1])
+    assert r.usage.proposed_tokens > 0
+    assert (stored.proposed_tokens, stored.accepted_tokens) == (r.usage.proposed_tokens, r.usage.accepted_tokens)

@@ -211,7 +211,8 @@ class CommandsMixin:
             return
         kv = await self._call(self.engine.kv_stats, what="Stats") or {}
         msgs = await self._call(self.session.messages, what="Stats") if self.session else []
-        rows = ["| turn | prompt | cached | restored | computed | generated | TTFT ms | tok/s |", "|---|---|---|---|---|---|---|---|"]
+        rows = ["| turn | prompt | cached | restored | computed | generated | drafted / accepted | TTFT ms | tok/s |",
+                "|---|---|---|---|---|---|---|---|---|"]
         n = 0
         for m in msgs or []:
             u = Usage.from_message(m) if m.role == "assistant" else None
@@ -219,8 +220,9 @@ class CommandsMixin:
                 continue
             n += 1
             ttft, tps = ("--", "--") if self.mask_volatile else (f"{u.ttft_s * 1000:.0f}", f"{u.tokens_per_s:.1f}")
+            spec = f"{u.proposed_tokens} / {u.accepted_tokens}" if u.proposed_tokens else "-"  # speculative decoding
             rows.append(f"| {n} | {u.prompt_tokens} | {u.cached_tokens} | {u.restored_tokens} | {u.computed_tokens} "
-                        f"| {u.generated_tokens} | {ttft} | {tps} |")
+                        f"| {u.generated_tokens} | {spec} | {ttft} | {tps} |")
         if n == 0:
             rows = ["*No turns in this conversation yet.*"]
         kv_line = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in kv.items())

@@ -22,6 +22,9 @@ leaf; its token history stays in ``conversations.token_ids``. ``parent_id`` and
 ``current_leaf_id`` are plain integers, not foreign keys (the store checks them, and a
 conversation's delete takes its messages with it), so SQLite adds them with ALTER TABLE.
 
+Replies also record speculative decoding's counts: ``proposed_tokens`` drafted, of which
+``accepted_tokens`` were generated (NULL before this revision).
+
 On SQLite it also creates ``messages_fts``, an FTS5 index over ``messages.content`` kept in
 step by triggers (search across conversations), and fills it from the messages already there.
 """
@@ -60,6 +63,9 @@ def upgrade() -> None:
     op.add_column("messages", sa.Column("token_base", sa.Integer(), nullable=True))
     op.add_column("messages", sa.Column("token_tail", sa.LargeBinary(), nullable=True))
     op.add_column("messages", sa.Column("context", sa.JSON(), nullable=True))
+    # speculative decoding's counts of a reply (issue 24): tokens drafted, and of those generated
+    op.add_column("messages", sa.Column("proposed_tokens", sa.Integer(), nullable=True))
+    op.add_column("messages", sa.Column("accepted_tokens", sa.Integer(), nullable=True))
     op.create_index(op.f("ix_messages_parent_id"), "messages", ["parent_id"])
     op.add_column("conversations", sa.Column("current_leaf_id", sa.Integer(), nullable=True))
     messages = sa.table("messages", sa.column("id", sa.Integer()), sa.column("conversation_id", sa.String()),
@@ -99,6 +105,8 @@ def downgrade() -> None:
         op.execute("DROP TABLE IF EXISTS messages_fts")
     op.drop_column("conversations", "current_leaf_id")
     op.drop_index(op.f("ix_messages_parent_id"), table_name="messages")
+    op.drop_column("messages", "accepted_tokens")
+    op.drop_column("messages", "proposed_tokens")
     op.drop_column("messages", "context")
     op.drop_column("messages", "token_tail")
     op.drop_column("messages", "token_base")
