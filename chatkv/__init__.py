@@ -14,6 +14,7 @@ from chatkv.errors import (
     SessionError,
     SnapshotInvalid,
     StorageError,
+    ToolStepLimit,
     UnsupportedModel,
     WeightCheckFailed,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "SessionError",
     "SnapshotInvalid",
     "StorageError",
+    "ToolStepLimit",
     "UnsupportedModel",
     "WeightCheckFailed",
 ]

@@ -72,6 +72,15 @@ class StorageError(ChatKVError):
     """The conversation database or the data directory cannot be used (damaged file, no permission...)."""
 
 
+class ToolStepLimit(InvalidRequest):
+    """``session.run_tools`` reached ``max_steps`` with the model still calling tools; ``reply``
+    is the last reply."""
+
+    def __init__(self, message: str, reply=None):
+        super().__init__(message)
+        self.reply = reply
+
+
 class DocumentError(ChatKVError):
     """A file or text that cannot become a Document; ``.source`` and ``.reason`` say which and why."""
 

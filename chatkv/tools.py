@@ -19,7 +19,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
-from chatkv.errors import InvalidRequest
+from chatkv.errors import InvalidRequest, ToolStepLimit  # noqa: F401  (ToolStepLimit: also importable from here)
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
@@ -370,11 +370,3 @@ def run_loop(session: Any, text: str, tools: Any, params: Any = None, *, tool_ch
     if reply.tool_calls:
         raise ToolStepLimit(f"the model still called tools after {max_steps} steps", reply=reply)
     return reply
-
-
-class ToolStepLimit(InvalidRequest):
-    """run_tools reached max_steps with the model still calling tools; ``reply`` is the last reply."""
-
-    def __init__(self, message: str, reply: Any = None):
-        super().__init__(message)
-        self.reply = reply
