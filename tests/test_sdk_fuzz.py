@@ -1,7 +1,8 @@
 """A property test over the public SDK surface (issue 6, 'must show').
 
 Hypothesis drives ``engine.generate``, ``engine.session``, ``session.send``, ``engine.resume``,
-``session.rename``, ``session.export`` and ``engine.encode_chat`` with hostile input: strings
+``session.rename``, ``session.export``, ``engine.encode_chat`` and the branch calls
+(``regenerate``, ``edit``, ``switch``, ``branches``, ``engine.search``) with hostile input: strings
 with lone surrogates, NUL, control characters, RTL marks, emoji, special tokens, ~20k
 characters; sampling values that are nan, inf, negative, zero, huge (1e308, 2**70),
 subnormal or of the wrong type; conversation ids that are random strings, ints, None or
@@ -182,6 +183,13 @@ ops = st.one_of(
     st.tuples(st.just("rename"), maybe_texts),
     st.tuples(st.just("export"), formats),
     st.tuples(st.just("encode_chat"), messages, st.one_of(st.booleans(), wrong)),
+    # conversations as trees (issue 22): branch calls with hostile ids, text and params
+    st.tuples(st.just("regenerate"), st.sampled_from(["main", "system", "new"]), sampling_params()),
+    st.tuples(st.just("edit"), st.one_of(st.just("FIRST"), st.just("REPLY"), message_ids := st.one_of(
+        st.integers(), st.none(), st.floats(), st.booleans(), texts)), st.one_of(valid_texts, maybe_texts), sampling_params()),
+    st.tuples(st.just("switch"), st.one_of(st.just("FIRST"), st.just("REPLY"), message_ids)),
+    st.tuples(st.just("branches"), st.one_of(st.just("FIRST"), message_ids)),
+    st.tuples(st.just("search"), maybe_texts, st.one_of(st.integers(), st.none(), st.floats(), wrong)),
 )
 
 
@@ -294,6 +302,34 @@ def run_op(world, op) -> None:
         if err is None:
             assert isinstance(out, str)
             out.encode("utf-8")
+    elif kind in ("regenerate", "edit", "switch", "branches"):
+        s = world["main"] if kind != "regenerate" or op[1] == "new" else world[op[1]]
+        if kind == "regenerate" and op[1] == "new":
+            s = e.session()
+        store = e.session_manager.store
+        tree_before, tokens_before = store.message_tree(s.id), list(s.tokens)
+        branch = s.messages()
+        pick = {"FIRST": next((m.id for m in branch if m.role == "user"), -1),
+                "REPLY": next((m.id for m in reversed(branch) if m.role == "assistant"), -1)}
+        target = pick.get(op[1], op[1]) if isinstance(op[1], str) else op[1]
+        call = {"regenerate": lambda: s.regenerate(op[2]), "edit": lambda: s.edit(target, op[2], op[3]),
+                "switch": lambda: s.switch(target), "branches": lambda: s.branches(target)}[kind]
+        call.__name__ = kind  # the events name the call
+        out, err = chatkv_errors_only(call)
+        tree_after = store.message_tree(s.id)
+        if err is not None or kind in ("switch", "branches"):
+            assert len(tree_after) == len(tree_before), f"{kind} changed the number of messages"
+        if err is not None and kind != "switch":
+            assert tree_after == tree_before and s.tokens == tokens_before, f"a {kind} that raised changed the conversation"
+        if err is None and kind in ("regenerate", "edit"):
+            assert len(tree_after) == len(tree_before) + (1 if kind == "regenerate" else 2)
+            assert s.messages()[-1].content == out.text
+        if kind == "regenerate" and op[1] == "new":
+            s.close()
+    elif kind == "search":
+        out, err = chatkv_errors_only(e.search, op[1], op[2]) if op[2] is not None else chatkv_errors_only(e.search, op[1])
+        if err is None:
+            assert isinstance(out, list) and all(h.conversation_id for h in out)
     elif kind == "encode_chat":
         _, msgs, gen = op
         out, err = chatkv_errors_only(e.encode_chat, msgs, gen)
@@ -315,6 +351,9 @@ def run_op(world, op) -> None:
 @example(batch=[("send", "main", "Hi", SamplingParams(max_tokens=2, temperature=0.0, repetition_penalty=2**70))])
 @example(batch=[("session", None, None, {"max_tokens": 2, "temperature": 10**400}),
                 ("generate", [5, 6, 7], SamplingParams(max_tokens=2, top_p=10**400))])
+@example(batch=[("regenerate", "main", SamplingParams(max_tokens=2, temperature=0.0)),  # the branch calls' success paths
+                ("edit", "FIRST", "Hi again", SamplingParams(max_tokens=2, temperature=0.0)),
+                ("switch", "FIRST"), ("branches", "FIRST"), ("search", "Hello", 5)])
 def test_public_sdk_raises_only_chatkv_errors_and_stays_usable(world, batch):
     e: Engine = world["engine"]
     for op in batch:
