@@ -27,7 +27,11 @@ class EngineConfig:
     head_weights: str = "auto"  # the output matrix: auto (= float) | float | int8 | int4
     kv_dtype: str = "auto"  # the KV cache: auto (= the model's dtype) | bf16 | fp16 | fp32 | int8 | fp8 (e4m3, per-token scales)
     quant_dense_rows: int = 16  # int4/int8: steps of this many rows or more compute in bf16 (faster prefill; 0: the quantised kernels only)
-    quant_dense: str = "scratch"  # how those steps get bf16 weights: "scratch" (dequantised per step, no copy resident) | "copy" (resident bf16 copy)
+    # how those steps get bf16 weights: "copy" (a resident bf16 copy: the fast default) | "scratch"
+    # (dequantised per step into one buffer, no copy resident: peak memory 621 vs 997 MiB after a
+    # 1k prompt, but on a quiet 2-core EPYC a 23-token turn after a 2k history took 460 vs 175 ms
+    # and a 1k prompt 1.33x; see docs/weights.md)
+    quant_dense: str = "copy"
     threads: int | None = None  # compute threads at most; None: torch's (the cores)
     adaptive_threads: bool = True  # fewer threads while other processes keep cores busy (chatkv.cpu_threads)
     tenant: str = ""  # salt of the prefix-cache namespace: tenants never share KV
