@@ -6,7 +6,7 @@ table, and whether its last new token's logits are wanted. ``build_batch`` turns
 them into the model's flat inputs and the attention metadata (one per sliding
 window size); ``forward`` runs the model; ``run`` does both for a scheduler plan
 and samples the next token of every sequence whose prompt is complete. A sequence with
-proposals to verify (``seq.draft``, chatkv.speculative; never a constrained one) computes its
+proposals to verify (``seq.draft``, chatkv.speculative; a constrained one's rows masked) computes its
 last token and the proposals in the same batch and gets back the tokens ``speculative.verify``
 accepts. They go in as ``1 + len(draft)`` one-token items over the same block table (item ``i``
 at position ``start + i``, seeing the keys the items before it stored in the same layer), not as
@@ -163,7 +163,7 @@ class ModelRunner:
                 out[seq] = err
         for seq in verifying:
             try:
-                out[seq] = verify(verify_rows[seq], seq.draft, seq.params, seq.token_ids, seq.generator)
+                out[seq] = verify(verify_rows[seq], seq.draft, seq.params, seq.token_ids, seq.generator, seq.matcher)
             except (RuntimeError, ValueError) as err:
                 out[seq] = err
         return out

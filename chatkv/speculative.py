@@ -36,8 +36,11 @@ Pieces:
   already worth many tokens) speculate little or not at all. Steps never grow past
   ``max_rows`` (below ``quant_dense_rows``, where quantised weights stay on their few-row
   kernel), past the step's token budget, or into blocks that are not free (speculation never
-  evicts, preempts or spills anyone). Constrained requests (``SamplingParams.constrained``) do
-  not speculate: their proposals would have to pass the matcher's mask position by position.
+  evicts, preempts or spills anyone).
+* Constrained requests (``seq.matcher``, chatkv.constraints) speculate too: a proposal is cut to
+  the prefix the constraint accepts (``Matcher.validate``), and ``verify`` masks each position's
+  logits with the matcher advanced through the tokens before it, exactly as plain decoding masks
+  each step's, then rolls the matcher back (the scheduler advances it again as it appends).
 """
 
 from __future__ import annotations
@@ -142,23 +145,31 @@ class SpecState:
 
 
 def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, history: list[int],
-           generator: torch.Generator | None) -> list[int]:
+           generator: torch.Generator | None, matcher: Any = None) -> list[int]:
     """The tokens a verification step emits, from ``logits [len(draft) + 1, vocab]`` (row ``i``:
     the target's logits after the history and ``draft[:i]``): the accepted proposals, then the
-    target's own token at the first disagreement (or after all of them). See the module doc."""
+    target's own token at the first disagreement (or after all of them). See the module doc.
+    ``matcher``: a constrained request's; row ``i`` is masked in place as plain decoding would
+    mask it, and the matcher is left where it was."""
     out: list[int] = []
-    for i in range(len(draft) + 1):
-        token = sample(logits[i], params, history + out if out else history, generator)
-        out.append(token)
-        if i == len(draft) or token != draft[i]:
-            break
+    try:
+        for i in range(len(draft) + 1):
+            if matcher is not None:
+                matcher.mask_into(logits[i])
+            token = sample(logits[i], params, history + out if out else history, generator)
+            if matcher is not None and not matcher.advance(token):
+                raise RuntimeError(f"token {token} breaks the request's constraint")
+            out.append(token)
+            if i == len(draft) or token != draft[i] or (matcher is not None and matcher.is_done()):
+                break
+    finally:
+        if matcher is not None:
+            matcher.rollback(len(out))  # the scheduler's append advances it through these again
     return out
 
 
 def eligible(seq: Any) -> int:
     """How many tokens ``seq`` may have proposed now (0: it does not speculate this step)."""
-    if seq.params.constrained or seq.matcher is not None:
-        return 0
     left = min(seq.params.max_tokens - seq.num_generated, seq.max_total_tokens - len(seq.token_ids))
     return max(left - 1, 0)  # the step also emits the target's own token after the proposals
 
@@ -199,6 +210,8 @@ class Speculator:
                 continue
             st = self.state(seq)
             p = st.proposer.propose(seq.token_ids, k)
+            if p is not None and seq.matcher is not None:  # only what the constraint accepts can be accepted
+                p.tokens = p.tokens[: seq.matcher.validate(p.tokens)]
             if p is not None and p.tokens:
                 offers.append((seq, st, p))
         if self.mode == "lookup":

@@ -9,7 +9,8 @@
   speculation;
 - the KV of rejected proposals is given back: the engine's integrity check after every step of
   a randomized run, and no sequence holds a block past its computed tokens;
-- usage and the Prometheus counters report proposals; constrained requests do not speculate.
+- usage and the Prometheus counters report proposals; constrained requests speculate against
+  their mask and give speculative='off''s tokens.
 """
 
 from __future__ import annotations
@@ -332,18 +333,41 @@ def test_options_are_validated(model_dir):
     assert EngineConfig().speculative == "auto"
 
 
-def test_constrained_requests_do_not_speculate_and_stay_valid(model_dir):
+ROWS = {"type": "array", "minItems": 3, "maxItems": 5, "items": {
+    "type": "object", "properties": {"name": {"enum": ["ab", "cd"]}, "id": {"type": "integer", "minimum": 0, "maximum": 9}},
+    "required": ["name", "id"], "additionalProperties": False}}
+
+
+def test_constrained_requests_speculate_against_the_mask(model_dir):
+    """Issue 25: proposals of a constrained request are cut to what its constraint accepts and
+    each verified position is masked as plain decoding masks it: greedy and seeded outputs are
+    speculative='off''s token for token, valid when they stop, with proposals accepted."""
     pytest.importorskip("llguidance")
-    e = engine(model_dir, "lookup")
-    choices = ["quick brown fox", "lazy dog"]
-    free, constrained = e.generate(
-        [PROMPTS[6], "The quick brown fox jumps over the lazy dog. The quick"],
-        [GREEDY, SamplingParams(max_tokens=20, temperature=0, choice=choices)],
-    )
-    assert constrained.usage.proposed_tokens == 0
-    assert constrained.finish_reason != "stop" or constrained.text in choices
-    assert free.usage.proposed_tokens > 0
-    e.check_integrity()
+    import json
+
+    import jsonschema
+
+    quote = 'The quick brown fox jumps over the lazy dog. The quick brown fox'
+    cases = [SamplingParams(max_tokens=80, temperature=0, json_schema=ROWS),
+             SamplingParams(max_tokens=80, temperature=0.8, seed=4, json_schema=ROWS),
+             SamplingParams(max_tokens=40, temperature=0, regex="(ab ){3,6}cd"),
+             SamplingParams(max_tokens=20, temperature=0, choice=["quick brown fox jumps", "lazy dog"]),
+             GREEDY]
+    prompts = [quote] * 4 + [PROMPTS[6]]
+    runs = {}
+    for mode in ("off", "lookup"):
+        e = engine(model_dir, mode)
+        runs[mode] = e.generate(prompts, [SamplingParams(**vars(p)) for p in cases])
+        e.check_integrity()
+        e.close()
+    for p, off, on in zip(cases, runs["off"], runs["lookup"]):
+        assert on.token_ids == off.token_ids and on.finish_reason == off.finish_reason, p
+        if p.json_schema is not None and on.finish_reason == "stop":
+            jsonschema.validate(json.loads(on.text), ROWS)
+    assert runs["lookup"][2].finish_reason != "stop" or __import__("re").fullmatch("(ab ){3,6}cd", runs["lookup"][2].text)
+    constrained = runs["lookup"][:4]
+    assert sum(r.usage.proposed_tokens for r in constrained) > 0 and sum(r.usage.accepted_tokens for r in constrained) > 0
+    assert all(r.usage.proposed_tokens == 0 for r in runs["off"])
 
 
 def test_a_turns_speculation_counts_are_stored_with_its_reply(tmp_path):
