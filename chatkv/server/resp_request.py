@@ -13,18 +13,22 @@ Taken besides OpenAI's own fields: chatkv's sampling extensions ``top_k``,
 ``repetition_penalty``, ``seed``. Accepted and changing nothing: ``user`` (the API key says
 whose request it is), ``service_tier``, ``prompt_cache_key``, ``safety_identifier``,
 ``parallel_tool_calls``, ``max_tool_calls``, ``stream_options``; ``metadata`` is validated and
-echoed in the response made, not stored. Refused as ``unsupported_parameter``: tools, a
-non-text ``text.format``, ``reasoning``, ``include``, ``background``, ``top_logprobs``,
-``conversation`` and ``prompt`` objects, and non-text input (images, files, tool outputs).
+echoed in the response made, not stored. ``text.format`` (json_object, json_schema) and
+function ``tools`` with ``function_call`` / ``function_call_output`` input items (store=false):
+``resp_tools.py``. Refused as ``unsupported_parameter``: ``reasoning``, ``include``,
+``background``, ``top_logprobs``, ``conversation`` and ``prompt`` objects, non-function tools,
+and non-text input (images, files).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import uuid
 from dataclasses import dataclass, field
 
 from chatkv.sampling import SamplingParams
+from chatkv.server import resp_tools
 from chatkv.server.errors import APIError, bad_value, unsupported
 from chatkv.server.schemas import (ROLES, bool_field, check_fields, is_int, max_tokens_field, model_field, refuse_unless,
                                    sampling_params)
@@ -34,6 +38,7 @@ RESPONSE_FIELDS = {
     "max_output_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "user", "metadata",
     "truncation", "tools", "tool_choice", "parallel_tool_calls", "max_tool_calls", "text", "reasoning", "include",
     "service_tier", "top_logprobs", "background", "prompt_cache_key", "safety_identifier", "conversation", "prompt",
+    "response_format",  # refused, naming text.format (resp_tools.py)
 }
 STORED_ID = re.compile(r"resp_([0-9a-f]{32})_([1-9][0-9]{0,17})")
 TEXT_PARTS = {"input_text", "output_text", "text"}
@@ -51,6 +56,8 @@ class ResponsesRequest:
     stream: bool = False
     metadata: dict = field(default_factory=dict)
     echo: dict = field(default_factory=dict)  # request fields the response object repeats
+    tools: list = field(default_factory=list)  # chatkv.tools.Tool (resp_tools.py; store=false only)
+    tool_choice: object = "none"  # in chat completions' form
 
 
 def stored_id(conv_id: str, message_id: int) -> str:
@@ -100,7 +107,7 @@ def _content(where: str, c) -> str:
                                         f"got {short(repr(c))}")
 
 
-def _input(body: dict) -> list[dict]:
+def _input(body: dict, store: bool) -> list[dict]:
     inp = body.get("input")
     if inp is None:
         raise APIError(400, "input is required", "missing_parameter", "input")
@@ -114,14 +121,20 @@ def _input(body: dict) -> list[dict]:
         if not isinstance(item, dict):
             raise bad_value(where, f"{where} must be an object, got {type(item).__name__}")
         kind = item.get("type", "message")
+        if kind in resp_tools.FUNCTION_ITEMS:
+            resp_tools.input_item(i, item, kind, out, store)
+            continue
         if kind != "message":
-            raise unsupported(f"{where}.type", f"{where} is of type {kind!r}: only message items are supported")
+            raise unsupported(f"{where}.type", f"{where} is of type {kind!r}: only message, function_call and "
+                                               "function_call_output items are supported")
         role = item.get("role")
         if role not in ROLES:
             raise bad_value(f"{where}.role", f"{where}.role must be one of {sorted(ROLES)}, got {short(repr(role))}")
         out.append({"role": ROLES[role], "content": _content(where, item.get("content"))})
-    if out[-1]["role"] != "user":
-        raise bad_value("input", f"the last input item must be the user's message, got {out[-1]['role']!r}")
+    if out[-1]["role"] not in ("user", "tool"):
+        raise bad_value("input", f"the last input item must be the user's message or a function_call_output, "
+                                 f"got {out[-1]['role']!r}")
+    resp_tools.check_call_ids(out)
     return out
 
 
@@ -146,31 +159,29 @@ def _optional_str(body: dict, name: str) -> str | None:
 def parse_responses(body: dict) -> ResponsesRequest:
     check_fields(body, RESPONSE_FIELDS)
     model = model_field(body)
-    messages = _input(body)
+    store = body.get("store")
+    if store is None:
+        store = True
+    elif not isinstance(store, bool):
+        raise bad_value("store", f"store must be a boolean, got {short(repr(store))}")
+    messages = _input(body, store)
     instructions = _optional_str(body, "instructions")
     prev = _optional_str(body, "previous_response_id")
     if prev == "":
         raise bad_value("previous_response_id", "previous_response_id must be a non-empty string")
     for name in ("user", "service_tier", "prompt_cache_key", "safety_identifier"):
         _optional_str(body, name)
-    store = body.get("store")
-    if store is None:
-        store = True
-    elif not isinstance(store, bool):
-        raise bad_value("store", f"store must be a boolean, got {short(repr(store))}")
     stream = bool_field(body, "stream")
     if body.get("stream_options") is not None and not stream:
         raise bad_value("stream_options", "stream_options is only allowed when stream is true")
     bool_field(body, "parallel_tool_calls")
-    refuse_unless(body, "tools", lambda v: v == [], "no tool calls")
-    refuse_unless(body, "tool_choice", lambda v: v in ("none", "auto"), "no tool calls")
-    refuse_unless(body, "text", lambda v: isinstance(v, dict) and v.get("format", {"type": "text"}) == {"type": "text"}
-                  and set(v) <= {"format", "verbosity"}, "text output only")
+    listed, tool_choice, tools_echo = resp_tools.tools(body, store)
+    constraint, text_echo = resp_tools.text_format(body)
     refuse_unless(body, "reasoning", lambda v: v == {} or (isinstance(v, dict) and not any(v.values())), "no reasoning")
     refuse_unless(body, "include", lambda v: v == [], "nothing to include")
     refuse_unless(body, "background", lambda v: v is False, "responses are answered in the request")
     refuse_unless(body, "top_logprobs", lambda v: v == 0, "no log probabilities")
-    refuse_unless(body, "max_tool_calls", lambda v: is_int(v), "no tool calls")
+    refuse_unless(body, "max_tool_calls", lambda v: is_int(v), "an integer, accepted and changing nothing")
     refuse_unless(body, "conversation", lambda v: False, "chain responses with previous_response_id")
     refuse_unless(body, "prompt", lambda v: False, "no stored prompt templates; send instructions and input")
     truncation = body.get("truncation") or "disabled"
@@ -178,8 +189,10 @@ def parse_responses(body: dict) -> ResponsesRequest:
         raise bad_value("truncation", f"truncation must be 'auto' or 'disabled', got {short(repr(truncation))}")
     sampling = {k: body[k] for k in ("temperature", "top_p", "top_k", "repetition_penalty", "seed") if k in body}
     params = sampling_params(sampling)
+    if constraint:
+        params = dataclasses.replace(params, **constraint)
     echo = {"temperature": params.temperature, "top_p": params.top_p, "truncation": truncation,
             "parallel_tool_calls": body.get("parallel_tool_calls", True), "tool_choice": body.get("tool_choice") or "auto",
-            "user": body.get("user")}
+            "user": body.get("user"), "tools": tools_echo, "text": text_echo}
     return ResponsesRequest(model, messages, params, max_tokens_field(body, "max_output_tokens"), instructions, prev,
-                            store, stream, _metadata(body), echo)
+                            store, stream, _metadata(body), echo, listed, tool_choice)

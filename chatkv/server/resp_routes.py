@@ -34,7 +34,8 @@ from starlette.responses import JSONResponse, Response
 from chatkv.errors import SessionError
 from chatkv.outputs import Usage
 from chatkv.server import generation as gen
-from chatkv.server.errors import APIError, from_chatkv, unsupported
+from chatkv.server import tool_calls
+from chatkv.server.errors import APIError, bad_value, from_chatkv, unsupported
 from chatkv.server.guards import check_api_key
 from chatkv.server.resp_request import (ResponsesRequest, parse_id, parse_responses, previous_not_found,
                                         response_not_found, stored_id, unstored_id)
@@ -208,8 +209,23 @@ async def _unstored(state, req: ResponsesRequest, who: str):
         messages, instructions = node.history() + messages, node.session.system
     elif instructions:
         messages = [{"role": "system", "content": instructions}] + messages
-    events = await gen.stateless_chat(state, messages, req.params, req.max_output_tokens, who)
+    events = await gen.stateless_chat(state, messages, req.params, req.max_output_tokens, who,
+                                      tool_calls.specs(req.tools))
     return _shape(state, req, unstored_id(), instructions), events
+
+
+def _calling(state, req: ResponsesRequest):
+    """(the function reading a reply's calls: text -> (content, calls), or None without tools;
+    the chat template)."""
+    template = getattr(state.engine.tokenizer, "chat_template", None)
+    if not req.tools or req.tool_choice == "none":
+        return None, template
+    if tool_calls.chosen(req.tools, req.tool_choice) is not None:  # a forcing choice: the reply is calls
+        if req.params.constrained:
+            raise bad_value("tool_choice", "a tool_choice that forces a call cannot be combined with a json "
+                                           "text.format")
+        req.params = tool_calls.constrain(req.params, req.tools, req.tool_choice, template)
+    return (lambda text: tool_calls.reply_calls(text, req.tools, req.tool_choice, template)), template
 
 
 async def create_response(request: Request) -> Response:
@@ -217,6 +233,7 @@ async def create_response(request: Request) -> Response:
     who, body = await read_request(request)
     req = parse_responses(body)
     check_model(state, req.model)
+    calls, template = _calling(state, req)
     slot = state.limit.acquire()
     streaming = False
     try:
@@ -224,27 +241,41 @@ async def create_response(request: Request) -> Response:
         if req.stream:
             streaming = True
             out = EventStream(shape)
-            return stream_response(_events(out, until_cut(state, events)), events, slot, state, error_events=out.error)
+            return stream_response(_events(out, until_cut(state, events), calls, template), events, slot, state,
+                                   error_events=out.error)
         done = None
         async for item in until_cut(state, events):
             if isinstance(item, gen.Done):
                 done = item
-        return JSONResponse(shape.finished(done.text, done.finish_reason, done.usage))
+        content, found = calls(done.text) if calls else (done.text, [])
+        return JSONResponse(shape.finished(content or "", done.finish_reason, done.usage, found))
     finally:
         if not streaming:
             slot.release()
             state.metrics_tick()
 
 
-async def _events(out: EventStream, events):
-    for piece in out.opening():
+async def _events(out: EventStream, events, calls=None, template=None):
+    """The stream's events; with tools (``calls``) text streams until a call begins and the
+    calls are sent once the reply is complete (tool_calls.CallStream)."""
+    split = tool_calls.CallStream(template) if calls is not None else None
+    for piece in out.opening(lazy=split is not None):
         yield piece
+    sent = []
     async for item in events:
         if isinstance(item, gen.Done):
-            for piece in out.closing(item.text, item.finish_reason, item.usage):
+            found = []
+            text = item.text
+            if split is not None:
+                rest, found = split.finish(calls)
+                text = "".join(sent) + rest
+            for piece in out.closing(text, item.finish_reason, item.usage, found):
                 yield piece
         else:
-            yield out.delta(item)
+            now = split.feed(item) if split is not None else item
+            sent.append(now)
+            for piece in out.delta(now):
+                yield piece
 
 
 def _found(request: Request):

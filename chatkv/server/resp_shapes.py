@@ -7,6 +7,11 @@ disk; ``usage.chatkv`` splits them. A stream is ``event: <type>`` / ``data: <jso
 with a ``sequence_number`` each, ending with ``response.completed`` (``response.incomplete``
 when the reply was cut); no ``[DONE]``. An error after the first event is an ``error`` event,
 which the openai client raises as an ``APIError``.
+
+With tools (``resp_tools.py``) the output is the message (when the reply has text) and then one
+``function_call`` item per call; a stream opens the message item with its first text, and
+sends each call once the reply is complete (``output_item.added``, one
+``function_call_arguments.delta`` with the whole arguments, ``.done``, ``output_item.done``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import time
 
 from chatkv.outputs import Usage
 from chatkv.server.errors import APIError
+from chatkv.server.resp_tools import call_item
 from chatkv.server.responses import usage_json
 
 INCOMPLETE = {"length": "max_output_tokens", "aborted": "interrupted"}
@@ -61,10 +67,11 @@ class ResponseShape:
                 "content": [] if text is None else [self.part(text)]}
 
     def object(self, status: str = "in_progress", text: str | None = None, finish: str | None = None,
-               usage: Usage | None = None) -> dict:
+               usage: Usage | None = None, calls: list | None = None) -> dict:
         out = {**self.base, "status": status, "output": [], "usage": None}
-        if text is not None:
+        if text is not None and (text or not calls):
             out["output"] = [self.item(text, "incomplete" if finish in INCOMPLETE else "completed")]
+        out["output"] += [call_item(c) for c in calls or ()]
         if finish in INCOMPLETE:
             out["status"] = "incomplete"
             out["incomplete_details"] = {"reason": INCOMPLETE[finish]}
@@ -72,8 +79,9 @@ class ResponseShape:
             out["usage"] = usage_object(usage)
         return out
 
-    def finished(self, text: str, finish: str, usage: Usage | None) -> dict:
-        return self.object("completed", text, finish, usage)
+    def finished(self, text: str, finish: str, usage: Usage | None, calls: list | None = None) -> dict:
+        """``text``: the reply's text outside any ``calls`` (chatkv.tools.ToolCall)."""
+        return self.object("completed", text, finish, usage, calls)
 
 
 class EventStream:
@@ -82,31 +90,51 @@ class EventStream:
     def __init__(self, shape: ResponseShape):
         self.shape = shape
         self.seq = 0
+        self.opened = False  # the message item (it opens with the first text, or at the end)
 
     def event(self, kind: str, **fields) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
         return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
-    def opening(self) -> list[bytes]:
+    def opening(self, lazy: bool = False) -> list[bytes]:
+        """The first events; ``lazy``: the message item waits for the reply's first text."""
+        s = self.shape
+        out = [self.event("response.created", response=s.object()), self.event("response.in_progress", response=s.object())]
+        return out if lazy else out + self._open()
+
+    def _open(self) -> list[bytes]:
         s, at = self.shape, {"output_index": 0}
-        return [self.event("response.created", response=s.object()),
-                self.event("response.in_progress", response=s.object()),
-                self.event("response.output_item.added", **at, item=s.item(None, "in_progress")),
+        self.opened = True
+        return [self.event("response.output_item.added", **at, item=s.item(None, "in_progress")),
                 self.event("response.content_part.added", item_id=s.item_id, **at, content_index=0, part=s.part(""))]
 
-    def delta(self, text: str) -> bytes:
-        return self.event("response.output_text.delta", item_id=self.shape.item_id, output_index=0, content_index=0,
-                          delta=text, logprobs=[])
+    def delta(self, text: str) -> list[bytes]:
+        if not text:
+            return []
+        head = [] if self.opened else self._open()
+        return head + [self.event("response.output_text.delta", item_id=self.shape.item_id, output_index=0,
+                                  content_index=0, delta=text, logprobs=[])]
 
-    def closing(self, text: str, finish: str, usage: Usage) -> list[bytes]:
+    def closing(self, text: str, finish: str, usage: Usage, calls: list | None = None) -> list[bytes]:
+        """``text``: the reply's whole text outside any ``calls``."""
         s, at = self.shape, {"item_id": self.shape.item_id, "output_index": 0, "content_index": 0}
-        final = s.finished(text, finish, usage)
-        return [self.event("response.output_text.done", **at, text=text, logprobs=[]),
+        final = s.finished(text, finish, usage, calls)
+        out = []
+        if self.opened or text or not calls:
+            out = ([] if self.opened else self._open()) + [
+                self.event("response.output_text.done", **at, text=text, logprobs=[]),
                 self.event("response.content_part.done", **at, part=s.part(text)),
-                self.event("response.output_item.done", output_index=0, item=final["output"][0]),
-                self.event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
-                           response=final)]
+                self.event("response.output_item.done", output_index=0, item=final["output"][0])]
+        for k, item in enumerate(final["output"][1 if out else 0:], 1 if out else 0):
+            fc = {"output_index": k, "item_id": item["id"]}
+            out += [self.event("response.output_item.added", output_index=k,
+                               item={**item, "arguments": "", "status": "in_progress"}),
+                    self.event("response.function_call_arguments.delta", **fc, delta=item["arguments"]),
+                    self.event("response.function_call_arguments.done", **fc, arguments=item["arguments"]),
+                    self.event("response.output_item.done", output_index=k, item=item)]
+        return out + [self.event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
+                                 response=final)]
 
     def error(self, error: APIError) -> list[bytes]:
         e = error.body()["error"]

@@ -47,16 +47,21 @@ def response_format(body: dict) -> dict:
     strict = js.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise bad_value("response_format.json_schema.strict", "response_format.json_schema.strict must be a boolean")
-    schema = js.get("schema")
+    return schema_fields(js.get("schema"), "response_format.json_schema.schema")
+
+
+def schema_fields(schema, where: str) -> dict:
+    """SamplingParams fields for the JSON schema ``schema`` found at ``where``: a 400 naming
+    ``where`` if it is not one chatkv can enforce (invalid, or a keyword it cannot keep)."""
     if not isinstance(schema, dict):
-        raise bad_value("response_format.json_schema.schema", "response_format.json_schema.schema must be a JSON schema object")
+        raise bad_value(where, f"{where} must be a JSON schema object")
     from chatkv.sampling import SamplingParams
 
     try:
         SamplingParams(json_schema=schema).validate()
     except InvalidRequest as e:
         code = "unsupported_parameter" if "Unimplemented" in str(e) or "unsupported" in str(e).lower() else "invalid_value"
-        raise APIError(400, f"response_format.json_schema.schema: {e}", code, "response_format.json_schema.schema") from None
+        raise APIError(400, f"{where}: {e}", code, where) from None
     return {"json_schema": schema}
 
 
