@@ -12,6 +12,7 @@ HEADS = ("auto", "float", "int8", "int4")
 QUANT_DENSE = ("scratch", "copy")  # chatkv.model.DENSE_KINDS
 KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8", "fp8")  # chatkv.model_runner.kv_format
 SPECULATIVE = ("auto", "off", "lookup")  # chatkv.speculative.MODES
+RAG_KV_REUSE = ("off", "edge", "blend")  # chatkv.chunk_place.MODES
 
 
 @dataclass
@@ -49,6 +50,12 @@ class EngineConfig:
     idle_spill_s: float = 300.0  # a session idle this long is spilled to disk on the next engine activity
     snapshot_budget_bytes: int = 4 * 2**30  # disk budget of KV snapshots, LRU deletion beyond it
     host_cache_bytes: int = 256 * 2**20  # host-memory tier between the KV pool and disk (pinned on CUDA); 0: off
+    # retrieved sources' KV reused wherever they land (chatkv.chunk_place): "off" | "edge" | "blend"
+    rag_kv_reuse: str = "off"
+    rag_edge_tokens: int = 4  # edge: the first tokens of each chunk recomputed
+    rag_recompute_ratio: float = 0.15  # blend: the share of each chunk's tokens recomputed (0..1)
+    chunk_kv_bytes: int = 256 * 2**20  # host memory of the chunk KV store (its own LRU; evicted entries stay on disk)
+    rag_kv_disk: bool = True  # chunk KV kept on disk too (data_dir/chunk_kv), read back after a restart
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -82,6 +89,13 @@ class EngineConfig:
         n = cfg.num_speculative_tokens
         if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= 64:
             raise InvalidRequest(f"num_speculative_tokens must be an int in [0, 64], got {n!r}")
+        if cfg.rag_kv_reuse not in RAG_KV_REUSE:
+            raise InvalidRequest(f"rag_kv_reuse must be one of {', '.join(RAG_KV_REUSE)}, got {cfg.rag_kv_reuse!r}")
+        if isinstance(cfg.rag_edge_tokens, bool) or not isinstance(cfg.rag_edge_tokens, int) or cfg.rag_edge_tokens < 0:
+            raise InvalidRequest(f"rag_edge_tokens must be an int >= 0, got {cfg.rag_edge_tokens!r}")
+        r = cfg.rag_recompute_ratio
+        if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
+            raise InvalidRequest(f"rag_recompute_ratio must be a number in [0, 1], got {r!r}")
         if cfg.max_batch_tokens < 1:
             raise InvalidRequest(f"max_batch_tokens must be >= 1, got {cfg.max_batch_tokens}")
         return cfg

@@ -21,7 +21,11 @@ Owners and what each holds
   reference on the partial last block). Issued by ``release(retain=True)`` or
   ``import_kv``; ended by ``attach`` (which takes it over) or ``drop``;
 * a **pin**: one lock on a shared prefix (a system prompt now, documents next),
-  counted per token run by ``pin``/``unpin``.
+  counted per token run by ``pin``/``unpin``;
+* **chunk KV** (``chunks``, chatkv.chunk_kv, made on first use by chatkv.chunk_place):
+  retrieved chunks' KV in a canonical frame, host-memory tensors in an LRU of their own
+  (evictable; on disk too). It holds no pool block: placing a chunk copies its rows into a
+  request's blocks, whose KV then lives in the conversation's private namespace.
 
 Contracts
 ---------
@@ -87,6 +91,7 @@ class KVManager:
         self.shortfall = 0  # the most blocks make_room found missing after eviction (its caller zeroes it)
         self._pins: dict[tuple[int, ...], list] = {}  # token run -> [locked node, pin count]
         self._live: set[RetainedKV] = set()  # handles issued and not yet ended
+        self.chunks = None  # the chunk KV owner (chatkv.chunk_kv.ChunkKV), once a turn placed sources
 
     # -- lookups ------------------------------------------------------------------
 
@@ -401,6 +406,8 @@ class KVManager:
             "pins": len(self._pins),
             "retained": len(self._live),
         }
+        if self.chunks is not None:
+            out.update(self.chunks.stats())
         if self.host is not None:
             out.update(host_blocks_total=self.host.num_blocks, host_blocks_used=self.host.num_used)
             out.update(self.cache.tier_stats())

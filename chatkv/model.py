@@ -362,18 +362,26 @@ class LlamaModel:
         """
         if not blocks or delta == 0:
             return
-        angle = float(delta) * self.inv_freq.double()
-        emb = torch.cat((angle, angle))
-        cos, sin = emb.cos().float(), emb.sin().float()
-        half = angle.shape[0]
-        sin[:half] = -sin[:half]
         idx = torch.tensor(blocks, dtype=torch.long, device=kv.device)
         for layer in range(kv.shape[0]):
             keys = kv[layer, 0]  # [blocks, block_size, kv_heads, row], contiguous
-            stored = keys.index_select(0, idx)
-            k = kv_quant.dequantize(stored, quant, torch.float32) if quant else stored.float()
-            k = k * cos + torch.cat((k[..., half:], k[..., :half]), dim=-1) * sin
-            keys.index_copy_(0, idx, kv_quant.quantize(k, quant) if quant else k.to(kv.dtype))
+            keys.index_copy_(0, idx, self.rotate_keys(keys.index_select(0, idx), delta, quant))
+
+    @torch.inference_mode()
+    def rotate_keys(self, stored: torch.Tensor, delta: int, quant: str | None = None) -> torch.Tensor:
+        """Keys ``[..., row]`` in the pool's stored form moved by ``delta`` positions (see
+        ``shift_key_positions``, which applies it to blocks; chatkv.chunk_place applies it to a
+        chunk's KV computed in its canonical frame). A new tensor, in the stored form."""
+        if delta == 0:
+            return stored.clone()
+        angle = float(delta) * self.inv_freq.double()
+        emb = torch.cat((angle, angle))
+        cos, sin = emb.cos().float().to(stored.device), emb.sin().float().to(stored.device)
+        half = angle.shape[0]
+        sin[:half] = -sin[:half]
+        k = kv_quant.dequantize(stored, quant, torch.float32) if quant else stored.float()
+        k = k * cos + torch.cat((k[..., half:], k[..., :half]), dim=-1) * sin
+        return kv_quant.quantize(k, quant) if quant else k.to(stored.dtype)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

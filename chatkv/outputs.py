@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 @dataclass
 class Usage:
     """The statistics of one request or turn. ``prompt_tokens = cached + host + restored +
-    computed`` (plus any tokens recomputed after a preemption)."""
+    computed + reused`` (plus any tokens recomputed after a preemption)."""
 
     prompt_tokens: int = 0  # the whole prompt (for a turn: history + new message)
     cached_tokens: int = 0  # of which already in device memory (a prefix-cache hit)
@@ -21,11 +21,15 @@ class Usage:
     tokens_per_s: float = 0.0  # generated tokens after the first, per second
     proposed_tokens: int = 0  # speculative decoding: tokens proposed for verification (chatkv.speculative)
     accepted_tokens: int = 0  # of which the model accepted (each one a token without a step of its own)
+    reused_tokens: int = 0  # RAG sources' tokens placed from their chunk KV, not computed (chatkv.chunk_place)
+    recomputed_tokens: int = 0  # of the sources' tokens, those recomputed over the placed KV (in computed_tokens)
 
     def message_columns(self) -> dict:
         """The fields as the database's message columns name them (``ttft_ms``)."""
         stats = asdict(self)
         stats["ttft_ms"] = stats.pop("ttft_s") * 1000
+        for name in ("reused_tokens", "recomputed_tokens"):  # no message columns (yet): the reply's usage only
+            stats.pop(name)
         return stats
 
     @classmethod

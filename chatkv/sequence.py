@@ -52,6 +52,9 @@ class Sequence:
     # that steps (the loop thread): a session turn takes ``retained`` here, so no KV is ever ownerless
     stream: Any = None  # the engine loop's RequestStream carrying its output, once tracked
     num_prefilled: int = 0  # tokens this request actually computed before its first sample
+    # what chatkv.chunk_place did before admission (a Placed: chunk tokens reused, recomputed, and
+    # every token it computed); None: nothing
+    placed: Any = None
     matcher: Any = None  # a constrained request's chatkv.constraints.Matcher (None: unconstrained)
     finish_reason: str | None = None  # "stop" | "length" | "aborted" | "error"
     error: Exception | None = None  # why it ended with finish_reason "error"
@@ -85,12 +88,17 @@ class Sequence:
         cached = max(self.num_cached, 0)
         restored = min(self.num_restored, cached)  # restored KV was put in the tree before admission
         host = min(self.num_host, cached - restored)  # so was KV copied back from host
+        p = self.placed
+        reused, recomputed, computed = (p.reused, p.recomputed, p.computed) if p is not None else (0, 0, 0)
+        placed = min(reused + computed, cached - restored - host)  # in the prefix attached, built before admission
         return Usage(
             prompt_tokens=self.num_prompt_tokens,
-            cached_tokens=cached - restored - host,
+            cached_tokens=cached - restored - host - placed,
             host_tokens=host,
             restored_tokens=restored,
-            computed_tokens=self.num_prefilled,
+            computed_tokens=self.num_prefilled + computed,
+            reused_tokens=reused,
+            recomputed_tokens=recomputed,
             generated_tokens=self.num_generated,
             ttft_s=first - self.arrival,
             tokens_per_s=(self.num_generated - 1) / decode_s if self.num_generated > 1 and decode_s > 0 else 0.0,

@@ -5,9 +5,9 @@
 - **plan** (the caller's thread): validate, retrieve sources (with a knowledge base), render
   the new tokens, plan the KV window (``chatkv.context_window``);
 - **admit** (one call on the loop thread): spill idle sessions, take the session's KV (restored
-  from disk when it is not in memory), move the window, add the request. Its ``on_finish`` is
-  this turn's: when the request finishes, on the loop thread, the session takes its history and
-  retained KV at once (``_handed``), so no KV is ever between owners;
+  from disk when it is not in memory), move the window, place the sources' chunk KV (chatkv.chunk_place),
+  add the request. Its ``on_finish`` is this turn's: when the request finishes, on the loop thread,
+  the session takes its history and retained KV at once (``_handed``), so no KV is ever between owners;
 - **commit_user**: the user message is stored before generation (with the window it was
   computed in); if that fails the request is taken back and the session keeps what it had;
 - **drive**: the reply's pieces as the engine produces them;
@@ -147,6 +147,7 @@ class Turn:
         self.window = 0  # the engine's context window, in tokens
         self.content = text  # the user message as the model reads it (with retrieved sources)
         self.hits: list = []  # the retrieved chunks it holds
+        self.placed = None  # what chatkv.chunk_place did with their KV (None: nothing)
         self.query: str | None = None  # what was searched (None: no knowledge base)
         self.delta: list[int] = []  # the tokens the user message adds
         self.st: cw.ContextState | None = None  # the window after this turn (a copy until committed)
@@ -269,6 +270,9 @@ class Turn:
                 context = cw.apply(st, plan, s.tokens)
                 kept, restored = self._move_window(kept, restored, old_ns, context)
                 m.window_moved(s, context, st)  # the KV in memory is the new window's now
+        if self.hits and self.engine.config.rag_kv_reuse != "off":  # the sources' chunk KV, placed (issue 23)
+            from chatkv.chunk_place import for_turn
+            kept = for_turn(self, kept, context)
         try:
             seq = self.engine.add_request(context + self.delta, self.params, retain=True, prefix=kept,
                                           namespace=m._namespace(s.id, st) or self.user_ns, max_context=self.window,
@@ -277,7 +281,7 @@ class Turn:
         except BaseException:
             m.keep_kv(s, kept)  # nothing happened: the session keeps its KV
             raise
-        seq.num_restored, seq.arrival = restored, self.arrival
+        seq.num_restored, seq.arrival, seq.placed = restored, self.arrival, self.placed
         m.begin(s)
         return seq, context
 

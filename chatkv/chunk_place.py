@@ -1,0 +1,323 @@
+"""Placing retrieved chunks' KV into a turn's prompt, then a selective recompute (issue 23).
+
+A RAG turn's user message holds its sources (chatkv.rag). With ``rag_kv_reuse`` on, the
+turn's KV up to the end of its last source is built here, before the request is added:
+
+1. each source's text is found as a run of the prompt's tokens (its own tokenisation; a
+   source whose tokens are not in the prompt as one run is simply computed);
+2. its KV in the canonical frame comes from the chunk owner (chatkv.chunk_kv: memory, then
+   disk, else computed now, all missing chunks in one forward) and is copied into the
+   request's blocks with its keys re-rotated to the positions it takes (``rotate_keys``);
+3. one forward then computes, over everything, the tokens that are not reused: the tokens
+   between the sources, and the chunk tokens chosen for recompute:
+   - ``edge`` (EPIC): the first ``rag_edge_tokens`` tokens of each chunk;
+   - ``blend`` (CacheBlend): the ``rag_recompute_ratio`` share of each chunk's tokens whose
+     layer-1 KV deviates most from the reused KV, measured by a probe that computes layer 0
+     for every new token over the placed KV;
+   each computed row replaces the reused row in its layer before that layer's attention, so
+   a later token sees it, as in a from-scratch forward. With every chunk token chosen the
+   forward is one ordinary prefill chunk: the KV is full prefill's.
+4. the result becomes the conversation's RetainedKV in the conversation's private radix
+   namespace (``ContextState.private``, as a moved sink window's): KV built from reused
+   chunks is never matched by, nor shared with, a from-scratch computation of those tokens.
+
+The rest of the prompt (the instruction and the question) is computed by the scheduler as
+usual. Anything that fails here falls back to computing (a slower turn, never a wrong one).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Hashable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from chatkv.chunk_kv import ChunkEntry, ChunkKV
+from chatkv.errors import OutOfBlocks
+from chatkv.kernels import kv_quant
+from chatkv.model_runner import BatchItem
+
+if TYPE_CHECKING:
+    from chatkv.kv_manager import KVManager
+    from chatkv.kv_types import RetainedKV
+    from chatkv.prefix_cache import Node
+
+log = logging.getLogger("chatkv.chunk_kv")
+
+MODES = ("off", "edge", "blend")
+
+
+@dataclass
+class Placed:
+    """What placement did for a turn: ``kept`` holds the KV of ``tokens[:end]``."""
+
+    kept: RetainedKV | None
+    end: int = 0
+    reused: int = 0  # chunk tokens placed from chunk KV (and kept)
+    recomputed: int = 0  # chunk tokens recomputed over the placed KV
+    computed: int = 0  # every token this step computed (recomputed + between the sources)
+    private: bool = True  # ``kept`` is in the private namespace (False: nothing placed, as it was)
+
+
+@dataclass(eq=False)
+class _Req:
+    """A request's KV record for the manager (chatkv.kv_types.SequenceKV) while placement builds it."""
+
+    token_ids: list[int]
+    namespace: Hashable | None
+    prefix: RetainedKV | None = None
+    block_table: list[int] = field(default_factory=list)
+    lock_node: Node | None = None
+    num_computed: int = 0
+    num_cached: int = 0
+    num_host: int = 0
+
+
+def frame_tokens(tokenizer) -> list[int]:
+    """The canonical frame's prefix: a ChatML user turn's opening when the model has one, else
+    its start token, else nothing."""
+    if "<|im_start|>" in tokenizer.get_vocab():
+        return list(tokenizer("<|im_start|>user\n", add_special_tokens=False)["input_ids"])
+    return [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+
+
+def chunk_store(engine) -> ChunkKV:
+    """The engine's chunk owner, made on first use (held by its KV manager)."""
+    kv = engine.kv
+    if getattr(kv, "chunks", None) is None:
+        model, cfg = engine.model, engine.config
+        root = None
+        if cfg.rag_kv_disk:
+            root = engine._data_root() / "chunk_kv"
+        kv.chunks = ChunkKV(engine.fingerprint, engine.kv_dtype, frame_tokens(engine.tokenizer),
+                            (model.num_layers, model.num_kv_heads, engine.runner.pool.row_dim), root,
+                            budget_bytes=cfg.chunk_kv_bytes)
+    return kv.chunks
+
+
+def chunk_ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def find_spans(tokens: Sequence[int], start: int, chunks: Sequence[list[int]]) -> list[tuple[int, int, int, int]]:
+    """Where each chunk's tokens sit in ``tokens[start:]``, in order: ``(chunk index, position,
+    offset into the chunk, length)``. A chunk is matched whole, else without its first and last
+    token (tokenisation may merge them with their neighbours); one not found is left out."""
+    out, at = [], start
+    for i, c in enumerate(chunks):
+        for off, n in ((0, len(c)), (1, len(c) - 2)):
+            if n < 2:
+                continue
+            pos = _find(tokens, c[off : off + n], at)
+            if pos >= 0:
+                out.append((i, pos, off, n))
+                at = pos + n
+                break
+    return out
+
+
+def _find(tokens: Sequence[int], run: list[int], at: int) -> int:
+    first, n = run[0], len(run)
+    for p in range(at, len(tokens) - n + 1):
+        if tokens[p] == first and list(tokens[p : p + n]) == run:
+            return p
+    return -1
+
+
+def entries(engine, store: ChunkKV, texts: Sequence[str], ids: Sequence[list[int]]) -> list[ChunkEntry]:
+    """Each chunk's canonical KV: from memory or disk, the missing ones computed in one forward."""
+    got: list[ChunkEntry | None] = [store.get(t, c) for t, c in zip(texts, ids)]
+    missing = [i for i, e in enumerate(got) if e is None]
+    if missing:
+        for i, (k, v) in zip(missing, compute_canonical(engine, store.frame, [ids[i] for i in missing])):
+            got[i] = store.put(texts[i], ids[i], k, v)
+    return got  # type: ignore[return-value]
+
+
+def compute_canonical(engine, frame: Sequence[int], chunks: Sequence[list[int]]):
+    """Per chunk, its per-layer KV rows (stored form) computed after ``frame`` at positions
+    ``len(frame)..``: one forward over blocks of their own, given back after."""
+    kv, runner, pool = engine.kv, engine.runner, engine.runner.pool
+    bs, f = pool.block_size, len(frame)
+    tables = []
+    try:
+        for c in chunks:
+            need = -(-(f + len(c)) // bs)
+            if not kv.make_room(need):
+                raise OutOfBlocks(f"no room for {need} KV blocks to compute a chunk's KV")
+            tables.append(pool.allocate(need))
+        items = [BatchItem(list(frame) + list(c), 0, t, "none") for c, t in zip(chunks, tables)]
+        runner.forward(runner.build_batch(items))
+        out = []
+        for c, t in zip(chunks, tables):
+            rows = pool.read(t, f + len(c))[:, :, f:].clone()
+            out.append(([rows[i, 0] for i in range(rows.shape[0])], [rows[i, 1] for i in range(rows.shape[0])]))
+        return out
+    finally:
+        for t in tables:
+            pool.decref(t)
+
+
+def place(engine, kept: RetainedKV | None, tokens: list[int], start: int, texts: Sequence[str], namespace: Hashable,
+          old_namespace: Hashable | None, migrate: bool, mode: str, edge_tokens: int, ratio: float) -> Placed:
+    """Build the KV of ``tokens`` up to the end of the last source found in ``tokens[start:]``
+    (``texts``: the sources' texts as the prompt holds them) in radix ``namespace``, continuing
+    ``kept`` (the history's KV). With ``migrate`` the history lives in ``old_namespace``: it, and
+    what the shared tree holds of the prompt there (a system prompt, pinned documents), is copied
+    into ``namespace`` first. ``kept`` is ended; the Placed's handle replaces it (``private``:
+    it is in ``namespace``; else nothing was placed and it is in the namespace it was)."""
+    kv: KVManager = engine.kv
+    ids = [chunk_ids(engine.tokenizer, t) for t in texts]
+    spans = find_spans(tokens, start, ids)
+    if not spans:
+        return Placed(kept, private=not migrate)
+    store = chunk_store(engine)
+    try:
+        found = entries(engine, store, [texts[i] for i, *_ in spans], [ids[i] for i, *_ in spans])
+    except Exception as e:  # noqa: BLE001 - nothing moved: the sources are computed as usual
+        log.warning("the sources' chunk KV is unavailable (%s: %s); computing them instead", type(e).__name__, e)
+        return Placed(kept, private=not migrate)
+    end = spans[-1][1] + spans[-1][3]
+    if migrate:  # the history's KV and the shared prefix, copied into the private namespace
+        r0 = _Req(tokens[: spans[0][1] + 1], old_namespace, prefix=kept)  # up to the first source
+        kv.attach(r0)
+        kept = kv.release(r0, retain=True)
+        if kept is not None:
+            try:
+                k, v = kv.export_kv(kept)
+                moved = kv.import_kv(tokens, kept.kv_len, k, v, namespace=namespace)
+            except OutOfBlocks as e:
+                log.warning("no room to copy a conversation's KV for its sources' chunk KV (%s)", e)
+                return Placed(kept, private=False)
+            kv.drop(kept)
+            kept = moved
+    req = _Req(tokens, namespace, prefix=kept)
+    kv.attach(req)
+    try:
+        if not kv.reserve(req, end - req.num_computed):
+            raise OutOfBlocks(f"no room for the KV of a {end}-token prompt's sources")
+        out = _build(engine, req, spans, found, mode, edge_tokens, ratio)
+        req.num_computed = max(end, req.num_computed)
+    except Exception as e:  # noqa: BLE001 - the history's KV is kept; the rest is computed as usual
+        log.warning("placing the sources' chunk KV failed (%s: %s); computing them instead", type(e).__name__, e)
+        out = Placed(None)
+    out.end = req.num_computed
+    out.kept = kv.release(req, retain=True)
+    return out
+
+
+def for_turn(turn, kept: RetainedKV | None, context: list[int]) -> RetainedKV | None:
+    """The hook of ``Turn._admit`` (loop thread): place the turn's sources, making the
+    conversation's KV private (a new window epoch) the first time; ``turn.placed`` says what was
+    done. Returns the KV the request continues from."""
+    m, s, st, cfg = turn.m, turn.s, turn.st, turn.engine.config
+    if not turn.engine.kv.sharing:  # placed KV reaches the request through the tree: none without caching
+        return kept
+    migrate = not st.private
+    old_ns = m._namespace(s.id, st) or turn.user_ns
+    if migrate:
+        st.private, st.epoch = True, st.epoch + 1  # from now on this conversation's KV is its own
+    texts = [h.text.strip() for h in turn.hits]
+    placed = place(turn.engine, kept, context + turn.delta, len(context), texts, m._namespace(s.id, st), old_ns,
+                   migrate, cfg.rag_kv_reuse, cfg.rag_edge_tokens, cfg.rag_recompute_ratio)
+    if not placed.private and migrate:
+        st.private, st.epoch = False, st.epoch - 1
+    turn.placed = placed if placed.private else None
+    return placed.kept
+
+
+def _build(engine, req: _Req, spans, found: list[ChunkEntry], mode: str, edge_tokens: int, ratio: float) -> Placed:
+    model, runner, pool = engine.model, engine.runner, engine.runner.pool
+    quant = pool.quant
+    table, tokens, h0 = req.block_table, req.token_ids, req.num_computed
+    pairs = [(s, e) for s, e in zip(spans, found) if s[1] >= h0]  # else its KV is there already (shared tree)
+    if not pairs:
+        return Placed(None)
+    spans = [s for s, _ in pairs]
+    reused = torch.zeros(len(tokens), dtype=torch.bool)
+    layer1: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (position, reused layer-1 K, V) per placed chunk
+    for (_, pos, off, n), e in pairs:
+        delta = pos - off - e.frame
+        k = [model.rotate_keys(x[off : off + n].to(pool.kv.device), delta, quant) for x in e.k]
+        v = [x[off : off + n].to(pool.kv.device) for x in e.v]
+        pool.write(table, pos, k, v)
+        reused[pos : pos + n] = True
+        if len(k) > 1:
+            layer1.append((pos, k[1], v[1]))
+    end = spans[-1][1] + spans[-1][3]
+    recompute = _choose(engine, req, spans, layer1, h0, end, mode, edge_tokens, ratio)
+    for p in recompute:
+        reused[p] = False
+    compute = [p for p in range(h0, end) if not reused[p]]
+    runs = _runs(compute)
+    if runs:
+        items = [BatchItem(tokens[a:b], a, table, "none") for a, b in runs]
+        runner.forward(runner.build_batch(items))
+    return Placed(None, reused=int(reused[h0:end].sum()), recomputed=len(recompute), computed=len(compute))
+
+
+def _runs(positions: list[int]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for p in positions:
+        if out and out[-1][1] == p:
+            out[-1][1] = p + 1
+        else:
+            out.append([p, p + 1])
+    return [(a, b) for a, b in out]
+
+
+def _choose(engine, req: _Req, spans, layer1, h0: int, end: int, mode: str, edge_tokens: int, ratio: float) -> list[int]:
+    """The chunk positions to recompute."""
+    if mode == "edge":
+        return [p for _, pos, _, n in spans for p in range(pos, pos + min(n, edge_tokens))]
+    if ratio <= 0:
+        return []
+    if ratio >= 1:
+        return [p for _, pos, _, n in spans for p in range(pos, pos + n)]
+    if len(layer1) != len(spans):  # a one-layer model: no early layer to compare, recompute each chunk's start
+        return [p for _, pos, _, n in spans for p in range(pos, pos + math.ceil(ratio * n))]
+    k1, v1 = _probe(engine, req, h0, end)
+    quant = engine.runner.pool.quant
+    out = []
+    for (_, pos, _, n), (_, rk, rv) in zip(spans, layer1):
+        rk = kv_quant.dequantize(rk, quant, torch.float32) if quant else rk.float()
+        rv = kv_quant.dequantize(rv, quant, torch.float32) if quant else rv.float()
+        fk, fv = k1[pos - h0 : pos - h0 + n], v1[pos - h0 : pos - h0 + n]
+        dev = ((fk - rk) ** 2).sum(dim=(1, 2)) + ((fv - rv) ** 2).sum(dim=(1, 2))
+        top = torch.topk(dev, math.ceil(ratio * n)).indices
+        out.extend(pos + int(i) for i in top)
+    return sorted(out)
+
+
+@torch.inference_mode()
+def _probe(engine, req: _Req, h0: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer 1's fresh keys and values (float32, rotated) of ``tokens[h0:end]``: layer 0 computed
+    over the pool (whose rows for these tokens it stores: layer 0's KV depends on no other token)
+    as LlamaModel.forward computes it, then layer 1's projection."""
+    model, runner, pool = engine.model, engine.runner, engine.runner.pool
+    batch = runner.build_batch([BatchItem(req.token_ids[h0:end], h0, req.block_table, "none")])
+    t = end - h0
+    nh, nkv, d = model.num_heads, model.num_kv_heads, model.head_dim
+    h = F.embedding(batch.input_ids, model.embed).to(model.residual_dtype)
+    cos, sin = model._rope(batch.positions)
+    l0, l1 = model.layers[0], model.layers[1]
+    qkv = l0.qkv(model._rms(h, l0.input_norm)).view(t, nh + 2 * nkv, d)
+    qk = qkv[:, : nh + nkv]
+    if l0.qk_norm is not None:
+        qk = model._rms(qk, l0.qk_norm)
+    qk = model._rotate(qk, cos, sin)
+    kc, vc = pool.kv[0, 0], pool.kv[0, 1]
+    model.store_kv(kc, vc, batch.metas[l0.window].slot_mapping, qk[:, nh:], qkv[:, nh + nkv :], quant=pool.quant)
+    o = model.attention(qk[:, :nh], kc, vc, batch.metas[l0.window], model.scale, quant=pool.quant).reshape(t, nh * d)
+    h = h + l0.o(o)
+    g, u = l0.gate_up(model._rms(h, l0.post_norm)).chunk(2, dim=-1)
+    h = h + l0.down(F.silu(g) * u)
+    qkv = l1.qkv(model._rms(h, l1.input_norm)).view(t, nh + 2 * nkv, d)
+    k = qkv[:, nh : nh + nkv]
+    if l1.qk_norm is not None:
+        k = model._rms(k, l1.qk_norm)
+    k = model._rotate(k, cos, sin)
+    return k.float(), qkv[:, nh + nkv :].float()

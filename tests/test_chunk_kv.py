@@ -1,0 +1,220 @@
+"""Position-independent chunk KV (issue 23: chatkv.chunk_kv, chatkv.chunk_place,
+storage.chunk_segments) on a seeded tiny fp32 model, against transformers' own forward:
+re-rotated chunk KV equals the KV computed at that position, full recompute equals full
+prefill, chunk KV survives a restart on disk, changed text gets new KV, damage is recomputed,
+and placed KV lives in the conversation's own radix namespace."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from chatkv import Engine
+from chatkv import chunk_place as cp
+from chatkv.config import EngineConfig
+from chatkv.errors import InvalidRequest
+from tests.test_rag_sessions import DOCS
+
+pytestmark = pytest.mark.tiny_model("llama", seed=21, max_position_embeddings=1024)
+
+GREEDY = dict(max_tokens=8, temperature=0.0)
+QUESTIONS = ["How often should the kettle be descaled?", "And how do I collimate a reflector telescope?"]
+CHUNK = "The Brewmaster kettle boils a litre of water in ninety seconds. Its base must be descaled monthly."
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    for name, text in DOCS.items():
+        (d / name).write_text(text)
+    return d
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+
+
+def engine_at(model_dir, data_dir, **kw) -> Engine:
+    kw.setdefault("num_blocks", 200)
+    return Engine(model_dir, EngineConfig(data_dir=str(data_dir), **kw))
+
+
+def hf_kv(hf, ids: list[int], positions: list[int]):
+    """transformers' per-layer keys and values ``[tokens, kv_heads, head_dim]`` of ``ids`` at ``positions``."""
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), position_ids=torch.tensor([positions]), use_cache=True)
+    cache = out.past_key_values
+    ks, vs = [], []
+    for i in range(hf.config.num_hidden_layers):
+        if hasattr(cache, "layers"):
+            k, v = cache.layers[i].keys, cache.layers[i].values
+        elif hasattr(cache, "key_cache"):
+            k, v = cache.key_cache[i], cache.value_cache[i]
+        else:
+            k, v = cache[i]
+        ks.append(k[0].transpose(0, 1))
+        vs.append(v[0].transpose(0, 1))
+    return ks, vs, out.logits[0]
+
+
+def test_rerotated_chunk_kv_equals_the_kv_computed_at_that_position(model_dir, hf, tmp_path):
+    """The chunk's KV in its canonical frame, keys re-rotated to position ``at``, is the KV that
+    transformers computes for the frame + chunk placed so the chunk starts at ``at`` (what the
+    chunk's own prefix fixes), in fp32 within 1e-4."""
+    e = engine_at(model_dir, tmp_path)
+    try:
+        frame = cp.frame_tokens(e.tokenizer)
+        ids = cp.chunk_ids(e.tokenizer, CHUNK)
+        [(k, v)] = cp.compute_canonical(e, frame, [ids])
+        for at in (len(frame), 37, 300):
+            rk = [e.model.rotate_keys(x, at - len(frame)) for x in k]
+            ref_k, ref_v, _ = hf_kv(hf, frame + ids, list(range(at - len(frame), at + len(ids))))
+            for i in range(len(k)):
+                torch.testing.assert_close(rk[i], ref_k[i][len(frame):], atol=1e-4, rtol=0)
+                torch.testing.assert_close(v[i], ref_v[i][len(frame):], atol=1e-4, rtol=0)
+    finally:
+        e.close()
+
+
+def _prompt(e, texts):
+    """A prompt holding ``texts`` as sources the way chatkv.rag writes them, and its token ids."""
+    from types import SimpleNamespace
+
+    from chatkv import rag
+
+    hits = [SimpleNamespace(text=t, source=f"doc{i}.md", heading="", document_id=i, ordinal=0) for i, t in enumerate(texts)]
+    msg = rag.user_message("What does the kettle do?", hits)
+    text = e.tokenizer.apply_chat_template([{"role": "user", "content": msg}], tokenize=False, add_generation_prompt=True)
+    return e.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize("mode,ratio,exact", [("blend", 1.0, True), ("edge", 1000, True), ("blend", 0.0, False)])
+def test_placement_against_full_prefill(model_dir, hf, tmp_path, mode, ratio, exact):
+    """With every chunk token recomputed the placed KV is full prefill's (transformers' forward
+    on the whole prompt), layer by layer; with none recomputed layer 0 still is (its KV depends
+    on no other token) and a later layer is not (the chunk never saw the other one)."""
+    e = engine_at(model_dir, tmp_path, rag_kv_reuse=mode)
+    try:
+        texts = [CHUNK, "A refractor uses lenses, a reflector uses mirrors. Collimate a reflector before each night."]
+        tokens = list(_prompt(e, texts))
+        edge = int(ratio) if mode == "edge" else 0
+        placed = e.on_loop(lambda: cp.place(e, None, tokens, 0, texts, ("test", "private"), None, False, mode, edge,
+                                            min(float(ratio), 1.0)))
+        assert placed.private and placed.end < len(tokens)
+        n_chunks = sum(len(cp.chunk_ids(e.tokenizer, t)) for t in texts)
+        assert placed.reused + placed.recomputed == n_chunks
+        assert placed.reused == (0 if exact else n_chunks)
+        k, v = e.on_loop(lambda: e.kv.export_kv(placed.kept))
+        ref_k, ref_v, _ = hf_kv(hf, tokens, list(range(len(tokens))))
+        n = placed.end
+        torch.testing.assert_close(k[0], ref_k[0][:n], atol=1e-4, rtol=0)
+        if exact:
+            for i in range(len(k)):
+                torch.testing.assert_close(k[i], ref_k[i][:n], atol=1e-4, rtol=0)
+                torch.testing.assert_close(v[i], ref_v[i][:n], atol=1e-4, rtol=0)
+        else:
+            assert (k[-1] - ref_k[-1][:n]).abs().max() > 1e-3
+        e.on_loop(lambda: e.kv.drop(placed.kept))
+        e.check_integrity()
+    finally:
+        e.close()
+
+
+def _replies(model_dir, data_dir, corpus, **kw):
+    e = engine_at(model_dir, data_dir, **kw)
+    try:
+        kb = e.knowledge_base("docs")
+        kb.add([str(corpus)])
+        s = e.session(knowledge=kb, top_k=2, params=GREEDY)
+        out = [s.send(q) for q in QUESTIONS]
+        e.check_integrity()
+        return out, list(s.tokens), e.kv.stats()
+    finally:
+        e.close()
+
+
+def test_full_recompute_gives_full_prefills_greedy_tokens_and_usage_counts(model_dir, corpus, tmp_path):
+    off, off_tokens, _ = _replies(model_dir, tmp_path / "off", corpus)
+    full, full_tokens, _ = _replies(model_dir, tmp_path / "full", corpus, rag_kv_reuse="blend", rag_recompute_ratio=1.0)
+    assert full_tokens == off_tokens  # the same greedy replies, token for token, over two turns
+    assert [r.text for r in full] == [r.text for r in off]
+    assert all(r.usage.reused_tokens == 0 and r.usage.recomputed_tokens > 0 for r in full)
+    edge, _, stats = _replies(model_dir, tmp_path / "edge", corpus, rag_kv_reuse="edge", rag_edge_tokens=2)
+    for r in edge:
+        u = r.usage
+        assert u.reused_tokens > 0 and u.recomputed_tokens == 2 * len(r.sources)
+        assert u.cached_tokens + u.host_tokens + u.restored_tokens + u.computed_tokens + u.reused_tokens == u.prompt_tokens
+    assert edge[1].usage.cached_tokens >= len(off_tokens) // 3  # turn 2 continues turn 1's (private) KV
+    assert stats["chunk_computed"] >= 2
+
+
+def test_placed_kv_is_never_shared_under_from_scratch_token_ids(model_dir, corpus, tmp_path):
+    e = engine_at(model_dir, tmp_path, rag_kv_reuse="blend", rag_recompute_ratio=0.2)
+    try:
+        kb = e.knowledge_base("docs")
+        kb.add([str(corpus)])
+        s = e.session(knowledge=kb, top_k=2, params=GREEDY)
+        r = s.send(QUESTIONS[0])
+        assert r.usage.reused_tokens > 0
+        first_source = cp.find_spans(s.tokens, 0, [cp.chunk_ids(e.tokenizer, x.text.strip()) for x in r.sources])[0][1]
+        assert e.kv.cached_len(s.tokens) <= first_source  # the default namespace has none of the placed KV
+        # a second session asking the same with reuse off computes the sources itself
+        e.config.rag_kv_reuse = "off"
+        r2 = e.session(knowledge=kb, top_k=2, params=GREEDY).send(QUESTIONS[0])
+        assert r2.usage.reused_tokens == 0 and r2.usage.cached_tokens <= first_source
+        e.check_integrity()
+    finally:
+        e.close()
+
+
+def test_chunk_kv_comes_back_from_disk_after_a_restart(model_dir, corpus, tmp_path):
+    _, _, first = _replies(model_dir, tmp_path, corpus, rag_kv_reuse="edge")
+    assert first["chunk_computed"] >= 2 and first["chunk_loaded"] == 0
+    assert list((tmp_path / "chunk_kv").glob("chunk-*.safetensors"))
+    _, _, second = _replies(model_dir, tmp_path, corpus, rag_kv_reuse="edge")
+    assert second["chunk_computed"] == 0 and second["chunk_loaded"] >= 2  # read back, not recomputed
+
+
+def test_changed_text_gets_new_kv_and_damage_is_recomputed(model_dir, tmp_path, caplog):
+    e = engine_at(model_dir, tmp_path)
+    try:
+        store = cp.chunk_store(e)
+        old, new = CHUNK, CHUNK.replace("monthly", "weekly")
+        ids_old, ids_new = cp.chunk_ids(e.tokenizer, old), cp.chunk_ids(e.tokenizer, new)
+        [a] = e.on_loop(lambda: cp.entries(e, store, [old], [ids_old]))
+        [b] = e.on_loop(lambda: cp.entries(e, store, [new], [ids_new]))
+        assert a.key != b.key and store.computed == 2
+        [(fresh_k, _)] = e.on_loop(lambda: cp.compute_canonical(e, store.frame, [ids_new]))
+        for x, y in zip(b.k, fresh_k):
+            torch.testing.assert_close(x, y, atol=0, rtol=0)  # the new text's KV, never the old
+        assert a.tokens != b.tokens and b.tokens == tuple(ids_new)
+        path = tmp_path / "chunk_kv" / f"{b.key}.safetensors"
+        raw = bytearray(path.read_bytes())
+        raw[-20:] = bytes(20)  # damage its tensor bytes
+        path.write_bytes(bytes(raw))
+    finally:
+        e.close()
+    e = engine_at(model_dir, tmp_path)
+    try:
+        store = cp.chunk_store(e)
+        with caplog.at_level(logging.WARNING, logger="chatkv"):
+            [c] = e.on_loop(lambda: cp.entries(e, store, [new], [ids_new]))
+        assert store.computed == 1 and store.loaded == 0
+        assert any("chunk KV" in r.getMessage() for r in caplog.records)
+        for x, y in zip(c.k, fresh_k):
+            torch.testing.assert_close(x, y, atol=0, rtol=0)
+        [d] = e.on_loop(lambda: cp.entries(e, store, [old], [ids_old]))  # the intact file is read back
+        assert store.loaded == 1 and d.key == a.key
+    finally:
+        e.close()
+
+
+def test_bad_options_are_refused():
+    for kw in ({"rag_kv_reuse": "always"}, {"rag_recompute_ratio": 1.5}, {"rag_edge_tokens": -1}):
+        with pytest.raises(InvalidRequest, match=next(iter(kw))):
+            EngineConfig.from_kwargs(**kw)
