@@ -6,12 +6,14 @@
 
 Tools: ``add(a, b)`` (small integers), ``fail(why)`` (a tool error the model reads), ``die()``
 (the process exits mid-call: the server dies), ``shout(text)``. With ``MCP_TEST_PIDFILE`` set the
-process writes its pid there, so a test can kill it while it is idle.
+process writes its pid there, so a test can kill it while it is idle; with ``MCP_TEST_CALLLOG`` set
+each call appends a line ``name {arguments}`` there, so a test knows which calls reached it.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Annotated
@@ -21,6 +23,13 @@ from pydantic import Field
 from mcp.server.mcpserver import MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 
+
+def _log(name: str, **args) -> None:
+    if os.environ.get("MCP_TEST_CALLLOG"):
+        with open(os.environ["MCP_TEST_CALLLOG"], "a") as f:
+            f.write(f"{name} {json.dumps(args, sort_keys=True)}\n")
+
+
 server = MCPServer("chatkv-test", log_level="WARNING")
 Small = Annotated[int, Field(ge=0, le=9)]
 
@@ -28,18 +37,21 @@ Small = Annotated[int, Field(ge=0, le=9)]
 @server.tool()
 def add(a: Small, b: Small) -> str:
     """Add two small integers."""
+    _log("add", a=a, b=b)
     return str(a + b)
 
 
 @server.tool()
 def fail(why: str) -> str:
     """Always fails, with the reason given."""
+    _log("fail", why=why)
     raise ToolError(f"fail was asked to fail: {why}")
 
 
 @server.tool()
 def die() -> str:
     """The server process exits while answering."""
+    _log("die")
     sys.stdout.flush()
     os._exit(3)
 
@@ -47,6 +59,7 @@ def die() -> str:
 @server.tool()
 def shout(text: Annotated[str, Field(max_length=12)]) -> str:
     """The text in capitals."""
+    _log("shout", text=text)
     return text.upper()
 
 

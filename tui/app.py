@@ -36,7 +36,9 @@ from chatkv.tui.branches import BranchesMixin
 from chatkv.tui.commands import CommandsMixin
 from chatkv.tui.conversations import ConversationsMixin
 from chatkv.tui.engine_thread import EngineThread
+from chatkv.tui.screens.dialogs import ToolConfirmScreen
 from chatkv.tui.chat_turns import TurnsMixin
+from chatkv.tui.tool_turns import ToolsMixin
 from chatkv.tui.widgets.chat import ChatInput, ChatMessage, StatusLine
 from chatkv.tui.widgets.sidebar import Sidebar
 from chatkv.tui.widgets.sources import SourcesPanel
@@ -63,9 +65,10 @@ class _NotifyHandler(logging.Handler):
             pass
 
 
-class ChatApp(TurnsMixin, BranchesMixin, ConversationsMixin, CommandsMixin, App):
+class ChatApp(TurnsMixin, ToolsMixin, BranchesMixin, ConversationsMixin, CommandsMixin, App):
     """The chat app. Pass ``engine=`` (already loaded; the app never closes it) or ``model=``/``data_dir=``
-    (loaded on start with a progress indicator, closed on exit)."""
+    (loaded on start with a progress indicator, closed on exit). ``tool_choice``: the first step
+    after each message with MCP tools ("auto"; "required" or a tool's name forces a call)."""
 
     CSS_PATH = str(Path(__file__).with_name("chatkv.tcss"))  # absolute: subclasses elsewhere keep it
     TITLE = "chatkv"
@@ -81,8 +84,10 @@ class ChatApp(TurnsMixin, BranchesMixin, ConversationsMixin, CommandsMixin, App)
 
     def __init__(self, *, engine=None, model: str | None = None, data_dir: str | None = None,
                  resume: str | None = None, system: str | None = None, kb: str | None = None,
-                 sampling: dict | None = None, mask_volatile: bool = False, engine_options: dict | None = None):
+                 sampling: dict | None = None, mask_volatile: bool = False, engine_options: dict | None = None,
+                 tool_choice="auto"):
         super().__init__()
+        self.tool_choice = tool_choice
         self.engine = engine
         self._owns_engine = engine is None
         self.model_path, self.data_dir, self.resume_id = model, data_dir, resume
@@ -141,6 +146,7 @@ class ChatApp(TurnsMixin, BranchesMixin, ConversationsMixin, CommandsMixin, App)
         box.focus()
         self._loading = self.engine is None  # from the first frame: what is typed waits for the model
         self.run_worker(self._start(), exclusive=False)
+        self.run_worker(self._start_mcp(), exclusive=False)  # mcp.json's servers, beside the model's loading
 
     async def _start(self) -> None:
         if self.engine is None:
@@ -297,8 +303,8 @@ class ChatApp(TurnsMixin, BranchesMixin, ConversationsMixin, CommandsMixin, App)
         self.notify(msg.text, severity=msg.severity, timeout=6)
 
     def check_action(self, action: str, parameters) -> bool | None:
-        if action == "cancel":
-            return self.generating  # otherwise Esc goes on to the focused widget or dialog
+        if action == "cancel":  # otherwise Esc goes on to the focused widget or dialog (a tool call's: deny)
+            return self.generating and not isinstance(self.screen, ToolConfirmScreen)
         return True
 
     def copy_to_clipboard(self, text: str) -> None:
@@ -323,6 +329,7 @@ class ChatApp(TurnsMixin, BranchesMixin, ConversationsMixin, CommandsMixin, App)
             await self._stream.stop()
             self._stream = None
         self.generating = False
+        await self._close_mcp()
         await self.shutdown_engine()
         self.exit(self.exit_code)
 
@@ -332,9 +339,10 @@ class ChatApp(TurnsMixin, BranchesMixin, ConversationsMixin, CommandsMixin, App)
             engine, self.engine = self.engine, None
             await self._call(engine.close, what="Close")
 
-    def on_unmount(self) -> None:
+    async def on_unmount(self) -> None:
         logging.getLogger("chatkv").removeHandler(self._log_handler)
         self._cancel.set()
+        await self._close_mcp()  # each MCP server's process is stopped (quitting did it already)
         # any turn still running stops at its next piece; its partial reply is saved by the SDK
         def finish():
             if self.session is not None:

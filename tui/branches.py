@@ -18,12 +18,12 @@ SHOWN = ("user", "assistant")
 
 
 def branch_view(session) -> list[tuple[object, list[int]]]:
-    """On the engine thread: the current branch's user and assistant messages, each with the ids
-    of its versions (the messages sharing its parent, itself included, oldest first)."""
+    """On the engine thread: the current branch's user and assistant messages (and tool results),
+    each with the ids of its versions (the messages sharing its parent, itself included, oldest first)."""
     versions: dict = {}
     for m in session.tree():
         versions.setdefault(m.parent_id, []).append(m.id)
-    return [(m, sorted(versions.get(m.parent_id, [m.id]))) for m in session.messages() if m.role in SHOWN]
+    return [(m, sorted(versions.get(m.parent_id, [m.id]))) for m in session.messages() if m.role in SHOWN + ("tool",)]
 
 
 class BranchesMixin:
@@ -43,6 +43,8 @@ class BranchesMixin:
         await self._clear_chat()
         widgets = []
         for m, versions in view:
+            if self._tool_history(m, versions, widgets):  # tool calls and their results (tui/tool_turns.py)
+                continue
             sources = (m.meta or {}).get("sources") or [] if m.role == "assistant" else []
             widgets.append(ChatMessage(m.role, m.content, interrupted=m.status == "interrupted", sources=sources,
                                        message_id=m.id, versions=versions, id=self._new_id()))
@@ -59,11 +61,12 @@ class BranchesMixin:
         view = await self._call(branch_view, self.session, what="Messages")
         if view is None:
             return
+        messages = [(m, v) for m, v in view if m.role in SHOWN]  # tool results are not messages of the view
         shown = self._branch_widgets()
-        if [w.role for w in shown] != [m.role for m, _ in view]:
+        if [w.role for w in shown] != [m.role for m, _ in messages]:
             await self._draw(view)
             return
-        for w, (m, versions) in zip(shown, view):
+        for w, (m, versions) in zip(shown, messages):
             w.set_versions(m.id, versions)
 
     # -- editing a user message ---------------------------------------------------------

@@ -66,7 +66,9 @@ class TurnsMixin:
 
     async def _send(self, text: str) -> None:
         """A new message at the end of the branch shown, and its reply."""
-        await self._turn_of(lambda s, p: s.stream(text, p), user_text=text)
+        opts = self._tool_options()  # the MCP servers' tools (tui/tool_turns.py), if any run
+        self._tool_steps = 0
+        await self._turn_of(lambda s, p: s.stream(text, p, **opts), user_text=text)
 
     async def _regenerate(self) -> None:
         """The branch's last user message answered again, streamed into its reply's widget in place
@@ -79,8 +81,9 @@ class TurnsMixin:
         await self._turn_of(lambda s, p: s.stream_edit(message_id, text, p), user_text=text, edit_of=message_id)
 
     async def _turn_of(self, make, user_text: str | None = None, regenerate: bool = False,
-                       edit_of: int | None = None) -> None:
-        """Start the turn ``make(session, params)`` (an SDK stream) and stream it into its reply's widget."""
+                       edit_of: int | None = None, after_tools: bool = False) -> None:
+        """Start the turn ``make(session, params)`` (an SDK stream) and stream it into its reply's widget
+        (``after_tools``: the model going on from tool results, a new reply with no message of yours)."""
         self.generating = True  # set before any await: a second Enter is refused
         try:
             t_sent = time.perf_counter()
@@ -97,6 +100,8 @@ class TurnsMixin:
                 self._reply_widget = await self._reply_to_regenerate()
             elif edit_of is not None:
                 self._reply_widget = await self._reply_to_edit(edit_of, user_text)
+            elif after_tools:
+                self._reply_widget = await self._add_message("assistant", "")
             else:
                 await self._add_message("user", user_text)
                 self._reply_widget = await self._add_message("assistant", "")
@@ -232,13 +237,16 @@ class TurnsMixin:
         ctx = getattr(msg.reply, "context", None)
         if ctx is not None and ctx.dropped_tokens:  # the conversation outgrew the context: say what moved
             self.notify(safe_text(ctx.summary()), title="Context", timeout=6)
-        self.generating = False
+        calls = self._calls_to_run(msg.reply, msg.interrupted, msg.error)  # MCP tools: tui/tool_turns.py
+        self.generating = bool(calls)  # held through the tool round that follows
         self._turn_future = None
         if msg.error:
             self._error(msg.error, "Reply")
         await self._sync_branch_view()  # the stored ids and versions of what is shown (redrawn if it differs)
         self._update_status()
         await self._refresh_sidebar()
+        if calls:
+            self.run_worker(self._tool_round(w, msg.reply), exclusive=False)
 
 
     def action_cancel(self) -> None:

@@ -1,4 +1,5 @@
-"""Modal dialogs: a yes/no confirmation, a one-line prompt, per-conversation settings, help."""
+"""Modal dialogs: a yes/no confirmation, a tool call's confirmation, a one-line prompt,
+per-conversation settings, help."""
 
 from __future__ import annotations
 
@@ -31,6 +32,34 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def on_button_pressed(self, event: Button.Pressed) -> None:
         self.dismiss(event.button.id == "yes")
+
+
+class ToolConfirmScreen(ModalScreen[str]):
+    """May the model call this tool? Dismissed with "once" (y), "always" (a: this tool, until
+    the app quits) or "deny" (n, Escape)."""
+
+    BINDINGS = [Binding("escape,n", "dismiss('deny')", "Deny"), Binding("y", "dismiss('once')", "Allow once"),
+                Binding("a", "dismiss('always')", "Always allow")]
+
+    def __init__(self, tool: str, server: str | None, arguments: str):
+        super().__init__(classes="dialog-screen")
+        self.tool, self.server, self.arguments = tool, server, arguments
+
+    def compose(self):
+        where = f" of MCP server '{self.server}'" if self.server else ""
+        with Vertical(classes="dialog tool-confirm"):
+            yield Label(safe_text(f"The model calls the tool '{self.tool}'{where} with:"), markup=False)
+            yield Label(safe_text(self.arguments), markup=False, classes="tool-args")
+            with Horizontal(classes="buttons"):
+                yield Button("Allow once (y)", variant="primary", id="once")
+                yield Button("Always (a)", id="always")
+                yield Button("Deny (n)", variant="error", id="deny")
+
+    def on_mount(self) -> None:
+        self.query_one("#deny", Button).focus()
+
+    def on_button_pressed(self, event: Button.Pressed) -> None:
+        self.dismiss(event.button.id)
 
 
 class PromptScreen(ModalScreen[str | None]):
@@ -120,6 +149,7 @@ Left/Right (or a click on ◀ ▶) shows its other versions.
 | `/search TEXT` | search every conversation; the chosen hit opens its chat and branch |
 | `/export md\\|json [PATH]` | write the conversation to a file |
 | `/stats` | token counts and timings of every turn, and the KV pool |
+| `/tools [reload\\|off\\|on]` | the MCP servers of `mcp.json` and their tools; each call asks first |
 | `/settings` | temperature, max tokens, system prompt |
 | `/help` | this help |
 
