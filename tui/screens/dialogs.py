@@ -149,7 +149,7 @@ Left/Right (or a click on ◀ ▶) shows its other versions.
 | `/search TEXT` | search every conversation; the chosen hit opens its chat and branch |
 | `/export md\\|json [PATH]` | write the conversation to a file |
 | `/stats` | token counts and timings of every turn, and the KV pool |
-| `/tools [reload\\|off\\|on]` | the MCP servers of `mcp.json` and their tools; each call asks first |
+| `/tools` | MCP servers (`mcp.json`) and their tools; `/tools reload`, `off`, `on`; each call asks first |
 | `/settings` | temperature, max tokens, system prompt |
 | `/help` | this help |
 
