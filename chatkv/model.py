@@ -28,9 +28,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from chatkv.cpu_threads import one_thread
 from chatkv.errors import ModelNotFound, UnsupportedModel
 from chatkv.kernels import AttentionMetadata, attention_backend, kv_quant
-from chatkv.quant import GROUP, Int4Linear, Int8Linear, Q4Weight, quantize_int4, quantize_int8
+from chatkv.quant import GROUP, Int4Linear, Int8Linear, Q4Weight, int4_from_nibbles, quantize_int4, quantize_int8
 from chatkv.quant_prefill import Scratch, ScratchInt8, scratch_int4
 from chatkv.weights.gguf import read_q4
 from chatkv.weights.loading import load_config, read_weights, release_freed_memory
@@ -229,16 +230,20 @@ class LlamaModel:
                 if n not in weights:
                     raise ModelNotFound(f"weight '{n}' missing from the model's safetensors")
             if mode == "int4" and all(weights[n].shape[1] % GROUP == 0 for n in names):
-                parts = [q4[n] if n in q4 else quantize_int4(weights[n]) for n in names]
-                cat = lambda f: torch.cat([getattr(x, f) for x in parts])  # noqa: E731
-                q = Q4Weight(cat("codes"), cat("scale"), cat("minimum"))
-                copy = None
-                if dense_rows and dense == "copy":
-                    # a converted GGUF's float weights are its 4-bit numbers dequantised
-                    # (chatkv.weights.gguf): those are the copy, with nothing to dequantise
-                    own = all(n in q4 and weights[n].dtype == dtype for n in names)
-                    copy = Linear(torch.cat([w(n) for n in names]) if own else q.dequantize().to(dtype), bias)
-                lin = Int4Linear(q, bias, copy, dense_rows)
+                # a converted GGUF's float weights are its 4-bit numbers dequantised
+                # (chatkv.weights.gguf): those are the copy, with nothing to dequantise
+                own = all(n in q4 and weights[n].dtype == dtype for n in names)
+                copy_wanted = bool(dense_rows) and dense == "copy"
+                lin = None
+                if hasattr(q4, "nibbles") and all(n in q4 for n in names) and (own or not copy_wanted):
+                    lin = int4_from_nibbles([q4.nibbles(n) for n in names], bias, dense_rows)  # the file's bytes repacked
+                if lin is None:
+                    parts = [q4[n] if n in q4 else quantize_int4(weights[n]) for n in names]
+                    cat = lambda f: torch.cat([getattr(x, f) for x in parts])  # noqa: E731
+                    q = Q4Weight(cat("codes"), cat("scale"), cat("minimum"))
+                    lin = Int4Linear(q, bias, None, dense_rows)
+                if copy_wanted:
+                    lin.dense = Linear(torch.cat([w(n) for n in names]) if own else q.dequantize().to(dtype), bias)
                 if dense_rows and dense == "scratch":
                     lin.dense = scratch_int4(lin, self.scratch)  # None: the int4 kernel for every step
                 return lin
@@ -300,8 +305,9 @@ class LlamaModel:
             if isinstance(dtype, str):
                 dtype = getattr(torch, dtype)
         q4 = read_q4(model_dir) if weights_mode == "int4" else None
-        model = cls(config, read_weights(model_dir), dtype, device, weights_mode, head_mode, q4, dense_rows,
-                    consume=True, dense=dense)
+        with one_thread():  # copies and repackings, bound by memory (chatkv.cpu_threads.one_thread)
+            model = cls(config, read_weights(model_dir), dtype, device, weights_mode, head_mode, q4, dense_rows,
+                        consume=True, dense=dense)
         release_freed_memory()  # what loading freed on the heaps, not held resident
         return model
 

@@ -30,7 +30,7 @@ import torch
 
 __all__ = ["GROUP", "Q4Weight", "Q8Weight", "Int4Linear", "Int8Linear", "quantize_int4", "quantize_int8",
            "from_gguf_blocks", "dequantize_gguf_blocks", "kquant_scale_min", "int4_supported", "int8_supported",
-           "pack_int4", "unpack_int4pack", "int4pack_block"]
+           "pack_int4", "unpack_int4pack", "int4pack_block", "repack_nibbles", "int4_from_nibbles"]
 
 GROUP = 32  # inputs per int4 group: GGUF's block size and the kernel's group size
 
@@ -239,7 +239,8 @@ def quantize_int8(w: torch.Tensor, rows: int = 4096) -> Q8Weight:
         s = part.abs().amax(1, keepdim=True) / 127
         scale[i : i + rows] = s
         s = torch.where(s == 0, torch.ones_like(s), s)
-        codes[i : i + rows] = torch.clamp(torch.round(part / s), -127, 127).to(torch.int8)
+        # in place (the same numbers: every value is whole and in range before the cast)
+        codes[i : i + rows] = part.div_(s).round_().clamp_(-127, 127)
     return Q8Weight(codes, scale)
 
 
@@ -302,6 +303,37 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     return out.view(n, k // 2)
 
 
+def repack_nibbles(nibbles: torch.Tensor) -> torch.Tensor | None:
+    """``pack_int4`` of codes stored two a byte along their row (byte ``j``: code ``2j`` in its low
+    nibble, ``2j + 1`` in its high one; chatkv.weights.gguf's 4-bit file), made from those bytes
+    without unpacking them (at start-up, unpacking and packing again was most of the load); None
+    where the kernel's layout is not the one known here (``int4pack_block``)."""
+    n, half = nibbles.shape
+    block = int4pack_block()
+    if block is None or n % block or nibbles.dtype != torch.uint8:
+        return None
+    # numpy: one transposing copy, then contiguous uint8 ops on one thread (torch's threads, each
+    # op waiting for the slowest, made these small ops 5x slower on a busy machine)
+    x = np.ascontiguousarray(nibbles.numpy().reshape(n // block, 2, block // 2, half).transpose(0, 3, 1, 2))
+    lo, hi = x[:, :, 0], x[:, :, 1]  # rows d and block/2 + d, byte j of each: [blocks, K/2, block/2]
+    out = np.empty_like(x)  # [blocks, K, block/2] with k = 2j + parity: the layout pack_int4 makes
+    np.bitwise_or(lo & 0x0F, hi << 4, out=out[:, :, 0])
+    np.bitwise_or(lo >> 4, hi & 0xF0, out=out[:, :, 1])
+    return torch.from_numpy(out.reshape(n, half))
+
+
+def int4_from_nibbles(parts: list, bias: torch.Tensor | None = None, dense_rows: int = 16) -> "Int4Linear | None":
+    """An ``Int4Linear`` of ``parts`` (``(nibbles, scale, minimum)`` each, as ``repack_nibbles``
+    reads them) fused along the output: the same object ``Int4Linear(Q4Weight(...))`` of their
+    unpacked codes makes, bit for bit; None where ``repack_nibbles`` is."""
+    packed = [repack_nibbles(p) for p, _, _ in parts]
+    if any(p is None for p in packed):
+        return None
+    cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs)  # noqa: E731
+    return Int4Linear.from_packed(cat(packed), cat([s for _, s, _ in parts]), cat([m for _, _, m in parts]),
+                                  bias, None, dense_rows)
+
+
 def int4_supported() -> bool:
     return _kernel_works(quantize_int4, Int4Linear)
 
@@ -323,12 +355,22 @@ class Int4Linear:
     __slots__ = ("packed", "scales_zeros", "bias", "out_features", "dense", "dense_rows")
 
     def __init__(self, q: Q4Weight, bias: torch.Tensor | None = None, dense=None, dense_rows: int = 16):
-        n, k = q.codes.shape
-        self.out_features = n
+        self._set(pack_int4(q.codes), q.scale, q.minimum, bias, dense, dense_rows)
+
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
+                    bias: torch.Tensor | None = None, dense=None, dense_rows: int = 16) -> "Int4Linear":
+        """From codes already in the kernel's layout (``pack_int4``/``repack_nibbles``)."""
+        lin = cls.__new__(cls)
+        lin._set(packed, scale, minimum, bias, dense, dense_rows)
+        return lin
+
+    def _set(self, packed, scale, minimum, bias, dense, dense_rows) -> None:
+        self.out_features = scale.shape[0]
         self.dense, self.dense_rows = dense, dense_rows
-        self.packed = pack_int4(q.codes)
-        zero = q.minimum + 8 * q.scale  # the kernel's (code - 8) * s + z
-        self.scales_zeros = torch.stack((q.scale.t(), zero.t()), dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
+        self.packed = packed
+        zero = minimum + 8 * scale  # the kernel's (code - 8) * s + z
+        self.scales_zeros = torch.stack((scale.t(), zero.t()), dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
         self.bias = None if bias is None else bias.to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

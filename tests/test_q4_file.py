@@ -38,8 +38,8 @@ def test_each_weight_is_read_when_asked_for_and_is_the_files_numbers(model_dir, 
     with pytest.raises(KeyError):
         q4["nothing"]
     reads = []
-    real = Q4File.__getitem__
-    monkeypatch.setattr(Q4File, "__getitem__", lambda self, n: reads.append(n) or real(self, n))
+    real = Q4File.nibbles  # every read of the file: q4[name] too
+    monkeypatch.setattr(Q4File, "nibbles", lambda self, n: reads.append(n) or real(self, n))
     del q4[name]  # forgotten without reading it
     assert name not in q4 and len(q4) == 30 * 7 - 1 and reads == []
     assert list(q4)[:1] == sorted(q4.keys())[:1]
@@ -49,10 +49,26 @@ def test_the_int4_load_reads_each_weight_once_and_forgets_it(model_dir, monkeypa
     from chatkv.model import LlamaModel
 
     reads = []
-    real = Q4File.__getitem__
-    monkeypatch.setattr(Q4File, "__getitem__", lambda self, n: reads.append(n) or real(self, n))
+    real = Q4File.nibbles  # the bytes as stored, repacked for the kernel without unpacking them
+    monkeypatch.setattr(Q4File, "nibbles", lambda self, n: reads.append(n) or real(self, n))
     LlamaModel.from_pretrained(model_dir, dtype=torch.bfloat16, weights_mode="int4", head_mode="int8")
     assert sorted(reads) == sorted(read_q4(model_dir).keys())  # each once, one projection at a time
+
+
+def test_the_file_bytes_repacked_are_the_kernels_packing_of_the_codes(model_dir):
+    """The load packs the file's bytes for the kernel directly (chatkv.quant.int4_from_nibbles):
+    the same packed weights, scales and zeros as packing the unpacked codes."""
+    from chatkv.quant import Int4Linear, Q4Weight, int4_from_nibbles
+
+    q4 = read_q4(model_dir)
+    names = [f"layers.5.self_attn.{p}_proj.weight" for p in "qkv"]
+    fast = int4_from_nibbles([q4.nibbles(n) for n in names])
+    parts = [q4[n] for n in names]
+    slow = Int4Linear(Q4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "minimum"))))
+    if fast is None:  # this build packs some other way: the load took the codes path
+        pytest.skip("torch's int4 packing here is not the layout chatkv.quant knows")
+    assert torch.equal(fast.packed, slow.packed) and torch.equal(fast.scales_zeros, slow.scales_zeros)
+    assert fast.out_features == slow.out_features == 576 + 2 * 192
 
 
 def test_a_damaged_4_bit_file_fails_when_it_is_opened(model_dir, tmp_path):

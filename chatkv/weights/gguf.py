@@ -503,33 +503,47 @@ def read_q4(model_dir: str | Path) -> "Q4File | dict[str, Q4Weight]":
 class Q4File:
     """The 4-bit weights of a ``QUANT_FILE``, read one at a time: ``q4[name]`` reads that weight's
     codes (two a byte in the file), scales and minimums; ``pop`` also forgets the name. Nothing is
-    cached: each access reads the file again (the page cache keeps it)."""
+    cached: each access reads the file again (the page cache keeps it), through one handle open
+    until every name is forgotten."""
 
     def __init__(self, path: Path, model_dir: str | Path):
         self.path, self.model_dir = path, model_dir
-        with self._open() as st:
-            self._names = dict.fromkeys(sorted({k.rsplit(".", 1)[0] for k in st.keys()}))
+        self._st = None  # the open file, kept until every name is forgotten (one open, not one a weight)
+        self._names = dict.fromkeys(sorted({k.rsplit(".", 1)[0] for k in self._open().keys()}))
 
     def _open(self):
+        if self._st is not None:
+            return self._st
         from safetensors import safe_open
 
         try:
-            return safe_open(str(self.path), framework="pt")
+            self._st = safe_open(str(self.path), framework="pt")
         except Exception as e:  # SafetensorError, OSError: truncated, not safetensors
             raise self._unreadable(e) from e
+        return self._st
+
+    def _forgot(self) -> None:
+        if not self._names:
+            self._st = None  # closes the file
 
     def _unreadable(self, e: BaseException) -> ModelNotFound:
         return ModelNotFound(f"the 4-bit weights '{self.path}' are unreadable ({type(e).__name__}: {e}); "
                              f"delete '{self.model_dir}' to convert the model again")
 
     def __getitem__(self, name: str) -> Q4Weight:
+        packed, scale, minimum = self.nibbles(name)
+        codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
+        return Q4Weight(codes, scale, minimum)
+
+    def nibbles(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``name``'s codes as the file holds them (uint8 ``[N, K / 2]``, byte ``j`` holding code
+        ``2j`` in its low nibble and ``2j + 1`` in its high one), scale and minimum
+        (chatkv.quant.repack_nibbles packs them for the kernel without unpacking them)."""
         if name not in self._names:
             raise KeyError(name)
         try:
-            with self._open() as st:
-                packed = st.get_tensor(name + ".codes")
-                codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
-                return Q4Weight(codes, st.get_tensor(name + ".scale"), st.get_tensor(name + ".minimum"))
+            st = self._open()
+            return st.get_tensor(name + ".codes"), st.get_tensor(name + ".scale"), st.get_tensor(name + ".minimum")
         except ModelNotFound:
             raise
         except Exception as e:  # SafetensorError, a missing part
@@ -541,11 +555,13 @@ class Q4File:
     def pop(self, name: str, *default):
         value = self[name] if name in self._names or not default else default[0]
         self._names.pop(name, None)
+        self._forgot()
         return value
 
     def __delitem__(self, name: str) -> None:
         """Forget ``name`` without reading it (a loader done with it)."""
         del self._names[name]
+        self._forgot()
 
     def __contains__(self, name: object) -> bool:
         return name in self._names
