@@ -123,6 +123,8 @@ class EngineMetrics:
         self.host_tokens = counter("prompt_tokens_host", "Prompt tokens copied back from the host-memory tier")
         self.restored_tokens = counter("prompt_tokens_restored", "Prompt tokens loaded from a KV snapshot on disk")
         self.computed_tokens = counter("prompt_tokens_computed", "Prompt tokens computed by prefill")
+        self.reused_tokens = counter("prompt_tokens_reused", "RAG sources' tokens placed from chunk KV (rag_kv_reuse)")
+        self.recomputed_tokens = counter("prompt_tokens_recomputed", "RAG sources' tokens recomputed over placed chunk KV")
         self.queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (any tier)")
         self.preemptions = counter("num_preemptions", "Preemptions of running requests")
@@ -168,7 +170,8 @@ class EngineMetrics:
                              (self.restored_tokens, usage.restored_tokens), (self.computed_tokens, usage.computed_tokens),
                              (self.queries, usage.prompt_tokens), (self.hits, hit), (self.preemptions, preemptions),
                              (self.spec_drafts, drafts), (self.spec_draft_tokens, usage.proposed_tokens),
-                             (self.spec_accepted, usage.accepted_tokens)):
+                             (self.spec_accepted, usage.accepted_tokens), (self.reused_tokens, usage.reused_tokens),
+                             (self.recomputed_tokens, usage.recomputed_tokens)):
                     if v:
                         c.labels(m).inc(v)
                 for pos, v in enumerate(per_pos):

@@ -28,7 +28,9 @@ def usage_json(u: Usage) -> dict:
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.generated_tokens,
         "total_tokens": u.prompt_tokens + u.generated_tokens,
-        "prompt_tokens_details": {"cached_tokens": hit},
+        # reused/recomputed: RAG sources' tokens placed from chunk KV / recomputed over it (rag_kv_reuse)
+        "prompt_tokens_details": {"cached_tokens": hit, "reused_tokens": u.reused_tokens,
+                                  "recomputed_tokens": u.recomputed_tokens},
         "chatkv": {
             "cached_tokens": u.cached_tokens,
             "host_tokens": u.host_tokens,
@@ -46,7 +48,7 @@ def sum_usage(usages: list[Usage]) -> Usage:
     out = Usage()
     for u in usages:
         for name in ("prompt_tokens", "cached_tokens", "host_tokens", "restored_tokens", "computed_tokens",
-                     "generated_tokens", "proposed_tokens", "accepted_tokens"):
+                     "generated_tokens", "proposed_tokens", "accepted_tokens", "reused_tokens", "recomputed_tokens"):
             setattr(out, name, getattr(out, name) + getattr(u, name))
     out.ttft_s = max((u.ttft_s for u in usages), default=0.0)
     return out
