@@ -20,14 +20,14 @@ import operator
 import os
 import threading
 from pathlib import Path
-from typing import Iterator, Sequence as Seq
+from typing import TYPE_CHECKING, Iterator, Sequence as Seq
 
 
 from chatkv import text_tokens
 from chatkv import closing
 from chatkv.config import EngineConfig
 from chatkv.cpu_threads import ThreadGovernor
-from chatkv.storage.models import LOCAL_USER
+from chatkv.storage.paths import LOCAL_USER  # not storage.models: no SQLAlchemy until a store is opened
 from chatkv.detokenize import TextStream
 from chatkv.engine_loop import EngineLoop, RequestStream
 from chatkv.errors import EngineClosed, InvalidRequest, ModelNotFound, StorageError, check_text
@@ -38,10 +38,12 @@ from chatkv.sampling import SamplingParams, make_generator
 from chatkv.scheduler import NeedsBlocks, Scheduler
 from chatkv.sequence import Sequence
 from chatkv.speculative import Speculator
-from chatkv.session_manager import SessionManager
 from chatkv.weight_check import load_checked
 from chatkv.weight_modes import choose as choose_weights
 from chatkv.weights import ensure_default_model, load_config, load_tokenizer, model_fingerprint
+
+if TYPE_CHECKING:  # imported when sessions are first used: the store (SQLAlchemy) is not a one-shot's
+    from chatkv.session_manager import SessionManager
 
 log = logging.getLogger("chatkv.engine")
 
@@ -52,6 +54,7 @@ class Engine:
         self.model_dir = Path(model_dir)
         hf_config = load_config(self.model_dir)  # raises ModelNotFound / UnsupportedModel first
         c = self.config
+        self.threads = ThreadGovernor(c.threads, enabled=c.adaptive_threads)  # its first look: before the load
         self.weights = choose_weights(c.weights, c.head_weights, c.dtype, c.device, self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
         base = model_fingerprint(self.model_dir, self.config.data_dir or os.environ.get("CHATKV_HOME"))
@@ -61,7 +64,6 @@ class Engine:
         log.info("weights: %s", self.weights.label)
         self.fingerprint = self.weights.fingerprint(base)
         self.runner = ModelRunner(self.model, self.config)
-        self.threads = ThreadGovernor(c.threads, enabled=c.adaptive_threads)
         self.kv_dtype = self.runner.kv_format.name  # in the cache namespace and every snapshot header
         self.kv = KVManager(
             self.runner.pool, (self.fingerprint, self.kv_dtype, self.config.tenant), self.config.enable_prefix_caching,
@@ -437,6 +439,8 @@ class Engine:
             self._gate.check("opening the conversation store")
             with self._open_lock:
                 if self._sessions is None:
+                    from chatkv.session_manager import SessionManager
+
                     self._sessions = SessionManager(self, self._data_root())
         return self._sessions
 

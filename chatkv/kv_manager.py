@@ -73,7 +73,7 @@ from chatkv.kv_types import RetainedKV, SequenceKV
 from chatkv.hiradix_cache import HiRadixCache
 from chatkv.prefix_cache import MatchResult, NoPrefixCache, Node, PrefixCache
 from chatkv.radix_cache import RadixCache
-from chatkv.storage.models import LOCAL_USER
+from chatkv.storage.paths import LOCAL_USER
 
 
 class KVManager:

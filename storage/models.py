@@ -53,7 +53,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 from sqlalchemy.types import TypeDecorator
 
-LOCAL_USER = "local"  # the owner of the app's and the SDK's conversations
+from chatkv.storage.paths import LOCAL_USER  # noqa: F401 - the owner of the app's and the SDK's conversations
 
 
 def message_hash(role: str, content: str) -> str:

@@ -1,4 +1,5 @@
-"""Where chatkv keeps its data: CHATKV_HOME, else the platform's user data dir.
+"""Where chatkv keeps its data: CHATKV_HOME, else the platform's user data dir; and whose it
+is when no user is named (``LOCAL_USER``).
 
 It lives in storage, the lowest layer that needs it (the database's default
 location), so that storage never imports the engine package; the engine and
@@ -11,6 +12,11 @@ import os
 from pathlib import Path
 
 from chatkv.storage.files import make_private_dir
+
+# the owner of the app's and the SDK's conversations (and of the prefix cache they share). Here,
+# not in chatkv.storage.models (which re-exports it), so that the engine has it without importing
+# SQLAlchemy: a one-shot chatkv "..." stores nothing and never imports it (issue 19, start-up)
+LOCAL_USER = "local"
 
 
 def data_dir(explicit: str | os.PathLike | None = None) -> Path:
