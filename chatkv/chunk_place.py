@@ -137,6 +137,36 @@ def entries(engine, store: ChunkKV, texts: Sequence[str], ids: Sequence[list[int
     return got  # type: ignore[return-value]
 
 
+def precompute(engine, texts: Sequence[str], batch: int = 8, progress=None) -> int:
+    """Compute ahead of time the chunk KV of ``texts`` (chunks' texts as a prompt holds them,
+    ``text.strip()``) that the store has neither in memory nor on disk, ``batch`` chunks a
+    forward, on the engine's loop; ``progress(done, total)`` after each batch. Returns how many
+    were computed."""
+    store = chunk_store(engine)
+    todo = list(dict.fromkeys(t for t in texts if t))
+    computed = 0
+    for i in range(0, len(todo), batch):
+        part = todo[i : i + batch]
+        ids = [chunk_ids(engine.tokenizer, t) for t in part]
+        before = store.computed
+        engine.on_loop(lambda: entries(engine, store, part, ids))
+        computed += store.computed - before
+        if progress is not None:
+            progress(min(i + batch, len(todo)), len(todo))
+    return computed
+
+
+def precompute_with_bar(engine, texts: Sequence[str], progress: bool) -> int:
+    """``precompute`` with a tqdm bar on stderr when ``progress`` (``kb.add(precompute_kv=True)``,
+    ``chatkv ingest --kv``)."""
+    if not progress:
+        return precompute(engine, texts)
+    from tqdm import tqdm
+
+    with tqdm(total=len(set(texts)), desc="chunk KV", unit="chunk") as bar:
+        return precompute(engine, texts, progress=lambda done, total: bar.update(done - bar.n))
+
+
 def compute_canonical(engine, frame: Sequence[int], chunks: Sequence[list[int]]):
     """Per chunk, its per-layer KV rows (stored form) computed after ``frame`` at positions
     ``len(frame)..``: one forward over blocks of their own, given back after."""

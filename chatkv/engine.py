@@ -486,8 +486,14 @@ class Engine:
                 name, data_dir=self._data_root(), db_url=self.config.db_url, embedder=self._embedder,
                 tenant=self.config.tenant,
             )
+            kb.kv_precompute = self._precompute_kv  # kb.add(..., precompute_kv=True): chatkv.chunk_place
             self._kbs[name] = kb
         return kb
+
+    def _precompute_kv(self, texts: list[str], progress: bool) -> int:
+        from chatkv.chunk_place import precompute_with_bar
+
+        return precompute_with_bar(self, texts, progress)
 
     def resume(self, conv_id: str, *, user: str | None = None):
         """Reopen a saved conversation; its next turn restores the KV from disk instead of recomputing.

@@ -59,6 +59,7 @@ class IngestReport:
     unchanged: list[str] = field(default_factory=list)
     skipped: list[FileError] = field(default_factory=list)
     chunks: int = 0  # chunks embedded and written by this call
+    kv_chunks: int = 0  # chunks whose chat-model KV this call computed ahead of time (precompute_kv)
     # parse: discover, load, chunk; embed: the model; index: database writes, FAISS, the index file
     seconds: dict[str, float] = field(default_factory=lambda: {"parse": 0.0, "embed": 0.0, "index": 0.0})
 

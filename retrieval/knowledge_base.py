@@ -55,7 +55,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -98,6 +98,8 @@ class KnowledgeBase:
         self._warned_no_lexical = False
         self._revision = -1
         self._rebuild_due = False  # a removal the index could not apply (HNSW): rebuild before use
+        # fn(chunk texts, progress) -> chunks whose KV it computed: set by Engine.knowledge_base (precompute_kv)
+        self.kv_precompute: Optional[Callable[[list[str], bool], int]] = None
         self.dense: DenseIndex = DenseIndex(info.embedding_dim)
         self._identity = {"kb": info.uid, "model": info.embedding_model}
         self._load_or_rebuild()
@@ -248,36 +250,55 @@ class KnowledgeBase:
         exclude: Optional[Sequence[str]] = None,
         progress: bool = False,
         follow_symlinks: bool = False,
+        precompute_kv: bool = False,
     ) -> IngestReport:
         """Ingest files and directories (recursively; include/exclude globs). See the module docstring.
 
         Symbolic links inside a directory are skipped (each one a ``report.skipped`` entry) unless
         ``follow_symlinks``; followed, a link resolving outside every given path is still skipped.
-        A path given here is always taken, link or not."""
+        A path given here is always taken, link or not. ``precompute_kv``: compute the chat
+        model's KV of every chunk of the documents given now, ahead of their first retrieval
+        (``rag_kv_reuse``; only for a knowledge base opened by ``Engine.knowledge_base``)."""
+        self._check_precompute(precompute_kv)
         report = IngestReport()
         with self._lock:
             self._refresh()
             known = self._store.document_hashes(self.id)
             docs = ingest_path.file_documents(paths, include, exclude, known, report, follow_symlinks)
             self._ingest(docs, known, report, progress)
+        if precompute_kv:
+            self._precompute(report, progress)
         return report
+
+    def _check_precompute(self, precompute_kv: bool) -> None:
+        if precompute_kv and self.kv_precompute is None:
+            raise InvalidRequest("precompute_kv needs the chat model: open the knowledge base with Engine.knowledge_base")
+
+    def _precompute(self, report: IngestReport, progress: bool) -> None:
+        """The chunk KV of every document of ``report`` (added, updated, unchanged), through the engine's hook."""
+        texts = [h.text.strip() for src in report.added + report.updated + report.unchanged for h in self.chunks_of(src)]
+        report.kv_chunks = self.kv_precompute(texts, progress)
 
     def add_texts(
         self,
         texts: Sequence[str],
         sources: Optional[Sequence[str]] = None,
         metadata: Optional[dict[str, Any] | Sequence[Optional[dict[str, Any]]]] = None,
+        precompute_kv: bool = False,
     ) -> IngestReport:
         """Ingest texts. ``sources`` names them (default ``text:<sha256 prefix>``, so the
         same text is the same document); ``metadata`` is one dict for all or one per text.
         A text's source works like a file's path: the same source with another text
-        replaces it."""
+        replaces it. ``precompute_kv``: as ``add``'s."""
+        self._check_precompute(precompute_kv)
         texts, sources, metas = ingest_path.check_texts(texts, sources, metadata)
         report = IngestReport()
         with self._lock:
             self._refresh()
             known = self._store.document_hashes(self.id)
             self._ingest(ingest_path.text_documents(texts, sources, metas, report), known, report, False)
+        if precompute_kv:
+            self._precompute(report, False)
         return report
 
     def _ingest(self, docs, known: dict, report: IngestReport, progress: bool) -> None:

@@ -218,3 +218,26 @@ def test_bad_options_are_refused():
     for kw in ({"rag_kv_reuse": "always"}, {"rag_recompute_ratio": 1.5}, {"rag_edge_tokens": -1}):
         with pytest.raises(InvalidRequest, match=next(iter(kw))):
             EngineConfig.from_kwargs(**kw)
+
+
+def test_kb_add_precompute_kv_computes_every_chunk_ahead_of_the_first_turn(model_dir, corpus, tmp_path):
+    from chatkv.retrieval import KnowledgeBase
+
+    e = engine_at(model_dir, tmp_path, rag_kv_reuse="edge")
+    try:
+        kb = e.knowledge_base("docs")
+        report = kb.add([str(corpus)], precompute_kv=True)
+        n_chunks = sum(len(kb.chunks_of(d.source)) for d in kb.documents())
+        assert report.kv_chunks == n_chunks > 0
+        assert kb.add([str(corpus)], precompute_kv=True).kv_chunks == 0  # already there
+        r = e.session(knowledge=kb, top_k=2, params=GREEDY).send(QUESTIONS[0])
+        assert r.usage.reused_tokens > 0
+        assert e.kv.stats()["chunk_computed"] == n_chunks  # the turn computed no chunk KV of its own
+    finally:
+        e.close()
+    plain = KnowledgeBase.open("docs", data_dir=tmp_path)
+    try:
+        with pytest.raises(InvalidRequest, match="precompute_kv needs the chat model"):
+            plain.add([str(corpus)], precompute_kv=True)
+    finally:
+        plain.close()

@@ -1,6 +1,6 @@
 """``chatkv ingest`` and ``chatkv kb``: knowledge bases from the command line (no chat model loaded).
 
-    chatkv ingest docs/ notes.md --kb python-docs [--include '*.md'] [--exclude 'drafts/*'] [--follow-symlinks]
+    chatkv ingest docs/ notes.md --kb python-docs [--include '*.md'] [--exclude 'drafts/*'] [--follow-symlinks] [--kv]
     chatkv kb list
     chatkv kb info python-docs
     chatkv kb search python-docs "how do decorators work?" [-k 5] [--mode hybrid|dense|lexical]
@@ -32,6 +32,8 @@ def parser() -> argparse.ArgumentParser:
     ing.add_argument("--exclude", action="append", default=None, metavar="GLOB")
     ing.add_argument("--follow-symlinks", action="store_true",
                      help="follow symbolic links found in the directories, as long as they stay inside the given paths")
+    ing.add_argument("--kv", action="store_true",
+                     help="also compute the default chat model's KV of every chunk now (rag_kv_reuse reads it)")
     kb = sub.add_parser("kb", parents=[common], help="list, inspect, search or edit knowledge bases")
     kbs = kb.add_subparsers(dest="action", required=True)
     kbs.add_parser("list", parents=[common], help="the knowledge bases in the data directory")
@@ -70,12 +72,21 @@ def run(argv: list[str]) -> int:
 
 def _run(args, say) -> int:
     if args.command == "ingest":
-        kb = KnowledgeBase.open(args.kb, data_dir=args.data_dir)
+        engine = None
+        if args.kv:  # the chat model computes each chunk's KV (chatkv.chunk_place)
+            from chatkv import Engine
+
+            engine = Engine.from_pretrained(data_dir=args.data_dir)
+        kb = engine.knowledge_base(args.kb) if engine is not None else KnowledgeBase.open(args.kb, data_dir=args.data_dir)
         try:
             report = kb.add(args.paths, include=args.include, exclude=args.exclude, progress=_stderr_is_terminal(),
-                            follow_symlinks=args.follow_symlinks)
+                            follow_symlinks=args.follow_symlinks, precompute_kv=args.kv)
         finally:
             kb.close()
+            if engine is not None:
+                engine.close()
+        if args.kv:
+            say(f"chunk KV: {report.kv_chunks} chunks computed ahead of time", end="\n")
         for f in report.skipped:
             note(safe_text(f"skipped {f.source}: {f.reason}", oneline=True))
         t = report.seconds
