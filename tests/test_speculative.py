@@ -268,6 +268,22 @@ def test_seeded_sampling_gives_the_same_tokens_with_speculation_on_or_off(model_
     assert sum(r.usage.accepted_tokens for r in a) > 0
 
 
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_quantised_kv_greedy_is_speculative_offs_with_the_same_kv_dtype(model_dir, kv_dtype):
+    """A verified row reads the keys of the rows before it as a later plain decode reads them:
+    quantised (per-token scales) and dequantised, so the tokens match off's with the same KV."""
+    on, off = engine(model_dir, "lookup", kv_dtype=kv_dtype), engine(model_dir, "off", kv_dtype=kv_dtype)
+    assert on.kv_dtype.startswith(kv_dtype) and on.runner.kv_format.quant is not None  # stored quantised
+    for i, p in enumerate(PROMPTS[3:]):
+        r = on.generate(p, GREEDY)
+        assert r.token_ids == off.generate(p, GREEDY).token_ids, i
+        on.check_integrity()
+    batch = on.generate(PROMPTS[5:], GREEDY)  # verifications beside other rows of the step
+    assert [r.token_ids for r in batch] == [r.token_ids for r in off.generate(PROMPTS[5:], GREEDY)]
+    assert sum(r.usage.accepted_tokens for r in batch) > 0
+    on.check_integrity()
+
+
 # -- KV integrity after rejections ---------------------------------------------------------
 
 
