@@ -1,6 +1,7 @@
 """The ``chatkv`` console script (``chatkv/cli.py``): it hands each subcommand to its face, and
 loads a face's heavy dependencies only for the subcommand that needs them: ``chatkv --help`` and
-a one-shot never import Textual or the server stack, ``chatkv serve`` never imports the app.
+a one-shot never import Textual or the server stack, ``chatkv serve`` never imports the app, and
+a one-shot, which stores nothing, never imports the conversation store (SQLAlchemy: start-up, issue 19).
 
 Each case runs in a fresh interpreter and reads that process's ``sys.modules`` after ``main``.
 """
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # what the chat face must not load, and what the server face must not load
 SERVER_STACK = ("starlette", "uvicorn", "prometheus_client", "ray", "chatkv.server")
 APP_STACK = ("textual", "chatkv.tui.app")
+STORE_STACK = ("sqlalchemy", "alembic", "chatkv.storage.models", "chatkv.storage.repository", "chatkv.session_manager")
 
 _PROBE = """
 import json, sys
@@ -31,8 +33,9 @@ try:
     status = main(sys.argv[1:])
 except SystemExit as e:
     status = e.code
-roots = {"starlette", "uvicorn", "prometheus_client", "ray", "textual"}
-loaded = sorted(m for m in list(sys.modules) if m.split(".")[0] in roots or m.startswith(("chatkv.server", "chatkv.tui")))
+roots = {"starlette", "uvicorn", "prometheus_client", "ray", "textual", "sqlalchemy", "alembic"}
+loaded = sorted(m for m in list(sys.modules) if m.split(".")[0] in roots
+                or m.startswith(("chatkv.server", "chatkv.tui", "chatkv.storage", "chatkv.session_manager")))
 print("\\nPROBE " + json.dumps({"status": status, "loaded": loaded}), file=sys.stderr)
 """
 
@@ -70,6 +73,7 @@ def test_a_one_shot_loads_neither_the_app_nor_the_server(model_dir, tmp_path):
     assert out["status"] == 0, p.stderr
     assert p.stdout.strip(), "a one-shot prints its reply"
     assert _under(out["loaded"], SERVER_STACK + APP_STACK) == []
+    assert _under(out["loaded"], STORE_STACK) == []  # it stores nothing
 
 
 def test_serve_help_is_the_servers_and_loads_no_app_and_no_ray(tmp_path):
