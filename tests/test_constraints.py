@@ -41,6 +41,17 @@ def _default_tokenizer():
     return AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The walks sample a 49,152-float row one token at a time; on two cores shared with other
+    work, torch's two threads made every op of the sampler wait for the busy one (a walk's token
+    took ~120 ms instead of ~40 ms on one thread)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def tok():
     try:
