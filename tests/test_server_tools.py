@@ -105,12 +105,13 @@ def test_tool_choice_none_and_auto_answer_in_text(client):
         assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
 
 
-def test_streamed_tool_calls_and_a_tool_result_round_trip(client):
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_streamed_tool_calls_and_a_tool_result_round_trip(client, choice):
     msgs = user("Weather in Oslo?")
     calls: dict[int, dict] = {}
     finish = None
     for chunk in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=150, temperature=0.0,
-                                                tools=[WEATHER], tool_choice="required", stream=True):
+                                                tools=[WEATHER, CLOCK], tool_choice=choice, stream=True):
         ch = chunk.choices[0]
         for tc in ch.delta.tool_calls or ():
             slot = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
@@ -120,14 +121,17 @@ def test_streamed_tool_calls_and_a_tool_result_round_trip(client):
         finish = ch.finish_reason or finish
     assert finish == "tool_calls" and calls
     call = calls[0]
-    assert call["id"].startswith("call_") and call["name"] == "get_weather"
+    assert all(c["id"].startswith("call_") for c in calls.values()) and len({c["id"] for c in calls.values()}) == len(calls)
+    if isinstance(choice, dict):
+        assert {c["name"] for c in calls.values()} == {"get_weather"}
+    call = next((c for c in calls.values() if c["name"] == "get_weather"), call)
     args = json.loads(call["arguments"])
-    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    jsonschema.validate(args, {"get_weather": WEATHER, "clock": CLOCK}[call["name"]]["function"]["parameters"])
     # the result goes back as a tool message; the conversation continues
     msgs = msgs + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
         {"role": "tool", "tool_call_id": call["id"], "content": json.dumps({"temp": 12})}]
-    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0.0, tools=[WEATHER])
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0.0, tools=[WEATHER, CLOCK])
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # the question and its tool block were computed once: the second request found them cached
     assert r.usage.prompt_tokens_details.cached_tokens > 0.5 * r.usage.prompt_tokens
@@ -141,6 +145,12 @@ def test_streamed_tool_calls_and_a_tool_result_round_trip(client):
     ({"response_format": {"type": "yaml"}}, "invalid_value", "response_format.type"),
     ({"response_format": {"type": "json_schema"}}, "invalid_value", "response_format.json_schema"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "invalid_value", "tools[0].function.name"),
+    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "strnig"}}}]},
+     "invalid_value", "tools[1].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}]},
+     "invalid_value", "tools[0].function.parameters"),
+    ({"tools": [WEATHER, WEATHER]}, "invalid_value", "tools[1].name"),
+    ({"tools": [{"type": "retrieval"}]}, "invalid_value", "tools[0].type"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "invalid_value", "tool_choice.function.name"),
     ({"tool_choice": "required"}, "invalid_value", "tool_choice"),
