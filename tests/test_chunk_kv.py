@@ -241,3 +241,26 @@ def test_kb_add_precompute_kv_computes_every_chunk_ahead_of_the_first_turn(model
             plain.add([str(corpus)], precompute_kv=True)
     finally:
         plain.close()
+
+
+def test_a_conversation_with_placed_kv_resumes_from_its_snapshot(model_dir, corpus, tmp_path):
+    e = engine_at(model_dir, tmp_path, rag_kv_reuse="edge")
+    try:
+        kb = e.knowledge_base("docs")
+        kb.add([str(corpus)])
+        s = e.session(knowledge=kb, top_k=2, params=GREEDY)
+        assert s.send(QUESTIONS[0]).usage.reused_tokens > 0
+        conv, tokens = s.id, list(s.tokens)
+        s.close()
+    finally:
+        e.close()
+    e = engine_at(model_dir, tmp_path, rag_kv_reuse="edge")
+    try:
+        s = e.resume(conv)
+        assert s.tokens == tokens
+        r = s.send(QUESTIONS[1])
+        assert r.usage.restored_tokens >= len(tokens) - e.kv.block_size  # the private KV came back from disk
+        assert r.usage.reused_tokens > 0
+        e.check_integrity()
+    finally:
+        e.close()
