@@ -16,7 +16,12 @@ Reported, per split:
   exact match, token F1 and "contains" against gold, citation precision (does a cited [n] hold the
   answer) and the share of replies citing anything. The metrics are benchmarks/rag_metrics.py.
 
+- with ``--reuse``: chunk KV reuse's quality gate (benchmarks/rag_reuse_eval.py): every
+  ``rag_kv_reuse`` mode and recompute ratio (blend 0/5/15/30%, edge 4/16 tokens) against full
+  prefill on the same prompts: EM, F1, citation precision, teacher-forced top-1 agreement.
+
     .venv/bin/python benchmarks/rag_eval.py [--split all|tune|heldback] [--limit N] [--no-answers] [--no-peer]
+                                            [--reuse]
 """
 
 from __future__ import annotations
@@ -124,6 +129,7 @@ def main() -> None:
     p.add_argument("--no-answers", action="store_true", help="retrieval only (no chat model)")
     p.add_argument("--no-peer", action="store_true", help="skip LlamaIndex")
     p.add_argument("--max-tokens", type=int, default=48, help="reply length limit")
+    p.add_argument("--reuse", action="store_true", help="chunk KV reuse's modes and ratios against full prefill")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     p.add_argument("--data-dir", default=None, help="where the knowledge base lives (default: a temporary dir)")
     args = p.parse_args()
@@ -164,6 +170,14 @@ def main() -> None:
                         print(f"  e.g. {q['question']!r} -> {r.strip()[:160]!r} (gold {q['answer']!r})")
                 print_table(f"Answers (top {SOURCES} hybrid sources, greedy, at most {args.max_tokens} tokens)",
                             ["pipeline", "split", "n", "EM", "F1", "contains", "citation precision", "cites"], arows)
+            if args.reuse:
+                from rag_reuse_eval import HEADERS, reuse_rows
+
+                for split in splits:
+                    qs = questions[split][: args.limit] if args.limit else questions[split]
+                    print_table(f"Chunk KV reuse against full prefill ({split}; SmolLM2-135M, greedy, at most "
+                                f"{args.max_tokens} tokens; gate: F1 and citation precision within 2 points, "
+                                "agreement >= 95%)", HEADERS, reuse_rows(kb, qs, args.max_tokens, SOURCES, SYSTEM))
         finally:
             kb.close()
     print(f"\nload average at end: {load_average()}; {load}")

@@ -1,0 +1,140 @@
+"""The quality gate of chunk KV reuse (issue 23, item 4): rag_eval.py's questions answered with each
+``rag_kv_reuse`` mode and recompute ratio against full prefill, on the same engine and prompts.
+
+For every question the prompt is exactly a RAG turn's (system prompt, then the numbered top-3
+hybrid sources, the citation instruction, the question). Full prefill answers it greedily first;
+then, per configuration, the sources' KV is placed (chatkv.chunk_place.place: chunk KV from the
+store, re-rotated, the selected rows recomputed) and
+
+- **teacher-forced top-1 agreement**: full prefill's answer tokens are fed after the placed prompt
+  in one forward; the share of answer positions whose argmax is full prefill's next token;
+- the **free-running greedy answer** from the placed KV (the engine's own decode), scored like
+  rag_eval's answers: EM, token F1, citation precision.
+
+The gate (issue 23): F1 and citation precision within 2 points of full prefill, agreement >= 95%.
+The control row recomputes every chunk token: its agreement is the metric's own floor (greedy
+near-ties that the prefill and decode paths' rounding flip), not a loss from reuse.
+Each configuration's KV lives in a radix namespace of its own, dropped after the question.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from rag_metrics import answer_row
+
+CONFIGS = (  # (label, mode, edge tokens, recompute ratio)
+    ("blend 0%", "blend", 0, 0.0),
+    ("blend 5%", "blend", 0, 0.05),
+    ("blend 15%", "blend", 0, 0.15),
+    ("blend 30%", "blend", 0, 0.30),
+    ("edge 4", "edge", 4, 0.0),
+    ("edge 16", "edge", 16, 0.0),
+    ("blend 100% (control)", "blend", 0, 1.0),  # every chunk token recomputed: full prefill through placement
+)
+
+
+@dataclass(eq=False)
+class _Req:  # the KV record chatkv.kv_types.SequenceKV names, for one teacher-forced forward
+    token_ids: list
+    namespace: object
+    prefix: object = None
+    block_table: list = field(default_factory=list)
+    lock_node: object = None
+    num_computed: int = 0
+    num_cached: int = 0
+    num_host: int = 0
+
+
+def _teacher_forced(engine, placed, tokens: list[int], n_prompt: int, namespace) -> tuple[int, int]:
+    """(answer positions whose argmax is the next token of ``tokens``, positions) over the placed KV."""
+    import torch
+
+    from chatkv.model_runner import BatchItem
+
+    kv, runner = engine.kv, engine.runner
+    req = _Req(tokens, namespace, prefix=placed.kept)
+    kv.attach(req)
+    try:
+        start = req.num_computed
+        assert kv.reserve(req, len(tokens) - start), "no room for a teacher-forced forward"
+        logits = runner.forward(runner.build_batch([BatchItem(tokens[start:], start, req.block_table, "all")]))
+        rows = torch.arange(n_prompt - 1 - start, len(tokens) - 1 - start)
+        pred = logits[rows].argmax(-1).tolist()
+        gold = tokens[n_prompt:]
+        return sum(int(p == g) for p, g in zip(pred, gold)), len(gold)
+    finally:
+        req.num_computed = 0  # none of it is kept
+        kv.release(req)
+
+
+def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system: str) -> list[list[str]]:
+    from chatkv import Engine
+    from chatkv import chunk_place as cp
+    from chatkv.rag import canonical, user_message
+    from chatkv.sampling import SamplingParams
+
+    engine = Engine.from_pretrained(rag_kv_disk=False)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    golds = [q["answer"] for q in questions]
+    replies = {"full prefill": []}
+    agree = {label: [0, 0] for label, *_ in CONFIGS}
+    spent = {label: 0.0 for label, *_ in CONFIGS}
+    reused = {label: [0, 0] for label, *_ in CONFIGS}
+    shown = []
+    try:
+        t0 = time.perf_counter()
+        for qi, q in enumerate(questions):
+            hits = canonical(kb.search(q["question"], k=sources, mode="hybrid"))
+            texts = [h.text.strip() for h in hits]
+            shown.append([h.text for h in hits])
+            prompt = engine.encode_chat([{"role": "system", "content": system},
+                                         {"role": "user", "content": user_message(q["question"], hits)}])
+            full = engine.generate([prompt], params)[0]
+            replies["full prefill"].append(full.text)
+            answer = list(prompt) + list(full.token_ids)
+            for label, mode, edge, ratio in CONFIGS:
+                ns = ("rag-eval", qi, label)
+                t = time.perf_counter()
+                placed = engine.on_loop(lambda: cp.place(engine, None, answer, 0, texts, ns, None, False, mode, edge, ratio))
+                spent[label] += time.perf_counter() - t
+                reused[label][0] += placed.reused
+                reused[label][1] += placed.reused + placed.recomputed
+                if len(full.token_ids):
+                    a, n = engine.on_loop(lambda: _teacher_forced(engine, placed, answer, len(prompt), ns))
+                    agree[label][0] += a
+                    agree[label][1] += n
+                else:
+                    engine.on_loop(lambda: engine.kv.drop(placed.kept))
+                # free-running from the placed KV (the teacher-forced rows left it in the namespace's tree)
+                placed = engine.on_loop(lambda: cp.place(engine, None, prompt, 0, texts, ns, None, False, mode, edge, ratio))
+                seq = engine.add_request(prompt, params, prefix=placed.kept, namespace=ns)
+                for _ in engine.drive(seq):
+                    pass
+                replies.setdefault(label, []).append(seq.result().text)
+                engine.on_loop(lambda: engine.kv.drop_namespace(ns))
+            if qi % 10 == 9:
+                print(f"  reuse eval: {qi + 1}/{len(questions)} questions, {time.perf_counter() - t0:.0f} s")
+    finally:
+        engine.close()
+    base = answer_row(replies["full prefill"], golds, shown)
+    rows = []
+    for label, texts in replies.items():
+        a = answer_row(texts, golds, shown)
+        cp_ = a["citation_precision"]
+        tf = agree.get(label)
+        agreement = 1.0 if tf is None else (tf[0] / tf[1] if tf[1] else float("nan"))
+        ok = (label == "full prefill") or (
+            base["f1"] - a["f1"] <= 0.02 and agreement >= 0.95
+            and (cp_ is None or base["citation_precision"] is None or base["citation_precision"] - cp_ <= 0.02))
+        share = "-" if label not in reused else f"{reused[label][0] / max(reused[label][1], 1):.0%}"
+        place_ms = "-" if label not in spent else f"{spent[label] / len(questions) * 1000:.0f}"
+        rows.append([label, str(a["n"]), share, f"{a['em']:.1%}", f"{a['f1']:.1%}",
+                     "n/a" if cp_ is None else f"{cp_:.1%}", f"{agreement:.1%}", place_ms,
+                     "-" if label == "full prefill" else ("pass" if ok else "fail")])
+    return rows
+
+
+HEADERS = ["KV", "n", "chunk tokens reused", "EM", "F1", "citation precision", "top-1 agreement",
+           "place ms/q", "gate"]
