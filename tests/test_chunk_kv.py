@@ -264,3 +264,13 @@ def test_a_conversation_with_placed_kv_resumes_from_its_snapshot(model_dir, corp
         e.check_integrity()
     finally:
         e.close()
+
+
+def test_the_servers_usage_carries_reused_and_recomputed_tokens():
+    from chatkv.outputs import Usage
+    from chatkv.server.responses import sum_usage, usage_json
+
+    u = sum_usage([Usage(prompt_tokens=10, reused_tokens=6, recomputed_tokens=1, computed_tokens=4)] * 2)
+    details = usage_json(u)["prompt_tokens_details"]
+    assert (details["reused_tokens"], details["recomputed_tokens"]) == (12, 2)
+    assert "reused_tokens" not in Usage(reused_tokens=3).message_columns()  # no message column (yet)
