@@ -372,7 +372,9 @@ class Store:
             conv = self._conversation(s, conv_id, lock=True)
             self.leases.check_write(s, conv.id)  # under this process's lease, or no live one
             tokens = None if token_ids is None else check_tokens(token_ids)
-            nodes = self._nodes(s, conv.id)
+            # an append to the current leaf (a plain turn) replays only the token histories; a
+            # named parent may start a branch, which reads the windows' states too
+            nodes = self._nodes(s, conv.id, contexts=parent_id is not _CURRENT)
             parent = conv.current_leaf_id if parent_id is _CURRENT else self._node_id(nodes, conv.id, parent_id, True)
             if parent != conv.current_leaf_id:  # a new branch: the current one's history is kept first
                 self._seal(s, conv, nodes)
@@ -385,25 +387,24 @@ class Store:
             if tokens is not None:
                 replay = tree.history(tree.chain(nodes, parent))[0] if parent is not None else []
                 msg.token_base, msg.token_tail = tree.delta(replay, tokens) if replay is not None else (0, tokens)
-                msg.context = (conv.context if context is ... else context)
+                msg.context = conv.context if context is ... else context
+            s.add(msg)
+            s.flush()  # the INSERT, for the message's id; the conversation row is then written in one UPDATE
+            if tokens is not None:
                 conv.token_ids, conv.token_count = tokens, len(tokens)
             if context is not ...:
                 conv.context = context
-                if tokens is not None:
-                    msg.context = context
-            s.add(msg)
-            conv.updated_at = now
-            s.flush()
-            conv.current_leaf_id = msg.id
+            conv.updated_at, conv.current_leaf_id = now, msg.id
             return message_info(msg)
 
     # -------------------------------------------------------- the tree (migration 0006)
 
     @staticmethod
-    def _nodes(s: Session, conv_id: str) -> dict[int, tree.Node]:
-        q = select(Message.id, Message.parent_id, Message.token_base, Message.token_tail, Message.context).where(
-            Message.conversation_id == conv_id)
-        return {r[0]: tree.Node(*r) for r in s.execute(q)}
+    def _nodes(s: Session, conv_id: str, contexts: bool = True) -> dict[int, tree.Node]:
+        """The conversation's messages as tree nodes (``contexts=False``: without the windows'
+        states, which only a branch change reads)."""
+        cols = [Message.id, Message.parent_id, Message.token_base, Message.token_tail] + ([Message.context] if contexts else [])
+        return {r[0]: tree.Node(*r) for r in s.execute(select(*cols).where(Message.conversation_id == conv_id))}
 
     @staticmethod
     def _node_id(nodes: dict[int, tree.Node], conv_id: str, message_id: Any, none_ok: bool = False) -> Optional[int]:
