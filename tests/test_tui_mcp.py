@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("textual")
-pytest.importorskip("mcp")
 
 from textual.screen import ModalScreen  # noqa: E402
 
@@ -165,7 +164,9 @@ def test_a_bad_file_is_one_error(tmp_path, text, says):
 # -- the app ---------------------------------------------------------------------------------------
 
 async def test_tools_lists_servers_a_bad_entry_and_one_that_fails_to_start(engine, config, tmp_path):
-    config({"calc": stdio(tmp_path), "broken": stdio(tmp_path, "broken", "--crash"), "bad": {"command": "x", "env": []}})
+    calc = stdio(tmp_path)
+    calc["env"]["MCP_TEST_FORGE"] = "1"
+    config({"calc": calc, "broken": stdio(tmp_path, "broken", "--crash"), "bad": {"command": "x", "env": []}})
     app = ChatApp(engine=engine, sampling=dict(max_tokens=4, temperature=0.0))
     async with app.run_test(size=SIZE) as pilot:
         await idle(pilot, app)
@@ -179,10 +180,14 @@ async def test_tools_lists_servers_a_bad_entry_and_one_that_fails_to_start(engin
         for tool in ("add", "fail", "die", "shout"):
             assert f"`{tool}`" in listing
         assert "mcpServers.bad.env" in listing
-        # the chat goes on: the model is offered calc's tools and answers (tool_choice auto: in text)
+        # the chat goes on: the model is offered calc's tools and answers (tool_choice auto: in text),
+        # but not the tool whose description holds control tokens (the SDK refuses it; said once)
         await ask(pilot, app, "Hello")
         assert [m.role for m in app.query(ChatMessage) if m.role != "note"] == ["user", "assistant"]
-        assert app.session.messages()[-1].role == "assistant" and app.session.tools  # the tools went with the turn
+        assert app.session.messages()[-1].role == "assistant"
+        assert sorted(t.name for t in app.session.tools) == ["add", "die", "fail", "shout"]  # they went with the turn
+        warned = [n for n in notes(app, "warning") if "'forged' is not offered" in n]
+        assert len(warned) == 1 and "control token" in warned[0], notes(app, "warning")
         assert not isinstance(app.screen, ModalScreen)
 
 

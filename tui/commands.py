@@ -305,6 +305,7 @@ class CommandsMixin:
         yield SystemCommand("Search…", "Search every conversation (/search TEXT, Ctrl+F)", self.action_search)
         yield SystemCommand("Sources", "Open the last reply's sources (/sources)", lambda: self._run("/sources"))
         yield SystemCommand("Stats", "Token counts and timings of each turn (/stats)", lambda: self._run("/stats"))
+        yield SystemCommand("MCP tools", "The MCP servers of mcp.json and their tools (/tools)", lambda: self._run("/tools"))
         yield SystemCommand("Export Markdown", "Write the chat to a .md file (/export md)", lambda: self._run("/export md"))
         yield SystemCommand("Export JSON", "Write the chat to a .json file (/export json)", lambda: self._run("/export json"))
         yield SystemCommand("Settings", "Temperature, max tokens, system prompt", self.action_settings)

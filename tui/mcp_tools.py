@@ -190,8 +190,8 @@ class ServerConn:
                     what, args, pending = get.result()
                     try:
                         if what == "ping":  # (MCP's own ping is gone from its 2026 protocol): list the tools again
-                            await asyncio.wait_for(client.list_tools(cache_mode="bypass"), 10.0)
-                            out: Any = True
+                            page = await asyncio.wait_for(client.list_tools(cache_mode="bypass"), 10.0)
+                            out: Any = page.tools if not page.next_cursor else None  # None: keep the full listing
                         else:
                             out = result_text(await asyncio.wait_for(client.call_tool(what, args), self.config.timeout))
                     except asyncio.TimeoutError:
@@ -334,14 +334,17 @@ class MCPTools:
             return ToolResult(str(e), True)
 
     async def check(self) -> None:
-        """Ping the running servers (a dead one is found, and said, now)."""
+        """Ask the running servers for their tools again (a dead one is found, and said, now)."""
         async def ping(s: ServerConn) -> None:
             try:
-                await s.request("ping")
+                tools = await s.request("ping")
             except ServerGone:
-                pass
+                return
+            if isinstance(tools, list):
+                s.tools = tools  # a server may change its tools
 
         await asyncio.gather(*(ping(s) for s in self.servers.values() if s.state == "running"))
+        self._index()
 
     async def close(self) -> None:
         await asyncio.gather(*(s.stop() for s in self.servers.values()), return_exceptions=True)

@@ -84,27 +84,34 @@ class ToolsMixin:
     # -- offering tools ----------------------------------------------------------------
 
     def _tool_options(self, first: bool = True) -> dict:
-        """The ``tools``/``tool_choice`` of a turn: the running servers' tools, if the model's chat
-        template renders tools (else none, said once)."""
+        """The ``tools``/``tool_choice`` of a turn: the running servers' tools that the model's chat
+        template renders (a template without tool support: none, said once; a tool whose spec the
+        SDK refuses, a control token's text in its description say: not that one, said once)."""
         if self.mcp is None or not self.tools_on or self.engine is None:
             return {}
-        specs = self.mcp.specs()
-        if not specs:
-            return {}
-        cache = self._renders_tools if self._renders_tools is not None else {}
-        self._renders_tools = cache
-        key = id(self.engine)
-        if key not in cache:
-            from chatkv import TurnRenderer
+        if self._renders_tools is None:
+            self._renders_tools = {}
+        seen = self._renders_tools.setdefault(id(self.engine), {})
+        specs = []
+        for spec in self.mcp.specs():
+            key = json.dumps(spec, sort_keys=True)
+            if key not in seen:
+                from chatkv import TurnRenderer
 
-            try:
-                cache[key] = TurnRenderer(self.engine.tokenizer).renders_tools(specs)
-            except ChatKVError:
-                cache[key] = False
-            if not cache[key]:
-                self.notify("This model's chat template has no tool support: the MCP tools are not offered to it.",
-                            title="MCP", severity="warning", timeout=8)
-        if not cache[key]:
+                name = spec["function"]["name"]
+                try:
+                    seen[key] = TurnRenderer(self.engine.tokenizer).renders_tools([spec])
+                except ChatKVError as e:
+                    seen[key] = None
+                    self.notify(safe_text(f"The MCP tool '{name}' is not offered: {e}"), title="MCP",
+                                severity="warning", timeout=8)
+                if seen[key] is False and not seen.get("said"):
+                    seen["said"] = True
+                    self.notify("This model's chat template has no tool support: the MCP tools are not offered to it.",
+                                title="MCP", severity="warning", timeout=8)
+            if seen[key]:
+                specs.append(spec)
+        if not specs:
             return {}
         return {"tools": specs, "tool_choice": self.tool_choice if first else "auto"}
 
@@ -120,7 +127,8 @@ class ToolsMixin:
         on from the results (a turn streamed as any other). ``self.generating`` is held meanwhile."""
         try:
             if w is not None:  # the reply's own words stay; the call markup becomes the views below
-                w.text = safe_text(without_calls(reply.text))
+                bare = not tagged_calls.search(reply.text or "")  # a template whose calls are one JSON object
+                w.text = "" if bare else safe_text(without_calls(reply.text))
                 await w.body.update(w.text)
             chat = self.query_one("#chat", VerticalScroll)
             results: dict = {}
@@ -139,6 +147,8 @@ class ToolsMixin:
                 results[call.id] = result.for_model()
             if self._cancel.is_set() or self._quitting or len(results) < len(reply.tool_calls):
                 self.generating = False
+                if not self._quitting:
+                    self.notify("Stopped: the tool results were not sent to the model.", title="Tools", timeout=4)
                 return
             self._tool_steps += 1
             if self._tool_steps >= MAX_TOOL_STEPS:
