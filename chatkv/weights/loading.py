@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from chatkv.errors import ModelNotFound, UnsupportedModel
+from chatkv.weights import load_cache
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "load_config", "read_weights", "load_tokenizer", "release_freed_memory"]
 
@@ -29,6 +30,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # What a tokenizer is made of, for the message when none loads: any one of these, plus
 # tokenizer_config.json (special tokens, chat template).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+_TOKENIZER_EXTRAS = ("merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                     "chat_template.json")
 
 
 def _why(e: BaseException) -> str:
@@ -45,7 +48,8 @@ def _model_dir(model_dir: str | Path) -> Path:
 
 
 def load_config(model_dir: str | Path):
-    """The directory's transformers config, validated.
+    """The directory's transformers config, validated (at a later start with the same file,
+    the ``ResolvedConfig`` transformers made of it: chatkv.weights.load_cache).
 
     Raises ModelNotFound when ``config.json`` is missing, unreadable, not a JSON
     object, or rejected by transformers; UnsupportedModel when its
@@ -72,12 +76,18 @@ def load_config(model_dir: str | Path):
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModel(f"model_type '{model_type}' is not supported; chatkv runs {supported}")
 
+    key = load_cache.key("config", cfg_file)
+    known = load_cache.config(key)  # what transformers made of these bytes at an earlier start
+    if known is not None:
+        return known
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(str(path))
+        config = AutoConfig.from_pretrained(str(path))
     except Exception as e:  # transformers' own validation: wrong field types, bad values
         raise ModelNotFound(f"'{cfg_file}' is not a usable {model_type} config: {_why(e)}") from e
+    load_cache.remember_config(key, config)
+    return config
 
 
 def read_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
@@ -103,7 +113,8 @@ def read_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_tokenizer(model_dir: str | Path):
-    """The directory's tokenizer (``AutoTokenizer.from_pretrained`` of the local directory).
+    """The directory's tokenizer (``AutoTokenizer.from_pretrained`` of the local directory; at a
+    later start with the same config files, the class it chose, directly: chatkv.weights.load_cache).
 
     Raises ModelNotFound naming the directory and what is missing (no tokenizer
     file at all, for every family: transformers would build an empty tokenizer for
@@ -111,10 +122,23 @@ def load_tokenizer(model_dir: str | Path):
     tokenizer of fewer than two tokens that turns text into nothing).
     """
     path = _model_dir(model_dir)
-    from transformers import AutoTokenizer
-
+    # keyed by every file a tokenizer is read from, not only the two AutoTokenizer chooses the
+    # class by: any edit, damage or removal asks AutoTokenizer again (and its errors are the ones raised)
+    key = load_cache.key("tokenizer", *(path / n for n in ("config.json", "tokenizer_config.json") + _TOKENIZER_FILES
+                                        + _TOKENIZER_EXTRAS))
+    cls = load_cache.tokenizer_class(key)  # the class AutoTokenizer chose for these files before
+    tok = None
+    if cls is not None:
+        try:
+            tok = cls.from_pretrained(str(path), _from_auto=True)  # as AutoTokenizer ends, without its config load
+        except Exception:  # noqa: BLE001 - AutoTokenizer below says what is wrong
+            tok = None
     try:
-        tok = AutoTokenizer.from_pretrained(str(path))
+        if tok is None:
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(path))
+            load_cache.remember_tokenizer(key, tok)
         # the engine checks prompt lengths against the model's context itself (one clear error);
         # the tokenizer's own "Token indices sequence length is longer than..." warning would
         # only add lines on the user's terminal
