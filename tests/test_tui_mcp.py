@@ -225,6 +225,15 @@ async def test_a_call_confirmed_once_runs_its_result_folded_and_read_by_the_mode
         await answer(pilot, app, "escape")
         assert [v.status for v in views(app)] == ["done", "denied", "denied"] and len(calls(tmp_path)) == 1
         conv = app.session.id
+        # /tools off: the model is offered none (so no call, no question); /tools reload restarts the servers
+        await app.run_command("/tools off")
+        await ask(pilot, app, "No tools now")
+        assert not isinstance(app.screen, ModalScreen) and len(views(app)) == 3
+        assert app.session.messages()[-1].role == "assistant" and "<tool_call>" not in app.session.messages()[-1].content
+        await app.run_command("/tools on")
+        await app.run_command("/tools reload")
+        await idle(pilot, app)
+        assert "**calc** (stdio, running)" in last_note(app)
     # reopened, the stored calls and results are drawn as calls with their results folded
     app = ChatApp(engine=engine, sampling=FAST, resume=conv)
     async with app.run_test(size=SIZE) as pilot:

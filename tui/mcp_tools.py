@@ -247,6 +247,16 @@ class ServerGone(ChatKVError):
         self.server = server
 
 
+def _load_mcp() -> None:
+    import importlib
+
+    try:
+        for name in ("mcp", "mcp.client.stdio", "mcp.client.streamable_http"):
+            importlib.import_module(name)
+    except ImportError:  # each server's task says so, as its failure to start
+        pass
+
+
 # -- all of them -----------------------------------------------------------------------------------
 
 class MCPTools:
@@ -267,6 +277,8 @@ class MCPTools:
         configs, self.errors = load_config(self.path)
         for e in self.errors:
             self.on_event("", e)
+        if configs:  # the mcp package (~1.4 s of imports: pydantic, starlette...) loads off the UI's loop
+            await asyncio.to_thread(_load_mcp)
         log_dir = self.path.parent / "mcp-logs"
         for c in configs:
             conn = ServerConn(c, log_dir, self._event)
