@@ -93,7 +93,7 @@ class Constraint:
     """One request's constraint: its kind and its canonical text (the cache key)."""
 
     kind: str  # one of KINDS
-    text: str  # the schema as sorted compact JSON, the regex, the choices as JSON, the grammar
+    text: str  # the schema as compact JSON (its key order kept), the regex, the choices as JSON, the grammar
 
 
 def constraint_of(params: Any) -> Constraint | None:
@@ -102,7 +102,9 @@ def constraint_of(params: Any) -> Constraint | None:
         schema = params.json_schema
         if isinstance(schema, str):
             schema = json.loads(schema)
-        return Constraint("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        # key order kept: llguidance writes properties in the schema's order (as OpenAI does), so
+        # the same keys in another order are another constraint, with another output
+        return Constraint("json_schema", json.dumps(schema, separators=(",", ":")))
     if getattr(params, "regex", None) is not None:
         return Constraint("regex", params.regex)
     if getattr(params, "choice", None) is not None:

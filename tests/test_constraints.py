@@ -264,17 +264,30 @@ def test_compiled_once_per_constraint_and_bounded(tok):
     a = dict(type="object", properties={"x": {"type": "integer"}, "y": {"type": "string"}}, required=["x"])
     b = dict(required=["x"], properties={"y": {"type": "string"}, "x": {"type": "integer"}}, type="object")
     c.matcher(constraint_of(SamplingParams(json_schema=a)))
-    c.matcher(constraint_of(SamplingParams(json_schema=b)))  # the same schema, keys in another order
-    c.matcher(constraint_of(SamplingParams(json_schema=json.dumps(a))))  # and as a JSON str
+    c.matcher(constraint_of(SamplingParams(json_schema=json.dumps(a))))  # the same schema as a JSON str
     assert c.compiles == 1
+    c.matcher(constraint_of(SamplingParams(json_schema=b)))  # keys in another order: properties come out in
+    assert c.compiles == 2  # the schema's order (as OpenAI's do), so it is another constraint
     c.matcher(constraint_of(SamplingParams(regex="a+")))
-    c.matcher(constraint_of(SamplingParams(regex="b+")))  # evicts the schema, least recently used
+    c.matcher(constraint_of(SamplingParams(regex="b+")))  # evicts the schemas, least recently used
     assert len(c) == 2
     c.matcher(constraint_of(SamplingParams(regex="a+")))
-    assert c.compiles == 3
+    assert c.compiles == 4
     c.matcher(constraint_of(SamplingParams(json_schema=a)))
-    assert c.compiles == 4 and len(c) == 2
+    assert c.compiles == 5 and len(c) == 2
     assert compiler_for(tok) is compiler_for(tok)
+
+
+def test_properties_come_out_in_the_schemas_order(tok, compiler):
+    """{"z", "a"} is written z first (a caller's "reasoning" before its "answer"), not sorted."""
+    for order in (["z", "a"], ["a", "z"]):
+        schema = {"type": "object", "properties": {k: {"type": "integer", "minimum": 0, "maximum": 9} for k in order},
+                  "required": order, "additionalProperties": False}
+        m = compiler.matcher(constraint_of(SamplingParams(json_schema=schema)))
+        text = f'{{"{order[0]}": 1, "{order[1]}": 2}}'
+        assert m.validate(tok.encode(text, add_special_tokens=False)) == len(tok.encode(text, add_special_tokens=False))
+        wrong = f'{{"{order[1]}": 2, "{order[0]}": 1}}'
+        assert m.validate(tok.encode(wrong, add_special_tokens=False)) < len(tok.encode(wrong, add_special_tokens=False))
 
 
 def test_a_padded_model_vocabulary_never_samples_past_the_tokenizer(tmp_path):
