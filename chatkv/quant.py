@@ -235,7 +235,7 @@ def quantize_int8(w: torch.Tensor, rows: int = 4096) -> Q8Weight:
     codes = torch.empty(w.shape, dtype=torch.int8)
     scale = torch.empty(w.shape[0], 1)
     for i in range(0, w.shape[0], rows):
-        part = w[i : i + rows].float()
+        part = w[i : i + rows].to(torch.float32, copy=True)  # a copy even of float32 weights: divided in place below
         s = part.abs().amax(1, keepdim=True) / 127
         scale[i : i + rows] = s
         s = torch.where(s == 0, torch.ones_like(s), s)
