@@ -77,7 +77,7 @@ def calls(tmp_path: Path, name: str = "calc") -> list[str]:
     return f.read_text().splitlines() if f.exists() else []
 
 
-async def idle(pilot, app: ChatApp, timeout: float = 40.0) -> None:
+async def idle(pilot, app: ChatApp, timeout: float = 90.0) -> None:
     """Until no reply is generating, no worker runs (but one waiting on a dialog) and the MCP servers started."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
@@ -111,8 +111,22 @@ def views(app: ChatApp) -> list[ToolCallView]:
     return list(app.query(ToolCallView))
 
 
+def recording(app: ChatApp) -> ChatApp:
+    """Every notification the app makes is kept in ``app.said`` (the screen drops them after their
+    timeout, which a loaded machine can outlast)."""
+    app.said = []
+    notify = app.notify
+
+    def keep(message, *a, **kw):
+        app.said.append((str(message), kw.get("severity", "information")))
+        return notify(message, *a, **kw)
+
+    app.notify = keep
+    return app
+
+
 def notes(app: ChatApp, severity: str = "error") -> list[str]:
-    return [n.message for n in app._notifications if n.severity == severity]
+    return [m for m, sev in app.said if sev == severity]
 
 
 def last_note(app: ChatApp) -> str:
@@ -167,7 +181,7 @@ async def test_tools_lists_servers_a_bad_entry_and_one_that_fails_to_start(engin
     calc = stdio(tmp_path)
     calc["env"]["MCP_TEST_FORGE"] = "1"
     config({"calc": calc, "broken": stdio(tmp_path, "broken", "--crash"), "bad": {"command": "x", "env": []}})
-    app = ChatApp(engine=engine, sampling=dict(max_tokens=4, temperature=0.0))
+    app = recording(ChatApp(engine=engine, sampling=dict(max_tokens=4, temperature=0.0)))
     async with app.run_test(size=SIZE) as pilot:
         await idle(pilot, app)
         errs = notes(app)
@@ -193,7 +207,7 @@ async def test_tools_lists_servers_a_bad_entry_and_one_that_fails_to_start(engin
 
 async def test_a_call_confirmed_once_runs_its_result_folded_and_read_by_the_model_and_a_denied_one_does_not(engine, config, tmp_path):
     config({"calc": stdio(tmp_path)})
-    app = ChatApp(engine=engine, sampling=FAST, tool_choice="add")
+    app = recording(ChatApp(engine=engine, sampling=FAST, tool_choice="add"))
     async with app.run_test(size=SIZE) as pilot:
         await idle(pilot, app)
         await ask(pilot, app, "What is 2 + 3?")
@@ -235,7 +249,7 @@ async def test_a_call_confirmed_once_runs_its_result_folded_and_read_by_the_mode
         await idle(pilot, app)
         assert "**calc** (stdio, running)" in last_note(app)
     # reopened, the stored calls and results are drawn as calls with their results folded
-    app = ChatApp(engine=engine, sampling=FAST, resume=conv)
+    app = recording(ChatApp(engine=engine, sampling=FAST, resume=conv))
     async with app.run_test(size=SIZE) as pilot:
         await idle(pilot, app)
         vs = views(app)
@@ -258,7 +272,7 @@ async def test_always_allow_asks_once_for_that_tool_over_streamable_http(engine,
             except OSError:
                 await asyncio.sleep(0.05)
         config({"web": {"url": f"http://127.0.0.1:{port}/mcp", "headers": {"X-Test": "1"}}})
-        app = ChatApp(engine=engine, sampling=FAST, tool_choice="add")
+        app = recording(ChatApp(engine=engine, sampling=FAST, tool_choice="add"))
         async with app.run_test(size=SIZE) as pilot:
             await idle(pilot, app)
             await app.run_command("/tools")
@@ -281,7 +295,7 @@ async def test_always_allow_asks_once_for_that_tool_over_streamable_http(engine,
 async def test_a_server_that_dies_is_a_notification_and_the_chat_goes_on(engine, config, tmp_path):
     # two servers with the same tools: each is offered as server_tool
     config({"a": stdio(tmp_path, "a"), "b": stdio(tmp_path, "b")})
-    app = ChatApp(engine=engine, sampling=FAST, tool_choice="a_die")
+    app = recording(ChatApp(engine=engine, sampling=FAST, tool_choice="a_die"))
     async with app.run_test(size=SIZE) as pilot:
         await idle(pilot, app)
         assert {t.exposed for t in app.mcp.tools()} >= {"a_die", "b_add"}

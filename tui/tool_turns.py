@@ -91,7 +91,7 @@ class ToolsMixin:
             return {}
         if self._renders_tools is None:
             self._renders_tools = {}
-        seen = self._renders_tools.setdefault(id(self.engine), {})
+        seen = self._renders_tools.setdefault((id(self.engine), str(getattr(self.engine, "model_dir", ""))), {})
         specs = []
         for spec in self.mcp.specs():
             key = json.dumps(spec, sort_keys=True)
