@@ -265,11 +265,12 @@ async def test_always_allow_asks_once_for_that_tool_over_streamable_http(engine,
     env = dict(os.environ, MCP_TEST_CALLLOG=str(tmp_path / "web.calls"))
     proc = subprocess.Popen([sys.executable, SERVER, "--http", str(port)], env=env, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(300):
+        for _ in range(1200):  # up to a minute on a loaded machine
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
                 break
             except OSError:
+                assert proc.poll() is None, "the test MCP server exited"
                 await asyncio.sleep(0.05)
         config({"web": {"url": f"http://127.0.0.1:{port}/mcp", "headers": {"X-Test": "1"}}})
         app = recording(ChatApp(engine=engine, sampling=FAST, tool_choice="add"))
