@@ -13,7 +13,13 @@ Reported:
   (b) transformers computing the whole prompt (one forward, first token), measured on
   turns 1, 5 and 10 of the first and last session (same token ids, same process).
 
+With ``--reuse edge,blend`` (issue 23) the same sessions run again, in the same process, on an
+engine per ``rag_kv_reuse`` mode, every chunk's KV computed ahead of time (as ``chatkv ingest
+--kv`` does): the table gains each mode's TTFT at turns 1, 5 and 10 against caching off on the
+same prompt and against today's path (``off``) at the same turn, with the chunk tokens reused.
+
     CHATKV_HOME=/tmp/ckrag .venv/bin/python benchmarks/bench_rag.py [--threads 2] [--sessions 5] [--turns 10]
+                                                                    [--reuse edge,blend]
 """
 
 from __future__ import annotations
@@ -46,39 +52,14 @@ def doc_spans(renderer, s, content: str, question: str, before: int, first_turn:
     return spans
 
 
-def main() -> None:
-    p = parser(__doc__)
-    p.add_argument("--sessions", type=int, default=5)
-    p.add_argument("--turns", type=int, default=10)
-    args = p.parse_args()
-    model_dir = setup(args)
-    load = OtherLoad()
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.rag_corpus import QUESTIONS, write_corpus
-
+def run_sessions(engine, kb, renderer, pinned, questions, args):
+    """The sessions x questions workload: (share of document tokens served from cache, the measured
+    turns as (prompt ids, TTFT s, reused chunk tokens))."""
     from chatkv import rag as rag_context
-    from chatkv.sampling import SamplingParams
 
-    home = Path(tempfile.mkdtemp(prefix="chatkv-rag-"))
-    files = write_corpus(home / "corpus")
-    engine = load_engine(model_dir, args.dtype, data_dir=str(home / "data"))
-    kb = engine.knowledge_base("bench")
-    t0 = time.perf_counter()
-    report = kb.add([str(home / "corpus")])
-    ingest_s = time.perf_counter() - t0
-    sec = report.seconds
-    print(f"\ningest: {len(report.added)} documents, {report.chunks} chunks in {ingest_s:.2f} s = "
-          f"{report.chunks / ingest_s:.1f} chunks/s (parse {sec.get('parse', 0):.2f} s, embed {sec.get('embed', 0):.2f} s, "
-          f"index {sec.get('index', 0):.2f} s); {len(report.skipped)} skipped")
-
-    renderer = engine.session_manager.renderer
-    pinned = [str(files[d]) for d in PINNED]
-    questions = [q for q, _ in QUESTIONS]
     greedy = dict(max_tokens=8, temperature=0.0)
     doc_total = doc_cached = 0
-    measured = []  # (prompt ids, chatkv ttft)
+    measured = []
     for si in range(args.sessions):
         s = engine.session(system=SYSTEM, knowledge=kb, top_k=3, documents=pinned, params=greedy)
         pinned_len = len(renderer.system_prefix(s.system_content))
@@ -96,39 +77,106 @@ def main() -> None:
             doc_cached += sum(max(0, min(e, reused) - b) for b, e in spans)
             history_docs += new_docs
             if si in (0, args.sessions - 1) and t in (0, args.turns // 2 - 1, args.turns - 1):
-                measured.append((s.tokens[: r.usage.prompt_tokens], r.usage.ttft_s))
+                measured.append((s.tokens[: r.usage.prompt_tokens], r.usage.ttft_s, r.usage.reused_tokens))
         s.close()
+
+    return doc_cached / max(doc_total, 1), measured
+
+
+def main() -> None:
+    p = parser(__doc__)
+    p.add_argument("--sessions", type=int, default=5)
+    p.add_argument("--turns", type=int, default=10)
+    p.add_argument("--reuse", default="", help="rag_kv_reuse modes to run as well, e.g. edge,blend")
+    args = p.parse_args()
+    model_dir = setup(args)
+    load = OtherLoad()
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.rag_corpus import QUESTIONS, write_corpus
+
+    from chatkv.sampling import SamplingParams
+
+    home = Path(tempfile.mkdtemp(prefix="chatkv-rag-"))
+    files = write_corpus(home / "corpus")
+    engine = load_engine(model_dir, args.dtype, data_dir=str(home / "data"))
+    kb = engine.knowledge_base("bench")
+    t0 = time.perf_counter()
+    report = kb.add([str(home / "corpus")])
+    ingest_s = time.perf_counter() - t0
+    sec = report.seconds
+    print(f"\ningest: {len(report.added)} documents, {report.chunks} chunks in {ingest_s:.2f} s = "
+          f"{report.chunks / ingest_s:.1f} chunks/s (parse {sec.get('parse', 0):.2f} s, embed {sec.get('embed', 0):.2f} s, "
+          f"index {sec.get('index', 0):.2f} s); {len(report.skipped)} skipped")
+
+    renderer = engine.session_manager.renderer
+    pinned = [str(files[d]) for d in PINNED]
+    questions = [q for q, _ in QUESTIONS]
+    share, measured = run_sessions(engine, kb, renderer, pinned, questions, args)
+    modes = [m for m in args.reuse.split(",") if m and m != "off"]
+    by_mode = {}
+    for mode in modes:
+        e = load_engine(model_dir, args.dtype, data_dir=str(home / "data"), rag_kv_reuse=mode)
+        kbm = e.knowledge_base("bench")
+        from chatkv import chunk_place
+
+        texts = [h.text.strip() for d in kbm.documents() for h in kbm.chunks_of(d.source)]
+        t1 = time.perf_counter()
+        n = chunk_place.precompute(e, texts)
+        print(f"{mode}: chunk KV of {len(texts)} chunks ahead of time ({n} computed) in {time.perf_counter() - t1:.1f} s")
+        by_mode[mode] = run_sessions(e, kbm, e.session_manager.renderer, pinned, questions, args)[1]
+        kbm.close()
+        e.close()
 
     off = load_engine(model_dir, args.dtype, enable_prefix_caching=False, num_blocks=1024)
     hf = load_hf(model_dir, args.dtype)
-    off_ttft, hf_ttft, ck_ttft = [], [], []
-    for prompt, ck in measured:
+
+    def baseline(prompt, with_hf=True):
         r = off.generate(prompt, SamplingParams(max_tokens=1, temperature=0.0))
-        off_ttft.append(r.usage.ttft_s)
+        if not with_hf:
+            return r.usage.ttft_s, None
         t1 = time.perf_counter()
         with torch.inference_mode():
             hf(torch.tensor([prompt])).logits[0, -1].argmax()
-        hf_ttft.append(time.perf_counter() - t1)
-        ck_ttft.append(ck)
+        return r.usage.ttft_s, time.perf_counter() - t1
 
-    share = doc_cached / max(doc_total, 1)
+    off_ttft, hf_ttft, ck_ttft = [], [], []
+    for prompt, ck, _ in measured:
+        o, h = baseline(prompt)
+        off_ttft.append(o)
+        hf_ttft.append(h)
+        ck_ttft.append(ck)
+    mode_rows = {}
+    for mode, turns in by_mode.items():
+        mode_rows[mode] = [(len(prompt), ck, reused, baseline(prompt, with_hf=False)[0]) for prompt, ck, reused in turns]
+
     print(f"\n{args.sessions} sessions x {args.turns} questions, 2 pinned documents + 3 sources a turn, "
           f"threads={args.threads}, load average {load_average()}, {load}")
-    print(f"document tokens in prompts: {doc_total}, served from cache (memory or disk): {doc_cached} = {share:.1%}  "
+    print(f"document tokens in prompts served from cache (memory or disk): {share:.1%}  "
           f"(goal >= 80%: {'MET' if share >= 0.8 else 'not met'})")
     m_ck, m_off, m_hf = median(ck_ttft) * 1e3, median(off_ttft) * 1e3, median(hf_ttft) * 1e3
+    rows = [
+        ["chatkv (pinned documents + history cached)", f"{m_ck:.0f}", "-"],
+        ["chatkv with prefix caching off", f"{m_off:.0f}", f"{m_off / m_ck:.1f}x (goal >= 4x)"],
+        ["transformers, whole prompt", f"{m_hf:.0f}", f"{m_hf / m_ck:.1f}x (goal >= 4x)"],
+    ]
+    for mode, mr in mode_rows.items():
+        m = median([ck for _, ck, _, _ in mr]) * 1e3
+        rows.append([f"chatkv rag_kv_reuse={mode} (chunk KV ahead of time)", f"{m:.0f}",
+                     f"caching off {median([o for *_, o in mr]) * 1e3 / m:.1f}x, today's path {m_ck / m:.1f}x"])
     print_table(
         f"TTFT on {len(measured)} turns (1, {args.turns // 2}, {args.turns} of sessions 1 and {args.sessions}), median ms",
-        ["case", "TTFT ms", "chatkv is faster by"],
-        [
-            ["chatkv (pinned documents + history cached)", f"{m_ck:.0f}", "-"],
-            ["chatkv with prefix caching off", f"{m_off:.0f}", f"{m_off / m_ck:.1f}x (goal >= 4x)"],
-            ["transformers, whole prompt", f"{m_hf:.0f}", f"{m_hf / m_ck:.1f}x (goal >= 4x)"],
-        ],
+        ["case", "TTFT ms", "chatkv is faster by"], rows,
     )
     print("per turn (prompt tokens: chatkv / caching off / transformers ms):")
-    for (prompt, _), ck, of, hf_t in zip(measured, ck_ttft, off_ttft, hf_ttft):
+    for (prompt, *_), ck, of, hf_t in zip(measured, ck_ttft, off_ttft, hf_ttft):
         print(f"  {len(prompt):5d}: {ck * 1e3:6.0f} / {of * 1e3:6.0f} / {hf_t * 1e3:6.0f}  ({of / ck:.1f}x, {hf_t / ck:.1f}x)")
+    for mode, mr in mode_rows.items():
+        print(f"rag_kv_reuse={mode}, per turn (prompt tokens, chunk tokens reused: TTFT / caching off ms; "
+              "against caching off (goal >= 4x) and today's path at the same turn (goal >= 3x on new sources)):")
+        for (n, ck, reused, of), today in zip(mr, ck_ttft):
+            print(f"  {n:5d}, {reused:4d}: {ck * 1e3:6.0f} / {of * 1e3:6.0f}  ({of / ck:.1f}x, {today / ck:.1f}x)")
     engine.close()
 
 

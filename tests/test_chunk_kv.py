@@ -274,3 +274,12 @@ def test_the_servers_usage_carries_reused_and_recomputed_tokens():
     details = usage_json(u)["prompt_tokens_details"]
     assert (details["reused_tokens"], details["recomputed_tokens"]) == (12, 2)
     assert "reused_tokens" not in Usage(reused_tokens=3).message_columns()  # no message column (yet)
+
+
+def test_blend_merges_its_closest_recompute_runs_within_a_budget():
+    assert cp.MAX_RUNS == 4
+    picked = [0, 2, 4, 10, 20, 40]  # six runs: the closest gaps (1, 1) are filled first
+    out = cp._coarsen(picked, budget=len(picked))
+    assert set(picked) <= set(out) and len(cp._runs(out)) == 4 and len(out) - len(picked) <= len(picked)
+    assert cp._coarsen(picked, budget=0) == picked  # no budget: as chosen
+    assert cp._coarsen([5, 9], budget=10) == [5, 9]  # few runs already
