@@ -34,7 +34,9 @@ workloads). llama.cpp's threads suffer far more than torch's from other load on 
 (measured: 1-2 tok/s plain at load 5 on 2 cores, against ~160 quiet), so its rows mean
 something only in a quiet run.
 
-    .venv/bin/python benchmarks/bench_speculative.py [--tokens 128] [--repeats 3] [--no-llama-cpp]  (quiet: about 6 minutes on 2 cores)
+    .venv/bin/python benchmarks/bench_speculative.py [--tokens 128] [--repeats 3] [--no-llama-cpp]
+
+(measured: 8 minutes without the peer with 1.6 of 2 cores busy elsewhere; a quiet run is shorter)
 """
 
 from __future__ import annotations
