@@ -323,9 +323,8 @@ def repack_nibbles(nibbles: torch.Tensor) -> torch.Tensor | None:
 
 
 def int4_from_nibbles(parts: list, bias: torch.Tensor | None = None, dense_rows: int = 16) -> "Int4Linear | None":
-    """An ``Int4Linear`` of ``parts`` (``(nibbles, scale, minimum)`` each, as ``repack_nibbles``
-    reads them) fused along the output: the same object ``Int4Linear(Q4Weight(...))`` of their
-    unpacked codes makes, bit for bit; None where ``repack_nibbles`` is."""
+    """An ``Int4Linear`` of ``parts`` (``(nibbles, scale, minimum)`` each) fused along the output:
+    ``Int4Linear(Q4Weight(...))`` of their unpacked codes bit for bit; None where ``repack_nibbles`` is."""
     packed = [repack_nibbles(p) for p, _, _ in parts]
     if any(p is None for p in packed):
         return None
