@@ -16,6 +16,9 @@ A walk samples from random normal logits plus a bonus for the tokens that close 
 (quotes, brackets, commas, EOS), masked by the library, so it ends in tens of tokens.
 
     python benchmarks/bench_constraints.py [--walks 5] [--threads N]
+
+(Past 400 lines on purpose: both libraries' runs, the coverage walks and the table share one
+set of schemas and one tokenizer, and read as one comparison.)
 """
 
 from __future__ import annotations

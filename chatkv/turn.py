@@ -18,6 +18,8 @@
 
 The whole turn runs under the conversation's lease (``store.leases.hold``). The Turn writes a
 Session only through the manager's methods: the manager is the one writer of session state.
+(A few lines past 400 on purpose: the phases are read in their order in one class; split, the
+state they hand each other would become parameters between files.)
 """
 
 from __future__ import annotations
