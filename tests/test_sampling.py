@@ -101,6 +101,26 @@ def test_top_p_keeps_the_smallest_set_reaching_p(seed, temperature, top_p):
     assert torch.equal(kept, _top_p_mask(logits, temperature, top_p))
 
 
+@pytest.mark.parametrize("scale, temperature, top_p", [(3.0, 0.7, 0.9), (6.0, 1.0, 0.99), (3.0, 1.3, 0.5),
+                                                      (0.3, 1.0, 0.9), (0.05, 2.0, 0.95)])
+def test_top_p_at_the_default_models_vocabulary_is_the_full_sorts_nucleus(scale, temperature, top_p):
+    """At 49,152 tokens the nucleus is found among the best NUCLEUS_CANDIDATES first (peaked
+    logits) or by sorting the whole vocabulary (flat ones: the last two cases): either way the
+    kept set is transformers' TopPLogitsWarper's and the distribution the full sort's."""
+    from chatkv import sampling
+
+    logits = logits_for(7, vocab=49152, scale=scale)
+    probs = probabilities(logits, SamplingParams(temperature=temperature, top_p=top_p), [])
+    assert torch.equal(probs > 0, _top_p_mask(logits, temperature, top_p))
+    z = (logits.double() - logits.double().max()) / temperature
+    order = torch.sort(logits.double(), descending=True).indices
+    p = torch.softmax(z[order], -1)
+    ref = torch.softmax(z.scatter(0, order, z[order].masked_fill(p.cumsum(-1) - p >= top_p, float("-inf"))), -1)
+    torch.testing.assert_close(probs, ref, rtol=1e-12, atol=1e-15)
+    fast = int((probs > 0).sum()) < sampling.NUCLEUS_CANDIDATES
+    assert fast == (scale >= 3.0)  # both ways of finding it are tried
+
+
 def test_top_p_draws_stay_in_the_nucleus():
     logits = logits_for(3, scale=2.0)
     params = SamplingParams(temperature=1.0, top_p=0.6, seed=11)
