@@ -41,7 +41,7 @@ from chatkv.model import LlamaModel
 from chatkv.quant import Int4Linear
 from chatkv.weights import ensure_default_model, load_tokenizer
 from chatkv.weights.gguf import read_q4
-from chatkv.weights.loading import load_config, read_weights
+from chatkv.weights.loading import read_weights
 
 MAX_MEAN = 0.045  # of the reference logits' std
 MIN_TOP1 = 0.85
@@ -70,7 +70,7 @@ def weights(model_dir):
 def transformers_reference(model_dir, weights, mode: str, head: str):
     """transformers' float32 model over the numbers ``mode``/``head`` compute with (their
     quantisation dequantised by chatkv.weight_check.reference_weight)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
         from transformers.initialization import no_init_weights
@@ -79,7 +79,7 @@ def transformers_reference(model_dir, weights, mode: str, head: str):
 
     floats, q4 = weights
     q4 = q4 if mode == "int4" else {}
-    config = load_config(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)  # the oracle's own config, never chatkv's cached copy of it
     with no_init_weights():
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = {"model." + n: weight_check.reference_weight(n, t, mode, q4) if n.endswith(weight_check._PROJ) else t.float()

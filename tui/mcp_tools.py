@@ -241,7 +241,10 @@ class ServerConn:
                 self.task.cancel()
 
 
-class ServerGone(ChatKVError):
+class ServerGone(Exception):
+    """Internal to the app: a call to a server that stopped. It never leaves this module (each
+    catch turns it into an error result the model reads), so it is not one of chatkv.errors'."""
+
     def __init__(self, server: str, why: str):
         super().__init__(f"MCP server '{server}' is not running: {why}")
         self.server = server
