@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import OtherLoad, load_average, load_engine, load_hf, median, parser, print_table, setup
+from common import OtherLoad, cpu_line, load_average, load_engine, load_hf, median, parser, print_table, setup
 
 SYSTEM = "You answer questions about household products and hobbies. Be brief."
 PINNED = ["zephyr-kettle", "aurora-grinder"]
@@ -90,6 +90,7 @@ def main() -> None:
     p.add_argument("--reuse", default="", help="rag_kv_reuse modes to run as well, e.g. edge,blend")
     args = p.parse_args()
     model_dir = setup(args)
+    print(cpu_line(), flush=True)
     load = OtherLoad()
     import sys
 
