@@ -37,7 +37,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import platform
 import threading
 import time
@@ -47,6 +46,7 @@ from pathlib import Path
 import torch
 
 from chatkv.storage.files import atomic_write, make_private_dir
+from chatkv.storage.paths import cache_dir
 
 log = logging.getLogger("chatkv.weight_check")
 
@@ -88,12 +88,7 @@ def cpu_model() -> str:
 
 
 def cache_file() -> Path:
-    base = os.environ.get("CHATKV_CACHE_DIR")
-    if not base:
-        from platformdirs import user_cache_dir
-
-        base = user_cache_dir("chatkv")
-    return Path(base) / "weight-checks.json"
+    return cache_dir() / "weight-checks.json"
 
 
 def _load_cache(f: Path) -> dict:

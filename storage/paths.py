@@ -38,3 +38,15 @@ def data_dir(explicit: str | os.PathLike | None = None) -> Path:
         path = Path(user_data_dir("chatkv", appauthor=False))
     make_private_dir(path)
     return path
+
+
+def cache_dir() -> Path:
+    """The user's cache directory (``CHATKV_CACHE_DIR``, else the platform's user cache dir):
+    the weight fingerprints, the self-check verdicts and the start-up cache live there. Not created
+    here: each writer makes it private when it first writes."""
+    base = os.environ.get("CHATKV_CACHE_DIR")
+    if base:
+        return Path(base)
+    from platformdirs import user_cache_dir
+
+    return Path(user_cache_dir("chatkv"))

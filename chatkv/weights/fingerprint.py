@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 
 from chatkv.storage.files import atomic_write, make_private_dir
+from chatkv.storage.paths import cache_dir as user_cache_dir
 
 _TEXT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
 _CHUNK = 8 * 2**20
@@ -34,15 +34,6 @@ def _file_digest(f: Path, cache: dict) -> str:
     return cache[key]
 
 
-def _user_cache_dir() -> str:
-    base = os.environ.get("CHATKV_CACHE_DIR")
-    if base:
-        return base
-    from platformdirs import user_cache_dir
-
-    return user_cache_dir("chatkv")
-
-
 def model_fingerprint(model_dir: str | Path, cache_dir: str | Path | None = None) -> str:
     """A 32-hex-digit digest of everything in ``model_dir`` that decides the KV it computes.
 
@@ -51,7 +42,7 @@ def model_fingerprint(model_dir: str | Path, cache_dir: str | Path | None = None
     the cache; an unreadable model file raises OSError.
     """
     path = Path(model_dir)
-    cache_file = Path(cache_dir or _user_cache_dir()) / "fingerprints.json"
+    cache_file = Path(cache_dir or user_cache_dir()) / "fingerprints.json"
     cache: dict = {}
     if cache_file.is_file():
         try:

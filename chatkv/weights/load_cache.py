@@ -28,9 +28,10 @@ import hashlib
 import importlib
 import json
 import logging
-import os
 from importlib import metadata
 from pathlib import Path
+
+from chatkv.storage.paths import cache_dir
 
 log = logging.getLogger("chatkv.weights")
 
@@ -53,12 +54,7 @@ class ResolvedConfig:
 
 
 def cache_file() -> Path:
-    base = os.environ.get("CHATKV_CACHE_DIR")
-    if not base:
-        from platformdirs import user_cache_dir
-
-        base = user_cache_dir("chatkv")
-    return Path(base) / "loads.json"
+    return cache_dir() / "loads.json"
 
 
 def _version(package: str) -> str:
