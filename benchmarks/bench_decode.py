@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import CHAT, BusyLoad, OtherLoad, common_prefix, cpu_line, goal, hf_generate, load_average, load_hf, load_llama_cpp, median, parser, print_table, setup
+from common import CHAT, BusyLoad, OtherLoad, common_prefix, cpu_line, goal, hf_generate, load_average, load_hf, llama_decode, load_llama_cpp, median, parser, print_table, setup
 
 GOAL_HF, GOAL_LLAMA = 3.0, 1.0
 PROMPTS = ["Explain in a few paragraphs why the sky is blue.", "Write a short story about a lighthouse keeper.",
@@ -108,16 +108,6 @@ def hf_batch(model, prompts, n):
         model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
                        pad_token_id=0, stopping_criteria=StoppingCriteriaList([Stamp()]))
     return len(prompts) * (n - 1) / (stamps[-1] - stamps[0])
-
-
-def llama_decode(llm, ids, n):
-    stamps, toks = [], []
-    for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-        stamps.append(time.perf_counter())
-        toks.append(tok)
-        if len(toks) == n:
-            break
-    return (n - 1) / (stamps[-1] - stamps[0]), toks
 
 
 def llama_ttft(llm, ids):

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import time
 
-from common import OtherLoad, common_prefix, cpu_line, goal, load_average, median, parser, print_table, setup
+from common import llama_decode, OtherLoad, common_prefix, cpu_line, goal, load_average, median, parser, print_table, setup
 
 SOURCE = (
     "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 individual reefs "
@@ -107,16 +107,6 @@ def batch8(engine, prompts, n, mode):
     t = time.perf_counter()
     outs = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0))
     return sum(o.usage.generated_tokens for o in outs) / (time.perf_counter() - t), outs
-
-
-def llama_decode(llm, ids, n):
-    stamps, toks = [], []
-    for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
-        stamps.append(time.perf_counter())
-        toks.append(tok)
-        if len(toks) == n:
-            break
-    return (n - 1) / (stamps[-1] - stamps[0]) if n > 1 else 0.0, toks
 
 
 def copied(prompt: list[int], out: list[int], own: bool, n: int = 4) -> int:

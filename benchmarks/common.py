@@ -68,6 +68,18 @@ def load_hf(model_dir: Path, dtype: str):
     return model
 
 
+def llama_decode(llm, ids, n):
+    """llama.cpp's greedy decode of ``n`` tokens after ``ids``: (tok/s between the first and the
+    last token, the tokens)."""
+    stamps, toks = [], []
+    for tok in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+        stamps.append(time.perf_counter())
+        toks.append(tok)
+        if len(toks) == n:
+            break
+    return (n - 1) / (stamps[-1] - stamps[0]) if n > 1 else 0.0, toks
+
+
 def load_llama_cpp(threads: int, gguf: str | Path | None = None):
     """llama.cpp on ``gguf`` (default: the packaged GGUF; its own quantised weights), or None if
     llama_cpp is not installed."""
