@@ -217,7 +217,7 @@ def probabilities(logits: torch.Tensor, params: SamplingParams, history: list[in
     neg_inf = float("-inf")
     x = torch.where(torch.isnan(x), neg_inf, x)
     if bool(torch.isposinf(x).any()):
-        x = torch.where(torch.isposinf(x), 0.0, neg_inf)
+        x = torch.zeros_like(x).masked_fill(~torch.isposinf(x), neg_inf)  # float64 still: where() of two scalars is float32, and T=1e300 overflowed it to nan
     top = x.max()
     if top == neg_inf:
         x = torch.zeros_like(x)

@@ -121,6 +121,16 @@ def test_top_p_at_the_default_models_vocabulary_is_the_full_sorts_nucleus(scale,
     assert fast == (scale >= 3.0)  # both ways of finding it are tried
 
 
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_inf_logits_with_a_huge_temperature_stay_uniform_over_them(top_p):
+    """+inf logits at temperature 1e300: the draw is uniform over the +inf tokens (it was nan:
+    the +inf branch made a float32 tensor, and 1e300 overflowed it)."""
+    logits = logits_for(2, vocab=4096)
+    logits[[5, 9]] = float("inf")
+    probs = probabilities(logits, SamplingParams(temperature=1e300, top_p=top_p), [])
+    assert torch.isfinite(probs).all() and probs[5] == probs[9] == 0.5 and float(probs.sum()) == 1.0
+
+
 def test_top_p_draws_stay_in_the_nucleus():
     logits = logits_for(3, scale=2.0)
     params = SamplingParams(temperature=1.0, top_p=0.6, seed=11)
