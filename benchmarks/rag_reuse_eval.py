@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 from rag_metrics import answer_row
 
+from chatkv.kv_types import BlockTable
+
 CONFIGS = (  # (label, mode, edge tokens, recompute ratio)
     ("blend 0%", "blend", 0, 0.0),
     ("blend 5%", "blend", 0, 0.05),
@@ -40,11 +42,8 @@ class _Req:  # the KV record chatkv.kv_types.SequenceKV names, for one teacher-f
     token_ids: list
     namespace: object
     prefix: object = None
-    block_table: list = field(default_factory=list)
-    lock_node: object = None
-    num_computed: int = 0
+    kv: BlockTable = field(default_factory=BlockTable)
     num_cached: int = 0
-    num_host: int = 0
 
 
 def _teacher_forced(engine, placed, tokens: list[int], n_prompt: int, namespace) -> tuple[int, int]:
@@ -57,15 +56,15 @@ def _teacher_forced(engine, placed, tokens: list[int], n_prompt: int, namespace)
     req = _Req(tokens, namespace, prefix=placed.kept)
     kv.attach(req)
     try:
-        start = req.num_computed
+        start = req.kv.num_computed
         assert kv.reserve(req, len(tokens) - start), "no room for a teacher-forced forward"
-        logits = runner.forward(runner.build_batch([BatchItem(tokens[start:], start, req.block_table, "all")]))
+        logits = runner.forward(runner.build_batch([BatchItem(tokens[start:], start, req.kv.blocks, "all")]))
         rows = torch.arange(n_prompt - 1 - start, len(tokens) - 1 - start)
         pred = logits[rows].argmax(-1).tolist()
         gold = tokens[n_prompt:]
         return sum(int(p == g) for p, g in zip(pred, gold)), len(gold)
     finally:
-        req.num_computed = 0  # none of it is kept
+        req.kv.num_computed = 0  # none of it is kept
         kv.release(req)
 
 

@@ -38,12 +38,12 @@ import torch.nn.functional as F
 from chatkv.chunk_kv import ChunkEntry, ChunkKV
 from chatkv.errors import OutOfBlocks
 from chatkv.kernels import kv_quant
+from chatkv.kv_types import BlockTable
 from chatkv.model_runner import BatchItem
 
 if TYPE_CHECKING:
     from chatkv.kv_manager import KVManager
     from chatkv.kv_types import RetainedKV
-    from chatkv.prefix_cache import Node
 
 log = logging.getLogger("chatkv.chunk_kv")
 
@@ -69,11 +69,8 @@ class _Req:
     token_ids: list[int]
     namespace: Hashable | None
     prefix: RetainedKV | None = None
-    block_table: list[int] = field(default_factory=list)
-    lock_node: Node | None = None
-    num_computed: int = 0
+    kv: BlockTable = field(default_factory=BlockTable)
     num_cached: int = 0
-    num_host: int = 0
 
 
 def frame_tokens(tokenizer) -> list[int]:
@@ -227,14 +224,14 @@ def place(engine, kept: RetainedKV | None, tokens: list[int], start: int, texts:
     req = _Req(tokens, namespace, prefix=kept)
     kv.attach(req)
     try:
-        if not kv.reserve(req, end - req.num_computed):
+        if not kv.reserve(req, end - req.kv.num_computed):
             raise OutOfBlocks(f"no room for the KV of a {end}-token prompt's sources")
         out = _build(engine, req, spans, found, mode, edge_tokens, ratio)
-        req.num_computed = max(end, req.num_computed)
+        req.kv.num_computed = max(end, req.kv.num_computed)
     except Exception as e:  # noqa: BLE001 - the history's KV is kept; the rest is computed as usual
         log.warning("placing the sources' chunk KV failed (%s: %s); computing them instead", type(e).__name__, e)
         out = Placed(None)
-    out.end = req.num_computed
+    out.end = req.kv.num_computed
     out.kept = kv.release(req, retain=True)
     return out
 
@@ -262,7 +259,7 @@ def for_turn(turn, kept: RetainedKV | None, context: list[int]) -> RetainedKV | 
 def _build(engine, req: _Req, spans, found: list[ChunkEntry], mode: str, edge_tokens: int, ratio: float) -> Placed:
     model, runner, pool = engine.model, engine.runner, engine.runner.pool
     quant = pool.quant
-    table, tokens, h0 = req.block_table, req.token_ids, req.num_computed
+    table, tokens, h0 = req.kv.blocks, req.token_ids, req.kv.num_computed
     pairs = [(s, e) for s, e in zip(spans, found) if s[1] >= h0]  # else its KV is there already (shared tree)
     if not pairs:
         return Placed(None)
@@ -348,7 +345,7 @@ def _probe(engine, req: _Req, h0: int, end: int) -> tuple[torch.Tensor, torch.Te
     over the pool (whose rows for these tokens it stores: layer 0's KV depends on no other token)
     as LlamaModel.forward computes it, then layer 1's projection."""
     model, runner, pool = engine.model, engine.runner, engine.runner.pool
-    batch = runner.build_batch([BatchItem(req.token_ids[h0:end], h0, req.block_table, "none")])
+    batch = runner.build_batch([BatchItem(req.token_ids[h0:end], h0, req.kv.blocks, "none")])
     t = end - h0
     nh, nkv, d = model.num_heads, model.num_kv_heads, model.head_dim
     h = F.embedding(batch.input_ids, model.embed).to(model.residual_dtype)

@@ -12,10 +12,12 @@ Owners and what each holds
 * the **radix tree** (a ``PrefixCache``: ``RadixCache``, ``HiRadixCache`` with a host tier,
   ``NoPrefixCache`` when prefix caching is off):
   one pool reference on every block it caches;
-* a **sequence** (a request, waiting or running): ``seq.block_table`` (one pool
-  reference per entry) and ``seq.lock_node`` (one lock on the path of the cached
-  prefix it attached), both set by ``attach`` and ended by ``release``; while it
-  waits it may also carry ``seq.prefix``, a ``RetainedKV`` handed to it;
+* a **sequence** (a request, waiting or running): its ``BlockTable`` (``seq.kv``,
+  chatkv.kv_types): ``blocks`` (one pool reference per entry) and ``lock_node`` (one lock
+  on the path of the cached prefix it attached), filled by ``attach``, grown by ``reserve``,
+  cut by ``trim`` and emptied by ``release``. The sequence owns the record; this manager
+  reads its token ids and namespace and writes nothing of it but that table (and takes over
+  ``seq.prefix``, a ``RetainedKV`` handed to it while it waits);
 * a **RetainedKV**: the KV a finished turn leaves for the conversation's next turn:
   ``node`` (one lock on the history's full blocks) and ``tail_block`` (one pool
   reference on the partial last block). Issued by ``release(retain=True)`` or
@@ -48,7 +50,7 @@ With a ``HostPool`` (``host``; only with prefix caching) evicted cached blocks m
 host memory instead of away (see ``HiRadixCache``): device -> host -> disk (the session
 layer's snapshots). A lookup that continues into host-resident nodes copies them back
 into device blocks (``attach``, ``import_kv``; room made first, else only the device
-part is used) and records how many tokens came from host (``seq.num_host``,
+part is used) and records how many tokens came from host (the table's ``num_host``,
 ``RetainedKV.host_len``). ``offload`` moves an ended handle's path to host eagerly.
 Without a host pool everything behaves as if the tier did not exist.
 
@@ -69,7 +71,7 @@ import torch
 from chatkv.block_pool import BlockPool
 from chatkv.errors import OutOfBlocks
 from chatkv.host_pool import HostPool
-from chatkv.kv_types import RetainedKV, SequenceKV
+from chatkv.kv_types import BlockTable, RetainedKV, SequenceKV
 from chatkv.hiradix_cache import HiRadixCache
 from chatkv.prefix_cache import MatchResult, NoPrefixCache, Node, PrefixCache
 from chatkv.radix_cache import RadixCache
@@ -130,74 +132,82 @@ class KVManager:
 
     # -- sequences ----------------------------------------------------------------
 
-    def attach(self, seq: SequenceKV) -> None:
-        """Give ``seq`` the cached prefix of its tokens in its namespace (locked, referenced; a
-        part on host is copied back first, as far as room allows) and, when its handed
-        ``seq.prefix`` continues exactly where that prefix ends, that handle's own tail block.
-        The handle is ended either way. Before the first admission (``num_cached < 0``) the
-        tokens that came from host are added to ``seq.num_host``. Raises only what
-        ``on_pressure`` raises, with ``seq`` unchanged (without a host tier it cannot fail)."""
-        assert not seq.block_table and seq.lock_node is None, "attach of a sequence that holds KV"
+    def attach(self, seq: SequenceKV) -> BlockTable:
+        """Fill ``seq.kv`` (empty) with the cached prefix of its tokens in its namespace
+        (locked, referenced; a part on host is copied back first, as far as room allows) and,
+        when its handed ``seq.prefix`` continues exactly where that prefix ends, that handle's
+        own tail block; return the table. The handle is ended either way. Before the first
+        admission (``num_cached < 0``) the tokens that came from host are added to the table's
+        ``num_host``. Raises only what ``on_pressure`` raises, with ``seq`` unchanged (without a
+        host tier it cannot fail)."""
+        t = seq.kv
+        assert not t.blocks and t.lock_node is None, "attach of a sequence that holds KV"
         m, loaded = self._match(self._ns(seq.namespace), seq.token_ids, len(seq.token_ids) - 1)
         self.cache.lock(m.node)
         self.pool.incref(m.block_ids)
-        seq.lock_node, seq.block_table, seq.num_computed = m.node, list(m.block_ids), m.num_tokens
+        t.lock_node, t.blocks, t.num_computed = m.node, list(m.block_ids), m.num_tokens
         p = seq.prefix
         if seq.num_cached < 0:
-            seq.num_host += loaded + (min(p.host_len, m.num_tokens) if p is not None else 0)
+            t.num_host += loaded + (min(p.host_len, m.num_tokens) if p is not None else 0)
         continues = p is not None and (m.node is p.node if p.node is not None else m.num_tokens == 0)
         if continues and p.tail_block is not None and m.num_tokens == p.kv_len - p.tail_len < p.kv_len < len(seq.token_ids):
-            seq.block_table.append(p.tail_block)  # the conversation's own partial block continues its history
-            seq.num_computed = p.kv_len
+            t.blocks.append(p.tail_block)  # the conversation's own partial block continues its history
+            t.num_computed = p.kv_len
             p.tail_block = None
         self.drop(p)
         seq.prefix = None
+        return t
 
     def reserve(self, seq: SequenceKV, num_tokens: int) -> bool:
-        """Make ``seq.block_table`` cover ``num_computed + num_tokens`` tokens; False if blocks lack.
+        """Make ``seq.kv.blocks`` cover ``num_computed + num_tokens`` tokens; False if blocks lack.
         Raises only what ``on_pressure`` raises, with ``seq`` unchanged."""
-        need = -(-(seq.num_computed + num_tokens) // self.block_size) - len(seq.block_table)
+        t = seq.kv
+        need = -(-(t.num_computed + num_tokens) // self.block_size) - len(t.blocks)
         if need <= 0:
             return True
         if not self.make_room(need):
             return False
-        seq.block_table.extend(self.pool.allocate(need))
+        t.blocks.extend(self.pool.allocate(need))
         return True
 
     def trim(self, seq: SequenceKV) -> None:
-        """Give back the blocks of ``seq.block_table`` past its ``num_computed`` tokens (they held
-        only rejected speculative tokens' KV; the sequence's own, never shared)."""
-        keep = -(-seq.num_computed // self.block_size)
-        if len(seq.block_table) > keep:
-            self.pool.decref(seq.block_table[keep:])
-            del seq.block_table[keep:]
+        """Give back the blocks of ``seq.kv`` past its ``num_computed`` tokens (they held only
+        rejected speculative tokens' KV; the sequence's own, never shared)."""
+        t = seq.kv
+        keep = -(-t.num_computed // self.block_size)
+        if len(t.blocks) > keep:
+            self.pool.decref(t.blocks[keep:])
+            del t.blocks[keep:]
 
     def release(self, seq: SequenceKV, retain: bool = False) -> RetainedKV | None:
         """End everything ``seq`` holds: its computed full blocks go into the tree first (so a
-        later request hits them), then its references and lock are dropped. With ``retain``
-        (and sharing on) returns a RetainedKV of its computed tokens for the next turn."""
+        later request hits them), then its references and lock are dropped, leaving ``seq.kv``
+        empty (its ``num_host`` kept: a count of its first admission). With ``retain`` (and
+        sharing on) returns a RetainedKV of its computed tokens for the next turn."""
         self.drop(seq.prefix)
         seq.prefix = None
+        t = seq.kv
         bs = self.block_size
-        full = seq.num_computed // bs
-        table = seq.block_table
+        computed = t.num_computed
+        full = computed // bs
+        table = t.blocks
         node = self.cache.insert(self._ns(seq.namespace), seq.token_ids[: full * bs], table[:full]) if full else None
         kept = None
-        if retain and self.sharing and seq.num_computed:
+        if retain and self.sharing and computed:
             if node is not None:
                 self.cache.lock(node)
-            tail_len = seq.num_computed - full * bs
+            tail_len = computed - full * bs
             tail = table[full] if tail_len else None
-            kept = RetainedKV(node, tail, tail_len, seq.num_computed)
+            kept = RetainedKV(node, tail, tail_len, computed)
             self._live.add(kept)
             if tail is not None:
                 table = table[:full] + table[full + 1 :]
-        if seq.lock_node is not None:
-            self.cache.unlock(seq.lock_node)
-            seq.lock_node = None
+        if t.lock_node is not None:
+            self.cache.unlock(t.lock_node)
+            t.lock_node = None
         self.pool.decref(table)
-        seq.block_table = []
-        seq.num_computed = 0
+        t.blocks = []
+        t.num_computed = 0
         return kept
 
     # -- retained KV ----------------------------------------------------------------
@@ -432,9 +442,9 @@ class KVManager:
         refs: Counter[int] = Counter(b for n in nodes for b in n.block_ids)
         locks: Counter[int] = Counter()
         for s in sequences:
-            refs.update(s.block_table)
-            if s.lock_node is not None:
-                locks[id(s.lock_node)] += 1
+            refs.update(s.kv.blocks)
+            if s.kv.lock_node is not None:
+                locks[id(s.kv.lock_node)] += 1
         for h in handles:
             if h.tail_block is not None:
                 refs[h.tail_block] += 1

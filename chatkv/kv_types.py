@@ -4,12 +4,14 @@
   manager issues and ends it; a Sequence (``prefix``, ``retained``), a Session and the
   snapshots only carry it.
 * ``BlockTable``: the record of what one request holds in the pool - its blocks, the radix
-  lock of its cached prefix, how many tokens have KV. The fields a request's owner keeps and
-  the KV manager sets (``attach``/``reserve``) and ends (``release``).
-* ``SequenceKV``: what the KV manager reads and writes of a request - its token ids and its
-  block table, and the counts that say how much of it has KV. ``chatkv.sequence.Sequence``
-  is one; the KV manager names this protocol, never the Sequence class, so the two modules
-  do not import each other.
+  lock of its cached prefix, how many tokens have KV. The request owns it (``Sequence.kv``);
+  the KV manager takes it and gives it back filled (``attach``), grown (``reserve``), cut
+  (``trim``) or emptied (``release``), and writes nothing else of the request but the handle
+  it takes over (``prefix``).
+* ``SequenceKV``: what the KV manager reads of a request - its token ids, namespace, handed
+  prefix and first-admission mark - and its block table. ``chatkv.sequence.Sequence`` is one;
+  the KV manager names this protocol, never the Sequence class, so the two modules do not
+  import each other.
 
 The radix ``Node`` these name is the lock handle of ``chatkv.prefix_cache``.
 """
@@ -44,9 +46,7 @@ class BlockTable:
     ``lock_node`` (the cached prefix it attached; None: none), and ``num_computed`` leading
     tokens whose KV is in those blocks. ``num_host`` of its tokens came from the host tier at
     its first admission. Empty (``blocks == []``, ``lock_node is None``) while it holds nothing.
-
-    Today ``Sequence`` carries these as its own fields of the same names (``block_table`` for
-    ``blocks``; see ``SequenceKV``)."""
+    The scheduler advances ``num_computed`` as steps compute KV into the blocks it reserved."""
 
     blocks: list[int] = field(default_factory=list)
     lock_node: Node | None = None
@@ -63,9 +63,6 @@ class SequenceKV(Protocol):
 
     token_ids: list[int]  # read: what the KV is of
     namespace: Hashable | None  # read: its radix namespace (None: the manager's default)
-    prefix: RetainedKV | None  # taken over by ``attach``
-    block_table: list[int]  # one pool reference per entry: set by attach/reserve, ended by release
-    lock_node: Node | None  # the radix lock of the cached prefix it attached
-    num_computed: int  # leading tokens whose KV is in the pool
-    num_cached: int  # prefix-hit tokens at first admission (-1: not admitted yet)
-    num_host: int  # tokens copied back from the host tier at its first admission
+    prefix: RetainedKV | None  # taken over (set to None) by ``attach`` and ``release``
+    num_cached: int  # read: prefix-hit tokens at first admission (-1: not admitted yet)
+    kv: BlockTable  # what it holds in the pool: filled, grown, cut and emptied by the manager

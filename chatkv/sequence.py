@@ -10,12 +10,13 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable
 import torch
 
 from chatkv.detokenize import TextStream
+from chatkv.kv_types import BlockTable
 from chatkv.outputs import GenerationResult, Usage
 from chatkv.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from chatkv.kv_types import RetainedKV
-    from chatkv.radix_cache import Node
+    from chatkv.prefix_cache import Node
     from chatkv.speculative import SpecState
 
 
@@ -39,12 +40,11 @@ class Sequence:
     prefix: RetainedKV | None = None  # the previous turn's retained KV, handed over at admission
     retained: RetainedKV | None = None  # what this sequence left behind (set on finish when retain)
     status: Status = Status.WAITING
-    block_table: list[int] = field(default_factory=list)  # owned by the KV manager's contract
-    lock_node: Node | None = None  # radix node locked while the sequence holds its cached prefix
-    num_computed: int = 0  # leading tokens whose KV is in the pool
+    # what it holds in the pool: its blocks, the radix lock of its cached prefix, the tokens with
+    # KV, those copied back from the host tier (the KV manager fills, grows and empties it)
+    kv: BlockTable = field(default_factory=BlockTable)
     num_cached: int = -1  # prefix-hit tokens at first admission (-1: not admitted yet)
     num_restored: int = 0  # tokens brought back from disk before admission (sessions)
-    num_host: int = 0  # tokens copied back from the host-memory tier before its first admission
     namespace: Hashable | None = None  # radix namespace of its KV; None: the KV manager's default
     priority: int = 0  # lower is admitted first (session turns 0, generate batches 1; the scheduler's rank)
     passed_over: int = 0  # scheduling rounds it waited through while others were admitted (aging)
@@ -64,6 +64,28 @@ class Sequence:
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
+
+    # views of its block table, read each step by the scheduler and the model runner
+    @property
+    def block_table(self) -> list[int]:
+        return self.kv.blocks
+
+    @property
+    def lock_node(self) -> Node | None:
+        return self.kv.lock_node
+
+    @property
+    def num_computed(self) -> int:
+        """Leading tokens whose KV is in the pool (the scheduler advances it after each step)."""
+        return self.kv.num_computed
+
+    @num_computed.setter
+    def num_computed(self, n: int) -> None:
+        self.kv.num_computed = n
+
+    @property
+    def num_host(self) -> int:
+        return self.kv.num_host
 
     @property
     def num_generated(self) -> int:

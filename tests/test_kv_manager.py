@@ -592,7 +592,7 @@ def test_integrity_catches_a_lock_with_no_owner():
 
 def test_integrity_catches_a_lock_owner_forgotten():
     kv, seq, kept = leaky_setup()
-    seq.lock_node = None  # forgot its lock without unlocking
+    seq.kv.lock_node = None  # its block table forgot its lock without unlocking
     with pytest.raises(AssertionError, match="locks"):
         kv.check_integrity([seq], [kept])
 
@@ -611,7 +611,7 @@ def test_integrity_catches_a_leaked_lock_on_a_namespace_root():
     seq = make_seq(list(range(300, 306)))
     kv.attach(seq)  # a miss: its lock is on the namespace root
     assert seq.lock_node.is_root
-    seq.lock_node = None  # dropped without release: the root keeps a lock nobody owns
+    seq.kv.lock_node = None  # dropped without release: the root keeps a lock nobody owns
     with pytest.raises(AssertionError):
         kv.check_integrity([seq], [])
 
@@ -658,7 +658,7 @@ def test_integrity_catches_one_handle_held_twice():
 
 def test_integrity_catches_a_block_table_cleared_without_release():
     kv, seq, kept = leaky_setup()
-    seq.block_table = []
+    seq.kv.blocks = []  # its block table emptied by hand
     with pytest.raises(AssertionError):
         kv.check_integrity([seq], [kept])
 
@@ -672,7 +672,7 @@ def test_integrity_catches_a_sequence_dropped_without_release():
 def test_integrity_catches_a_reference_counted_twice():
     kv, seq, kept = leaky_setup()
     other = make_seq([1])
-    other.block_table = [seq.block_table[-1]]  # claims a block it holds no reference on
+    other.kv.blocks = [seq.block_table[-1]]  # claims a block it holds no reference on
     with pytest.raises(AssertionError, match="references"):
         kv.check_integrity([seq, other], [kept])
 
