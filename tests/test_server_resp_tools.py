@@ -164,6 +164,9 @@ def _bad(url: str, body: dict) -> dict:
     ({"store": False, "input": [{"role": "user", "content": "hi"},
                                 {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{not json"}]},
      "invalid_value", "input[1].arguments"),
+    ({"store": False, "input": [{"role": "user", "content": "hi"},
+                                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "[1, 2]"}]},
+     "invalid_value", "input[1].arguments"),
     ({"input": [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c1", "name": "f"}]},
      "unsupported_parameter", "input[1].type"),
 ])

@@ -162,6 +162,12 @@ def test_streamed_tool_calls_and_a_tool_result_round_trip(client, choice):
                                                       "tool_calls": [{"id": "a", "type": "function", "function": {}}]},
                    {"role": "tool", "tool_call_id": "a", "content": "1"}]},
      "invalid_value", "messages[1].tool_calls[0].function.name"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}]}]},
+     "invalid_value", "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "[1, 2]"}}]}]},
+     "invalid_value", "messages[1].tool_calls[0].function.arguments"),
 ])
 def test_bad_requests_are_openai_400s_naming_the_path(client, server, extra, code, param):
     body = {"model": MODEL, "messages": user("hi"), "max_tokens": 4, **extra}

@@ -25,7 +25,7 @@ import uuid
 
 from chatkv.errors import InvalidRequest
 from chatkv.server.errors import APIError, bad_value, unsupported
-from chatkv.server.tool_calls import schema_fields
+from chatkv.server.tool_calls import call_arguments, path_of, schema_fields
 from chatkv.tools import ToolCall, tools_of
 
 FUNCTION_ITEMS = ("function_call", "function_call_output")
@@ -111,8 +111,7 @@ def tools(body: dict, store: bool) -> tuple[list, object, list]:
     try:
         listed = tools_of(flat)
     except InvalidRequest as e:
-        head = str(e).split(":", 1)[0]
-        raise bad_value(head if " " not in head else "tools", str(e)) from None
+        raise bad_value(path_of(e, "tools"), str(e)) from None
     names = {t.name for t in listed}
     if choice is None:
         choice = "auto"
@@ -157,13 +156,7 @@ def input_item(i: int, item: dict, kind: str, out: list[dict], store: bool) -> N
     name = item.get("name")
     if not isinstance(name, str) or not name:
         raise bad_value(f"{where}.name", f"{where}.name: a function call needs a name")
-    args = item.get("arguments", "{}")
-    try:
-        args = json.loads(args) if isinstance(args, str) else args
-    except ValueError:
-        raise bad_value(f"{where}.arguments", f"{where}.arguments is not JSON") from None
-    if not isinstance(args, dict):
-        raise bad_value(f"{where}.arguments", f"{where}.arguments must be a JSON object")
+    args = call_arguments(item.get("arguments", "{}"), f"{where}.arguments")
     call = {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}
     if out and out[-1]["role"] == "assistant":  # a reply's text, or its calls before this one
         out[-1].setdefault("tool_calls", []).append(call)

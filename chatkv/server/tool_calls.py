@@ -17,10 +17,24 @@ from chatkv.server.errors import APIError, bad_value, unsupported
 from chatkv.tools import ToolCall, call_format, chosen, forcing, parse_calls, tagged_calls, tools_of
 
 
-def _path_of(e: InvalidRequest, default: str) -> str:
-    """chatkv.tools' messages start with the path ("tools[0].function.name: ...")."""
+def path_of(e: InvalidRequest, default: str) -> str:
+    """chatkv.tools' messages start with the path ("tools[0].function.name: ..."); both faces'
+    400s name it (resp_tools.py too)."""
     head = str(e).split(":", 1)[0]
     return head if " " not in head else default
+
+
+def call_arguments(args, where: str) -> dict:
+    """A tool call's ``arguments`` in a request's history (a JSON string, or an object) as the
+    object the chat template renders; ``where`` is their path. Chat completions' assistant
+    ``tool_calls`` and the Responses API's ``function_call`` items both come here."""
+    try:
+        args = json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        raise bad_value(where, f"{where} is not JSON") from None
+    if not isinstance(args, dict):
+        raise bad_value(where, f"{where} must be a JSON object")
+    return args
 
 
 def response_format(body: dict) -> dict:
@@ -80,7 +94,7 @@ def tools(body: dict) -> tuple[list, object]:
         chosen(listed, choice if choice is not None else "auto")
     except InvalidRequest as e:
         where = "tool_choice" if str(e).startswith("tool_choice") else "tools"
-        raise bad_value(_path_of(e, where), str(e)) from None
+        raise bad_value(path_of(e, where), str(e)) from None
     return listed, choice if choice is not None else "auto"
 
 
@@ -102,11 +116,7 @@ def history_message(i: int, m: dict, role: str, content) -> dict:
             raise bad_value(where, f"{where} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}")
         if not isinstance(fn.get("name"), str) or not fn["name"]:
             raise bad_value(f"{where}.function.name", f"{where}.function.name: a tool call needs a name")
-        args = fn.get("arguments", "{}")
-        try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except ValueError:
-            raise bad_value(f"{where}.function.arguments", f"{where}.function.arguments is not JSON") from None
+        args = call_arguments(fn.get("arguments", "{}"), f"{where}.function.arguments")
         out.append({"id": c["id"], "type": "function", "function": {"name": fn["name"], "arguments": args}})
     return {"role": "assistant", "content": content or "", "tool_calls": out}
 
