@@ -12,9 +12,15 @@ store, re-rotated, the selected rows recomputed) and
   rag_eval's answers: EM, token F1, citation precision.
 
 The gate (issue 23): F1 and citation precision within 2 points of full prefill, agreement >= 95%.
-The control row recomputes every chunk token: its agreement is the metric's own floor (greedy
-near-ties that the prefill and decode paths' rounding flip), not a loss from reuse.
-Each configuration's KV lives in a radix namespace of its own, dropped after the question.
+The control row recomputes every chunk token: placement then places nothing and the scheduler
+computes the prompt in full prefill's own forwards, so its answers must be full prefill's token
+for token ("same tokens" counts them; anything short of n/n is a bug). Its agreement is the
+metric's own floor (teacher forcing computes the answer in one forward, decoding one token a
+step: bf16 rounds them differently and flips near-ties), not a loss from reuse.
+Full prefill and each configuration run in a radix namespace of their own, dropped after the
+question: every answer starts from an empty cache (a previous question's cached system prompt,
+computed in a forward of another length, would round differently: the first control runs
+differed from full prefill by that and by placement's single forward).
 """
 
 from __future__ import annotations
@@ -68,6 +74,14 @@ def _teacher_forced(engine, placed, tokens: list[int], n_prompt: int, namespace)
         kv.release(req)
 
 
+def _answer(engine, prompt, params, prefix, namespace):
+    seq = engine.add_request(prompt, params, prefix=prefix, namespace=namespace)
+    for _ in engine.drive(seq):
+        pass
+    engine.on_loop(lambda: engine.kv.drop_namespace(namespace))
+    return seq.result()
+
+
 def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system: str) -> list[list[str]]:
     from chatkv import Engine
     from chatkv import chunk_place as cp
@@ -81,6 +95,7 @@ def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system:
     agree = {label: [0, 0] for label, *_ in CONFIGS}
     spent = {label: 0.0 for label, *_ in CONFIGS}
     reused = {label: [0, 0] for label, *_ in CONFIGS}
+    same = {label: 0 for label, *_ in CONFIGS}  # answers token-identical to full prefill's
     shown = []
     try:
         t0 = time.perf_counter()
@@ -90,7 +105,7 @@ def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system:
             shown.append([h.text for h in hits])
             prompt = engine.encode_chat([{"role": "system", "content": system},
                                          {"role": "user", "content": user_message(q["question"], hits)}])
-            full = engine.generate([prompt], params)[0]
+            full = _answer(engine, prompt, params, None, ("rag-eval", qi, "full prefill"))
             replies["full prefill"].append(full.text)
             answer = list(prompt) + list(full.token_ids)
             for label, mode, edge, ratio in CONFIGS:
@@ -105,14 +120,13 @@ def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system:
                     agree[label][0] += a
                     agree[label][1] += n
                 else:
-                    engine.on_loop(lambda: engine.kv.drop(placed.kept))
+                    if placed.kept is not None:
+                        engine.on_loop(lambda: engine.kv.drop(placed.kept))
                 # free-running from the placed KV (the teacher-forced rows left it in the namespace's tree)
                 placed = engine.on_loop(lambda: cp.place(engine, None, prompt, 0, texts, ns, None, False, mode, edge, ratio))
-                seq = engine.add_request(prompt, params, prefix=placed.kept, namespace=ns)
-                for _ in engine.drive(seq):
-                    pass
-                replies.setdefault(label, []).append(seq.result().text)
-                engine.on_loop(lambda: engine.kv.drop_namespace(ns))
+                got = _answer(engine, prompt, params, placed.kept, ns)
+                replies.setdefault(label, []).append(got.text)
+                same[label] += int(list(got.token_ids) == list(full.token_ids))
             if qi % 10 == 9:
                 print(f"  reuse eval: {qi + 1}/{len(questions)} questions, {time.perf_counter() - t0:.0f} s")
     finally:
@@ -129,11 +143,11 @@ def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system:
             and (cp_ is None or base["citation_precision"] is None or base["citation_precision"] - cp_ <= 0.02))
         share = "-" if label not in reused else f"{reused[label][0] / max(reused[label][1], 1):.0%}"
         place_ms = "-" if label not in spent else f"{spent[label] / len(questions) * 1000:.0f}"
-        rows.append([label, str(a["n"]), share, f"{a['em']:.1%}", f"{a['f1']:.1%}",
+        rows.append([label, str(a["n"]), share, "-" if label not in same else f"{same[label]}/{a['n']}", f"{a['em']:.1%}", f"{a['f1']:.1%}",
                      "n/a" if cp_ is None else f"{cp_:.1%}", f"{agreement:.1%}", place_ms,
                      "-" if label == "full prefill" else ("pass" if ok else "fail")])
     return rows
 
 
-HEADERS = ["KV", "n", "chunk tokens reused", "EM", "F1", "citation precision", "top-1 agreement",
+HEADERS = ["KV", "n", "chunk tokens reused", "same tokens", "EM", "F1", "citation precision", "top-1 agreement",
            "place ms/q", "gate"]

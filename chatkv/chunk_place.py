@@ -188,19 +188,37 @@ def compute_canonical(engine, frame: Sequence[int], chunks: Sequence[list[int]])
             pool.decref(t)
 
 
+def recomputes_all(spans, mode: str, edge_tokens: int, ratio: float) -> bool:
+    """Whether the mode would recompute every token of every found chunk (nothing reused)."""
+    if mode == "edge":
+        return all(n <= edge_tokens for *_, n in spans)
+    return ratio >= 1
+
+
 def place(engine, kept: RetainedKV | None, tokens: list[int], start: int, texts: Sequence[str], namespace: Hashable,
-          old_namespace: Hashable | None, migrate: bool, mode: str, edge_tokens: int, ratio: float) -> Placed:
+          old_namespace: Hashable | None, migrate: bool, mode: str, edge_tokens: int, ratio: float,
+          full_as_prefill: bool = True) -> Placed:
     """Build the KV of ``tokens`` up to the end of the last source found in ``tokens[start:]``
     (``texts``: the sources' texts as the prompt holds them) in radix ``namespace``, continuing
     ``kept`` (the history's KV). With ``migrate`` the history lives in ``old_namespace``: it, and
     what the shared tree holds of the prompt there (a system prompt, pinned documents), is copied
     into ``namespace`` first. ``kept`` is ended; the Placed's handle replaces it (``private``:
-    it is in ``namespace``; else nothing was placed and it is in the namespace it was)."""
+    it is in ``namespace``; else nothing was placed and it is in the namespace it was).
+
+    When every chunk token would be recomputed (``blend`` at 100%, ``edge`` at least as long
+    as every chunk) nothing is placed (``full_as_prefill``): the scheduler computes the prompt
+    in the very forwards full prefill runs, so the result is full prefill's token for token.
+    Computing it here instead, in one forward of another length, is the same math but not the
+    same rounding in bf16 (a GEMM's row depends on the row count there: oneDNN picks its
+    kernel by shape), which flipped greedy near-ties of the default model. The Placed then
+    only counts the chunk tokens as ``recomputed``."""
     kv: KVManager = engine.kv
     ids = [chunk_ids(engine.tokenizer, t) for t in texts]
     spans = find_spans(tokens, start, ids)
     if not spans:
         return Placed(kept, private=not migrate)
+    if full_as_prefill and recomputes_all(spans, mode, edge_tokens, ratio):
+        return Placed(kept, recomputed=sum(n for *_, n in spans), private=not migrate)
     store = chunk_store(engine)
     try:
         found = entries(engine, store, [texts[i] for i, *_ in spans], [ids[i] for i, *_ in spans])
@@ -237,7 +255,8 @@ def place(engine, kept: RetainedKV | None, tokens: list[int], start: int, texts:
 
 
 def for_turn(turn, kept: RetainedKV | None, context: list[int]) -> RetainedKV | None:
-    """The hook of ``Turn._admit`` (loop thread): place the turn's sources, making the
+    """The hook of ``Turn._admit`` (loop thread): place the turn's sources (and on a first turn
+    the pinned documents, each one chunk: ``rag.pinned_texts``), making the
     conversation's KV private (a new window epoch) the first time; ``turn.placed`` says what was
     done. Returns the KV the request continues from."""
     m, s, st, cfg = turn.m, turn.s, turn.st, turn.engine.config
@@ -248,11 +267,15 @@ def for_turn(turn, kept: RetainedKV | None, context: list[int]) -> RetainedKV | 
     if migrate:
         st.private, st.epoch = True, st.epoch + 1  # from now on this conversation's KV is its own
     texts = [h.text.strip() for h in turn.hits]
+    if not context and s.documents and s.knowledge is not None:  # a first prompt: the system message's pinned documents
+        from chatkv import rag
+
+        texts = rag.pinned_texts([(d, s.knowledge.chunks_of(d)) for d in s.documents]) + texts
     placed = place(turn.engine, kept, context + turn.delta, len(context), texts, m._namespace(s.id, st), old_ns,
                    migrate, cfg.rag_kv_reuse, cfg.rag_edge_tokens, cfg.rag_recompute_ratio)
     if not placed.private and migrate:
         st.private, st.epoch = False, st.epoch - 1
-    turn.placed = placed if placed.private else None
+    turn.placed = placed if placed.private or placed.recomputed else None  # usage's counts
     return placed.kept
 
 

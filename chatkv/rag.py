@@ -122,27 +122,24 @@ def sources_of(reply_text: str, hits: Sequence) -> list[Source]:
     ]
 
 
+def pinned_texts(documents: Sequence[tuple[str, Sequence]]) -> list[str]:
+    """The pinned documents' texts as ``documents_block`` writes them (chunk KV's texts)."""
+    from chatkv.retrieval.ingest import join_chunks  # here: the retrieval package loads only for RAG
+
+    return [join_chunks(chunks) for _, chunks in documents if chunks]
+
+
 def documents_block(system: str | None, documents: Sequence[tuple[str, Sequence]]) -> str | None:
     """The system message with pinned documents after the system prompt: ``documents`` is
     ``(source, chunks in ordinal order)`` pairs in the order given."""
     if not documents:
         return system
+    from chatkv.retrieval.ingest import join_chunks
+
     parts = []
     for source, chunks in documents:
         if not chunks:
             raise InvalidRequest(f"pinned document '{source}' is not in the knowledge base")
-        parts.append(f"Document: {source.rsplit('/', 1)[-1]}\n" + _join_chunks(chunks))
+        parts.append(f"Document: {source.rsplit('/', 1)[-1]}\n" + join_chunks(chunks))
     head = (system.strip() + "\n\n") if system else ""
     return head + "The following documents are available:\n\n" + "\n\n".join(parts)
-
-
-def _join_chunks(chunks: Sequence) -> str:
-    """The document's text from its chunks, without the overlap between neighbours."""
-    out, end = [], -1
-    for c in chunks:
-        if c.start >= end:
-            out.append(("\n\n" if out else "") + c.text)
-        elif c.end > end:
-            out.append(c.text[end - c.start :])
-        end = max(end, c.end)
-    return "".join(out).strip()

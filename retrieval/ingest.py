@@ -28,6 +28,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("chatkv.retrieval.knowledge_base")  # the KB's logger, as before the split
 
 
+def join_chunks(chunks: Sequence) -> str:
+    """A document's text from its chunks (in ordinal order), without the overlap between
+    neighbours: the text a pinned document puts in the system message (chatkv.rag), and so
+    the text whose chunk KV ``precompute_kv`` computes for pinning it."""
+    out, end = [], -1
+    for c in chunks:
+        if c.start >= end:
+            out.append(("\n\n" if out else "") + c.text)
+        elif c.end > end:
+            out.append(c.text[end - c.start :])
+        end = max(end, c.end)
+    return "".join(out).strip()
+
+
 class KBView(Protocol):
     """What the ingest path uses of a knowledge base (``chatkv.retrieval.knowledge_base.
     KnowledgeBase`` is one); this module names it, never that class, so the two modules do

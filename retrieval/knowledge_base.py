@@ -275,8 +275,13 @@ class KnowledgeBase:
             raise InvalidRequest("precompute_kv needs the chat model: open the knowledge base with Engine.knowledge_base")
 
     def _precompute(self, report: IngestReport, progress: bool) -> None:
-        """The chunk KV of every document of ``report`` (added, updated, unchanged), through the engine's hook."""
-        texts = [h.text.strip() for src in report.added + report.updated + report.unchanged for h in self.chunks_of(src)]
+        """The chunk KV of every document of ``report`` (added, updated, unchanged), through the
+        engine's hook: each chunk as a source holds it, and each document whole as pinning it
+        puts it in the system message (``ingest_path.join_chunks``)."""
+        texts = []
+        for src in report.added + report.updated + report.unchanged:
+            chunks = self.chunks_of(src)
+            texts += [h.text.strip() for h in chunks] + [ingest_path.join_chunks(chunks)]
         report.kv_chunks = self.kv_precompute(texts, progress)
 
     def add_texts(

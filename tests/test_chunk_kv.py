@@ -104,7 +104,7 @@ def test_placement_against_full_prefill(model_dir, hf, tmp_path, mode, ratio, ex
         tokens = list(_prompt(e, texts))
         edge = int(ratio) if mode == "edge" else 0
         placed = e.on_loop(lambda: cp.place(e, None, tokens, 0, texts, ("test", "private"), None, False, mode, edge,
-                                            min(float(ratio), 1.0)))
+                                            min(float(ratio), 1.0), full_as_prefill=False))  # the machinery itself
         assert placed.private and placed.end < len(tokens)
         n_chunks = sum(len(cp.chunk_ids(e.tokenizer, t)) for t in texts)
         assert placed.reused + placed.recomputed == n_chunks
@@ -138,12 +138,21 @@ def _replies(model_dir, data_dir, corpus, **kw):
         e.close()
 
 
-def test_full_recompute_gives_full_prefills_greedy_tokens_and_usage_counts(model_dir, corpus, tmp_path):
-    off, off_tokens, _ = _replies(model_dir, tmp_path / "off", corpus)
-    full, full_tokens, _ = _replies(model_dir, tmp_path / "full", corpus, rag_kv_reuse="blend", rag_recompute_ratio=1.0)
-    assert full_tokens == off_tokens  # the same greedy replies, token for token, over two turns
-    assert [r.text for r in full] == [r.text for r in off]
-    assert all(r.usage.reused_tokens == 0 and r.usage.recomputed_tokens > 0 for r in full)
+@pytest.mark.parametrize("dtype,full", [("float32", {"rag_kv_reuse": "blend", "rag_recompute_ratio": 1.0}),
+                                        ("bfloat16", {"rag_kv_reuse": "edge", "rag_edge_tokens": 10_000})])
+def test_full_recompute_gives_full_prefills_greedy_tokens_and_usage_counts(model_dir, corpus, tmp_path, dtype, full):
+    """With every chunk token recomputed (blend 100%, or edge longer than every chunk) a turn
+    is full prefill's exactly, token for token, in bf16 too (where one placement forward of
+    another length would round differently from the scheduler's chunks)."""
+    small = dict(dtype=dtype, max_batch_tokens=64)  # several scheduler chunks a prompt
+    off, off_tokens, _ = _replies(model_dir, tmp_path / "off", corpus, **small)
+    got, got_tokens, _ = _replies(model_dir, tmp_path / "all", corpus, **small, **full)
+    assert got_tokens == off_tokens  # the same greedy replies, token for token, over two turns
+    assert [r.text for r in got] == [r.text for r in off]
+    assert all(r.usage.reused_tokens == 0 and r.usage.recomputed_tokens > 0 for r in got)
+    assert [r.usage.computed_tokens for r in got] == [r.usage.computed_tokens for r in off]
+    if dtype == "bfloat16":
+        return
     edge, _, stats = _replies(model_dir, tmp_path / "edge", corpus, rag_kv_reuse="edge", rag_edge_tokens=2)
     for r in edge:
         u = r.usage
@@ -227,7 +236,7 @@ def test_kb_add_precompute_kv_computes_every_chunk_ahead_of_the_first_turn(model
     try:
         kb = e.knowledge_base("docs")
         report = kb.add([str(corpus)], precompute_kv=True)
-        n_chunks = sum(len(kb.chunks_of(d.source)) for d in kb.documents())
+        n_chunks = sum(len(kb.chunks_of(d.source)) + 1 for d in kb.documents())  # each chunk, and each document whole
         assert report.kv_chunks == n_chunks > 0
         assert kb.add([str(corpus)], precompute_kv=True).kv_chunks == 0  # already there
         r = e.session(knowledge=kb, top_k=2, params=GREEDY).send(QUESTIONS[0])
@@ -283,3 +292,28 @@ def test_blend_merges_its_closest_recompute_runs_within_a_budget():
     assert set(picked) <= set(out) and len(cp._runs(out)) == 4 and len(out) - len(picked) <= len(picked)
     assert cp._coarsen(picked, budget=0) == picked  # no budget: as chosen
     assert cp._coarsen([5, 9], budget=10) == [5, 9]  # few runs already
+
+
+def test_pinned_documents_are_placed_from_their_chunk_kv_on_the_first_turn(model_dir, corpus, tmp_path):
+    """A first turn's pinned documents (the system message) are chunk KV too, computed by
+    precompute_kv like the sources: the first turn computes neither, only what lies between
+    and after them and each chunk's first tokens."""
+    from chatkv import rag
+
+    pinned = [str(corpus / "bread.md")]
+    e = engine_at(model_dir, tmp_path, rag_kv_reuse="edge", rag_edge_tokens=2)
+    try:
+        kb = e.knowledge_base("docs")
+        report = kb.add([str(corpus)], precompute_kv=True)
+        assert report.kv_chunks == sum(len(kb.chunks_of(d.source)) + 1 for d in kb.documents())  # + each document whole
+        s = e.session(system="Answer briefly.", knowledge=kb, documents=pinned, top_k=2, params=GREEDY)
+        first, second = s.send(QUESTIONS[0]).usage, s.send(QUESTIONS[1])
+        doc = rag.pinned_texts([(pinned[0], kb.chunks_of(pinned[0]))])[0]
+        assert e.kv.stats()["chunk_computed"] == report.kv_chunks  # no turn computed chunk KV of its own
+        assert first.reused_tokens >= len(cp.chunk_ids(e.tokenizer, doc))  # the pinned document was placed
+        assert first.recomputed_tokens == 2 * 3  # the first 2 tokens of the document and of each of 2 sources
+        assert first.computed_tokens < first.prompt_tokens // 2
+        assert second.usage.recomputed_tokens == 2 * len(second.sources)  # later turns: the history has the document
+        e.check_integrity()
+    finally:
+        e.close()
