@@ -67,8 +67,11 @@ def history(branch: Iterable[Node]) -> tuple[Optional[list[int]], Optional[dict]
     for node in branch:
         if node.token_tail is None:
             continue
-        base = tokens or []
-        tokens = list(base[: max(0, min(node.token_base or 0, len(base)))]) + list(node.token_tail)
+        if tokens is None:
+            tokens = []
+        # in place: a chain of appends costs its length, not its length times its messages
+        del tokens[max(0, min(node.token_base or 0, len(tokens))) :]
+        tokens.extend(node.token_tail)
         context = node.context
     return tokens, context
 
