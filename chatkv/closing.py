@@ -4,9 +4,10 @@
   (``generate``, ``stream``, ``submit``, ``agenerate``, ``start``, ``session``, ``resume``,
   a session's ``send``/``stream``/``asend``/``astream``...) raises ``EngineClosed``.
 - The **grace period** (``timeout`` seconds): the requests and session turns already in
-  flight go on. With the loop thread started it steps them; without, ``close`` steps them
-  on its own thread too (their callers may be stepping as well: every step off the loop
-  thread holds the loop's ``lock``), so a request whose caller stopped reading still ends.
+  flight go on. ``close`` waits for the engine loop to run out of them: with the loop thread
+  started it steps them; without, ``close`` runs the loop's rounds on its own thread too (their
+  callers may be running rounds as well: a round holds the loop's ``lock``), so a request whose
+  caller stopped reading still ends.
 - When it is over, every request left is **cut**: aborted (what it produced stays, its KV
   is kept like any finished turn's) and given an ``EngineClosed`` error, which its caller
   receives; a session turn stores its partial reply first, marked ``interrupted``, and the
@@ -84,10 +85,10 @@ class Gate:
             with self._cv:
                 self.turns += 1
 
-    def wait_turns(self, until: float) -> bool:
-        """Until no turn's code is running, or the monotonic time ``until``; True if none is."""
+    def wait_turns(self, until: float | None) -> bool:
+        """Until no turn's code is running, or the monotonic time ``until`` (None: no limit); True if none is."""
         with self._cv:
-            return self._cv.wait_for(lambda: self.turns <= 0, max(0.0, until - time.monotonic()))
+            return self._cv.wait_for(lambda: self.turns <= 0, None if until is None else max(0.0, until - time.monotonic()))
 
 
 class Closing(Protocol):
@@ -134,33 +135,32 @@ def _busy(engine: Closing) -> bool:
 
 
 def _grace(engine: Closing, timeout: float | None) -> bool:
-    """Let what is in flight finish, stepping it here when no loop thread does; True if it did."""
-    loop = engine._loop
+    """Let what is in flight finish: the requests (the engine loop runs out of them, on its thread
+    or here) and the turns (each ends its own); True if they did within ``timeout``."""
+    loop, gate = engine._loop, engine._gate
     deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
     while _busy(engine):
-        if deadline is not None and time.monotonic() >= deadline:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
             return False
-        if not loop.running and engine.scheduler.has_work():
-            try:
-                loop.step_here()
-            except Exception as e:  # noqa: BLE001 - a failed step ends its requests, as on the loop thread
-                log.exception("engine step failed during close(); failing its requests")
-                with loop.lock:
-                    engine.scheduler.fail_all(e)
-                    loop._publish()
-            time.sleep(0.001)  # callers stepping the same requests get the lock too
-        else:
-            engine._gate.wait_turns(time.monotonic() + 0.02)
-            if engine._gate.turns <= 0:
-                time.sleep(0.005)  # the loop thread is stepping: look again soon
+        if not engine.scheduler.has_work():
+            gate.wait_turns(deadline)  # a turn's own request is stepped by the loop meanwhile
+            continue
+        try:
+            loop.until_idle(left)
+        except EngineClosed:
+            return True
+        except Exception as e:  # noqa: BLE001 - a failed step ends its requests, as on the loop thread
+            log.exception("engine step failed during close(); failing its requests")
+            loop.fail(e)
     return True
 
 
 def end_requests(engine: Closing) -> None:
-    """End every request in the scheduler, each with an EngineClosed its caller receives
-    (where the engine's state lives: the loop thread, or holding the loop's lock). Also run
-    by a step that finds the grace period over (``Engine.step``): a thread stepping without
-    the loop ends them itself instead of waiting for close() to get the lock."""
+    """End every request in the scheduler, each with an EngineClosed its caller receives (in a
+    round of the engine loop). Also run by a round's step that finds the grace period over
+    (``Engine.run_batch``): a caller running the rounds ends them itself instead of waiting
+    for close() to get the lock."""
     for seq in engine.scheduler.sequences():
         engine.scheduler.abort(seq)
         seq.error = EngineClosed("the engine was closed before this request finished; what it produced is kept",
@@ -169,35 +169,22 @@ def end_requests(engine: Closing) -> None:
 
 
 def _cut(engine: Closing) -> None:
-    """End every request left; from now on none is admitted."""
-    loop, gate = engine._loop, engine._gate
-    cut = lambda: end_requests(engine)  # noqa: E731
-
-    gate.cut = True
-    if loop.running:
-        try:
-            loop.call(cut, timeout=DRAIN_S)
-            return
-        except TimeoutError:
-            log.warning("close(): the engine loop did not end the requests in flight within %s s", DRAIN_S)
-            return
-        except EngineClosed:  # the loop ended meanwhile: end them here
-            pass
-    if loop.lock.acquire(timeout=DRAIN_S):
-        try:
-            cut()
-        finally:
-            loop.lock.release()
-    else:
-        log.warning("close(): the engine's state stayed busy for %s s; requests in flight not ended", DRAIN_S)
+    """End every request left, in a round of the loop; from now on none is admitted."""
+    engine._gate.cut = True
+    try:
+        engine._loop.call(lambda: end_requests(engine), timeout=DRAIN_S)
+    except TimeoutError:
+        log.warning("close(): the engine loop did not end the requests in flight within %s s", DRAIN_S)
+    except EngineClosed:  # closed meanwhile (by a thread that gave up waiting for this one): nothing left
+        pass
 
 
 def _teardown(engine: Closing) -> None:
     """Stop the loop thread; spill and close the sessions, the store, the knowledge bases."""
     loop = engine._loop
-    got = loop.lock.acquire(timeout=DRAIN_S)  # late work off the loop thread waits, then sees it closed
+    stopped = loop.stop(DRAIN_S)  # (its rounds take the lock: joined before it is taken here)
+    got = loop.lock.acquire(timeout=DRAIN_S)  # late rounds elsewhere wait, then see it closed
     try:
-        stopped = loop.stop(DRAIN_S)
         sm, engine._sessions = engine._sessions, None
         try:
             if sm is not None:

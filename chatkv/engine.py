@@ -78,7 +78,7 @@ class Engine:
         self._sessions: SessionManager | None = None
         self._kbs: dict = {}  # open knowledge bases by name
         self._embedder = None  # the embedding model, loaded once for every knowledge base
-        self._loop = EngineLoop(self)  # started by start(); until then the caller's thread steps
+        self._loop = EngineLoop(self)  # its rounds run on a thread once start()ed, else on whoever waits
         self._gate = closing.Gate()  # what close() still admits (chatkv.closing)
         self._open_lock = threading.Lock()  # the store and knowledge bases open once, whichever thread asks first
 
@@ -167,7 +167,8 @@ class Engine:
         admitted: bool = False,
         on_finish=None,
     ) -> Sequence:
-        """Queue one request; it runs on the next ``step`` calls. Validates before queueing.
+        """Queue one request (in a round of the engine loop); it runs on the next rounds and its
+        output reaches ``seq.stream``. Validates before queueing.
 
         ``retain`` keeps the finished sequence's KV (``seq.retained``) for a next turn;
         ``prefix`` hands such retained KV to this request, which ends it once admitted
@@ -176,18 +177,17 @@ class Engine:
         attention-sink window has a private one). ``max_context``: a tighter bound than the
         model's context on prompt + reply (a session's context window). ``priority``: lower
         runs first (session turns 0, ``generate`` batches 1); see the scheduler.
-        After ``start()`` call it on the loop thread (``on_loop``); ``submit`` does.
         ``admitted``: part of a call that began before ``close()`` (a session turn, ``generate``):
         refused only once close's grace period is over, where a new request is refused at once.
-        ``on_finish``: ``fn(seq)`` called once as it finishes, on the thread that steps (a session
-        turn takes its retained KV there).
+        ``on_finish``: ``fn(seq)`` called once as it finishes, in the round that finishes it (a
+        session turn takes its retained KV there).
         """
         if not admitted:
             self._gate.check("a new request")
-        if not self._loop.owns_state():
-            return self.on_loop(lambda: self.add_request(
-                prompt, params, retain=retain, prefix=prefix, namespace=namespace, max_context=max_context, priority=priority,
-                admitted=True, on_finish=on_finish))
+        return self.on_loop(lambda: self._new_request(prompt, params, retain, prefix, namespace, max_context, priority,
+                                                on_finish))
+
+    def _new_request(self, prompt, params, retain, prefix, namespace, max_context, priority, on_finish) -> Sequence:
         if self._gate.cut:
             raise EngineClosed("the engine was closed before this request started; nothing of it was run")
         params = params if params is not None else SamplingParams()
@@ -231,8 +231,7 @@ class Engine:
             on_finish=on_finish,
             matcher=matcher,
         )
-        if self._loop.running:  # its output reaches the caller through a stream
-            self._loop.track(seq)
+        self._loop.track(seq)  # its output reaches whoever reads it through a stream
         self.scheduler.add(seq)
         return seq
 
@@ -261,20 +260,19 @@ class Engine:
         return self._loop.running
 
     def on_loop(self, fn):
-        """Run ``fn()`` where the engine's state may be touched: on the loop thread between steps
-        once started (waiting for it), else right here."""
+        """Run ``fn()`` where the engine's state may be touched, in a round of the engine loop
+        (the loop thread's once started, waiting for it; else one run here), and return its result."""
         return self._loop.call(fn)
 
     def submit(self, prompt: str | Seq[int], params: SamplingParams | None = None, *, priority: int = 0,
                user: str | None = None) -> RequestStream:
         """Queue one request and return its ``RequestStream`` (iterate it, ``async for`` it,
-        ``cancel()`` it, ``result()``). Bad input raises here. Before ``start()`` iterating the
-        stream steps the engine on the caller's thread. ``user``: whose prefix cache it reads and
+        ``cancel()`` it, ``result()``). Bad input raises here. Before ``start()`` reading the
+        stream runs the engine loop on the reader's thread. ``user``: whose prefix cache it reads and
         fills (``chatkv serve``'s API keys; None: the local user, as the app and the SDK are)."""
         self._gate.check("a new request")
         namespace = self.kv.user_namespace(user)
-        return self._loop.submit(lambda: self.add_request(prompt, params, priority=priority, namespace=namespace,
-                                                          admitted=True))
+        return self.add_request(prompt, params, priority=priority, namespace=namespace, admitted=True).stream
 
     async def agenerate(self, prompt: str | Seq[int], params: SamplingParams | None = None, *, priority: int = 0) -> GenerationResult:
         """Run one request from asyncio (starts the loop if needed); its GenerationResult."""
@@ -286,7 +284,7 @@ class Engine:
         return await stream.aresult()
 
     def add_finish_listener(self, fn) -> None:
-        """Call ``fn(result, seq)`` on the loop thread whenever a request finishes (keep it cheap)."""
+        """Call ``fn(result, seq)`` in the loop's round whenever a request finishes (keep it cheap)."""
         self._loop.listeners.append(fn)
 
     def shift_keys(self, blocks: list[int], delta: int) -> None:
@@ -303,15 +301,13 @@ class Engine:
         self.scheduler.fail_all(error)
 
     def step(self) -> list[Sequence]:
-        """Run one batched forward over everything scheduled; return the sequences that finished."""
-        if not self._loop.on_loop_thread():  # a thread stepping without the loop: close() may run meanwhile
-            with self._loop.lock:
-                if self._loop.closed:
-                    raise EngineClosed()
-                return self._step()
-        return self._step()
+        """One round of the engine loop, on this thread: the queued commands, one batched forward
+        over everything scheduled, each stream's new text. The sequences that finished. (The
+        loop thread runs the same rounds once started; a round holds the state's lock.)"""
+        return self._loop.round()
 
-    def _step(self) -> list[Sequence]:
+    def run_batch(self) -> list[Sequence]:
+        """A round's step: schedule, run, postprocess (in a round: ``step``)."""
         if self._gate.cut and self.scheduler.has_work():  # close()'s grace period is over
             closing.end_requests(self)
             return []
@@ -352,21 +348,10 @@ class Engine:
         self._gate.check("a new request")
         seqs = []
         try:
-            if self.started:
-                for p, sp in zip(batch, plist):  # one at a time: a bad prompt aborts those already queued
-                    seqs.append(self._loop.submit(
-                        lambda p=p, sp=sp: self.add_request(p, sp, priority=1, admitted=True)).seq)
-                for s in seqs:
-                    s.stream.wait()
-            else:
-                for p, sp in zip(batch, plist):
-                    seqs.append(self.add_request(p, sp, priority=1, admitted=True))
-                while not all(s.finished for s in seqs):
-                    with self._loop.lock:  # close() on another thread may end them meanwhile
-                        if not all(s.finished for s in seqs):
-                            if self._loop.closed:
-                                raise self._closed_under(seqs)
-                            self.step()
+            for p, sp in zip(batch, plist):  # one at a time: a bad prompt aborts those already queued
+                seqs.append(self.add_request(p, sp, priority=1, admitted=True))
+            for s in seqs:
+                s.stream.wait()
         except BaseException:
             for s in seqs:
                 self.abort(s)
@@ -380,47 +365,17 @@ class Engine:
     def stream(self, prompt: str | Seq[int], params: SamplingParams | None = None) -> Iterator[str | GenerationResult]:
         """Yield text pieces as they are generated, then the GenerationResult."""
         self._gate.check("a new request")
-        seq = (self._loop.submit(lambda: self.add_request(prompt, params, admitted=True)).seq if self.started
-               else self.add_request(prompt, params, admitted=True))
+        seq = self.add_request(prompt, params, admitted=True)
         try:
             yield from self.drive(seq)
             yield seq.result()
         finally:
             self.abort(seq)  # no-op when finished; frees the blocks if the caller stopped early
 
-    def _closed_under(self, seqs: list[Sequence]) -> EngineClosed:
-        """The error for requests this thread steps that close() finished under without ending
-        them (it ends the scheduler's; one between a step and this thread's look can be missed):
-        they end here, aborted, what they produced kept (held: the loop's lock)."""
-        for s in seqs:
-            if s.error is not None:
-                return s.error
-            self.scheduler.abort(s)
-        return EngineClosed("the engine was closed before this request finished; what it produced is kept",
-                            reply=seqs[0].result())
-
     def drive(self, seq: Sequence) -> Iterator[str]:
-        """Step the engine until ``seq`` finishes, yielding its settled new text as it appears.
-        Raises the request's own error if it ended with one."""
-        stream = seq.stream
-        if stream is not None and self.started:  # the loop steps; its pieces arrive here
-            yield from stream
-            return
-        while not seq.finished:
-            with self._loop.lock:  # close() on another thread may end it meanwhile
-                if not seq.finished:
-                    if self._loop.closed:
-                        raise self._closed_under([seq])
-                    self.step()
-                piece = seq.out.take()
-            if piece:
-                yield piece
-        with self._loop.lock:
-            piece = seq.out.take()
-        if piece:
-            yield piece
-        if seq.error is not None:
-            raise seq.error
+        """``seq``'s settled new text as it appears (its stream: read before ``start()``, it runs
+        the engine loop on this thread). Raises the request's own error if it ended with one."""
+        return iter(seq.stream)
 
     # -- sessions -------------------------------------------------------------
 

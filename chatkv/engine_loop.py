@@ -1,32 +1,35 @@
-"""The engine loop: one background thread owns the engine's state and runs its steps.
+"""The engine loop: the one driver of the engine's steps, and the streams of its requests.
 
-(Past ~400 lines on purpose: the loop's admission, its stop and the close() gate share one
-lock and one queue; split, the order in which they are taken could no longer be read in one
-place. Issue 21's single engine driver is where it shrinks.)
+(Past ~400 lines on purpose: the loop's rounds, its thread, its stop and the streams' waits
+share one lock and one queue; split, the order in which they are taken could no longer be
+read in one place.)
 
-After ``engine.start()`` every request, session turn and KV operation reaches the engine
-through this loop, from any thread or from asyncio:
+The loop's body is ``round()``: the queued commands, then one step of the batch, then each
+request's new text pushed to its ``RequestStream``. It holds ``lock`` (the engine's state)
+while it runs, so one round runs at a time, and only a round touches the scheduler, the KV
+manager, the block pool or the snapshots. After ``engine.start()`` one background thread
+runs the rounds, sleeping on a condition variable while there is nothing to do (an idle
+engine costs no CPU); without it, whoever waits for the loop runs the same rounds inline on
+its own thread. Which of the two it is, is decided here alone (``_queue``, ``until``):
 
-- ``call(fn)`` runs ``fn`` on the loop thread between two steps and returns its result
-  (or raises its exception) to the caller; on the loop thread itself, or before the loop
-  is started, it just calls ``fn``. Everything that touches the scheduler, the KV manager,
-  the block pool or the snapshots goes through it, so nothing else ever races the step;
-- ``submit(...)`` queues a request (validated on the loop thread; a bad one raises to the
-  caller) and returns a ``RequestStream``: iterate it from a thread or ``async for`` it from
-  asyncio; ``cancel()`` aborts the request on the next step, freeing its blocks;
-- each step's settled text is pushed to the streams of the requests that produced it;
-  finished requests call the engine's finish listeners (metrics) on the loop thread;
+- ``call(fn)`` runs ``fn`` in a round and returns its result (or raises its exception):
+  queued for the loop thread, or in a round run here; inside a round it just calls ``fn``;
+- every request has a ``RequestStream`` (``seq.stream``): iterate it from a thread or
+  ``async for`` it from asyncio; ``cancel()`` aborts the request in the next round.
+  Finished requests call the engine's finish listeners (metrics) in the round;
+- a waiter (a stream's reader, ``close()``'s grace period) sleeps until the loop thread
+  wakes it, never on a timer; when the thread ends it wakes every one of them, and they
+  run the rounds themselves from then on;
 - ``stop()`` runs the commands still queued and joins the thread once no request is left
   (``Engine.close`` first lets the requests in flight finish or ends them); once the engine
-  is closed (``closed``) every call, post, submit and start raises ``EngineClosed``;
-- work done off the loop thread (no loop started, or after it stopped) holds ``lock``, so
-  ``close()`` on another thread never races a step or a session's KV work.
+  is closed (``closed``) every round, call and start raises ``EngineClosed``.
 
-The loop sleeps on a condition variable while there is no work: an idle engine costs no CPU.
 ``start()`` first releases the OpenMP worker threads of the thread that calls it (see
 ``release_openmp_pool``): the steps then run alone on the machine's cores at full speed.
-A step that raises (a bug, not a request's own error: those end that request alone) fails
-every request in it with that error and the loop goes on.
+A step that raises (a bug, not a request's own error: those end that request alone) raises
+to a caller running the round, every sequence left as it was (it ends its own request); on
+the loop thread, which has no caller to tell, it fails every request in the batch and the
+loop goes on.
 """
 
 from __future__ import annotations
@@ -94,7 +97,8 @@ def release_openmp_pool() -> bool:
 
 
 class RequestStream:
-    """The output of one submitted request: text pieces as they settle, then the result."""
+    """The output of one request: text pieces as they settle, then the result. Every request
+    has one (``seq.stream``), however the loop runs."""
 
     def __init__(self, loop: "EngineLoop", seq: "Sequence"):
         self._loop = loop
@@ -105,7 +109,7 @@ class RequestStream:
         self._done = False
         self._wakers: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
-    # -- the loop thread's side ---------------------------------------------------------
+    # -- the loop's side ----------------------------------------------------------------
 
     def _push(self, piece: str, done: bool) -> None:
         with self._cv:
@@ -127,8 +131,25 @@ class RequestStream:
         with self._cv:
             return self._done and not self._items
 
+    def _ready(self) -> bool:
+        return bool(self._items) or self._done
+
+    def _block(self, ready: Callable[[], bool], timeout: float | None) -> None:
+        """Sleep until the loop thread pushes (or ends: it wakes every stream as it does)."""
+        with self._cv:
+            self._cv.wait_for(lambda: ready() or not self._loop.running, timeout)
+
+    def _until(self, ready: Callable[[], bool], timeout: float | None = None) -> bool:
+        try:
+            return self._loop.until(ready, self._block, timeout)
+        except EngineClosed:
+            if ready():  # (close() publishes every request's end before it is closed)
+                return True
+            raise EngineClosed("the engine was closed before this request finished; what it produced is kept",
+                               reply=self.seq.result()) from None
+
     def cancel(self) -> None:
-        """Stop the request; its blocks are freed on the next step. What it produced stays."""
+        """Stop the request; its blocks are freed on the next round. What it produced stays."""
         if not self._done:
             try:
                 self._loop.post(lambda: self._loop.engine.abort(self.seq))
@@ -138,19 +159,11 @@ class RequestStream:
     def __iter__(self):
         try:
             while True:
+                self._until(self._ready)
                 with self._cv:
-                    if self._items:
-                        piece = self._items.popleft()
-                    elif self._done:
-                        break
-                    elif self._loop.running:
-                        self._cv.wait(1.0)  # woken by the push; the timeout only re-checks the loop
-                        continue
-                    else:
-                        piece = None
-                if piece is None:  # no loop thread: this one steps
-                    self._step_here()
-                    continue
+                    if not self._items:
+                        break  # done
+                    piece = self._items.popleft()
                 yield piece
         finally:
             if not self._done:  # the consumer stopped early
@@ -175,7 +188,7 @@ class RequestStream:
                 elif done:
                     break
                 else:
-                    await ev.wait()
+                    await self._loop.until_async(self._ready, ev, lambda: self._until(self._ready))
         finally:
             with self._cv:
                 self._wakers.remove(waker)
@@ -185,25 +198,8 @@ class RequestStream:
             raise self.seq.error
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait until the request finished (stepping here if the loop is not started)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            while not self._loop.running and not self._done:
-                self._step_here()
-            with self._cv:
-                left = None if deadline is None else deadline - time.monotonic()
-                if self._done or (left is not None and left <= 0):
-                    return self._done
-                # woken by the push; the timeout only re-checks that the loop still runs
-                self._cv.wait(1.0 if left is None else min(1.0, left))
-
-    def _step_here(self) -> None:
-        try:
-            self._loop.step_here()
-        except EngineClosed:
-            with self._cv:
-                if not self._done:  # (close() publishes every request's end before it is closed)
-                    raise
+        """Wait until the request finished; False if ``timeout`` seconds passed first."""
+        return self._until(lambda: self._done, timeout)
 
     def result(self):
         """Wait for the request to finish; its GenerationResult (raises the request's own error)."""
@@ -216,6 +212,10 @@ class RequestStream:
             pass
         return self.seq.result()
 
+    def _wake(self) -> None:
+        """The loop thread ended: whoever waits looks again (and runs the loop itself)."""
+        self._push("", False)
+
 
 class Steps(Protocol):
     """What the loop needs of the engine it drives (``chatkv.engine.Engine`` is one); the loop
@@ -223,7 +223,7 @@ class Steps(Protocol):
 
     def has_work(self) -> bool: ...
 
-    def step(self) -> list[Sequence]: ...
+    def run_batch(self) -> list[Sequence]: ...
 
     def abort(self, seq: Sequence) -> None: ...
 
@@ -233,27 +233,30 @@ class Steps(Protocol):
 class EngineLoop:
     def __init__(self, engine: Steps):
         self.engine = engine
-        self._cv = threading.Condition()
-        self._commands: deque[tuple[Callable[[], Any], Future | None]] = deque()
+        self._cv = threading.Condition()  # the command queue; the loop thread sleeps on it
+        self._idle = threading.Condition()  # notified as the loop thread runs out of work (close()'s grace)
+        self._commands: deque[tuple[Callable[[], Any], Future, bool]] = deque()
         self._streams: dict["Sequence", RequestStream] = {}
         self._stopping = False
         self._exited = False  # set (under _cv) by the loop thread as it decides to end
         self._thread: threading.Thread | None = None
         self.closed = False  # the engine is closed: nothing runs here any more
-        self.lock = threading.RLock()  # the engine's state, for work done off the loop thread
-        self._here = threading.local()  # .depth: this thread runs ``here`` (it owns the state now)
-        self.listeners: list[Callable] = []  # fn(result, seq) when a request finishes (loop thread)
+        self.lock = threading.RLock()  # the engine's state: held by whoever runs a round
+        self._here = threading.local()  # .depth: this thread is inside a round (it owns the state)
+        self.listeners: list[Callable] = []  # fn(result, seq) when a request finishes (in a round)
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and not self._exited and self._thread.is_alive()
+        """A started thread runs the rounds (else whoever waits runs them)."""
+        t = self._thread
+        return t is not None and not self._exited and t.is_alive()
 
     def on_loop_thread(self) -> bool:
         return threading.current_thread() is self._thread
 
     def owns_state(self) -> bool:
-        """Whether this thread may touch the engine's state now: the loop thread, or one running ``here``."""
-        return self.on_loop_thread() or getattr(self._here, "depth", 0) > 0
+        """Whether this thread may touch the engine's state now: it is inside a round."""
+        return getattr(self._here, "depth", 0) > 0
 
     def start(self) -> None:
         if self.closed:
@@ -266,58 +269,138 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="chatkv-engine", daemon=True)
         self._thread.start()
 
-    # -- from any thread ---------------------------------------------------------------
+    # -- the loop's one body --------------------------------------------------------------
 
-    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
-        """Run ``fn`` on the loop thread between steps and return its result (or raise);
-        without a loop thread, here (holding ``lock``). ``timeout``: TimeoutError if the loop
-        has not run it by then (it may still run later). EngineClosed once the engine is closed."""
-        if self.on_loop_thread():
-            return fn()
-        fut = self._queue(fn, Future())
-        if fut is None:
-            return self.here(fn)
-        return fut.result(timeout)
-
-    def post(self, fn: Callable[[], Any]) -> None:
-        """Run ``fn`` on the loop thread soon, without waiting (errors are logged)."""
-        if self.on_loop_thread():
-            fn()
-        elif self._queue(fn, None) is None:
-            self.here(fn)
-
-    def _queue(self, fn: Callable[[], Any], fut: Future | None):
-        """Hand ``fn`` to the loop thread: ``fut`` (True for a post) once queued; None when there
-        is no loop thread to run it (never started, or it ended: a command queued after the
-        loop decided to end would never run)."""
-        with self._cv:
-            if self._thread is not None and not self._exited and self._thread.is_alive():
-                self._commands.append((fn, fut))
-                self._cv.notify()
-                return fut if fut is not None else True
-        return None
-
-    def here(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on this thread, as the engine's state's owner for now (no loop thread)."""
-        with self.lock:
+    def round(self, command: Callable[[], Any] | None = None, done: Callable[[], bool] | None = None,
+              lock_timeout: float | None = None) -> Any:
+        """One pass of the loop, on whichever thread runs it (the loop thread, or a caller when
+        none is started): the queued commands, then ``command`` if given (its result is
+        returned), else one step of the batch unless ``done()`` already holds (the finished
+        sequences are returned); then each stream gets its new text. A step that raises
+        raises here, every sequence left as it was (the loop thread then fails the batch)."""
+        if not self.lock.acquire(timeout=-1 if lock_timeout is None else max(lock_timeout, 0)):
+            raise TimeoutError("the engine's state stayed busy")
+        try:
             if self.closed:
                 raise EngineClosed()
             self._here.depth = getattr(self._here, "depth", 0) + 1
             try:
-                return fn()
+                with self._cv:
+                    commands = list(self._commands)
+                    self._commands.clear()
+                for fn, fut, posted in commands:
+                    self._run_command(fn, fut, posted)
+                if command is not None:
+                    return command()
+                if (done is None or not done()) and self.engine.has_work():
+                    return self.engine.run_batch()
+                return []
+            finally:
+                try:
+                    self._publish()
+                finally:
+                    self._here.depth -= 1
+        finally:
+            self.lock.release()
+
+    @staticmethod
+    def _run_command(fn: Callable[[], Any], fut: Future, posted: bool) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            out = fn()
+        except BaseException as e:  # noqa: BLE001 - it belongs to whoever asked
+            if posted:
+                log.warning("engine loop: a posted command failed (%s: %s)", type(e).__name__, e)
+            fut.set_exception(e)
+        else:
+            fut.set_result(out)
+
+    def fail(self, error: Exception) -> None:
+        """End every request with ``error`` (a round whose step raised with no caller to raise it to)."""
+        with self.lock:
+            self._here.depth = getattr(self._here, "depth", 0) + 1
+            try:
+                self.engine.fail_all(error)
+                self._publish()
             finally:
                 self._here.depth -= 1
 
-    def submit(self, make_seq: Callable[[], "Sequence"]) -> RequestStream:
-        """Queue the request ``make_seq()`` builds (on the loop thread) and stream its output."""
+    # -- from any thread ---------------------------------------------------------------
 
-        stream = self.call(lambda: self.track(make_seq()))
+    def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
+        """Run ``fn`` in a round and return its result (or raise): the loop thread's next one,
+        or without a started thread one run here. Inside a round it just calls ``fn``.
+        ``timeout``: TimeoutError if no round ran it by then (a queued one may still run later).
+        EngineClosed once the engine is closed."""
+        if self.owns_state():
+            return fn()
+        fut = self._queue(fn, False)
+        if fut is None:
+            return self.round(fn, lock_timeout=timeout)
+        return fut.result(timeout)
+
+    def post(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn`` in a round soon, without waiting for the loop thread (errors are logged)."""
+        if self.owns_state():
+            fn()
+        elif self._queue(fn, True) is None:
+            try:
+                self.round(fn)
+            except EngineClosed:
+                raise
+            except Exception as e:  # noqa: BLE001 - as the loop thread would
+                log.warning("engine loop: a posted command failed (%s: %s)", type(e).__name__, e)
+
+    def _queue(self, fn: Callable[[], Any], posted: bool) -> Future | None:
+        """Hand ``fn`` to the loop thread's next round; None when no thread will run it (never
+        started, or it ended: a command queued after the loop decided to end would never run)."""
         with self._cv:
-            self._cv.notify()
-        return stream
+            if self.running:
+                fut: Future = Future()
+                self._commands.append((fn, fut, posted))
+                self._cv.notify()
+                return fut
+        return None
+
+    def until(self, done: Callable[[], bool], block: Callable[[Callable[[], bool], float | None], None],
+              timeout: float | None = None) -> bool:
+        """Return once ``done()`` holds: while the loop thread runs, ``block(done, seconds)``
+        sleeps until it signals; without one this thread runs the rounds. False if ``timeout``
+        seconds passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            if self.running:
+                block(done, left)
+            else:
+                try:
+                    self.round(done=done, lock_timeout=left)
+                except TimeoutError:
+                    return done()
+        return True
+
+    async def until_async(self, done: Callable[[], bool], ev: asyncio.Event, here: Callable[[], Any]) -> None:
+        """``until`` for asyncio: await ``ev`` (set by the pushes) while the loop thread runs;
+        without one, the rounds run in an executor thread (``here``), off the event loop."""
+        if self.running:
+            await ev.wait()
+        elif not done():
+            await asyncio.get_running_loop().run_in_executor(None, here)
+
+    def until_idle(self, timeout: float | None) -> bool:
+        """Until no request is left to step (or ``timeout``); True if none is."""
+        eng = self.engine
+        return self.until(lambda: not eng.has_work(), self._block_idle, timeout)
+
+    def _block_idle(self, done: Callable[[], bool], timeout: float | None) -> None:
+        with self._idle:
+            self._idle.wait_for(lambda: done() or not self.running, timeout)
 
     def track(self, seq: "Sequence") -> RequestStream:
-        """The stream that carries ``seq``'s output (made once; loop thread or no loop)."""
+        """The stream that carries ``seq``'s output (made once, in a round)."""
         stream = seq.stream
         if stream is None:
             stream = seq.stream = RequestStream(self, seq)
@@ -343,48 +426,38 @@ class EngineLoop:
         self._thread = None
         return True
 
-    def step_here(self) -> None:
-        """One step on the caller's thread (the loop is not started)."""
-        with self.lock:
-            if self.closed:
-                raise EngineClosed()
-            if self.engine.has_work():
-                self.engine.step()
-            self._publish()
-
     # -- the loop thread -------------------------------------------------------------------
 
     def _run(self) -> None:
         eng = self.engine
-        while True:
-            with self._cv:
-                while not self._commands and not eng.has_work() and not self._stopping:
-                    self._cv.wait()
-                commands = list(self._commands)
-                self._commands.clear()
-                if self._stopping and not commands and not eng.has_work():
-                    self._exited = True  # from here a call runs on its caller's thread, never queued
+        try:
+            while True:
+                with self._cv:
+                    while not self._commands and not eng.has_work() and not self._stopping:
+                        with self._idle:
+                            self._idle.notify_all()
+                        self._cv.wait()  # woken by a command or stop(): an idle engine costs no CPU
+                    if self._stopping and not self._commands and not eng.has_work():
+                        self._exited = True  # from here a call runs on its caller's thread, never queued
+                        return
+                try:
+                    self.round()
+                except EngineClosed:  # closed under a loop that outlived stop(): nothing more runs here
                     return
-            for fn, fut in commands:
-                if fut is not None and not fut.set_running_or_notify_cancel():
-                    continue
-                try:
-                    out = fn()
-                except BaseException as e:  # noqa: BLE001 - it belongs to whoever asked
-                    if fut is not None:
-                        fut.set_exception(e)
-                    else:
-                        log.warning("engine loop: a posted command failed (%s: %s)", type(e).__name__, e)
-                else:
-                    if fut is not None:
-                        fut.set_result(out)
-            if eng.has_work():  # (a finished turn's KV is its session's at once: nothing to wait for)
-                try:
-                    eng.step()
                 except Exception as e:  # noqa: BLE001 - a bug in the step: its requests fail, the loop goes on
                     log.exception("engine step failed; failing its requests")
-                    eng.fail_all(e)
-            self._publish()
+                    self.fail(e)
+        finally:
+            with self._cv:
+                self._exited = True
+                left, self._commands = list(self._commands), deque()
+            for _, fut, _ in left:  # only if it ended on an error of its own
+                if fut.set_running_or_notify_cancel():
+                    fut.set_exception(RuntimeError("the engine loop thread ended before running this"))
+            for stream in list(self._streams.values()):
+                stream._wake()
+            with self._idle:
+                self._idle.notify_all()
 
     def _publish(self) -> None:
         for seq, stream in list(self._streams.items()):

@@ -76,7 +76,7 @@ def _worker(mode: str, model_dir: str, data_dir: str, num_blocks: int, conv: str
     if mode == "midreply":
         r = s.send(QUESTIONS[0])
         _emit(ev="committed", messages=count + 2, id=r.message_id, text=r.text)
-        step, steps = engine.step, []
+        step, steps = engine.run_batch, []  # each round's step, whichever thread runs the engine loop
 
         def stuck_step():
             steps.append(1)
@@ -87,7 +87,7 @@ def _worker(mode: str, model_dir: str, data_dir: str, num_blocks: int, conv: str
                 os._exit(5)
             return step()
 
-        engine.step = stuck_step
+        engine.run_batch = stuck_step
         s.send(QUESTIONS[1], engine_params(max_tokens=16, ignore_eos=True))
         raise AssertionError("the reply should never have finished")
     i = 0

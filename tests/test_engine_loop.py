@@ -226,3 +226,86 @@ def test_start_releases_the_openmp_pool_of_the_thread_that_starts_it(model_dir, 
     assert calls == [threading.current_thread()]
     assert len(eng.generate("Hello", G).token_ids) == G.max_tokens
     eng.close()
+
+
+# -- one driver: the same loop whether a thread runs it or the caller does ---------------------------------
+
+
+def everything_once(eng: Engine) -> dict:
+    """One of each way in (a submitted stream, ``stream``, a batched ``generate``, a session
+    turn), with a finish listener; what each produced, in the order it was produced."""
+    finished = []
+    eng.add_finish_listener(lambda r, seq: finished.append((r.request_id, r.text, tuple(r.token_ids), r.finish_reason)))
+    sampled = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.9, seed=11, ignore_eos=True)
+    out = {"submitted": list(eng.submit(question(1), G))}
+    *pieces, result = list(eng.stream(question(2), sampled))
+    out["streamed"] = (pieces, result.token_ids, result.finish_reason)
+    out["generated"] = [r.token_ids for r in eng.generate([question(3), question(4)], G)]
+    s = eng.session()
+    out["turn"] = [p for p in s.stream(question(5), G) if isinstance(p, str)]
+    out["finished"] = sorted(finished)  # the batch's two may end in either order
+    out["seq.stream"] = eng.add_request(question(6), G).stream is not None  # every request has its stream
+    eng.check_integrity()
+    return out
+
+
+def test_inline_and_started_run_the_same_loop(model_dir, tmp_path):
+    """Without start() the caller runs the engine loop's rounds itself; with it the loop thread
+    does. Either way every request gets the same tokens, the same stream pieces in the same
+    steps and the same finish events (listeners once saw only the started engine's)."""
+    inline = Engine(model_dir, EngineConfig(data_dir=str(tmp_path / "a"), num_blocks=64))
+    started = Engine(model_dir, EngineConfig(data_dir=str(tmp_path / "b"), num_blocks=64)).start()
+    try:
+        a, b = everything_once(inline), everything_once(started)
+    finally:
+        inline.close()
+        started.close()
+    assert len(a["finished"]) == 5  # submit, stream, generate's two, the turn (the last request never ran)
+    assert a == b
+
+
+def wait_of(thread: threading.Thread, bound: float = 30.0):
+    """The timeout of the ``threading`` wait ``thread`` sleeps in, once it sleeps in one (a thread
+    that sleeps in ``time.sleep`` or spins never is; the test fails then)."""
+    end = time.monotonic() + bound
+    while time.monotonic() < end:
+        frame = sys._current_frames().get(thread.ident)
+        if frame is not None and frame.f_code.co_name == "wait" and frame.f_code.co_filename == threading.__file__:
+            return frame.f_locals.get("timeout")
+        time.sleep(0.01)
+    raise AssertionError(f"{thread.name} never waited on a condition: it polls or spins")
+
+
+def test_nothing_polls_while_it_waits_for_the_loop(model_dir, tmp_path):
+    """The idle loop thread, a reader waiting for its next piece, a caller waiting for a round
+    and close(timeout=None) waiting for a request in flight all sleep until they are woken:
+    every one in a wait with no timeout (a 1 s re-check or a 5 ms sleep once stood here)."""
+    eng = Engine(model_dir, EngineConfig(data_dir=str(tmp_path), num_blocks=64)).start()
+    assert wait_of(eng._loop._thread) is None  # idle
+    stream = eng.submit(question(0), SamplingParams(max_tokens=2000, temperature=0.0, ignore_eos=True))
+    pieces = iter(stream)
+    next(pieces)
+    inside, release = threading.Event(), threading.Event()
+    holder = threading.Thread(target=lambda: eng.on_loop(lambda: (inside.set(), release.wait(120))), name="holder")
+    holder.start()  # the loop thread now runs this command: no round steps the request meanwhile
+    assert inside.wait(120)
+    reader = threading.Thread(target=lambda: [None for _ in pieces], name="reader")
+    caller = threading.Thread(target=lambda: eng.kv_stats(), name="caller")
+    closer = threading.Thread(target=lambda: eng.close(timeout=None), name="closer")
+    try:
+        for t in (reader, caller):
+            t.start()
+            assert wait_of(t) is None, t.name
+        closer.start()
+        until = time.monotonic() + 30
+        while eng._gate.state != "closing":
+            assert time.monotonic() < until
+            time.sleep(0.01)
+        assert wait_of(closer) is None
+    finally:
+        stream.cancel()  # posted: the loop aborts it once the holder lets go, then close() goes on
+        release.set()
+        for t in (holder, reader, caller, closer):
+            if t.ident is not None:
+                t.join(120)
+                assert not t.is_alive(), f"{t.name} hung"
