@@ -7,8 +7,10 @@ lines handing the work to its owner: scheduler, engine_loop, session_manager, kv
 ``Engine.from_pretrained(model=None, **config)`` loads a Hugging Face directory of the
 Llama family (None = the packaged SmolLM2-135M-Instruct). ``generate`` runs prompts to
 completion, batched together; ``stream`` yields text pieces and then the
-``GenerationResult``; ``session``/``resume`` open saved conversations. ``step`` is the
-loop body: schedule, run, postprocess.
+``GenerationResult``; ``session``/``resume`` open saved conversations. ``step`` is one
+round of the engine loop (chatkv.engine_loop), whose step is ``run_batch``: schedule, run,
+postprocess. The loop's rounds run on its thread after ``start()``, else on whichever caller
+waits for a request: the entry points are the same code either way.
 """
 
 from __future__ import annotations
