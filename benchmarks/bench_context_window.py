@@ -73,7 +73,7 @@ def stream_nll(engine, ids: list[int], window: int | None, sink_tokens: int, chu
         seq.namespace = ns
         kv.attach(seq)
         assert seq.num_computed == len(context), (seq.num_computed, len(context))
-        assert kv.reserve(seq, len(new)), "the KV pool is too small for the window"
+        assert kv.reserve(seq.kv, len(new)), "the KV pool is too small for the window"
         item = BatchItem(new, seq.num_computed, seq.block_table, "all")
         logits = runner.forward(runner.build_batch([item]))
         seq.num_computed += len(new)

@@ -63,7 +63,7 @@ def _teacher_forced(engine, placed, tokens: list[int], n_prompt: int, namespace)
     kv.attach(req)
     try:
         start = req.kv.num_computed
-        assert kv.reserve(req, len(tokens) - start), "no room for a teacher-forced forward"
+        assert kv.reserve(req.kv, len(tokens) - start), "no room for a teacher-forced forward"
         logits = runner.forward(runner.build_batch([BatchItem(tokens[start:], start, req.kv.blocks, "all")]))
         rows = torch.arange(n_prompt - 1 - start, len(tokens) - 1 - start)
         pred = logits[rows].argmax(-1).tolist()

@@ -242,7 +242,7 @@ def place(engine, kept: RetainedKV | None, tokens: list[int], start: int, texts:
     req = _Req(tokens, namespace, prefix=kept)
     kv.attach(req)
     try:
-        if not kv.reserve(req, end - req.kv.num_computed):
+        if not kv.reserve(req.kv, end - req.kv.num_computed):
             raise OutOfBlocks(f"no room for the KV of a {end}-token prompt's sources")
         out = _build(engine, req, spans, found, mode, edge_tokens, ratio)
         req.kv.num_computed = max(end, req.kv.num_computed)

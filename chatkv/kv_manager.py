@@ -158,10 +158,9 @@ class KVManager:
         seq.prefix = None
         return t
 
-    def reserve(self, seq: SequenceKV, num_tokens: int) -> bool:
-        """Make ``seq.kv.blocks`` cover ``num_computed + num_tokens`` tokens; False if blocks lack.
-        Raises only what ``on_pressure`` raises, with ``seq`` unchanged."""
-        t = seq.kv
+    def reserve(self, t: BlockTable, num_tokens: int) -> bool:
+        """Make a request's table ``t`` cover ``num_computed + num_tokens`` tokens; False if
+        blocks lack. Raises only what ``on_pressure`` raises, with ``t`` unchanged."""
         need = -(-(t.num_computed + num_tokens) // self.block_size) - len(t.blocks)
         if need <= 0:
             return True
@@ -170,10 +169,9 @@ class KVManager:
         t.blocks.extend(self.pool.allocate(need))
         return True
 
-    def trim(self, seq: SequenceKV) -> None:
-        """Give back the blocks of ``seq.kv`` past its ``num_computed`` tokens (they held only
-        rejected speculative tokens' KV; the sequence's own, never shared)."""
-        t = seq.kv
+    def trim(self, t: BlockTable) -> None:
+        """Give back the blocks of a request's table ``t`` past its ``num_computed`` tokens (they
+        held only rejected speculative tokens' KV; the request's own, never shared)."""
         keep = -(-t.num_computed // self.block_size)
         if len(t.blocks) > keep:
             self.pool.decref(t.blocks[keep:])

@@ -133,7 +133,7 @@ class Scheduler:
         self.kv.attach(seq)
         chunk = min(len(seq.token_ids) - seq.num_computed, budget)
         try:
-            ok = self.kv.reserve(seq, chunk)
+            ok = self.kv.reserve(seq.kv, chunk)
         except BaseException:
             self.kv.release(seq)  # it waits on, holding nothing
             raise
@@ -157,7 +157,7 @@ class Scheduler:
             if seq not in self.running:  # preempted below on behalf of an older sequence
                 continue
             want = min(len(seq.token_ids) - seq.num_computed, max(budget, 1))
-            while not self.kv.reserve(seq, want):
+            while not self.kv.reserve(seq.kv, want):
                 if relievable and self.kv.shortfall:
                     return NeedsBlocks(self.kv.shortfall)
                 victim = self.running[-1]
@@ -220,7 +220,7 @@ class Scheduler:
             extra = max(len(draft) - held, 0)
             if -(-extra // bs) > pool.num_free:  # only free blocks: speculation never evicts
                 draft = draft[: held + pool.num_free * bs]
-            if draft and self.kv.reserve(seq, 1 + len(draft)):
+            if draft and self.kv.reserve(seq.kv, 1 + len(draft)):
                 seq.draft = list(draft)
         return [(s, n + len(s.draft)) for s, n in plan]
 
@@ -298,7 +298,7 @@ class Scheduler:
         if done:
             self._finish(seq, seq.finish_reason)
         else:
-            self.kv.trim(seq)
+            self.kv.trim(seq.kv)
         return done
 
     def _append(self, seq: Sequence, token: int) -> bool:

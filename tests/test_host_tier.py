@@ -153,7 +153,7 @@ def test_a_hit_with_too_few_free_device_blocks_loads_what_fits():
     run_to_end(kv, A)
     kv.cache.evict(3)
     hog = admit(kv, list(range(500, 508)))
-    assert kv.reserve(hog, 8)  # 2 of the 4 device blocks, locked by a running request
+    assert kv.reserve(hog.kv, 8)  # 2 of the 4 device blocks, locked by a running request
     seq = admit(kv, A + [1])
     assert seq.num_computed == 8 and seq.num_host == 8  # 2 blocks fit; the third is recomputed
     assert_holds_its_kv(kv, seq.token_ids, seq.block_table, 8)
@@ -168,7 +168,7 @@ def test_insert_over_a_host_node_promotes_it_with_the_callers_blocks():
     run_to_end(kv, A)
     kv.cache.evict(3)
     seq = make_seq(A + [1])
-    kv.reserve(seq, 13)  # computed from scratch (as if the host copy could not be loaded)
+    kv.reserve(seq.kv, 13)  # computed from scratch (as if the host copy could not be loaded)
     assert compute(kv, seq, 13)
     kv.release(seq)
     m = kv.cache.match(NS, A)

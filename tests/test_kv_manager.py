@@ -47,7 +47,7 @@ def compute(kv: KVManager, seq: Sequence, n: int | None = None) -> bool:
     """What a step does for ``seq``: reserve ``n`` more tokens (all the rest by default), write
     their KV and count them computed. False (nothing changed) if blocks lack."""
     n = len(seq.token_ids) - seq.num_computed if n is None else n
-    if not kv.reserve(seq, n):
+    if not kv.reserve(seq.kv, n):
         return False
     start, end = seq.num_computed, seq.num_computed + n
     if kv.pool.num_layers:
@@ -223,10 +223,10 @@ def test_reserve_allocates_only_what_is_missing():
     kv = manager(num_blocks=4)
     seq = make_seq(list(range(13)))
     kv.attach(seq)
-    assert kv.reserve(seq, 3) and len(seq.block_table) == 1
-    assert kv.reserve(seq, 4) and len(seq.block_table) == 1  # still fits in the first block
-    assert kv.reserve(seq, 13) and len(seq.block_table) == 4
-    assert not kv.reserve(seq, 17) and len(seq.block_table) == 4  # no room: unchanged
+    assert kv.reserve(seq.kv, 3) and len(seq.block_table) == 1
+    assert kv.reserve(seq.kv, 4) and len(seq.block_table) == 1  # still fits in the first block
+    assert kv.reserve(seq.kv, 13) and len(seq.block_table) == 4
+    assert not kv.reserve(seq.kv, 17) and len(seq.block_table) == 4  # no room: unchanged
     kv.check_integrity([seq], [])
     kv.release(seq)
     assert kv.pool.num_free == 4
@@ -236,7 +236,7 @@ def test_release_puts_computed_full_blocks_into_the_tree():
     kv = manager()
     seq = make_seq(B + [1, 2, 3, 4, 5])
     kv.attach(seq)
-    assert kv.reserve(seq, 15) and len(seq.block_table) == 4
+    assert kv.reserve(seq.kv, 15) and len(seq.block_table) == 4
     table = list(seq.block_table)
     assert compute(kv, seq, 10)  # 2 full blocks + 2 tokens computed; the 4th block reserved, unused
     kv.release(seq)
@@ -443,7 +443,7 @@ def test_import_with_no_room_raises_out_of_blocks_and_changes_nothing():
     run_to_end(kv, tokens[:4])  # one cached block: matched, locked and unlocked by the import
     hog = make_seq(list(range(500, 520)))
     kv.attach(hog)
-    assert kv.reserve(hog, 20)  # the other 5 blocks
+    assert kv.reserve(hog.kv, 20)  # the other 5 blocks
     calls = []
     kv.on_pressure = calls.append  # relieves nothing
     before = counts(kv)
@@ -463,7 +463,7 @@ def test_import_when_on_pressure_raises_changes_nothing():
     run_to_end(kv, tokens[:4])
     hog = make_seq(list(range(500, 512)))
     kv.attach(hog)
-    assert kv.reserve(hog, 12)
+    assert kv.reserve(hog.kv, 12)
 
     def boom(missing):
         raise OSError(28, "No space left on device")
@@ -493,7 +493,7 @@ def test_make_room_asks_on_pressure_only_after_eviction_falls_short():
     kept = retained_b(kv)  # 3 blocks held by a conversation
     hog = make_seq(list(range(500, 504)))
     kv.attach(hog)
-    assert kv.reserve(hog, 4)  # 1 block; 1 left free
+    assert kv.reserve(hog.kv, 4)  # 1 block; 1 left free
     assert kv.pool.num_free == 1
     seen = []
 
@@ -520,14 +520,14 @@ def test_reserve_raises_what_on_pressure_raises_with_the_sequence_unchanged():
     kv = manager(num_blocks=2)
     seq = make_seq(list(range(12)))
     kv.attach(seq)
-    assert kv.reserve(seq, 8)
+    assert kv.reserve(seq.kv, 8)
 
     def boom(missing):
         raise RuntimeError("spill failed")
 
     kv.on_pressure = boom
     with pytest.raises(RuntimeError):
-        kv.reserve(seq, 12)
+        kv.reserve(seq.kv, 12)
     assert len(seq.block_table) == 2
     kv.check_integrity([seq], [])
 
