@@ -28,8 +28,6 @@ class Usage:
         """The fields as the database's message columns name them (``ttft_ms``)."""
         stats = asdict(self)
         stats["ttft_ms"] = stats.pop("ttft_s") * 1000
-        for name in ("reused_tokens", "recomputed_tokens"):  # no message columns (yet): the reply's usage only
-            stats.pop(name)
         return stats
 
     @classmethod

@@ -175,6 +175,8 @@ class Message(Base):
     generated_tokens: Mapped[Optional[int]] = mapped_column(Integer)
     proposed_tokens: Mapped[Optional[int]] = mapped_column(Integer)  # speculative decoding, migration 0006
     accepted_tokens: Mapped[Optional[int]] = mapped_column(Integer)
+    reused_tokens: Mapped[Optional[int]] = mapped_column(Integer)  # chunk KV reuse, migration 0007
+    recomputed_tokens: Mapped[Optional[int]] = mapped_column(Integer)
     ttft_ms: Mapped[Optional[float]] = mapped_column(Float)
     tokens_per_s: Mapped[Optional[float]] = mapped_column(Float)
     meta: Mapped[Optional[dict]] = mapped_column(JSON(none_as_null=True))

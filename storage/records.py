@@ -26,10 +26,12 @@ STAT_FIELDS = (
     "host_tokens",
     "proposed_tokens",
     "accepted_tokens",
+    "reused_tokens",
+    "recomputed_tokens",
     "ttft_ms",
     "tokens_per_s",
 )
-_INT_STATS = frozenset(STAT_FIELDS[:8])
+_INT_STATS = frozenset(STAT_FIELDS[:10])
 
 
 # ---------------------------------------------------------------- plain data
@@ -72,6 +74,8 @@ class MessageInfo:
     host_tokens: Optional[int] = None
     proposed_tokens: Optional[int] = None  # speculative decoding (migration 0006)
     accepted_tokens: Optional[int] = None
+    reused_tokens: Optional[int] = None  # chunk KV reuse (migration 0007)
+    recomputed_tokens: Optional[int] = None
     ttft_ms: Optional[float] = None
     tokens_per_s: Optional[float] = None
     content_hash: Optional[str] = None  # message_hash(role, content) as written (None: not recorded)

@@ -270,6 +270,8 @@ def test_a_conversation_with_placed_kv_resumes_from_its_snapshot(model_dir, corp
         r = s.send(QUESTIONS[1])
         assert r.usage.restored_tokens >= len(tokens) - e.kv.block_size  # the private KV came back from disk
         assert r.usage.reused_tokens > 0
+        stored = s.messages()[-1]  # the reply's counts are stored with it (migration 0007)
+        assert (stored.reused_tokens, stored.recomputed_tokens) == (r.usage.reused_tokens, r.usage.recomputed_tokens)
         e.check_integrity()
     finally:
         e.close()
@@ -282,7 +284,8 @@ def test_the_servers_usage_carries_reused_and_recomputed_tokens():
     u = sum_usage([Usage(prompt_tokens=10, reused_tokens=6, recomputed_tokens=1, computed_tokens=4)] * 2)
     details = usage_json(u)["prompt_tokens_details"]
     assert (details["reused_tokens"], details["recomputed_tokens"]) == (12, 2)
-    assert "reused_tokens" not in Usage(reused_tokens=3).message_columns()  # no message column (yet)
+    cols = Usage(reused_tokens=3, recomputed_tokens=1).message_columns()  # stored with the reply (migration 0007)
+    assert (cols["reused_tokens"], cols["recomputed_tokens"]) == (3, 1)
 
 
 def test_blend_merges_its_closest_recompute_runs_within_a_budget():

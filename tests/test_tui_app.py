@@ -543,3 +543,36 @@ async def test_search_opens_the_conversation_and_the_branch_of_the_hit(engine):
         await pilot.press("escape")
         await idle(pilot, app)
         assert not isinstance(app.screen, SearchScreen) and app.session.id == a and b != a and not errors(app)
+
+
+async def test_the_status_line_and_the_stored_reply_carry_chunk_kv_reuse(model_dir, tmp_path):
+    """With rag_kv_reuse on, a RAG turn's status line says how many source tokens were placed
+    from chunk KV and how many recomputed, and the stored reply keeps both (migration 0007):
+    ``Usage.from_message`` reads them back."""
+    e = Engine(model_dir, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=128, rag_kv_reuse="edge",
+                                       rag_edge_tokens=2))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "kettles.md").write_text("# Kettles\n\nThe Brewmaster kettle boils a litre of water in ninety seconds. "
+                                     "Descale its base monthly with citric acid.\n")
+    try:
+        app = ChatApp(engine=e, sampling=FAST)
+        async with app.run_test(size=SIZE) as pilot:
+            await idle(pilot, app)
+            await say(pilot, app, "/kb manuals")
+            await say(pilot, app, f"/ingest {docs}")
+            await say(pilot, app, "How often should the kettle be descaled?")
+            u = app.last_usage
+            assert u.reused_tokens > 0 and u.recomputed_tokens == 2 * len(messages(app)[-1].sources)
+            assert f"{u.reused_tokens} reused · {u.recomputed_tokens} recomputed" in status(app)
+            stored = app.session.messages()[-1]
+            assert (stored.reused_tokens, stored.recomputed_tokens) == (u.reused_tokens, u.recomputed_tokens)
+            from chatkv.outputs import Usage
+
+            again = Usage.from_message(stored)  # as a resumed chat's stats read it
+            assert (again.reused_tokens, again.recomputed_tokens) == (u.reused_tokens, u.recomputed_tokens)
+            await pilot.press("ctrl+n")
+            await idle(pilot, app)
+            assert "reused" not in status(app)  # a new chat has no turn yet
+    finally:
+        e.close()

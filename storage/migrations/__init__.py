@@ -25,7 +25,7 @@ from sqlalchemy.exc import DBAPIError
 from chatkv.errors import ChatKVError
 from chatkv.storage.models import FTS_TABLE, MESSAGES_FTS
 
-HEAD = "0006"
+HEAD = "0007"
 SCRIPT_LOCATION = Path(__file__).resolve().parent
 # Alembic's `context`/`op` are process-global proxies: one migration at a time.
 _ALEMBIC_LOCK = threading.Lock()
