@@ -14,8 +14,9 @@ Reported:
   turns 1, 5 and 10 of the first and last session (same token ids, same process).
 
 With ``--reuse edge,blend`` (issue 23) the same sessions run again, in the same process, on an
-engine per ``rag_kv_reuse`` mode, every chunk's KV computed ahead of time (as ``chatkv ingest
---kv`` does): the table gains each mode's TTFT at turns 1, 5 and 10 against caching off on the
+engine per ``rag_kv_reuse`` mode, every chunk's KV computed ahead of time (``kb.add(...,
+precompute_kv=True)``, as ``chatkv ingest --kv`` does: each chunk, and each document whole for
+pinning, so a first turn places the pinned documents too): the table gains each mode's TTFT at turns 1, 5 and 10 against caching off on the
 same prompt and against today's path (``off``) at the same turn, with the chunk tokens reused.
 
     CHATKV_HOME=/tmp/ckrag .venv/bin/python benchmarks/bench_rag.py [--threads 2] [--sessions 5] [--turns 10]
@@ -120,12 +121,9 @@ def main() -> None:
     for mode in modes:
         e = load_engine(model_dir, args.dtype, data_dir=str(home / "data"), rag_kv_reuse=mode)
         kbm = e.knowledge_base("bench")
-        from chatkv import chunk_place
-
-        texts = [h.text.strip() for d in kbm.documents() for h in kbm.chunks_of(d.source)]
         t1 = time.perf_counter()
-        n = chunk_place.precompute(e, texts)
-        print(f"{mode}: chunk KV of {len(texts)} chunks ahead of time ({n} computed) in {time.perf_counter() - t1:.1f} s")
+        n = kbm.add([str(home / "corpus")], precompute_kv=True).kv_chunks  # as chatkv ingest --kv: chunks + documents
+        print(f"{mode}: chunk KV of every chunk and document ahead of time ({n} computed) in {time.perf_counter() - t1:.1f} s")
         by_mode[mode] = run_sessions(e, kbm, e.session_manager.renderer, pinned, questions, args)[1]
         kbm.close()
         e.close()

@@ -219,6 +219,9 @@ def place(engine, kept: RetainedKV | None, tokens: list[int], start: int, texts:
         return Placed(kept, private=not migrate)
     if full_as_prefill and recomputes_all(spans, mode, edge_tokens, ratio):
         return Placed(kept, recomputed=sum(n for *_, n in spans), private=not migrate)
+    threads = getattr(engine, "threads", None)
+    if threads is not None:  # between steps: as many threads as there are free cores, as a step has
+        threads.adjust()
     store = chunk_store(engine)
     try:
         found = entries(engine, store, [texts[i] for i, *_ in spans], [ids[i] for i, *_ in spans])
