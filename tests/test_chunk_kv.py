@@ -320,3 +320,31 @@ def test_pinned_documents_are_placed_from_their_chunk_kv_on_the_first_turn(model
         e.check_integrity()
     finally:
         e.close()
+
+
+def test_chatkv_ingest_kv_computes_the_chunk_kv_a_chat_then_reads_from_disk(model_dir, corpus, tmp_path, monkeypatch,
+                                                                            capsys):
+    """``chatkv ingest --kv --model DIR``: every chunk's and document's KV computed by the CLI on
+    the named model and written to disk; an engine on that model then places it without
+    computing any. A missing model or --model without --kv is a clear error."""
+    from chatkv.cli import main
+
+    monkeypatch.setenv("CHATKV_HOME", str(tmp_path))
+    assert main(["ingest", str(corpus), "--kb", "docs", "--kv", "--model", str(model_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "chunk KV: " in out and "3 added" in out
+    n = int(out.split("chunk KV: ")[1].split()[0])
+    assert n > 0 and len(list((tmp_path / "chunk_kv").glob("chunk-*.safetensors"))) == n
+    assert main(["ingest", str(corpus), "--kb", "docs", "--kv", "--model", str(model_dir)]) == 0
+    assert "chunk KV: 0 chunks" in capsys.readouterr().out  # already on disk
+    e = engine_at(model_dir, tmp_path, rag_kv_reuse="edge")
+    try:
+        r = e.session(knowledge=e.knowledge_base("docs"), top_k=2, params=GREEDY).send(QUESTIONS[0])
+        stats = e.kv.stats()
+        assert r.usage.reused_tokens > 0 and stats["chunk_computed"] == 0 and stats["chunk_loaded"] >= 1
+    finally:
+        e.close()
+    assert main(["ingest", str(corpus), "--kb", "docs", "--kv", "--model", str(tmp_path / "nope")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["ingest", str(corpus), "--kb", "docs", "--model", str(model_dir)]) == 2
+    assert "--model only matters with --kv" in capsys.readouterr().err

@@ -1,6 +1,7 @@
 """``chatkv ingest`` and ``chatkv kb``: knowledge bases from the command line (no chat model loaded).
 
-    chatkv ingest docs/ notes.md --kb python-docs [--include '*.md'] [--exclude 'drafts/*'] [--follow-symlinks] [--kv]
+    chatkv ingest docs/ notes.md --kb python-docs [--include '*.md'] [--exclude 'drafts/*'] [--follow-symlinks]
+                  [--kv [--model DIR]]
     chatkv kb list
     chatkv kb info python-docs
     chatkv kb search python-docs "how do decorators work?" [-k 5] [--mode hybrid|dense|lexical]
@@ -33,7 +34,11 @@ def parser() -> argparse.ArgumentParser:
     ing.add_argument("--follow-symlinks", action="store_true",
                      help="follow symbolic links found in the directories, as long as they stay inside the given paths")
     ing.add_argument("--kv", action="store_true",
-                     help="also compute the default chat model's KV of every chunk now (rag_kv_reuse reads it)")
+                     help="also compute the chat model's KV of every chunk and document now (rag_kv_reuse reads it)")
+    ing.add_argument("--model", metavar="DIR", default=None,
+                     help="with --kv: the chat model to compute it with, a local Hugging Face directory (default: "
+                          "the packaged default model); chunk KV is kept per model and KV dtype, so name the model "
+                          "you chat with")
     kb = sub.add_parser("kb", parents=[common], help="list, inspect, search or edit knowledge bases")
     kbs = kb.add_subparsers(dest="action", required=True)
     kbs.add_parser("list", parents=[common], help="the knowledge bases in the data directory")
@@ -76,7 +81,10 @@ def _run(args, say) -> int:
         if args.kv:  # the chat model computes each chunk's KV (chatkv.chunk_place)
             from chatkv import Engine
 
-            engine = Engine.from_pretrained(data_dir=args.data_dir)
+            engine = Engine.from_pretrained(args.model, data_dir=args.data_dir)
+        elif args.model is not None:
+            error("--model only matters with --kv (ingest loads no chat model without it)")
+            return 2
         kb = engine.knowledge_base(args.kb) if engine is not None else KnowledgeBase.open(args.kb, data_dir=args.data_dir)
         try:
             report = kb.add(args.paths, include=args.include, exclude=args.exclude, progress=_stderr_is_terminal(),
