@@ -1,10 +1,9 @@
 """A real PostgreSQL server for tests, started from the binaries on this machine.
 
-``postgres`` is a module-scoped pytest fixture: one server per test module that uses it
-(``from tests.pg import postgres``), in a temporary directory, listening on a free
-loopback port, stopped and removed after the module. ``postgres.database()`` creates a
-fresh empty database and returns its SQLAlchemy URL (``postgresql+psycopg://...``), so
-tests never see each other's rows.
+``postgres`` is a session-scoped pytest fixture of tests/conftest.py: one server for the
+run, in a temporary directory, listening on a free loopback port, stopped and removed when
+the run ends. ``postgres.database()`` creates a fresh empty database and returns its
+SQLAlchemy URL (``postgresql+psycopg://...``), so tests never see each other's rows.
 
 The server refuses to run as root: as root, the data directory is given to the
 ``postgres`` user and ``initdb``/``pg_ctl`` run under ``runuser -u postgres``. The
@@ -27,7 +26,6 @@ import tempfile
 import uuid
 from pathlib import Path
 
-import pytest
 
 START_TIMEOUT_S = 60
 
@@ -122,17 +120,3 @@ def missing_reason() -> str | None:
     except ImportError:
         return "the PostgreSQL driver psycopg is not installed (pip install -e '.[test]')"
     return None
-
-
-@pytest.fixture(scope="module")
-def postgres():
-    """A running PostgreSQL server for this test module (see the module docstring)."""
-    why = missing_reason()
-    if why:  # this machine and CI have PostgreSQL 15 (scripts/install.sh installs it): a missing one is a failure
-        pytest.fail(f"PostgreSQL tests cannot run: {why}")
-    server = PostgresServer(find_bin_dir())
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()

@@ -18,7 +18,6 @@ from chatkv.errors import ConversationBusy, LeaseLost, SessionError
 from chatkv.storage.leases import Mark
 from chatkv.storage.models import ConversationLease
 from chatkv.storage.repository import Store
-from tests.pg import postgres  # noqa: F401  (a fixture)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -22,7 +22,6 @@ from chatkv.storage import message_tree as tree
 from chatkv.storage import migrations
 from chatkv.storage.db import DB_FILENAME, make_engine
 from chatkv.storage.repository import Store
-from tests.pg import postgres  # noqa: F401  (a fixture)
 
 NOW = datetime(2026, 12, 1, 12, 0, 0)
 OLD = [("user", "Hello there"), ("assistant", "Hi! How can I help?"), ("user", "Tell me a joke"),

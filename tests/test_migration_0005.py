@@ -18,7 +18,6 @@ from chatkv.storage import migrations
 from chatkv.storage.db import DB_FILENAME, make_engine
 from chatkv.storage.models import LOCAL_USER, message_hash
 from chatkv.storage.repository import Store
-from tests.pg import postgres  # noqa: F401  (a fixture)
 
 NOW = datetime(2026, 11, 30, 12, 0, 0)
 ROWS = [("user", "Hello there"), ("assistant", "Hi! ¿Qué tal? 👋"), ("user", "")]

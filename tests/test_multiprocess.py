@@ -37,7 +37,6 @@ from chatkv.storage.repository import Store
 from chatkv.turns import TurnRenderer
 from chatkv.weights import load_tokenizer
 from tests import multiprocess_child as child
-from tests.pg import postgres  # noqa: F401  (a fixture)
 from tests.processes import one_torch_thread, quit_child
 from tests.tiny import make_model
 

@@ -37,7 +37,6 @@ from chatkv.storage.kv_segments import SegmentStore
 from chatkv.storage.kv_store import token_hash
 from chatkv.storage.repository import Store
 from tests.multiprocess_child import QUESTIONS
-from tests.pg import postgres  # noqa: F401  (a fixture)
 from tests.processes import one_torch_thread
 from tests.serving import raw
 from tests.test_multiprocess import MODEL, SYSTEM, check_history
@@ -150,7 +149,7 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def replicas(postgres, model, tmp_path_factory):  # noqa: F811
+def replicas(postgres, model, tmp_path_factory):
     """Servers A and B, started together on one fresh database and one data directory."""
     db_url = postgres.database()
     root = tmp_path_factory.mktemp("replicas")

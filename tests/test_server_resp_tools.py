@@ -16,7 +16,6 @@ import openai
 import pytest
 
 from tests.serving import MODEL, raw, serve_process
-from tests.tiny import make_tool_model
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 10},
                                            "score": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -30,10 +29,8 @@ CLOCK = {"type": "function", "name": "clock", "description": "The time.",
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    d = tmp_path_factory.mktemp("toolmodel")
-    make_tool_model(d, seed=1)
-    proc, url = serve_process(d, tmp_path_factory.mktemp("data"), "--served-model-name", MODEL)
+def server(tool_model_dir, tmp_path_factory):
+    proc, url = serve_process(tool_model_dir, tmp_path_factory.mktemp("data"), "--served-model-name", MODEL)
     yield url
     proc.terminate()
     assert proc.wait(30) == 0

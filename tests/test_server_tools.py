@@ -17,7 +17,6 @@ import pytest
 from chatkv.engine import Engine
 from chatkv.server import create_app
 from tests.serving import MODEL, Running, raw, user
-from tests.tiny import make_tool_model
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 10},
                                            "score": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -31,10 +30,8 @@ CLOCK = {"type": "function", "function": {"name": "clock", "description": "The t
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    d = tmp_path_factory.mktemp("toolmodel")
-    make_tool_model(d, seed=1)
-    eng = Engine.from_pretrained(str(d), data_dir=str(tmp_path_factory.mktemp("data")), num_blocks=1024,
+def engine(tool_model_dir, tmp_path_factory):
+    eng = Engine.from_pretrained(tool_model_dir, data_dir=str(tmp_path_factory.mktemp("data")), num_blocks=1024,
                                  dtype="float32")
     yield eng
     eng.close()
@@ -212,12 +209,11 @@ def test_response_format_on_a_session_turn(client, server):
     assert status == 400 and out["error"]["param"] == "tools"
 
 
-def test_a_real_chatkv_serve_process(tmp_path):
+def test_a_real_chatkv_serve_process(tool_model_dir, tmp_path):
     """``chatkv serve`` in its own process: a json_schema reply and a forced tool call."""
     from tests.serving import serve_process
 
-    make_tool_model(tmp_path / "m", seed=1)
-    proc, url = serve_process(tmp_path / "m", tmp_path / "data", "--served-model-name", MODEL)
+    proc, url = serve_process(tool_model_dir, tmp_path / "data", "--served-model-name", MODEL)
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
         r = c.chat.completions.create(model=MODEL, messages=user("Rate it"), max_tokens=60, temperature=0.0,

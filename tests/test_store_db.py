@@ -19,7 +19,6 @@ from chatkv.storage.db import DB_FILENAME, make_engine
 from chatkv.storage.models import Base
 from chatkv.storage.records import ConversationInfo, MessageInfo, SnapshotInfo
 from chatkv.storage.repository import Store
-from tests.pg import postgres  # noqa: F401  (a fixture)
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -16,7 +16,6 @@ from chatkv.engine import Engine
 from chatkv.errors import InvalidRequest
 from chatkv.sampling import SamplingParams
 from chatkv.tools import ToolCall, ToolStepLimit, call_schema, parse_calls, tool_from_callable, tools_of
-from tests.tiny import make_tool_model
 
 
 def get_weather(city: Literal["Paris", "Oslo", "Rome"], unit: Literal["c", "f"] = "c") -> dict:
@@ -40,12 +39,8 @@ SPEC = {"type": "function", "function": {"name": "lookup", "description": "Look 
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    d = tmp_path_factory.mktemp("toolmodel")
-    make_tool_model(d, seed=1)
-    e = Engine(str(d), EngineConfig(data_dir=str(tmp_path_factory.mktemp("data")), num_blocks=1024))
-    yield e
-    e.close()
+def engine(tool_engine):
+    return tool_engine  # conftest: the tiny tool-template model's engine, this module's own
 
 
 def _check_calls(reply, tools):
