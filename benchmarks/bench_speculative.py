@@ -34,7 +34,11 @@ workloads). llama.cpp's threads suffer far more than torch's from other load on 
 (measured: 1-2 tok/s plain at load 5 on 2 cores, against ~160 quiet), so its rows mean
 something only in a quiet run.
 
+auto prices a verified row from the engine's own decode steps (chatkv.speculative.StepCost):
+the table's end prints the row cost it measured in this run, next to its prior.
+
     .venv/bin/python benchmarks/bench_speculative.py [--tokens 128] [--repeats 3] [--no-llama-cpp]
+        [--workloads "free-form chat,rewrite code"] [--no-batch8]
 
 (measured: 8 minutes without the peer with 1.6 of 2 cores busy elsewhere; a quiet run is shorter)
 """
@@ -130,7 +134,16 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--no-llama-cpp", action="store_true")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of: " + ", ".join(WORKLOADS))
+    p.add_argument("--no-batch8", action="store_true", help="skip the batch-8 table (a shorter A/B)")
     args = p.parse_args()
+    chosen = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in chosen if w not in WORKLOADS]
+    if unknown or not chosen:
+        p.error(f"--workloads: unknown {unknown or 'none given'}; choose from {', '.join(WORKLOADS)}")
+    for w in list(WORKLOADS):
+        if w not in chosen:
+            del WORKLOADS[w]
     model_dir = setup(args)
     print(cpu_line())
     print(f"load average at start: {load_average()}")
@@ -158,7 +171,7 @@ def main() -> None:
                 r, res = batch1(engine, ids[w], n, m)
                 rate[w, m].append(r)
                 got[w, m] = res
-        for m in MODES:
+        for m in MODES if not args.no_batch8 else ():
             r, outs = batch8(engine, prompts8, n, m)
             rate8[m].append(r)
             got["batch8", m] = outs
@@ -196,13 +209,17 @@ def main() -> None:
                     "decode tok/s (median)",
                     ["workload", "chatkv auto", "llama plain", "llama lookup", "lookup's = plain's", "llama-lookup / llama-plain",
                      "chatkv-auto / llama-lookup", "goal"], peer_rows)
-    off8, auto8, look8 = (median(rate8[m]) for m in MODES)
-    acc = sum(o.usage.accepted_tokens for o in got["batch8", "auto"])
-    prop = sum(o.usage.proposed_tokens for o in got["batch8", "auto"])
-    print_table("batch 8 (the 4 prompts twice, one generate), generated tok/s over wall time",
-                ["off", "auto", "auto/off", "goal", "lookup (vs off)", "accepted/proposed auto"],
-                [[f"{off8:.1f}", f"{auto8:.1f}", f"{auto8 / off8:.2f}x", goal(auto8 / off8, 1.0),
-                  f"{look8:.1f} ({look8 / off8:.2f}x)", f"{acc}/{prop}"]])
+    if not args.no_batch8:
+        off8, auto8, look8 = (median(rate8[m]) for m in MODES)
+        acc = sum(o.usage.accepted_tokens for o in got["batch8", "auto"])
+        prop = sum(o.usage.proposed_tokens for o in got["batch8", "auto"])
+        print_table(f"batch 8 (the {len(WORKLOADS)} prompts twice, one generate), generated tok/s over wall time",
+                    ["off", "auto", "auto/off", "goal", "lookup (vs off)", "accepted/proposed auto"],
+                    [[f"{off8:.1f}", f"{auto8:.1f}", f"{auto8 / off8:.2f}x", goal(auto8 / off8, 1.0),
+                      f"{look8:.1f} ({look8 / off8:.2f}x)", f"{acc}/{prop}"]])
+    cost = _speculators["auto"].cost
+    print(f"\nauto's verified-row cost, measured in this run: {cost.row_cost:.3f} of a one-row step "
+          f"(median of {cost.samples} estimates; 0: the prior, {cost.prior})")
     print(f"\nload average at end: {load_average()}; {load}")
     engine.close()
 

@@ -17,6 +17,7 @@ prefill path, whose rounding differs and flips near-tied greedy picks).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +89,19 @@ def pool_blocks(model: LlamaModel, config: EngineConfig, fmt: KVFormat | None = 
     return config.num_blocks or max(2, config.kv_cache_bytes // (per_token * config.block_size))
 
 
+def _report_step(plan: list[tuple[Sequence, int]], seconds: float) -> None:
+    """Tell the speculator's step-time model (chatkv.speculative.StepCost) how long this step
+    took, when it was decode-only (its sequences' rows, proposals included): auto speculation
+    weighs the cost of a verified row as measured on this machine."""
+    cost = next((seq.spec.cost for seq, _ in plan if seq.spec is not None and seq.spec.cost is not None), None)
+    if cost is None:
+        return
+    if all(seq.draft or (n == 1 and seq.num_computed + 1 == len(seq.token_ids)) for seq, n in plan):
+        cost.record(len(plan), sum(n for _, n in plan), seconds)
+    else:
+        cost.skip()
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, config: EngineConfig):
         self.model = model
@@ -133,6 +147,7 @@ class ModelRunner:
         """Compute a scheduler plan; return the next token of every sequence whose prompt is now
         complete (the list of tokens ``verify`` accepts for one verifying a draft), or the error
         its sampling raised (it is that request's alone)."""
+        began = time.perf_counter()
         items, samplers, verifying = [], [], []
         for seq, n in plan:
             start = seq.num_computed
@@ -166,6 +181,7 @@ class ModelRunner:
                 out[seq] = verify(verify_rows[seq], seq.draft, seq.params, seq.token_ids, seq.generator, seq.matcher)
             except (RuntimeError, ValueError) as err:
                 out[seq] = err
+        _report_step(plan, time.perf_counter() - began)
         return out
 
     @staticmethod

@@ -28,15 +28,22 @@ Pieces:
   general ``min(1, p/q)`` rule instead.)
 * ``Speculator``: the engine's policy. ``speculative="lookup"`` proposes ``k`` tokens whenever a
   match exists; ``"auto"`` (the default) gives each sequence as many proposals as pay: the
-  ``j``-th proposal is expected to add ``alpha ** j`` tokens (``alpha``: the sequence's recent
-  acceptance rate for that kind of match, decayed so it is re-probed now and then) and costs
-  one more row of the step (``row_cost`` of a one-row step: ~0.2 on a CPU, measured from the
-  int4 batch-1 and batch-8 decode rates); proposals are added best first while they raise the
-  step's expected tokens per second. So free-form text (low acceptance) and big batches (a step
-  already worth many tokens) speculate little or not at all. Steps never grow past
-  ``max_rows`` (below ``quant_dense_rows``, where quantised weights stay on their few-row
-  kernel), past the step's token budget, or into blocks that are not free (speculation never
-  evicts, preempts or spills anyone).
+  ``j``-th proposal is expected to add ``alpha ** j`` tokens and costs one more row of the step;
+  proposals are added best first while they raise the step's expected tokens per second. So
+  free-form text (low acceptance) and big batches (a step already worth many tokens) speculate
+  little or not at all. Steps never grow past ``max_rows`` (below ``quant_dense_rows``, where
+  quantised weights stay on their few-row kernel), past the step's token budget, or into blocks
+  that are not free (speculation never evicts, preempts or spills anyone).
+
+  - ``alpha``: the sequence's recent acceptance for that kind of match (its key: the match
+    length 1-3, 4-7, or ``LONG_MATCH`` and more), decayed so it is re-probed now and then, with
+    the engine-wide acceptance of that kind (``SharedAcceptance``, over all requests) as its
+    prior: a new request quoting a source proposes long at once, and a chat does not probe every
+    kind at 0.5.
+  - the row's cost (``StepCost.row_cost``, relative to a one-row step) is measured on this
+    machine from the engine's own decode steps (the model runner reports each one's rows and
+    time): the median of estimates from consecutive steps of different rows, so a busy core's
+    outlier or a slowly changing load does not move it. Before it is measured: 0.2 on a CPU.
 * Constrained requests (``seq.matcher``, chatkv.constraints) speculate too: a proposal is cut to
   the prefix the constraint accepts (``Matcher.validate``), and ``verify`` masks each position's
   logits with the matcher advanced through the tokens before it, exactly as plain decoding masks
@@ -46,6 +53,9 @@ Pieces:
 from __future__ import annotations
 
 import heapq
+import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -55,8 +65,11 @@ from chatkv.sampling import SamplingParams, sample
 
 MODES = ("auto", "off", "lookup")
 MAX_NGRAM = 4
+LONG_MATCH = 8  # a match this long (measured past MAX_NGRAM) is its own kind: quoting, mostly
 DECAY = 0.9  # weight of past acceptance per verification
 IDLE_DECAY = 0.98  # per step a kind of match is not tried: its estimate drifts back to the prior
+SHARED_DECAY = 0.98  # the engine-wide acceptance per kind of match (the prior of a new request)
+PRIOR_WEIGHT = 2.0  # how many verifications the shared prior counts for in a request's estimate
 
 
 @dataclass
@@ -105,8 +118,33 @@ class NgramProposer:
             for j in range(k):  # past the end the match continues into the proposal itself (a loop)
                 pos = end + j
                 out.append(tokens[pos] if pos < size else out[pos - size])
-            return Proposal(out, n)
+            return Proposal(out, n if n < self.max_n else self._kind(tokens, end, n))
         return None
+
+    def _kind(self, tokens: list[int], end: int, n: int) -> int:
+        """A full-length match's key: ``max_n``, or ``LONG_MATCH`` when the suffix matches at
+        least that many tokens there (a quoted passage is accepted far more than a phrase)."""
+        size = len(tokens)
+        while n < LONG_MATCH and end - n - 1 >= 0 and tokens[end - n - 1] == tokens[size - n - 1]:
+            n += 1
+        return LONG_MATCH if n >= LONG_MATCH else self.max_n
+
+
+class SharedAcceptance:
+    """The engine's acceptance per kind of guess over all requests, decayed: the prior a request
+    starts from (a quoted passage's long matches are accepted at once, a chat's short ones are
+    not probed at 0.5 by every new request)."""
+
+    def __init__(self):
+        self.stats: dict = {}  # key -> [accepted, tried], decayed
+
+    def mean(self, key: Any) -> float:
+        acc, tried = self.stats.get(key, (0.0, 0.0))
+        return (acc + 1.0) / (tried + 2.0)  # a uniform prior: 0.5 before any evidence
+
+    def observe(self, key: Any, accepted: int, trials: int) -> None:
+        acc, tried = self.stats.get(key, (0.0, 0.0))
+        self.stats[key] = [acc * SHARED_DECAY + accepted, tried * SHARED_DECAY + trials]
 
 
 @dataclass
@@ -114,6 +152,8 @@ class SpecState:
     """One request's speculation: its proposer, its acceptance per kind of match, its counts."""
 
     proposer: Proposer
+    shared: SharedAcceptance = field(default_factory=SharedAcceptance)  # the engine's, its prior
+    cost: "StepCost | None" = None  # the engine's step-time model: the model runner reports its steps to it
     stats: dict = field(default_factory=dict)  # key -> [accepted, tried], decayed
     key: Any = None  # the kind of the proposal in flight
     drafts: int = 0  # verification steps
@@ -122,13 +162,16 @@ class SpecState:
     accepted_per_pos: list[int] = field(default_factory=list)  # accepted proposals by position (0 = first)
 
     def alpha(self, key: Any) -> float:
+        """The chance the next proposal of this kind is accepted: this request's own record,
+        with the engine-wide rate counting as ``PRIOR_WEIGHT`` verifications."""
         acc, tried = self.stats.get(key, (0.0, 0.0))
-        return (acc + 1.0) / (tried + 2.0)  # a uniform prior: 0.5 before any evidence
+        return (acc + PRIOR_WEIGHT * self.shared.mean(key)) / (tried + PRIOR_WEIGHT)
 
     def observe(self, key: Any, proposed: int, accepted: int) -> None:
         acc, tried = self.stats.get(key, (0.0, 0.0))
         trials = accepted + (1 if accepted < proposed else 0)
         self.stats[key] = [acc * DECAY + accepted, tried * DECAY + trials]
+        self.shared.observe(key, accepted, trials)
         self.drafts += 1
         self.proposed += proposed
         self.accepted += accepted
@@ -142,6 +185,69 @@ class SpecState:
         if s is not None:
             s[0] *= IDLE_DECAY
             s[1] *= IDLE_DECAY
+
+
+class StepCost:
+    """What one more row costs a decode step, relative to a one-row step (``row_cost``), measured
+    online from the engine's own steps: a step of ``n`` rows is taken to cost ``t0 * (1 + r * (n - 1))``.
+
+    Each decode-only step reports its rows, its sequences and its seconds (``record``); two
+    consecutive steps with as many sequences and different rows give one estimate of ``r`` from
+    the ratio of their times (consecutive, so a load that changes slowly cancels out), and
+    ``row_cost`` is the median of the last ``window`` estimates (an outlier, a step that waited
+    on a busy core, moves it by at most one place), clamped to ``[lo, hi]``. Until ``min_samples``
+    estimates exist it is ``prior``. An estimate expires after ``max_age`` decode steps: a cost
+    measured high stops speculation, so no new estimates would come; once they expire the prior
+    returns, auto probes again and measures anew."""
+
+    def __init__(self, prior: float, window: int = 31, min_samples: int = 5, lo: float = 0.02, hi: float = 2.0,
+                 max_age: int = 2000):
+        self.prior, self.lo, self.hi, self.min_samples, self.max_age = prior, lo, hi, min_samples, max_age
+        self._estimates: deque[tuple[int, float]] = deque(maxlen=window)  # (the step it was taken at, r)
+        self._steps = 0  # decode steps recorded
+        self._last: tuple[int, int, float] | None = None  # the previous step's (sequences, rows, seconds)
+        self._value = prior
+
+    @property
+    def row_cost(self) -> float:
+        return self._value
+
+    @property
+    def samples(self) -> int:
+        """Estimates the current value is the median of (0: it is the prior)."""
+        return len(self._estimates) if len(self._estimates) >= self.min_samples else 0
+
+    def record(self, seqs: int, rows: int, seconds: float) -> None:
+        """A decode-only step: ``seqs`` sequences, ``rows`` rows in all (their proposals included)."""
+        if not (seconds > 0 and math.isfinite(seconds)) or rows < seqs or seqs < 1:
+            self._last = None
+            return
+        self._steps += 1
+        if self._estimates and self._estimates[0][0] < self._steps - self.max_age:
+            while self._estimates and self._estimates[0][0] < self._steps - self.max_age:
+                self._estimates.popleft()
+            self._update()
+        last, self._last = self._last, (seqs, rows, seconds)
+        if last is None or last[0] != seqs or last[1] == rows:
+            return
+        a, b = last[1:], (rows, seconds)
+        (n1, t1), (n2, t2) = (a, b) if a[0] < b[0] else (b, a)
+        # t2 / t1 = (1 + r (n2 - 1)) / (1 + r (n1 - 1))  =>  r = (q - 1) / ((n2 - 1) - q (n1 - 1))
+        q = t2 / t1
+        den = (n2 - 1) - q * (n1 - 1)
+        r = self.hi if den <= 0 else min(max((q - 1) / den, 0.0), self.hi)
+        self._estimates.append((self._steps, r))
+        self._update()
+
+    def _update(self) -> None:
+        if len(self._estimates) < self.min_samples:
+            self._value = self.prior
+        else:
+            self._value = min(max(statistics.median(r for _, r in self._estimates), self.lo), self.hi)
+
+    def skip(self) -> None:
+        """A step that was not decode-only: the next one has no neighbour to compare with."""
+        self._last = None
 
 
 def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, history: list[int],
@@ -179,8 +285,14 @@ class Speculator:
                  proposer=NgramProposer):
         if mode not in MODES:
             raise ValueError(f"speculative must be one of {', '.join(MODES)}, got {mode!r}")
-        self.mode, self.max_k, self.row_cost, self.max_rows = mode, max_k, row_cost, max_rows
+        self.mode, self.max_k, self.max_rows = mode, max_k, max_rows
         self.proposer = proposer  # a factory: one Proposer per request
+        self.shared = SharedAcceptance()
+        self.cost = StepCost(row_cost)  # row_cost: its prior, until the engine's steps measured it
+
+    @property
+    def row_cost(self) -> float:
+        return self.cost.row_cost
 
     @classmethod
     def from_config(cls, config) -> "Speculator | None":
@@ -193,7 +305,7 @@ class Speculator:
 
     def state(self, seq: Any) -> SpecState:
         if seq.spec is None:
-            seq.spec = SpecState(self.proposer())
+            seq.spec = SpecState(self.proposer(), self.shared, self.cost)
         return seq.spec
 
     def assign(self, decodes: list[Any], rows: int, budget: int) -> dict[Any, list[int]]:

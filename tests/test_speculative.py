@@ -24,7 +24,7 @@ from chatkv import InvalidRequest
 from chatkv.config import EngineConfig
 from chatkv.engine import Engine
 from chatkv.sampling import SamplingParams, probabilities
-from chatkv.speculative import NgramProposer, SpecState, Speculator, verify
+from chatkv.speculative import NgramProposer, StepCost, verify
 from tests.tiny import VOCAB, make_model
 
 pytestmark = pytest.mark.tiny_model("llama", seed=11)
@@ -130,54 +130,27 @@ def test_verify_output_distribution_is_the_targets_over_many_seeds():
     assert chi2 < 20.5, chi2
 
 
-def test_auto_policy_speculates_where_it_pays():
-    class Seq:
-        def __init__(self, toks):
-            self.token_ids, self.num_prompt_tokens = toks, len(toks) - 1
-            self.params, self.matcher, self.max_total_tokens = SamplingParams(max_tokens=100), None, 10**6
-            self.spec = None
-
-        @property
-        def num_generated(self):
-            return len(self.token_ids) - self.num_prompt_tokens
-
-    loop = [7, 8, 9, 10] * 6
-    s = Speculator("auto", max_k=5)
-    one = Seq(list(loop))
-    assert s.assign([one], 1, 100)[one]  # a new sequence tries (prior 0.5)
-    for _ in range(20):
-        s.observe(one, 5, 5)  # every proposal accepted
-    assert len(s.assign([one], 1, 100)[one]) == 5  # it keeps being accepted: k grows to the most
-    bad = Seq(list(loop))
-    s.state(bad)
-    for _ in range(20):
-        bad.spec.key = 4
-        s.observe(bad, 3, 0)
-    assert bad not in s.assign([bad], 1, 100)  # rejected every time: it stops
-    for _ in range(400):  # not tried for long: it is probed again
-        if s.assign([bad], 1, 100):
-            break
-    else:
-        raise AssertionError("a sequence that stopped speculating is never probed again")
-    big = [Seq(list(loop)) for _ in range(12)]
-    assert sum(len(d) for d in s.assign(big, 12, 100).values()) <= 15 - 12  # never past max_rows
-    assert Speculator("lookup", 4).assign([Seq(list(loop))], 1, 2)  # the budget bounds lookup too
-    assert not Speculator("auto").assign([one], 1, 0)
-
-
 # -- the engine: greedy identity ----------------------------------------------------------
 
 
 @pytest.mark.parametrize("mode", ["lookup", "auto"])
 def test_greedy_is_transformers_greedy_and_speculative_off_over_many_prompts(model_dir, ref, mode):
     on, off = engine(model_dir, mode), engine(model_dir, "off")
+    # the tiny model's verified rows cost more than a whole step each (its forward is mostly
+    # per-row overhead): measured, auto rightly declines; the prior is kept so that auto's
+    # proposals are made and their exactness tested (tests/test_speculative_policy.py: the measuring)
+    on.scheduler.speculator.cost = StepCost(prior=0.2, min_samples=10**9)
+    accepted = 0
     for i, p in enumerate(PROMPTS):
         r = on.generate(p, GREEDY)
         assert r.token_ids == off.generate(p, GREEDY).token_ids == hf_greedy(ref, p, 40), i
         assert r.usage.generated_tokens == 40 and r.finish_reason == "length"
-        if i >= 5:  # a repetitive prompt: proposals are made and some are accepted
-            assert r.usage.proposed_tokens > 0 and r.usage.accepted_tokens > 0, (i, r.usage)
+        if i >= 5:  # a repetitive prompt: proposals are made (lookup: and some accepted in each)
+            assert r.usage.proposed_tokens > 0, (i, r.usage)
+            assert r.usage.accepted_tokens > 0 or mode == "auto", (i, r.usage)
+            accepted += r.usage.accepted_tokens
         on.check_integrity()
+    assert accepted > 0  # auto, after the engine saw some kinds fail, may propose less on a prompt
     assert off.generate(PROMPTS[-1], GREEDY).usage.proposed_tokens == 0
 
 
