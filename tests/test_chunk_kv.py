@@ -348,3 +348,50 @@ def test_chatkv_ingest_kv_computes_the_chunk_kv_a_chat_then_reads_from_disk(mode
     assert "does not exist" in capsys.readouterr().err
     assert main(["ingest", str(corpus), "--kb", "docs", "--model", str(model_dir)]) == 2
     assert "--model only matters with --kv" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kv_dtype,gate", [("int8", 2 / 127), ("fp8", 1 / 8)])
+def test_placement_in_a_quantised_pool_against_the_same_dtype_full_prefill(model_dir, tmp_path, kv_dtype, gate):
+    """int8/fp8 KV: placement compared with the engine's own full prefill into a pool of the same
+    dtype (dequantised rows). Every chunk token recomputed: every layer within 1e-5 (the same
+    math, forwards of other lengths). None recomputed: layer 0's values are the same bytes and
+    its re-rotated keys are within ``gate`` of each row's largest element, two quantisation
+    roundings (canonical, then after the rotation) against one: int8 two steps of max/127, fp8
+    two half-ulps of 2^-4 (e4m3's 3 mantissa bits); a later layer is not (no cross-attention)."""
+    from chatkv.kernels import kv_quant
+    from chatkv.sampling import SamplingParams
+
+    e = engine_at(model_dir, tmp_path, kv_dtype=kv_dtype)
+    try:
+        quant = e.runner.pool.quant
+        texts = [CHUNK, "A refractor uses lenses, a reflector uses mirrors. Collimate a reflector before each night."]
+        tokens = list(_prompt(e, texts))
+        seq = e.add_request(tokens, SamplingParams(max_tokens=1, temperature=0.0), retain=True, namespace=("full",))
+        for _ in e.drive(seq):
+            pass
+        ref = e.on_loop(lambda: e.kv.export_kv(seq.retained))
+
+        def deq(x):
+            return kv_quant.dequantize(x, quant, torch.float32)
+
+        for ratio in (1.0, 0.0):
+            placed = e.on_loop(lambda: cp.place(e, None, tokens, 0, texts, ("t", ratio), None, False, "blend", 0, ratio,
+                                                full_as_prefill=False))
+            got, n = e.on_loop(lambda: e.kv.export_kv(placed.kept)), placed.end
+            assert placed.reused == (0 if ratio else sum(len(cp.chunk_ids(e.tokenizer, t)) for t in texts))
+            for w in (0, 1):  # keys, values
+                for layer in range(len(got[w])):
+                    a, b = deq(got[w][layer]), deq(ref[w][layer][:n])
+                    if ratio == 1.0:
+                        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+                    elif layer == 0 and w == 1:
+                        assert torch.equal(got[w][0], ref[w][0][:n])  # values carry no position: the same bytes
+                    elif layer == 0:
+                        assert ((a - b).abs() <= gate * b.abs().amax(-1, keepdim=True) + 1e-6).all()
+                    else:
+                        assert ((a - b).abs() > gate * b.abs().amax(-1, keepdim=True)).any()
+            e.on_loop(lambda: e.kv.drop(placed.kept))
+        e.on_loop(lambda: e.kv.drop(seq.retained))
+        e.check_integrity()
+    finally:
+        e.close()
