@@ -333,6 +333,8 @@ class EngineLoop:
         or without a started thread one run here. Inside a round it just calls ``fn``.
         ``timeout``: TimeoutError if no round ran it by then (a queued one may still run later).
         EngineClosed once the engine is closed."""
+        if not callable(fn):
+            raise TypeError(f"the engine loop runs functions, got {type(fn).__name__}")
         if self.owns_state():
             return fn()
         fut = self._queue(fn, False)
