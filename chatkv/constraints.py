@@ -332,7 +332,9 @@ def _ll_tokenizer(tokenizer: Any, n_vocab: int, eos_id: int) -> Any:
     with _ll_lock:
         hit = _ll_tokenizers.get(tokenizer, {}).get(key)
     if hit is None:
-        hit = llguidance.hf.from_tokenizer(tokenizer, n_vocab=n_vocab, eos_token=eos_id)
+        # llguidance reads a transformers tokenizer; a warm start's DirectTokenizer hands over its own
+        hf = getattr(tokenizer, "transformers_tokenizer", tokenizer)
+        hit = llguidance.hf.from_tokenizer(hf, n_vocab=n_vocab, eos_token=eos_id)
         with _ll_lock:
             _ll_tokenizers.setdefault(tokenizer, {})[key] = hit
     return hit

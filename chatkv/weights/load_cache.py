@@ -14,7 +14,10 @@ So the first load keeps, in the user cache directory (``loads.json`` beside the 
   ``to_dict`` writes it; chatkv.model reads either). Only configs whose RoPE chatkv computes
   itself are kept (a scaled RoPE goes to transformers' own functions, which take its object);
 - the tokenizer class ``AutoTokenizer`` chose (a transformers class): a later start calls that
-  class's ``from_pretrained`` on the directory, as ``AutoTokenizer`` itself ends by doing.
+  class's ``from_pretrained`` on the directory, as ``AutoTokenizer`` itself ends by doing;
+- for a plain ``tokenizer.json`` tokenizer, what chatkv.weights.direct_tokenizer needs to answer
+  without transformers (its backend in ``tokenizers/<sha256>.json``, checked when read back), once
+  a tokenizer built from it gave transformers' results on the probes.
 
 Each entry is keyed by the bytes of the files read (``config.json``; for the tokenizer every
 file a tokenizer is made of too) and the versions of transformers and huggingface_hub, so an
@@ -28,6 +31,7 @@ import hashlib
 import importlib
 import json
 import logging
+import re
 from importlib import metadata
 from pathlib import Path
 
@@ -135,3 +139,43 @@ def remember_tokenizer(k: str | None, tok) -> None:
     cls = type(tok)
     if k is not None and cls.__module__.startswith("transformers.") and "." not in cls.__qualname__:
         _remember(k, f"{cls.__module__}:{cls.__qualname__}")
+
+
+def _direct_key(k: str) -> str:
+    return "direct:" + k
+
+
+def direct_spec(k: str | None) -> dict | None:
+    """The direct tokenizer's spec remembered under tokenizer key ``k`` (its backend read back and checked), or None."""
+    entry = _read().get(_direct_key(k)) if k else None
+    if not isinstance(entry, dict) or not isinstance(entry.get("backend"), str) or not isinstance(entry.get("meta"), dict):
+        return None
+    digest = entry["backend"]
+    if not re.fullmatch(r"[0-9a-f]{64}", digest):
+        return None
+    try:
+        data = (cache_dir() / "tokenizers" / f"{digest}.json").read_bytes()
+    except OSError:
+        return None
+    if hashlib.sha256(data).hexdigest() != digest:
+        return None  # damaged: transformers again
+    return dict(entry["meta"], backend=data.decode("utf-8", errors="replace"))
+
+
+def remember_direct(k: str | None, spec: dict) -> None:
+    from chatkv.storage.files import atomic_write, make_private_dir
+
+    if k is None:
+        return
+    data = spec["backend"].encode("utf-8")
+    digest = hashlib.sha256(data).hexdigest()
+    try:
+        d = cache_dir() / "tokenizers"
+        make_private_dir(d)
+        f = d / f"{digest}.json"
+        if not f.is_file():
+            atomic_write(f, lambda tmp: tmp.write_bytes(data), durable=False)
+    except OSError as err:
+        log.debug("direct tokenizer not cached (%s)", err)
+        return
+    _remember(_direct_key(k), {"backend": digest, "meta": {n: v for n, v in spec.items() if n != "backend"}})

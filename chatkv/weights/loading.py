@@ -16,12 +16,16 @@ raw.
 from __future__ import annotations
 
 import json
+import logging
+import os
 from pathlib import Path
 
 import torch
 
 from chatkv.errors import ModelNotFound, UnsupportedModel
 from chatkv.weights import load_cache
+
+log = logging.getLogger("chatkv.weights")
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "load_config", "read_weights", "load_tokenizer", "release_freed_memory"]
 
@@ -112,6 +116,52 @@ def read_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return weights
 
 
+
+def _transformers_tokenizer(path: Path, key: str | None):
+    cls = load_cache.tokenizer_class(key)  # the class AutoTokenizer chose for these files before
+    if cls is not None:
+        try:
+            return cls.from_pretrained(str(path), _from_auto=True)  # as AutoTokenizer ends, without its config load
+        except Exception:  # noqa: BLE001 - AutoTokenizer below says what is wrong
+            pass
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    load_cache.remember_tokenizer(key, tok)
+    return tok
+
+
+def _direct_enabled() -> bool:
+    return os.environ.get("CHATKV_DIRECT_TOKENIZER", "1") != "0"
+
+
+def _direct_tokenizer(path: Path, key: str | None):
+    """The DirectTokenizer remembered for these files (chatkv.weights.direct_tokenizer), or None."""
+    spec = load_cache.direct_spec(key) if _direct_enabled() else None
+    if spec is None:
+        return None
+    from chatkv.weights.direct_tokenizer import DirectTokenizer
+
+    try:
+        return DirectTokenizer(spec, lambda: _transformers_tokenizer(path, key))
+    except Exception as e:  # noqa: BLE001 - a spec this tokenizers version cannot read: transformers' path
+        log.debug("direct tokenizer not usable (%s)", e)
+        return None
+
+
+def _remember_direct(key: str | None, tok) -> None:
+    """Keep what a DirectTokenizer needs of ``tok``, if it is a plain one and a DirectTokenizer built from it agrees."""
+    if key is None or not _direct_enabled() or load_cache.direct_spec(key) is not None:
+        return
+    from chatkv.weights import direct_tokenizer
+
+    try:
+        spec = direct_tokenizer.spec_of(tok)
+        if spec is not None and direct_tokenizer.agrees(direct_tokenizer.DirectTokenizer(spec, lambda: tok), tok):
+            load_cache.remember_direct(key, spec)
+    except Exception as e:  # noqa: BLE001 - best effort: the next start asks transformers again
+        log.debug("direct tokenizer not kept (%s)", e)
+
 def load_tokenizer(model_dir: str | Path):
     """The directory's tokenizer (``AutoTokenizer.from_pretrained`` of the local directory; at a
     later start with the same config files, the class it chose, directly: chatkv.weights.load_cache).
@@ -126,19 +176,11 @@ def load_tokenizer(model_dir: str | Path):
     # class by: any edit, damage or removal asks AutoTokenizer again (and its errors are the ones raised)
     key = load_cache.key("tokenizer", *(path / n for n in ("config.json", "tokenizer_config.json") + _TOKENIZER_FILES
                                         + _TOKENIZER_EXTRAS))
-    cls = load_cache.tokenizer_class(key)  # the class AutoTokenizer chose for these files before
-    tok = None
-    if cls is not None:
-        try:
-            tok = cls.from_pretrained(str(path), _from_auto=True)  # as AutoTokenizer ends, without its config load
-        except Exception:  # noqa: BLE001 - AutoTokenizer below says what is wrong
-            tok = None
     try:
+        tok = _direct_tokenizer(path, key)  # a plain tokenizer.json one seen before: no transformers import
         if tok is None:
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(str(path))
-            load_cache.remember_tokenizer(key, tok)
+            tok = _transformers_tokenizer(path, key)
+            _remember_direct(key, tok)
         # the engine checks prompt lengths against the model's context itself (one clear error);
         # the tokenizer's own "Token indices sequence length is longer than..." warning would
         # only add lines on the user's terminal
