@@ -18,6 +18,13 @@ the two a CPU said followed the order of its own kernels' sums (issue 19: Intel 
 "L'Étoile", AMD "The capital of France is Paris."). float32 halves that error
 (tests/test_weight_paths.py) for about 7% of a decode step: each addition casts the
 projection's bf16 output (benchmarks/README.md, 2026-12-01).
+
+The logits are float32 where they decide (``ExactTop``): the output matrix's kernels round
+their results to bfloat16, whose spacing is 0.125 between logits 16 and 32, where the
+default model's are. So two tokens 0.01 apart in exact arithmetic came out equal, and argmax
+took the lower id: on an Intel Xeon with AMX the France prompt's "The" (25.235) and "L"
+(25.226) both rounded to 25.25 and the int4 mode answered "L'Étoile". The 16 highest of each
+row are recomputed from the same hidden state and weights in float32.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from chatkv import fused_decode
 from chatkv.cpu_threads import one_thread
 from chatkv.errors import ModelNotFound, UnsupportedModel
 from chatkv.kernels import AttentionMetadata, attention_backend, kv_quant
@@ -118,6 +126,46 @@ class Linear:
 
 
 AnyLinear = Linear | Int4Linear | Int8Linear
+
+
+class ExactTop:
+    """The output matrix with each row's ``k`` highest logits recomputed in float32.
+
+    ``head(x)``'s kernels round to the activations' dtype (bfloat16: 0.125 apart at logits
+    16-32), which ties tokens an exact product separates; ``rows(ids)`` gives the float32
+    weight rows ``[R, k, K]`` that ``head`` computes with (int8 codes times their bfloat16
+    scales, or the float matrix itself), so the top ``k`` are ``x @ rows.T`` without the
+    output rounding. The rest keep ``head``'s values: sampling's tail, 1/128 relative."""
+
+    __slots__ = ("head", "rows", "bias", "k", "out_features")
+
+    def __init__(self, head: AnyLinear, rows, k: int = 16):
+        self.head, self.rows, self.k = head, rows, k
+        self.bias = head.bias
+        self.out_features = head.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.head(x).float()
+        if logits.shape[-1] <= self.k or x.shape[0] == 0:
+            return logits
+        top = logits.topk(self.k, dim=-1).indices  # [R, k]
+        exact = torch.bmm(self.rows(top), x.float().unsqueeze(-1)).squeeze(-1)
+        if self.bias is not None:
+            exact += self.bias.float()[top]
+        return logits.scatter_(1, top, exact)
+
+
+def exact_top(head: AnyLinear, matrix: torch.Tensor | None) -> AnyLinear | ExactTop:
+    """``head`` as an ``ExactTop`` where its float32 rows can be read: an int8 head's codes and
+    scales, or ``matrix`` (the float output matrix, which a prepacked ``Linear`` no longer
+    holds). A float32 head needs none; an int4 head stays as it is (its codes are packed for
+    the kernel)."""
+    if isinstance(head, Int8Linear):
+        codes, scales = head.codes, head.scales
+        return ExactTop(head, lambda ids: codes[ids].float() * scales[ids].float().unsqueeze(-1))
+    if isinstance(head, Linear) and matrix is not None and matrix.dtype != torch.float32:
+        return ExactTop(head, lambda ids: matrix[ids].float())
+    return head
 
 
 @dataclass
@@ -283,10 +331,11 @@ class LlamaModel:
         self.norm = w("norm.weight")
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
         if head_mode == "float":
-            self.lm_head: AnyLinear = Linear(self.embed if tied else w("lm_head.weight"), pack=pack)
+            matrix = self.embed if tied else w("lm_head.weight")
+            self.lm_head: AnyLinear | ExactTop = exact_top(Linear(matrix, pack=pack), matrix)
         else:
             # no dense copy: the output matrix computes only the rows whose logits are wanted
-            self.lm_head = proj(["embed_tokens.weight" if tied else "lm_head.weight"], None, head_mode, 0)
+            self.lm_head = exact_top(proj(["embed_tokens.weight" if tied else "lm_head.weight"], None, head_mode, 0), None)
         # padding decode rows helps oneDNN's prepacked kernel and slows the int4/int8 ones
         self.min_rows = MIN_ROWS if isinstance(self.layers[0].qkv, Linear) and getattr(self.layers[0].qkv, "packed", None) is not None else 1
         inv_freq, self.rope_scaling = rope_inv_freq(config)
@@ -294,6 +343,9 @@ class LlamaModel:
         self._cos_sin = torch.empty(0, 2, self.head_dim, dtype=dtype, device=self.device)  # grown on demand
         self.windows = sorted({l.window for l in self.layers}, key=lambda x: -1 if x is None else x)
         self.store_kv, self.attention = attention_backend(self.device)
+        # decode steps through the fused CPU ops where they apply (chatkv.fused_decode; False: torch ops)
+        self.fused_decode = fused_decode.supported(self)
+        self._fused_weights: list[torch.Tensor] | None = None
 
     @classmethod
     def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype | None = None, device: str = "cpu",
@@ -339,6 +391,16 @@ class LlamaModel:
                 return y
             return y.to(self.dtype) if out is None else out.copy_(y)
         return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+    def fused_norm_weights(self) -> list[torch.Tensor]:
+        """float32 RMSNorm weights in the order a step applies them: layer 0's input norm, then
+        per layer its post-attention norm and the next layer's input norm (the last: the final norm)."""
+        if self._fused_weights is None:
+            ws = [self.layers[0].input_norm]
+            for i, layer in enumerate(self.layers):
+                ws += [layer.post_norm, self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.norm]
+            self._fused_weights = [w.float().contiguous() for w in ws]
+        return self._fused_weights
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin ``[T, 1, D]`` of ``positions``, from a table grown to the longest position seen."""
@@ -413,6 +475,10 @@ class LlamaModel:
         logits_rows: indices into the T tokens whose next-token logits are wanted.
         Returns float32 logits ``[len(logits_rows), vocab]``.
         """
+        if self.fused_decode:
+            out = fused_decode.forward(self, input_ids, positions, kv, metas, logits_rows, quant)
+            if out is not None:
+                return out
         t = input_ids.shape[0]
         # decode: compute at least MIN_ROWS rows through the projections (oneDNN's faster kernel);
         # the padding rows are never rotated, stored or attended, and their logits are not taken

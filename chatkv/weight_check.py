@@ -3,7 +3,8 @@
 The int4 and int8 modes, and the bf16 weights their prefill uses, run on kernels this project
 did not write and that differ between CPUs: torch's int4/int8 packing, oneDNN's prepacked
 matmuls, whatever ISA path each picks. So when a quantised mode loads, ``verify`` runs one
-fixed prompt of 48 tokens through the mode's two paths:
+fixed prompt of 64 tokens (``PROMPT_TOKENS``: at least chatkv.quant_prefill.SCRATCH_ROWS, the
+rows from which int4 steps dequantise into the scratch buffer) through the mode's two paths:
 
 - **decode**: one token a step, the few-row kernel (int4/int8 GEMV);
 - **batched**: the whole prompt in one step, the many-row path (bf16 weights when
@@ -14,7 +15,7 @@ and compares their logits with a **reference**: the same quantised numbers dequa
 float32 and computed with plain ``F.linear`` (no prepacking), a float32 residual, the same
 attention. Quantisation error is therefore not measured, only what the kernels add to it.
 
-The gate, per path, over the prompt's 48 positions:
+The gate, per path, over the prompt's 64 positions:
 
 - mean |logit difference| <= ``MAX_MEAN`` (0.05) times the reference logits' standard
   deviation, and
@@ -55,7 +56,7 @@ MAX_MEAN = 0.05
 PROMPT = ("The lighthouse keeper climbed the spiral stairs each evening, counting the steps as his father had "
           "taught him, and lit the lamp before the fishing boats came home across the grey water of the bay. "
           "On the night of the storm he saw a light that did not belong to any boat he knew.")
-PROMPT_TOKENS = 48
+PROMPT_TOKENS = 64  # >= chatkv.quant_prefill.SCRATCH_ROWS, or the batched path would not reach the scratch matmul
 _PROJ = tuple(f"self_attn.{x}_proj.weight" for x in "qkvo") + tuple(f"mlp.{x}_proj.weight" for x in ("gate", "up", "down"))
 _lock = threading.Lock()  # one check at a time, and one writer of the cache file per process
 
@@ -111,7 +112,12 @@ def _store(f: Path, key: str, verdict: Verdict) -> None:
 
 
 def mode_name(weights: str, head: str, dense_rows: int, dense: str = "scratch") -> str:
-    return f"weights {weights}, head {head}, dense rows {dense_rows}" + (f" ({dense})" if dense_rows else "")
+    """The verdict key's mode; the scratch path names its row threshold and version (a verdict
+    on the earlier scratch code, from 16 rows, does not vouch for this one)."""
+    from chatkv.quant_prefill import SCRATCH_ROWS
+
+    kind = f"scratch v2, int4 from {SCRATCH_ROWS} rows" if dense == "scratch" else dense
+    return f"weights {weights}, head {head}, dense rows {dense_rows}" + (f" ({kind})" if dense_rows else "")
 
 
 def reference_weight(name: str, t: torch.Tensor, how: str, q4: dict) -> torch.Tensor:
@@ -234,6 +240,10 @@ def verify(model, model_dir: Path, fingerprint: str, tokenizer, dense_rows: int,
     from chatkv.weights.loading import load_config, read_weights
 
     key = f"{machine_key()}|{fingerprint}|{mode_name(model.weights_mode, model.head_mode, dense_rows, dense)}"
+    if getattr(model, "fused_decode", False):  # its decode path is the fused C ops: a verdict per their source
+        from chatkv.kernels import cpu_decode
+
+        key += f"|fused decode {cpu_decode.digest()}"
     f = cache_file()
     with _lock:
         hit = _load_cache(f).get(key)

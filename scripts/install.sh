@@ -15,3 +15,7 @@ if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && [ "$(id -u)" = 0 ] &
     (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql) >/dev/null \
         || echo "install.sh: PostgreSQL could not be installed; its tests will be skipped" >&2
 fi
+# the fused CPU decode ops (kernels/cpu_decode.c), built once with the system's gcc for this CPU
+# into chatkv's cache; never required: without a compiler the torch ops are used
+.venv/bin/python -c "from chatkv import fused_decode; print('fused decode ops:', 'built' if fused_decode.kernels_available() else 'not built (the torch ops are used)')" \
+    || echo "install.sh: the fused decode ops could not be built; the torch ops will be used" >&2

@@ -1,0 +1,228 @@
+"""Fused CPU ops of a decode step, in C (``cpu_decode.c``), built with the system's C compiler
+at first use (or by scripts/install.sh) and cached per source, compiler and CPU; called with ctypes.
+
+Why: at batch 1 the default model's decode step was ~4,900 torch ops (~160 a layer around its 4
+matmuls: RMSNorm alone is ~13 ops on CPU, RoPE 8, the KV store 4, attention ~20), each 1-3 us of
+dispatch and allocation for a few hundred numbers; measured on one thread, the step without its
+matmuls took 4-5 ms of 21-25 ms (benchmarks/bench_decode_ops.py). These three functions do that
+work in one call each: ``add_rms`` (the residual addition and the next RMSNorm), ``silu_mul``,
+``decode_attention`` (RoPE of q and k, the KV store, attention of one-token queries).
+
+Never required: without a compiler, on a build failure, off Linux/x86 or with
+``CHATKV_FUSED_DECODE=0``, ``load()`` is False and the model runs its torch ops (which are
+the oracle: tests/test_cpu_decode.py compares both at the default model's real activations).
+Numbers: each function rounds to bfloat16 where the torch ops it replaces round; only the order
+of float32 sums differs (the norm's sum of squares is taken in float64, closer to exact).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("chatkv.kernels")
+
+ENV = "CHATKV_FUSED_DECODE"  # "0" turns the fused decode ops off
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+MAX_HEAD_DIM = 512  # the C kernel's per-head buffers
+
+_P, _I, _D, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_float
+_SIGNATURES = {
+    "add_rms": [_P, _P, _P, _P, _I, _I, _D],
+    "silu_mul": [_P, _P, _I, _I],
+    "decode_attention": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _P],
+}
+_lib: ctypes.CDLL | None | bool = False  # False: not looked for yet
+
+
+def _cpu_key() -> str:
+    """What the build depends on besides the source: the CPU's flags (it is built -march=native).
+    Not the compiler's version: a library once built runs as it is (and asking gcc would cost
+    every start-up a process)."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = line
+                break
+    except OSError:
+        pass
+    return f"{platform.machine()}|{flags}"
+
+
+def digest() -> str:
+    """The C source's hash: what a self-check's verdict on the fused path holds for (chatkv.weight_check)."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+
+
+def build(directory: Path) -> Path | None:
+    """The shared library in ``directory`` (the caller's cache: chatkv.fused_decode gives chatkv's),
+    compiled unless it is there; None when it cannot be built here."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    key = _cpu_key()
+    src = SOURCE.read_bytes()
+    digest = hashlib.sha256(src + key.encode()).hexdigest()[:20]
+    target = directory / f"cpu_decode-{digest}.so"
+    if target.is_file():
+        return target
+    try:
+        directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=directory)
+        os.close(fd)
+        cmd = ["gcc", "-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno", "-shared", "-fPIC",
+               "-o", tmp, str(SOURCE), "-lm"]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if out.returncode != 0:
+            log.warning("fused decode ops not built (%s): %s; the torch ops are used", " ".join(cmd), out.stderr[-500:])
+            os.unlink(tmp)
+            return None
+        os.replace(tmp, target)  # atomic: a concurrent first use sees the whole file or none
+    except (OSError, subprocess.SubprocessError) as err:
+        log.warning("fused decode ops not built (%s); the torch ops are used", err)
+        return None
+    return target
+
+
+def load(directory: Path) -> bool:
+    """Build (once per source and CPU, into ``directory``) and load the library; whether it loaded.
+    Looked for once per process: later calls answer the first one's result."""
+    global _lib
+    if _lib is False:
+        _lib = None
+        if os.environ.get(ENV, "1").strip() != "0":
+            path = build(directory)
+            if path is not None:
+                try:
+                    lib = ctypes.CDLL(str(path))
+                    for name, args in _SIGNATURES.items():
+                        getattr(lib, name).argtypes = args
+                        getattr(lib, name).restype = None
+                    _lib = lib
+                except OSError as err:
+                    log.warning("fused decode ops not loaded (%s); the torch ops are used", err)
+    return _lib is not None
+
+
+def library() -> ctypes.CDLL:
+    if not _lib:
+        raise RuntimeError("the fused decode ops are not loaded (cpu_decode.load)")
+    return _lib
+
+
+def _check(t: torch.Tensor, dtype: torch.dtype, name: str) -> int:
+    if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name}: expected a contiguous CPU {dtype} tensor, got {t.dtype} {tuple(t.shape)}")
+    return t.data_ptr()
+
+
+def add_rms(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, out: torch.Tensor, eps: float) -> None:
+    """``h += y`` (bf16 ``y``, or none), then ``out = bf16(rms_norm(h) * weight)``; h float32 ``[rows, n]``."""
+    rows, n = h.shape
+    if weight.shape != (n,) or out.shape != (rows, n) or (y is not None and y.shape != (rows, n)):
+        raise ValueError(f"add_rms: shapes h {tuple(h.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}")
+    yp = None if y is None else _check(y, torch.bfloat16, "y")
+    library().add_rms(_check(h, torch.float32, "h"), yp, _check(weight, torch.float32, "weight"),
+                      _check(out, torch.bfloat16, "out"), rows, n, eps)
+
+
+def silu_mul(gu: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = silu(g) * u`` in bfloat16, ``gu = [g, u]`` along the last axis (``[rows, 2n]``)."""
+    rows, n2 = gu.shape
+    if n2 % 2 or out.shape != (rows, n2 // 2):
+        raise ValueError(f"silu_mul: shapes gu {tuple(gu.shape)}, out {tuple(out.shape)}")
+    library().silu_mul(_check(gu, torch.bfloat16, "gu"), _check(out, torch.bfloat16, "out"), rows, n2 // 2)
+
+
+def decode_attention(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor, ctx: torch.Tensor,
+                     num_heads: int, num_kv_heads: int, scale: float, out: torch.Tensor,
+                     scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """One layer's attention of ``rows`` one-token queries (see cpu_decode.c): qkv bf16
+    ``[rows, (H + 2 KVH) D]``; table bf16 ``[positions, 2, D]`` (cos, sign-folded sin); k/v_cache
+    bf16 ``[blocks, block_size, KVH, D]``; slots, positions, ctx int64 ``[rows]``; blocks int64
+    ``[rows, max_blocks]`` (row r's keys are its first ctx[r]); out bf16 ``[rows, H D]``;
+    scratch: (bf16 ``[rows, H D]``, float32 ``[>= max ctx]``). Bounds are the caller's (the
+    model's metadata); only shapes and dtypes are checked here."""
+    rows = qkv.shape[0]
+    nb, bs, kvh, d = k_cache.shape
+    if (qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or kvh != num_kv_heads or d > MAX_HEAD_DIM
+            or v_cache.shape != k_cache.shape or table.shape[1:] != (2, d) or out.shape != (rows, num_heads * d)
+            or blocks.dim() != 2 or blocks.shape[0] != rows or slots.shape != (rows,) or ctx.shape != (rows,)
+            or positions.shape != (rows,) or scratch[0].numel() < rows * num_heads * d):
+        raise ValueError("decode_attention: inconsistent shapes")
+    library().decode_attention(
+        _check(qkv, torch.bfloat16, "qkv"), _check(table, torch.bfloat16, "table"), _check(positions, torch.int64, "positions"),
+        _check(k_cache, torch.bfloat16, "k_cache"), _check(v_cache, torch.bfloat16, "v_cache"),
+        _check(slots, torch.int64, "slots"), _check(blocks, torch.int64, "blocks"), _check(ctx, torch.int64, "ctx"),
+        blocks.shape[1], bs, rows, num_heads, num_kv_heads, d, scale,
+        _check(scratch[0], torch.bfloat16, "scratch"), _check(scratch[1], torch.float32, "scores"),
+        _check(out, torch.bfloat16, "out"))
+
+
+class DecodeStep:
+    """One decode step's fused calls, with the pointers of its fixed tensors taken once (a layer
+    then costs 3 ctypes calls): built by the model for a step whose every row is a one-token
+    query over its own full-attention keys (``LlamaModel._fused_step``)."""
+
+    def __init__(self, h: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 blocks: torch.Tensor, ctx: torch.Tensor, max_ctx: int, kv: torch.Tensor, num_heads: int,
+                 num_kv_heads: int, head_dim: int, intermediate: int, scale: float, eps: float):
+        lib = library()
+        rows, hidden = h.shape
+        nb, bs = kv.shape[2], kv.shape[3]
+        if (kv.dtype != torch.bfloat16 or not kv.is_contiguous() or kv.shape[4:] != (num_kv_heads, head_dim)
+                or head_dim > MAX_HEAD_DIM or blocks.shape[1] * bs < max_ctx or slots.shape != (rows,)):
+            raise ValueError("DecodeStep: inconsistent step")
+        self.lib, self.rows, self.hidden, self.eps = lib, rows, hidden, eps
+        self.h = h
+        self.normed = torch.empty(rows, hidden, dtype=torch.bfloat16)
+        self.o = torch.empty(rows, num_heads * head_dim, dtype=torch.bfloat16)
+        self.act = torch.empty(rows, intermediate, dtype=torch.bfloat16)
+        self._keep = (table, positions, slots, blocks, ctx, kv)  # alive while their pointers are used
+        self._q = torch.empty(rows, num_heads * head_dim, dtype=torch.bfloat16)
+        self._scores = torch.empty(max(max_ctx, 1), dtype=torch.float32)
+        self._h, self._normed, self._o, self._act = (_check(t, dt, n) for t, dt, n in (
+            (h, torch.float32, "h"), (self.normed, torch.bfloat16, "normed"), (self.o, torch.bfloat16, "o"),
+            (self.act, torch.bfloat16, "act")))
+        layer_elems = kv.stride(0)
+        base = kv.data_ptr()
+        self._kv = [(base + 2 * (layer * layer_elems), base + 2 * (layer * layer_elems + kv.stride(1)))
+                    for layer in range(kv.shape[0])]
+        self._attn_args = (_check(table, torch.bfloat16, "table"), _check(positions, torch.int64, "positions"),
+                           _check(slots, torch.int64, "slots"), _check(blocks, torch.int64, "blocks"),
+                           _check(ctx, torch.int64, "ctx"), blocks.shape[1], bs, rows, num_heads, num_kv_heads,
+                           head_dim, scale, self._q.data_ptr(), self._scores.data_ptr(), self._o)
+        self._qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
+        self._inter = intermediate
+
+    def norm(self, y: torch.Tensor | None, weight: torch.Tensor) -> torch.Tensor:
+        """``h += y``; returns ``normed = bf16(rms_norm(h) * weight)`` (weight float32, contiguous)."""
+        if y is not None and (y.dtype != torch.bfloat16 or not y.is_contiguous() or y.shape != self.h.shape):
+            raise ValueError(f"DecodeStep.norm: y {y.dtype} {tuple(y.shape)}")
+        self.lib.add_rms(self._h, None if y is None else y.data_ptr(), weight.data_ptr(), self._normed,
+                         self.rows, self.hidden, self.eps)
+        return self.normed
+
+    def attention(self, qkv: torch.Tensor, layer: int) -> torch.Tensor:
+        """RoPE, the KV store and attention of layer ``layer``; returns ``o`` (bf16 ``[rows, H D]``)."""
+        if qkv.dtype != torch.bfloat16 or not qkv.is_contiguous() or qkv.shape != (self.rows, self._qkv_width):
+            raise ValueError(f"DecodeStep.attention: qkv {qkv.dtype} {tuple(qkv.shape)}")
+        t, pos, slots, blocks, ctx, *rest = self._attn_args
+        k, v = self._kv[layer]
+        self.lib.decode_attention(qkv.data_ptr(), t, pos, k, v, slots, blocks, ctx, *rest)
+        return self.o
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        if gu.dtype != torch.bfloat16 or not gu.is_contiguous() or gu.shape != (self.rows, 2 * self._inter):
+            raise ValueError(f"DecodeStep.silu_mul: gu {gu.dtype} {tuple(gu.shape)}")
+        self.lib.silu_mul(gu.data_ptr(), self._act, self.rows, self._inter)
+        return self.act
