@@ -69,10 +69,24 @@ def spec_of(tok) -> dict | None:
     stm = tok.special_tokens_map
     if not all(isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v)) for v in stm.values()):
         return None
+    special = {n: getattr(tok, n) for n in _SPECIAL if isinstance(getattr(tok, n, None), str)}
     return {"backend": tok.backend_tokenizer.to_str(), "special_tokens_map": dict(stm),
             "all_special_ids": list(tok.all_special_ids), "chat_template": template,
-            "name_or_path": str(tok.name_or_path),
-            "special": {n: getattr(tok, n) for n in _SPECIAL if isinstance(getattr(tok, n, None), str)}}
+            "name_or_path": str(tok.name_or_path), "special": special,
+            "special_ids": {n: getattr(tok, n + "_id") for n in special}, "versions": library_versions()}
+
+
+def library_versions() -> dict:
+    """The versions a kept spec was proved with (transformers' and huggingface_hub's are in its key)."""
+    from importlib import metadata
+
+    out = {}
+    for package in ("tokenizers", "jinja2"):
+        try:
+            out[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            out[package] = "none"
+    return out
 
 
 class DirectTokenizer:
@@ -81,24 +95,48 @@ class DirectTokenizer:
     is_fast = True
 
     def __init__(self, spec: dict, fallback):
-        from tokenizers import Tokenizer
+        import tokenizers  # noqa: F401 - imported here, not in the thread below
 
-        self._tokenizer = Tokenizer.from_str(spec["backend"])
-        self._tokenizer.no_truncation()
-        self._tokenizer.no_padding()
-        self._tokenizer.encode_special_tokens = False
         self._split = None  # a second backend that splits special tokens, made when first asked
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # the fallback's load may happen under it
         self._fallback, self._hf = fallback, None
         self.special_tokens_map = dict(spec["special_tokens_map"])
         self.all_special_ids = list(spec["all_special_ids"])
         self.chat_template = spec["chat_template"]
         self.name_or_path = spec["name_or_path"]
         for name in _SPECIAL:
-            token = spec["special"].get(name)
-            setattr(self, name, token)
-            setattr(self, name + "_id", None if token is None else self._tokenizer.token_to_id(token))
+            setattr(self, name, spec["special"].get(name))
+            setattr(self, name + "_id", spec["special_ids"].get(name))
         self.model_max_length = int(1e30)
+        # the backend is parsed (and the template compiled) on a second thread while the model
+        # loads, on one thread, beside it; the first call that needs it waits
+        self._built, self._backend_error, self._made = threading.Event(), None, None
+        threading.Thread(target=self._build, args=(spec["backend"], self.chat_template), name="chatkv-tokenizer",
+                         daemon=True).start()
+
+    def _build(self, text: str, template: str | None) -> None:
+        try:
+            self._made = _backend_of(text)
+        except BaseException as e:  # noqa: BLE001 - said, and answered from transformers', at the first use
+            self._backend_error = e
+        finally:
+            self._built.set()
+        if template is not None:
+            try:
+                _compiled(template)
+            except Exception:  # noqa: BLE001 - the render on the caller's thread raises it for the caller
+                pass
+
+    @property
+    def _tokenizer(self):
+        self._built.wait()
+        if self._made is None:
+            with self._lock:
+                if self._made is None:
+                    log.warning("the kept tokenizer could not be read back (%s): transformers' is used",
+                                self._backend_error)
+                    self._made = _backend_of(self.transformers_tokenizer.backend_tokenizer.to_str())
+        return self._made
 
     @property
     def transformers_tokenizer(self):
@@ -111,7 +149,8 @@ class DirectTokenizer:
             return self._hf
 
     def __getattr__(self, name: str):
-        if name.startswith("__") or name.startswith("_chatkv") or name in ("_hf", "_fallback", "_lock"):
+        if name.startswith("__") or name.startswith("_chatkv") or name in (
+                "_hf", "_fallback", "_lock", "_built", "_made", "_backend_error", "_split"):
             raise AttributeError(name)
         return getattr(self.transformers_tokenizer, name)
 
@@ -143,9 +182,7 @@ class DirectTokenizer:
             return self._tokenizer
         with self._lock:
             if self._split is None:
-                from tokenizers import Tokenizer
-
-                self._split = Tokenizer.from_str(self._tokenizer.to_str())
+                self._split = _backend_of(self._tokenizer.to_str())
                 self._split.encode_special_tokens = True
             return self._split
 
@@ -259,6 +296,16 @@ def agrees(direct: DirectTokenizer, tok) -> bool:
     if diff:
         log.debug("direct tokenizer differs from transformers' (%s): not kept", "; ".join(diff[:3]))
     return not diff
+
+
+def _backend_of(text: str):
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(text)
+    backend.no_truncation()  # transformers' per-call set-up for no padding and no truncation
+    backend.no_padding()
+    backend.encode_special_tokens = False
+    return backend
 
 
 # -- the chat template, as transformers' chat_template_utils renders it (transformers 5) ----------

@@ -159,6 +159,10 @@ def direct_spec(k: str | None) -> dict | None:
         return None
     if hashlib.sha256(data).hexdigest() != digest:
         return None  # damaged: transformers again
+    from chatkv.weights.direct_tokenizer import library_versions
+
+    if entry["meta"].get("versions") != library_versions():
+        return None  # proved with another tokenizers or jinja2: prove it again
     return dict(entry["meta"], backend=data.decode("utf-8", errors="replace"))
 
 

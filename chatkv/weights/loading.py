@@ -178,9 +178,9 @@ def load_tokenizer(model_dir: str | Path):
                                         + _TOKENIZER_EXTRAS))
     try:
         tok = _direct_tokenizer(path, key)  # a plain tokenizer.json one seen before: no transformers import
-        if tok is None:
+        direct = tok is not None
+        if not direct:
             tok = _transformers_tokenizer(path, key)
-            _remember_direct(key, tok)
         # the engine checks prompt lengths against the model's context itself (one clear error);
         # the tokenizer's own "Token indices sequence length is longer than..." warning would
         # only add lines on the user's terminal
@@ -196,12 +196,15 @@ def load_tokenizer(model_dir: str | Path):
         # for some families (qwen2) transformers builds an empty tokenizer (one token: every
         # prompt "empty") instead of failing
         raise ModelNotFound(_no_tokenizer(model_dir))
+    if direct:  # kept only after the check below passed on transformers' tokenizer of the same bytes
+        return tok
     if len(tok) < 2 or not tok("a", add_special_tokens=False)["input_ids"]:
         present = [n for n in _TOKENIZER_FILES + ("merges.txt", "tokenizer_config.json") if (path / n).is_file()]
         raise ModelNotFound(
             f"the tokenizer in '{model_dir}' ({', '.join(present)}) has {len(tok)} token(s) and makes no tokens "
             f"of text; its vocabulary files are missing or empty: copy the model's tokenizer files into it"
         )
+    _remember_direct(key, tok)
     return tok
 
 
