@@ -290,18 +290,23 @@ def test_a_damaged_or_refused_direct_tokenizer_is_transformers_again(tmp_path, c
     assert type(load_tokenizer(d)).__name__ == "TokenizersBackend"  # and not remembered as direct
 
 
-def test_a_backend_that_cannot_be_read_back_is_transformers_own(tmp_path, cache, caplog):
+def test_a_kept_backend_that_tokenizers_cannot_read_is_transformers_again(tmp_path, cache):
+    import hashlib
+
     from chatkv.weights import direct_tokenizer
 
     d = _model("qwen3", tmp_path)
     hf = load_tokenizer(d)
-    spec = direct_tokenizer.spec_of(hf)
-    assert spec is not None and spec["versions"] == direct_tokenizer.library_versions()
-    broken = direct_tokenizer.DirectTokenizer(dict(spec, backend="{not json"), lambda: hf)  # read on its own thread
-    with caplog.at_level("WARNING", logger="chatkv.weights"):
-        assert broken("What is the capital?")["input_ids"] == hf("What is the capital?")["input_ids"]
-    assert "could not be read back" in caplog.text
-    assert broken.decode([5, 6, 7]) == hf.decode([5, 6, 7]) and len(broken) == len(hf)
+    assert direct_tokenizer.spec_of(hf)["versions"] == direct_tokenizer.library_versions()
+    bad = b"{not json"
+    digest = hashlib.sha256(bad).hexdigest()
+    (cache.parent / "tokenizers" / f"{digest}.json").write_bytes(bad)  # its hash matches: only its reading fails
+    data = json.loads(cache.read_text())
+    (k,) = [k for k in data if k.startswith("direct:")]
+    data[k]["backend"] = digest
+    cache.write_text(json.dumps(data))
+    again = load_tokenizer(d)
+    assert type(again).__name__ == "TokenizersBackend" and again("What is it?")["input_ids"] == hf("What is it?")["input_ids"]
 
 
 def test_a_spec_proved_with_other_library_versions_is_proved_again(tmp_path, cache):

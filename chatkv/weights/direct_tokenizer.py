@@ -8,7 +8,9 @@ template. So the first (cold) load, through transformers, keeps in the cache dir
   from ``tokenizer_config.json``, the post-processor for BOS/EOS included), in a file named by
   its SHA-256, checked when read back;
 - the few facts chatkv reads of the tokenizer object: the special tokens (``special_tokens_map``,
-  ``all_special_ids``), the chat template, ``name_or_path``.
+  ``all_special_ids``, each named one and its id), the chat template, ``name_or_path``, and the
+  versions of ``tokenizers`` and ``jinja2`` it was proved with (another version proves it again;
+  transformers' and huggingface_hub's are in the entry's key, chatkv.weights.load_cache).
 
 A later start builds a ``DirectTokenizer`` from these: ``tokenizers`` and ``jinja2`` only. It
 does natively what transformers' ``TokenizersBackend`` does on the calls chatkv makes (one string
@@ -95,8 +97,6 @@ class DirectTokenizer:
     is_fast = True
 
     def __init__(self, spec: dict, fallback):
-        import tokenizers  # noqa: F401 - imported here, not in the thread below
-
         self._split = None  # a second backend that splits special tokens, made when first asked
         self._lock = threading.RLock()  # the fallback's load may happen under it
         self._fallback, self._hf = fallback, None
@@ -108,35 +108,9 @@ class DirectTokenizer:
             setattr(self, name, spec["special"].get(name))
             setattr(self, name + "_id", spec["special_ids"].get(name))
         self.model_max_length = int(1e30)
-        # the backend is parsed (and the template compiled) on a second thread while the model
-        # loads, on one thread, beside it; the first call that needs it waits
-        self._built, self._backend_error, self._made = threading.Event(), None, None
-        threading.Thread(target=self._build, args=(spec["backend"], self.chat_template), name="chatkv-tokenizer",
-                         daemon=True).start()
-
-    def _build(self, text: str, template: str | None) -> None:
-        try:
-            self._made = _backend_of(text)
-        except BaseException as e:  # noqa: BLE001 - said, and answered from transformers', at the first use
-            self._backend_error = e
-        finally:
-            self._built.set()
-        if template is not None:
-            try:
-                _compiled(template)
-            except Exception:  # noqa: BLE001 - the render on the caller's thread raises it for the caller
-                pass
-
-    @property
-    def _tokenizer(self):
-        self._built.wait()
-        if self._made is None:
-            with self._lock:
-                if self._made is None:
-                    log.warning("the kept tokenizer could not be read back (%s): transformers' is used",
-                                self._backend_error)
-                    self._made = _backend_of(self.transformers_tokenizer.backend_tokenizer.to_str())
-        return self._made
+        # parsed here, not on a second thread beside the model's load: tokenizers holds the GIL
+        # while it parses, so the load would only wait (measured: the caller blocked 0.6 s)
+        self._tokenizer = _backend_of(spec["backend"])
 
     @property
     def transformers_tokenizer(self):
@@ -150,7 +124,7 @@ class DirectTokenizer:
 
     def __getattr__(self, name: str):
         if name.startswith("__") or name.startswith("_chatkv") or name in (
-                "_hf", "_fallback", "_lock", "_built", "_made", "_backend_error", "_split"):
+                "_hf", "_fallback", "_lock", "_tokenizer", "_split"):
             raise AttributeError(name)
         return getattr(self.transformers_tokenizer, name)
 
