@@ -240,9 +240,11 @@ def hf_ttft_cached(model, cache, new_ids):
 
 
 def llama_open(threads):
-    import llama_cpp
+    from common import prepare_llama_cpp
+
     from chatkv.weights import packaged_gguf_path
 
+    llama_cpp = prepare_llama_cpp()
     return llama_cpp.Llama(model_path=str(packaged_gguf_path()), n_ctx=4096, n_threads=threads, verbose=False)
 
 

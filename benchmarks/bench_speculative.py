@@ -45,11 +45,9 @@ the table's end prints the row cost it measured in this run, next to its prior.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import time
 
-from common import llama_decode, OtherLoad, common_prefix, cpu_line, goal, load_average, median, parser, print_table, setup
+from common import llama_decode, prepare_llama_cpp, OtherLoad, common_prefix, cpu_line, goal, load_average, median, parser, print_table, setup
 
 SOURCE = (
     "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 individual reefs "
@@ -229,20 +227,15 @@ def main() -> None:
 def llama_peer(args, ids, counts) -> dict:
     """{workload: (plain tok/s, LlamaPromptLookupDecoding tok/s, whether their tokens agree)} on the
     same prompt tokens, as many tokens as chatkv's off generated."""
-    try:
-        import llama_cpp
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
-    except ImportError:
+    llama_cpp = prepare_llama_cpp()
+    if llama_cpp is None:
         print("llama.cpp: llama-cpp-python not installed; no peer")
         return {}
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
     from chatkv.weights import packaged_gguf_path
 
     path = str(packaged_gguf_path())
-    if not _repacking_works(path):
-        _no_repacking()
-        print("llama.cpp: its weight repacking (extra buffer types: the AMX / AVX-512 repacked kernels) crashes "
-              "a multi-token batch in this build on this CPU (a segfault, probed in a child process); the peer runs "
-              "WITHOUT repacking (use_extra_bufts=False), slower than it could be: its rows are a lower bound")
     plain = llama_cpp.Llama(model_path=path, n_threads=args.threads, n_ctx=2048, verbose=False)
     look = llama_cpp.Llama(model_path=path, n_threads=args.threads, n_ctx=2048, verbose=False,
                            draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
@@ -257,32 +250,6 @@ def llama_peer(args, ids, counts) -> dict:
             rl.append(r)
         out[w] = (median(rp), median(rl), "yes" if a == b else f"from token {common_prefix(a, b)}")
     return out
-
-
-def _repacking_works(path: str) -> bool:
-    """Whether llama.cpp evaluates a multi-token batch with its default weight repacking, in a
-    child process (measured: llama-cpp-python 0.3.36 built on the AMX Xeon segfaults on any
-    eval of 2+ tokens with it, and not without it)."""
-    code = ("import sys, llama_cpp; m = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False); "
-            "m.eval([100, 101, 102])")
-    try:
-        return subprocess.run([sys.executable, "-c", code, path], capture_output=True, timeout=300).returncode == 0
-    except subprocess.TimeoutExpired:
-        return False
-
-
-def _no_repacking() -> None:
-    """Every llama_cpp.Llama made from now on loads its weights without repacking."""
-    import llama_cpp.llama_cpp as low
-
-    default = low.llama_model_default_params
-
-    def params():
-        p = default()
-        p.use_extra_bufts = False
-        return p
-
-    low.llama_model_default_params = params
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -80,12 +81,54 @@ def llama_decode(llm, ids, n):
     return (n - 1) / (stamps[-1] - stamps[0]) if n > 1 else 0.0, toks
 
 
-def load_llama_cpp(threads: int, gguf: str | Path | None = None):
-    """llama.cpp on ``gguf`` (default: the packaged GGUF; its own quantised weights), or None if
-    llama_cpp is not installed."""
+_llama_cpp_checked: list[bool] = []
+
+
+def prepare_llama_cpp():
+    """llama_cpp, made safe on this CPU, or None if it is not installed.
+
+    llama-cpp-python 0.3.36 built on an Intel Xeon with AMX segfaults on any eval of 2 or more
+    tokens with its default weight repacking (the extra buffer types: its AMX / AVX-512
+    repacked kernels), and not without it. A child process probes that once; where it
+    crashes, every ``Llama`` made from then on loads without repacking, and this says so: the
+    peer's figures are then a lower bound of what a fixed build would do."""
     try:
         import llama_cpp
     except ImportError:
+        return None
+    if not _llama_cpp_checked:
+        from chatkv.weights import packaged_gguf_path
+
+        code = ("import sys, llama_cpp; m = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, "
+                "verbose=False); m.eval([100, 101, 102])")
+        try:
+            ok = subprocess.run([sys.executable, "-c", code, str(packaged_gguf_path())], capture_output=True,
+                                timeout=300).returncode == 0
+        except subprocess.TimeoutExpired:
+            ok = False
+        _llama_cpp_checked.append(ok)
+        if not ok:
+            import llama_cpp.llama_cpp as low
+
+            default = low.llama_model_default_params
+
+            def params():
+                p = default()
+                p.use_extra_bufts = False
+                return p
+
+            low.llama_model_default_params = params
+            print("llama.cpp: its weight repacking (AMX / AVX-512 repacked kernels) crashes a multi-token batch in "
+                  "this build on this CPU (a segfault, probed in a child process); it runs WITHOUT repacking "
+                  "(use_extra_bufts=False), so its figures are a lower bound")
+    return llama_cpp
+
+
+def load_llama_cpp(threads: int, gguf: str | Path | None = None):
+    """llama.cpp on ``gguf`` (default: the packaged GGUF; its own quantised weights), or None if
+    llama_cpp is not installed."""
+    llama_cpp = prepare_llama_cpp()
+    if llama_cpp is None:
         return None
     from chatkv.weights import packaged_gguf_path
 

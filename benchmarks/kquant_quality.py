@@ -113,8 +113,11 @@ def main() -> None:
         }
         llama = None
         try:
-            import llama_cpp
+            from common import prepare_llama_cpp
 
+            llama_cpp = prepare_llama_cpp()
+            if llama_cpp is None:
+                raise ImportError("llama_cpp")
             llm = llama_cpp.Llama(model_path=args.gguf, n_ctx=512, n_threads=2, logits_all=True, verbose=False)
             llama = []
             for ids in prompts:
