@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from chatkv.errors import InvalidRequest, ToolStepLimit  # noqa: F401  (ToolStepLimit: also importable from here)
 
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for a function's name (MCP tools' names too)
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 tagged_calls = _TAGGED  # the Hermes/Qwen call markup, for a stream that splits text from calls
 HERMES = "hermes"  # <tool_call>...</tool_call>
@@ -36,7 +36,7 @@ class Tool:
     fn: Callable | None = None  # the Python callable (run_tools runs it); None for a JSON spec
 
     def spec(self) -> dict:
-        """The OpenAI-style spec the chat template renders."""
+        """The OpenAI-style spec the chat template renders (an MCP server's tool too: tui/mcp_tools.py)."""
         return {"type": "function", "function": {"name": self.name, "description": self.description,
                                                  "parameters": self.parameters}}
 
@@ -94,7 +94,7 @@ def tool_from_callable(fn: Callable, where: str = "tool") -> Tool:
     """A tool from a Python function: its name, its docstring's first paragraph, a JSON schema
     of its parameters from the signature's annotations (a default makes one optional)."""
     name = getattr(fn, "__name__", None)
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not TOOL_NAME.match(name):
         raise InvalidRequest(f"{where}: a callable tool needs a name of letters, digits, '_' or '-' (got {name!r})")
     try:
         sig = inspect.signature(fn)
@@ -132,7 +132,7 @@ def tool_from_spec(spec: Any, where: str = "tool") -> Tool:
     name = fn.get("name")
     if name is None:
         raise InvalidRequest(f"{where}.name: a tool needs a name")
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not TOOL_NAME.match(name):
         raise InvalidRequest(f"{where}.name: must be 1-64 letters, digits, '_' or '-', got {name!r}")
     desc = fn.get("description", "")
     if not isinstance(desc, str):

@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from chatkv.errors import ChatKVError
-from chatkv.tools import tools_of
+from chatkv.tools import TOOL_NAME, Tool, tools_of
 from chatkv.tui.mcp_config import ServerConfig, load_config
 
 START_TIMEOUT_S = 30.0
-_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # the SDK's (OpenAI's) rule for a tool's name
 
 
 # -- tools and results ------------------------------------------------------------------------
@@ -37,8 +36,8 @@ class MCPTool:
     schema: dict
 
     def spec(self) -> dict:
-        return {"type": "function", "function": {"name": self.exposed, "description": self.description,
-                                                 "parameters": self.schema}}
+        """The SDK's tool spec, under the name the model calls it by (chatkv.tools.Tool's own)."""
+        return Tool(self.exposed, self.description, self.schema).spec()
 
 
 @dataclass
@@ -313,7 +312,7 @@ class MCPTools:
         for s, t in listed:
             if s.state != "running":
                 continue
-            name = t.name if counts[t.name] == 1 and _NAME.match(t.name) else re.sub(
+            name = t.name if counts[t.name] == 1 and TOOL_NAME.match(t.name) else re.sub(
                 r"[^A-Za-z0-9_-]", "_", f"{s.config.name}_{t.name}")[:64]
             tool = MCPTool(s.config.name, t.name, name, getattr(t, "description", None) or "",
                            _tightened(getattr(t, "input_schema", None) or getattr(t, "inputSchema", None)))
