@@ -11,8 +11,6 @@ import pytest
 
 pytest.importorskip("textual")
 
-from textual.screen import ModalScreen  # noqa: E402
-
 from chatkv.config import EngineConfig  # noqa: E402
 from chatkv.engine import Engine  # noqa: E402
 from chatkv.tui.app import ChatApp  # noqa: E402
@@ -22,6 +20,8 @@ from chatkv.tui.widgets.chat import EDITING, ChatInput, ChatMessage, StatusLine 
 from chatkv.tui.widgets.sidebar import ConversationItem  # noqa: E402
 from chatkv.tui.widgets.sources import SourcesPanel  # noqa: E402
 from chatkv.tui.widgets.titles import safe_text  # noqa: E402
+from tests.pilot import idle, messages  # noqa: E402
+from tests.pilot import send as say  # noqa: E402
 
 pytestmark = [pytest.mark.anyio, pytest.mark.tiny_model("llama", seed=3)]
 SIZE = (100, 32)
@@ -29,42 +29,10 @@ FAST = dict(max_tokens=6, temperature=0.0)
 
 
 @pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
-@pytest.fixture
 def engine(model_dir, tmp_path):
     e = Engine(model_dir, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=128))
     yield e
     e.close()
-
-
-async def idle(pilot, app: ChatApp, timeout: float = 30.0) -> None:
-    """Wait until no reply is generating and every worker has finished."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while True:
-        await pilot.pause()
-        waiting_on_dialog = isinstance(app.screen, ModalScreen)  # a worker awaits the user's answer
-        busy = app.generating or (any(w.is_running for w in app.workers) and not waiting_on_dialog)
-        if not busy:
-            await pilot.pause()
-            return
-        assert loop.time() < end, "the app stayed busy"
-        await asyncio.sleep(0.02)
-
-
-async def say(pilot, app: ChatApp, text: str) -> None:
-    box = app.query_one(ChatInput)
-    box.focus()
-    box.text = text
-    await pilot.press("enter")
-    await idle(pilot, app)
-
-
-def messages(app: ChatApp) -> list[ChatMessage]:
-    return list(app.query(ChatMessage))
 
 
 def status(app: ChatApp) -> str:

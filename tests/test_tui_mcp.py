@@ -24,15 +24,14 @@ pytest.importorskip("textual")
 
 from textual.screen import ModalScreen  # noqa: E402
 
-from chatkv.config import EngineConfig  # noqa: E402
-from chatkv.engine import Engine  # noqa: E402
 from chatkv.tui.app import ChatApp  # noqa: E402
 from chatkv.tui.mcp_config import load_config  # noqa: E402
 from chatkv.tui.screens.dialogs import ToolConfirmScreen  # noqa: E402
 from chatkv.tui.tool_turns import DENIED  # noqa: E402
-from chatkv.tui.widgets.chat import ChatInput, ChatMessage  # noqa: E402
+from chatkv.tui.widgets.chat import ChatMessage  # noqa: E402
 from chatkv.tui.widgets.tool_call import ToolCallView  # noqa: E402
-from tests.tiny import make_tool_model  # noqa: E402
+from tests.pilot import idle as pilot_idle  # noqa: E402
+from tests.pilot import send  # noqa: E402
 
 pytestmark = [pytest.mark.anyio]
 SERVER = str(Path(__file__).with_name("mcp_test_server.py"))
@@ -40,18 +39,9 @@ SIZE = (110, 40)
 FAST = dict(max_tokens=80, temperature=0.0)  # a forced call is ~70 tokens of the tiny vocabulary
 
 
-@pytest.fixture
-def anyio_backend():
-    return "asyncio"
-
-
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
-    d = tmp_path_factory.mktemp("toolmodel")
-    make_tool_model(d, seed=1)
-    e = Engine(str(d), EngineConfig(data_dir=str(tmp_path_factory.mktemp("data")), num_blocks=1024))
-    yield e
-    e.close()
+def engine(tool_engine):
+    return tool_engine  # conftest: the tiny tool-template model's engine, this module's own
 
 
 @pytest.fixture
@@ -77,28 +67,17 @@ def calls(tmp_path: Path, name: str = "calc") -> list[str]:
     return f.read_text().splitlines() if f.exists() else []
 
 
-async def idle(pilot, app: ChatApp, timeout: float = 90.0) -> None:
-    """Until no reply is generating, no worker runs (but one waiting on a dialog) and the MCP servers started."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while True:
-        await pilot.pause()
-        dialog = isinstance(app.screen, ModalScreen)
-        busy = (app.generating and not dialog) or (any(w.is_running for w in app.workers) and not dialog)
-        starting = app.mcp is None or any(s.state == "starting" for s in app.mcp.servers.values())
-        if not busy and not starting:
-            await pilot.pause()
-            return
-        assert loop.time() < end, "the app stayed busy"
-        await asyncio.sleep(0.02)
+def mcp_starting(app: ChatApp) -> bool:
+    return app.mcp is None or any(s.state == "starting" for s in app.mcp.servers.values())
+
+
+async def idle(pilot, app: ChatApp) -> None:
+    """tests.pilot.idle, and until the MCP servers have started."""
+    await pilot_idle(pilot, app, timeout=90.0, starting=mcp_starting)
 
 
 async def ask(pilot, app: ChatApp, text: str) -> None:
-    box = app.query_one(ChatInput)
-    box.focus()
-    box.text = text
-    await pilot.press("enter")
-    await idle(pilot, app)
+    await send(pilot, app, text, timeout=90.0, starting=mcp_starting)
 
 
 async def answer(pilot, app: ChatApp, key: str) -> None:

@@ -9,7 +9,8 @@ import pytest
 pytest.importorskip("pytest_textual_snapshot")
 
 from chatkv.tui.app import ChatApp  # noqa: E402
-from tests.test_tui_app import engine, idle  # noqa: E402,F401  (the same fixtures: tiny model, real engine)
+from tests.pilot import idle  # noqa: E402
+from tests.test_tui_app import engine  # noqa: E402,F401  (the same fixture: tiny model, real engine)
 
 # the same tiny model as tests/test_tui_app.py (conftest's model_dir builds it): the replies repeat
 pytestmark = pytest.mark.tiny_model("llama", seed=3)
