@@ -309,3 +309,30 @@ def test_nothing_polls_while_it_waits_for_the_loop(model_dir, tmp_path):
             if t.ident is not None:
                 t.join(120)
                 assert not t.is_alive(), f"{t.name} hung"
+
+
+def test_async_for_on_an_engine_not_started_runs_the_loop_off_the_event_loop(model_dir, tmp_path):
+    """``async for`` over a stream of an engine without ``start()`` once waited forever (nobody
+    ran a step); the loop's rounds now run in an executor thread, the event loop stays free."""
+    eng = Engine(model_dir, EngineConfig(data_dir=str(tmp_path), num_blocks=64))
+    want = eng.generate(question(0), G).text
+
+    async def main():
+        ticks = 0
+
+        async def tick():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        ticker = asyncio.create_task(tick())
+        text = "".join([p async for p in eng.submit(question(0), G)])
+        ticker.cancel()
+        return text, ticks
+
+    text, ticks = asyncio.run(asyncio.wait_for(main(), 120))
+    assert text == want and not eng.started
+    assert ticks > 0  # the event loop ran other tasks while the request was stepped
+    eng.check_integrity()
+    eng.close()
