@@ -85,7 +85,7 @@ def _answer(engine, prompt, params, prefix, namespace):
 def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system: str) -> list[list[str]]:
     from chatkv import Engine
     from chatkv import chunk_place as cp
-    from chatkv.rag import canonical, user_message
+    from chatkv.rag import canonical, source_texts, user_message
     from chatkv.sampling import SamplingParams
 
     engine = Engine.from_pretrained(rag_kv_disk=False)
@@ -101,7 +101,7 @@ def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system:
         t0 = time.perf_counter()
         for qi, q in enumerate(questions):
             hits = canonical(kb.search(q["question"], k=sources, mode="hybrid"))
-            texts = [h.text.strip() for h in hits]
+            texts = source_texts(hits)  # as a turn's placement quotes them, labels included
             shown.append([h.text for h in hits])
             prompt = engine.encode_chat([{"role": "system", "content": system},
                                          {"role": "user", "content": user_message(q["question"], hits)}])

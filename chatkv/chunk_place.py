@@ -135,10 +135,10 @@ def entries(engine, store: ChunkKV, texts: Sequence[str], ids: Sequence[list[int
 
 
 def precompute(engine, texts: Sequence[str], batch: int = 8, progress=None) -> int:
-    """Compute ahead of time the chunk KV of ``texts`` (chunks' texts as a prompt holds them,
-    ``text.strip()``) that the store has neither in memory nor on disk, ``batch`` chunks a
-    forward, on the engine's loop; ``progress(done, total)`` after each batch. Returns how many
-    were computed."""
+    """Compute ahead of time the chunk KV of ``texts`` (as a prompt quotes them:
+    ``rag.source_texts``, ``rag.pinned_texts``) that the store has neither in memory nor on
+    disk, ``batch`` chunks a forward, on the engine's loop; ``progress(done, total)`` after
+    each batch. Returns how many were computed."""
     store = chunk_store(engine)
     todo = list(dict.fromkeys(t for t in texts if t))
     computed = 0
@@ -269,10 +269,10 @@ def for_turn(turn, kept: RetainedKV | None, context: list[int]) -> RetainedKV | 
     old_ns = m._namespace(s.id, st) or turn.user_ns
     if migrate:
         st.private, st.epoch = True, st.epoch + 1  # from now on this conversation's KV is its own
-    texts = [h.text.strip() for h in turn.hits]
-    if not context and s.documents and s.knowledge is not None:  # a first prompt: the system message's pinned documents
-        from chatkv import rag
+    from chatkv import rag
 
+    texts = rag.source_texts(turn.hits)  # each with its label: only its number "[n] " is left to compute
+    if not context and s.documents and s.knowledge is not None:  # a first prompt: the system message's pinned documents
         texts = rag.pinned_texts([(d, s.knowledge.chunks_of(d)) for d in s.documents]) + texts
     placed = place(turn.engine, kept, context + turn.delta, len(context), texts, m._namespace(s.id, st), old_ns,
                    migrate, cfg.rag_kv_reuse, cfg.rag_edge_tokens, cfg.rag_recompute_ratio)

@@ -67,13 +67,17 @@ def canonical(hits: Sequence) -> list:
     return sorted(hits, key=lambda h: (h.document_id, h.ordinal))
 
 
-def _label(hit) -> str:
-    name = hit.source.rsplit("/", 1)[-1]
-    return f"{name} - {hit.heading}" if hit.heading else name
+def source_texts(hits: Sequence) -> list[str]:
+    """The sources' texts as ``sources_block`` quotes them after their numbers (chunk KV's texts)."""
+    from chatkv.retrieval.ingest import quoted_chunk
+
+    return [quoted_chunk(h) for h in hits]
 
 
 def sources_block(hits: Sequence) -> str:
-    parts = [f"[{i}] ({_label(h)})\n{h.text.strip()}" for i, h in enumerate(hits, 1)]
+    from chatkv.retrieval.ingest import quoted_chunk  # here: the retrieval package loads only for RAG
+
+    parts = [f"[{i}] {quoted_chunk(h)}" for i, h in enumerate(hits, 1)]
     return "Sources:\n" + "\n\n".join(parts)
 
 
@@ -124,9 +128,9 @@ def sources_of(reply_text: str, hits: Sequence) -> list[Source]:
 
 def pinned_texts(documents: Sequence[tuple[str, Sequence]]) -> list[str]:
     """The pinned documents' texts as ``documents_block`` writes them (chunk KV's texts)."""
-    from chatkv.retrieval.ingest import join_chunks  # here: the retrieval package loads only for RAG
+    from chatkv.retrieval.ingest import quoted_document
 
-    return [join_chunks(chunks) for _, chunks in documents if chunks]
+    return [quoted_document(source, chunks) for source, chunks in documents if chunks]
 
 
 def documents_block(system: str | None, documents: Sequence[tuple[str, Sequence]]) -> str | None:
@@ -134,12 +138,12 @@ def documents_block(system: str | None, documents: Sequence[tuple[str, Sequence]
     ``(source, chunks in ordinal order)`` pairs in the order given."""
     if not documents:
         return system
-    from chatkv.retrieval.ingest import join_chunks
+    from chatkv.retrieval.ingest import quoted_document
 
     parts = []
     for source, chunks in documents:
         if not chunks:
             raise InvalidRequest(f"pinned document '{source}' is not in the knowledge base")
-        parts.append(f"Document: {source.rsplit('/', 1)[-1]}\n" + join_chunks(chunks))
+        parts.append(quoted_document(source, chunks))
     head = (system.strip() + "\n\n") if system else ""
     return head + "The following documents are available:\n\n" + "\n\n".join(parts)

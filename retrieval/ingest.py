@@ -42,6 +42,21 @@ def join_chunks(chunks: Sequence) -> str:
     return "".join(out).strip()
 
 
+def quoted_chunk(hit) -> str:
+    """A retrieved chunk as a RAG prompt quotes it after its number ``[n] ``: its label
+    ``(file - heading)``, then its text (chatkv.rag.sources_block). Its chunk KV is this text's,
+    label included, so a source placed from it leaves only ``[n] `` to compute."""
+    name = hit.source.rsplit("/", 1)[-1]
+    label = f"{name} - {hit.heading}" if hit.heading else name
+    return f"({label})\n{hit.text.strip()}"
+
+
+def quoted_document(source: str, chunks: Sequence) -> str:
+    """A pinned document as the system message quotes it (chatkv.rag.documents_block): a
+    ``Document:`` line naming it, then its text from its chunks."""
+    return f"Document: {source.rsplit('/', 1)[-1]}\n" + join_chunks(chunks)
+
+
 class KBView(Protocol):
     """What the ingest path uses of a knowledge base (``chatkv.retrieval.knowledge_base.
     KnowledgeBase`` is one); this module names it, never that class, so the two modules do

@@ -276,12 +276,12 @@ class KnowledgeBase:
 
     def _precompute(self, report: IngestReport, progress: bool) -> None:
         """The chunk KV of every document of ``report`` (added, updated, unchanged), through the
-        engine's hook: each chunk as a source holds it, and each document whole as pinning it
-        puts it in the system message (``ingest_path.join_chunks``)."""
+        engine's hook: each chunk as a RAG prompt quotes it, and each document whole as pinning it
+        puts it in the system message (``ingest_path.quoted_chunk``, ``quoted_document``)."""
         texts = []
         for src in report.added + report.updated + report.unchanged:
             chunks = self.chunks_of(src)
-            texts += [h.text.strip() for h in chunks] + [ingest_path.join_chunks(chunks)]
+            texts += [ingest_path.quoted_chunk(h) for h in chunks] + [ingest_path.quoted_document(src, chunks)]
         report.kv_chunks = self.kv_precompute(texts, progress)
 
     def add_texts(

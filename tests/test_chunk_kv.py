@@ -170,7 +170,9 @@ def test_placed_kv_is_never_shared_under_from_scratch_token_ids(model_dir, corpu
         s = e.session(knowledge=kb, top_k=2, params=GREEDY)
         r = s.send(QUESTIONS[0])
         assert r.usage.reused_tokens > 0
-        first_source = cp.find_spans(s.tokens, 0, [cp.chunk_ids(e.tokenizer, x.text.strip()) for x in r.sources])[0][1]
+        from chatkv import rag
+
+        first_source = cp.find_spans(s.tokens, 0, [cp.chunk_ids(e.tokenizer, t) for t in rag.source_texts(r.sources)])[0][1]
         assert e.kv.cached_len(s.tokens) <= first_source  # the default namespace has none of the placed KV
         # a second session asking the same with reuse off computes the sources itself
         e.config.rag_kv_reuse = "off"
