@@ -3,8 +3,9 @@
 A RAG turn's user message holds its sources (chatkv.rag). With ``rag_kv_reuse`` on, the
 turn's KV up to the end of its last source is built here, before the request is added:
 
-1. each source's text is found as a run of the prompt's tokens (its own tokenisation; a
-   source whose tokens are not in the prompt as one run is simply computed);
+1. each source's text, as the prompt quotes it with its label (``rag.source_texts``), and on
+   a first turn each pinned document's (``rag.pinned_texts``), is found as a run of the
+   prompt's tokens (its own tokenisation; one not in the prompt as one run is computed);
 2. its KV in the canonical frame comes from the chunk owner (chatkv.chunk_kv: memory, then
    disk, else computed now, all missing chunks in one forward) and is copied into the
    request's blocks with its keys re-rotated to the positions it takes (``rotate_keys``);
