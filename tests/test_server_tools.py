@@ -15,8 +15,7 @@ import openai
 import pytest
 
 from chatkv.engine import Engine
-from chatkv.server import create_app
-from tests.serving import MODEL, Running, raw, user
+from tests.serving import MODEL, raw, server, user  # noqa: F401  (server: the fixture, on this module's engine)
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 10},
                                            "score": {"type": "integer", "minimum": 0, "maximum": 9}},
@@ -36,13 +35,6 @@ def engine(tool_model_dir, tmp_path_factory):
     yield eng
     eng.close()
     assert not any(t.name == "chatkv-engine" and t.is_alive() for t in threading.enumerate())
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    run = Running(create_app(engine, model_name=MODEL))
-    yield run
-    run.stop()
 
 
 @pytest.fixture(scope="module")
