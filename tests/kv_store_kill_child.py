@@ -6,16 +6,13 @@ not once per trial. It speaks lines on stdin/stdout:
     (prints)   ready
     go DIR  -> forks a writer that saves key "conv" into KVStore(DIR) forever,
                alternating versions A and B; prints the writer's pid
-    reap PID -> waits for that (killed) writer; prints "reaped"
+    reap PID -> waits for that (killed) writer; prints "reaped <wait status>"
     quit
 
 The parent SIGKILLs each writer at a random moment and checks what is left.
 """
 
 from __future__ import annotations
-
-import os
-import sys
 
 import torch
 
@@ -58,22 +55,9 @@ def main() -> None:
     import chatkv.storage.kv_store  # noqa: F401  (imported before forking)
 
     data = versions()
-    print("ready", flush=True)
-    for line in sys.stdin:
-        cmd, _, arg = line.strip().partition(" ")
-        if cmd == "go":
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    _writer(arg, data)
-                finally:
-                    os._exit(1)
-            print(pid, flush=True)
-        elif cmd == "reap":
-            os.waitpid(int(arg), 0)
-            print("reaped", flush=True)
-        elif cmd == "quit":
-            break
+    from fork_server import serve  # tests/fork_server.py (tests/ is this script's sys.path[0])
+
+    serve(lambda root: _writer(root, data))
 
 
 if __name__ == "__main__":

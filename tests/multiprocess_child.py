@@ -112,14 +112,9 @@ def _worker(a: dict) -> None:
 
 
 def _run_worker(a: dict) -> None:
-    out = os.open(a["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    err = os.open(a["log"] + ".err", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(out, 1)
-    os.dup2(err, 2)
-    os.close(out)
-    os.close(err)
-    sys.stdout = os.fdopen(1, "w")
-    sys.stderr = os.fdopen(2, "w")
+    from fork_server import log_to
+
+    log_to(a["log"])
     try:
         _worker(a)
     except SystemExit:
@@ -133,50 +128,23 @@ def _run_worker(a: dict) -> None:
 
 def _warm_up(model_dir: str) -> None:
     """Import everything a worker needs, running no torch op."""
-    import tempfile
-    from pathlib import Path
+    from fork_server import warm_up
 
-    import chatkv.engine  # noqa: F401
-    import chatkv.session_manager  # noqa: F401
     try:
         import psycopg  # noqa: F401  (the PostgreSQL workers' driver)
     except ImportError:
-        pass  # their tests skip, saying why (tests/pg.py)
-    from chatkv.storage.repository import Store
-    from chatkv.weights import load_config, load_tokenizer
-
-    load_config(model_dir)
-    load_tokenizer(model_dir)
-    with tempfile.TemporaryDirectory() as d:
-        Store.open(None, Path(d)).close()
+        pass  # their tests fail, saying why (tests/pg.py)
+    warm_up(model_dir)
 
 
 def main() -> None:
     torch.set_num_threads(1)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _warm_up(sys.argv[1])
-    print("ready", flush=True)
-    for line in sys.stdin:
-        cmd, _, arg = line.strip().partition(" ")
-        if cmd == "go":
-            args = json.loads(arg)
-            pid = os.fork()
-            if pid == 0:
-                exiting = False
-                try:
-                    _run_worker(args)  # ends in os._exit, but in mode "exit"
-                except SystemExit:
-                    exiting = True
-                finally:
-                    if not exiting:
-                        os._exit(1)
-                return  # mode "exit": an ordinary interpreter exit, atexit handlers run
-            print(pid, flush=True)
-        elif cmd == "reap":
-            _, status = os.waitpid(int(arg), 0)
-            print(f"reaped {status}", flush=True)
-        elif cmd == "quit":
-            break
+    from fork_server import serve  # tests/fork_server.py (tests/ is this script's sys.path[0])
+
+    # a worker ends in os._exit, but in mode "exit": an ordinary interpreter exit, atexit handlers run
+    serve(lambda arg: _run_worker(json.loads(arg)), interpreter_exit=True)
 
 
 if __name__ == "__main__":

@@ -121,14 +121,9 @@ def engine_params(**kw):
 
 
 def _run_worker(mode: str, model_dir: str, data_dir: str, num_blocks: int, conv: str, log: str, tag: str) -> None:
-    out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    err = os.open(log + ".err", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    os.dup2(out, 1)
-    os.dup2(err, 2)
-    os.close(out)
-    os.close(err)
-    sys.stdout = os.fdopen(1, "w")
-    sys.stderr = os.fdopen(2, "w")
+    from fork_server import log_to
+
+    log_to(log)
     try:
         _worker(mode, model_dir, data_dir, num_blocks, conv, tag)
     except BaseException:
@@ -138,44 +133,18 @@ def _run_worker(mode: str, model_dir: str, data_dir: str, num_blocks: int, conv:
     os._exit(4)
 
 
-def _warm_up(model_dir: str) -> None:
-    """Import everything a worker needs (transformers imports lazily, ~1.5 s), running no torch op."""
-    import tempfile
-    from pathlib import Path
-
-    import chatkv.engine  # noqa: F401
-    import chatkv.session_manager  # noqa: F401
-    from chatkv.storage.repository import Store
-    from chatkv.weights import load_config, load_tokenizer
-
-    load_config(model_dir)
-    load_tokenizer(model_dir)
-    with tempfile.TemporaryDirectory() as d:
-        Store.open(None, Path(d)).close()
-
-
 def main() -> None:
     torch.set_num_threads(1)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # no tokenizer thread pool to inherit
-    _warm_up(sys.argv[1])
+    from fork_server import serve, warm_up  # tests/fork_server.py (tests/ is this script's sys.path[0])
 
-    print("ready", flush=True)
-    for line in sys.stdin:
-        cmd, _, arg = line.strip().partition(" ")
-        if cmd == "go":
-            mode, model_dir, data_dir, num_blocks, conv, log, tag = arg.split(" ")
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    _run_worker(mode, model_dir, data_dir, int(num_blocks), conv, log, tag)
-                finally:
-                    os._exit(1)
-            print(pid, flush=True)
-        elif cmd == "reap":
-            _, status = os.waitpid(int(arg), 0)
-            print(f"reaped {status}", flush=True)
-        elif cmd == "quit":
-            break
+    warm_up(sys.argv[1])  # everything a worker needs, no torch op run
+
+    def work(arg: str) -> None:
+        mode, model_dir, data_dir, num_blocks, conv, log, tag = arg.split(" ")
+        _run_worker(mode, model_dir, data_dir, int(num_blocks), conv, log, tag)
+
+    serve(work)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from chatkv.errors import SnapshotInvalid
 from chatkv.storage import kv_store
 from chatkv.storage.kv_store import FORMAT_VERSION, KVStore, SnapshotMeta, token_hash
-from tests.processes import quit_child
+from tests.fork_server import ForkServer
 
 FP = "model-fp-1"
 LAYERS, HEADS, HEAD_DIM = 3, 2, 16
@@ -516,15 +516,13 @@ def test_kill_9_never_leaves_a_partial_snapshot(tmp_path):
 
     data = child.versions()
     ids_b = data["B"][0]
-    proc = subprocess.Popen([sys.executable, str(HELPER)], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True)
+    server = ForkServer(HELPER)
     rng = random.Random(20240611)
     seen = {"absent": 0, "A": 0, "B": 0}
     temps_removed = 0
     trials = 40
     deadline = time.monotonic() + 60
     try:
-        assert proc.stdout.readline().strip() == "ready"
         root = None
         for trial in range(trials):
             assert time.monotonic() < deadline, "kill test is too slow"
@@ -532,14 +530,10 @@ def test_kill_9_never_leaves_a_partial_snapshot(tmp_path):
                 root = tmp_path / f"kv{trial}"
                 had_snapshot = False
             delay = rng.choice([0.0, rng.uniform(0, 0.005), rng.uniform(0, 0.08)])
-            proc.stdin.write(f"go {root}\n")
-            proc.stdin.flush()
-            pid = int(proc.stdout.readline())
+            pid = server.go(str(root))
             time.sleep(delay)
             os.kill(pid, signal.SIGKILL)
-            proc.stdin.write(f"reap {pid}\n")
-            proc.stdin.flush()
-            assert proc.stdout.readline().strip() == "reaped"
+            server.reap(pid)
             if not root.exists():  # killed before the writer even made its directory
                 seen["absent"] += 1
                 continue
@@ -563,7 +557,7 @@ def test_kill_9_never_leaves_a_partial_snapshot(tmp_path):
             seen[name] += 1
             had_snapshot = True
     finally:
-        quit_child(proc, 10)
+        server.close(10)
     print(f"kill -9 outcomes over {trials} trials: {seen}, killed mid-write {temps_removed}x")
     assert seen["A"] + seen["B"] >= trials // 5, seen
     assert temps_removed >= 1, "no kill landed inside a write: the test did not test atomicity"

@@ -19,8 +19,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -37,7 +35,8 @@ from chatkv.storage.repository import Store
 from chatkv.turns import TurnRenderer
 from chatkv.weights import load_tokenizer
 from tests import multiprocess_child as child
-from tests.processes import one_torch_thread, quit_child
+from tests.fork_server import ForkServer
+from tests.processes import one_torch_thread
 from tests.tiny import make_model
 
 SYSTEM = "You are a helpful assistant."
@@ -62,36 +61,23 @@ def model(tmp_path_factory):
     return make_model(d, "llama", seed=11, **MODEL), d
 
 
-class Workers:
+class Workers(ForkServer):
     """Client of the fork server in tests/multiprocess_child.py."""
 
     def __init__(self, model_dir: Path):
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
         env = dict(os.environ, PYTHONPATH=path, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen([sys.executable, str(HELPER), str(model_dir)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
-        assert self.proc.stdout.readline().strip() == "ready", "the fork server did not start"
-
-    def _ask(self, line: str) -> str:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return self.proc.stdout.readline().strip()
+        super().__init__(HELPER, model_dir, env=env)
 
     def go(self, **settings) -> int:
-        return int(self._ask("go " + json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in settings.items()})))
-
-    def reap(self, pid: int) -> int:
-        return int(self._ask(f"reap {pid}").split()[1])
-
-    def close(self) -> None:
-        quit_child(self.proc, timeout=30)
+        return super().go(json.dumps({k: str(v) if isinstance(v, Path) else v for k, v in settings.items()}))
 
 
 @pytest.fixture(scope="module")
 def workers(model):
     w = Workers(model[1])
     yield w
-    w.close()
+    w.close(timeout=30)
 
 
 def events(log: Path) -> list[dict]:

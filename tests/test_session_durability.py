@@ -25,8 +25,6 @@ import random
 import shutil
 import signal
 import struct
-import subprocess
-import sys
 import time
 import zlib
 from pathlib import Path
@@ -44,7 +42,8 @@ from chatkv.storage import kv_store
 from chatkv.storage.kv_segments import Manifest
 from chatkv.storage.repository import Store
 from tests import session_kill_child as child
-from tests.processes import one_torch_thread, quit_child
+from tests.fork_server import ForkServer
+from tests.processes import one_torch_thread
 from tests.tiny import make_model
 
 GREEDY = dict(max_tokens=6, temperature=0.0)
@@ -490,39 +489,29 @@ def _snapshot_on_disk(kv: Path) -> int | None:
     return man.end
 
 
-class ForkServer:
+class KillServer(ForkServer):
     """Client of tests/session_kill_child.py: forks workers that import nothing anew."""
 
     def __init__(self, model_dir: Path):
-        self.proc = subprocess.Popen([sys.executable, str(HELPER), str(model_dir)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout.readline().strip() == "ready", "the fork server did not start"
-
-    def _ask(self, line: str) -> str:
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        return self.proc.stdout.readline().strip()
+        super().__init__(HELPER, model_dir)
 
     def go(self, mode: str, model_dir: Path, data: Path, conv: str | None, log: Path, tag: str) -> int:
-        return int(self._ask(f"go {mode} {model_dir} {data} {KILL_BLOCKS} {conv or 'new'} {log} {tag}"))
+        return super().go(f"{mode} {model_dir} {data} {KILL_BLOCKS} {conv or 'new'} {log} {tag}")
 
     def kill(self, pid: int, err: Path) -> None:
         """SIGKILL the worker and reap it; it must not have died on its own."""
         os.kill(pid, signal.SIGKILL)
-        status = int(self._ask(f"reap {pid}").split()[1])
+        status = self.reap(pid)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, (
             f"the worker died on its own (status {status}):\n{err.read_text() if err.exists() else ''}"
         )
 
-    def close(self) -> None:
-        quit_child(self.proc, timeout=10)
-
 
 @pytest.fixture(scope="module")
 def fork_server(model):
-    server = ForkServer(model[1])
+    server = KillServer(model[1])
     yield server
-    server.close()
+    server.close(timeout=10)
 
 
 def test_kill_9_during_spill_loses_nothing_and_never_loads_garbage(model, fork_server, tmp_path):

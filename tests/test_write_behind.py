@@ -39,7 +39,8 @@ from chatkv.engine import Engine
 from chatkv.sampling import SamplingParams
 from chatkv.storage.repository import Store
 from tests import write_behind_child as child
-from tests.test_session_durability import MODEL, ForkServer, _read_events, _snapshot_on_disk, _wait_for
+from tests.test_session_durability import MODEL, _read_events, _snapshot_on_disk, _wait_for
+from tests.test_session_durability import fork_server  # noqa: F401  (the same fork server of the same model)
 from tests.processes import one_torch_thread
 from tests.tiny import make_model
 
@@ -155,13 +156,6 @@ TRIALS_PER_DIR = 8  # a fresh conversation every few trials, so histories stay s
 KILL_PARAMS = dict(max_tokens=4, temperature=0.0)
 KILL_BLOCKS = 160
 BAD_LOAD = ("discarding", "unusable", "restoring its first", "not repaired")
-
-
-@pytest.fixture(scope="module")
-def fork_server(model):
-    server = ForkServer(model[1])
-    yield server
-    server.close()
 
 
 def test_kill_9_at_random_moments_never_loads_garbage_nor_loses_a_message(model, fork_server, tmp_path, caplog):
