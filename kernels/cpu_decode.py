@@ -182,6 +182,11 @@ class DecodeStep:
         if (kv.dtype != torch.bfloat16 or not kv.is_contiguous() or kv.shape[4:] != (num_kv_heads, head_dim)
                 or head_dim > MAX_HEAD_DIM or blocks.shape[1] * bs < max_ctx or slots.shape != (rows,)):
             raise ValueError("DecodeStep: inconsistent step")
+        # the C code indexes with these unchecked: a bad block table must be an error, not a stray write
+        if rows and (int(blocks.min()) < 0 or int(blocks.max()) >= nb or int(slots.min()) < 0
+                     or int(slots.max()) >= nb * bs or int(positions.max()) >= table.shape[0]
+                     or int(ctx.min()) < 1):
+            raise ValueError("DecodeStep: a block, slot or position outside the pool or the RoPE table")
         self.lib, self.rows, self.hidden, self.eps = lib, rows, hidden, eps
         self.h = h
         self.normed = torch.empty(rows, hidden, dtype=torch.bfloat16)

@@ -232,3 +232,17 @@ def test_without_the_library_the_model_takes_its_torch_ops(model, monkeypatch):
     assert not fused_decode.supported(model)
     with pytest.raises(RuntimeError, match="not loaded"):
         cpu_decode.library()
+
+
+def test_a_block_outside_the_pool_is_an_error_not_a_stray_write(model):
+    kv = torch.zeros(model.num_layers, 2, 4, 16, model.num_kv_heads, model.head_dim, dtype=torch.bfloat16)
+    model._rope(torch.tensor([40]))
+    h = torch.zeros(1, model.config.hidden_size)
+    args = dict(h=h, table=model._cos_sin, positions=torch.tensor([20]), slots=torch.tensor([20]), ctx=torch.tensor([21]),
+                max_ctx=21, kv=kv, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
+                intermediate=1536, scale=model.scale, eps=model.eps)
+    cpu_decode.DecodeStep(blocks=torch.tensor([[0, 1]]), **args)  # inside: fine
+    with pytest.raises(ValueError, match="outside the pool"):
+        cpu_decode.DecodeStep(blocks=torch.tensor([[0, 9]]), **args)
+    with pytest.raises(ValueError, match="outside the pool"):
+        cpu_decode.DecodeStep(blocks=torch.tensor([[0, 1]]), **{**args, "slots": torch.tensor([64])})
