@@ -9,8 +9,9 @@ from chatkv.sampling import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory, monkeypatch_module):
-    monkeypatch_module.setenv("CHATKV_HOME", str(tmp_path_factory.mktemp("home")))
+def engine(tmp_path_factory, monkeypatch_module, default_model_home):
+    # a home holding the run's converted model (conftest): the conversion is test_gguf_convert's
+    monkeypatch_module.setenv("CHATKV_HOME", str(default_model_home(tmp_path_factory.mktemp("home"))))
     return Engine.from_pretrained()
 
 
@@ -50,10 +51,10 @@ if the jug runs dry.
 """
 
 
-def test_rag_on_the_default_model_sources_shared_documents_and_restart(tmp_path, monkeypatch):
+def test_rag_on_the_default_model_sources_shared_documents_and_restart(tmp_path, monkeypatch, default_model_home):
     """A RAG reply carries its sources; a second session with the same pinned document reports its
     tokens as cached; after a restart they come back restored from disk, not recomputed."""
-    monkeypatch.setenv("CHATKV_HOME", str(tmp_path))
+    monkeypatch.setenv("CHATKV_HOME", str(default_model_home(tmp_path)))
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "kettle.md").write_text(MANUAL)
     greedy = dict(max_tokens=24, temperature=0.0)

@@ -29,7 +29,6 @@ import torch
 
 from chatkv.config import EngineConfig
 from chatkv.engine import Engine
-from chatkv.weights import ensure_default_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import kv_quality  # noqa: E402
@@ -38,11 +37,11 @@ CI = dict(prompts=4, tokens=48, ppl_tokens=1024, needles=1, needle_tokens=1536)
 
 
 @pytest.fixture(scope="module")
-def gate(tmp_path_factory):
+def gate(tmp_path_factory, default_model_dir):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        model_dir = ensure_default_model(tmp_path_factory.mktemp("home"))
+        model_dir = default_model_dir  # converted once for the run (conftest)
         engine = Engine(model_dir, EngineConfig(data_dir=str(tmp_path_factory.mktemp("data")), num_blocks=8,
                                                 host_cache_bytes=0))
         with torch.inference_mode():

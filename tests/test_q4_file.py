@@ -13,14 +13,13 @@ import torch
 from safetensors import safe_open
 
 from chatkv.errors import ModelNotFound
-from chatkv.weights import ensure_default_model
 from chatkv.weights.gguf import QUANT_FILE, Q4File, read_q4
 from chatkv.weights.loading import release_freed_memory
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return ensure_default_model(tmp_path_factory.mktemp("home"))
+def model_dir(default_model_dir):
+    return default_model_dir  # the packaged default model, converted once for the run (conftest)
 
 
 def test_each_weight_is_read_when_asked_for_and_is_the_files_numbers(model_dir, monkeypatch):

@@ -26,15 +26,14 @@ from chatkv import quant_prefill
 from chatkv.model import Linear, LlamaModel
 from chatkv.quant import Int4Linear, Int8Linear, int4pack_block, pack_int4, quantize_int4, quantize_int8, unpack_int4pack
 from chatkv.quant_prefill import Scratch, ScratchInt4, ScratchInt8, scratch_int4
-from chatkv.weights import ensure_default_model
 from chatkv.weights.gguf import read_q4
 
 pytestmark = pytest.mark.skipif(int4pack_block() is None, reason="this torch build packs int4 in a layout not read here")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return ensure_default_model(tmp_path_factory.mktemp("home"))
+def model_dir(default_model_dir):
+    return default_model_dir  # the packaged default model, converted once for the run (conftest)
 
 
 def kernel_numbers(q, lin: Int4Linear) -> torch.Tensor:

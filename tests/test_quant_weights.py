@@ -44,7 +44,7 @@ from chatkv.weights.gguf import QUANT_FILE, packaged_gguf_path, read_q4
 from chatkv.weights.loading import read_weights
 from tests.llama_cpp_reference import OUT as REFERENCE
 from tests.llama_cpp_reference import PROMPTS, prompt_ids
-from chatkv.weights import ensure_default_model, load_tokenizer
+from chatkv.weights import load_tokenizer
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -53,11 +53,6 @@ def threads():
     torch.set_num_threads(2)  # the 4k-token perplexities are real work
     yield
     torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def default_model_dir(tmp_path_factory):
-    return ensure_default_model(tmp_path_factory.mktemp("home"))
 
 
 @pytest.fixture(scope="module")

@@ -27,13 +27,6 @@ FAMILIES = list(CONFIGS)
 
 
 @pytest.fixture(scope="module")
-def default_model_dir(tmp_path_factory):
-    from chatkv.weights.gguf import ensure_default_model
-
-    return ensure_default_model(tmp_path_factory.mktemp("home"))
-
-
-@pytest.fixture(scope="module")
 def tiny_dirs(tmp_path_factory):
     out = {}
     for fam in FAMILIES:
