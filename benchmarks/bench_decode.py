@@ -14,6 +14,10 @@ Q4_1 weights, ``h8``/``h4`` = the output matrix in int8/int4 too):
 - peak resident memory (VmHWM) of a process that loads the mode, prefills the 1k-token prompt
   and decodes, with a KV pool of 2,048 tokens and no host tier, as llama.cpp's context of
   2,048 (a child process each).
+- the same peak memory as its own table beside llama.cpp's, against issue 19's goal (at most
+  llama.cpp's peak + 150 MB). ``--memory-only`` measures only that (``--modes int4,int4/copy``:
+  the default, which dequantises each projection into a scratch buffer for steps of 64 rows or
+  more, beside the resident bf16 copy it replaced).
 - ``--gguf FILE``: another GGUF (a Q4_K_M, say), converted once into the data directory; chatkv
   and llama.cpp both run that file.
 - ``--busy N``: batch-1 decode again with N processes spinning a pure-Python loop beside it
@@ -21,6 +25,7 @@ Q4_1 weights, ``h8``/``h4`` = the output matrix in int8/int4 too):
   own quiet rate, and chatkv vs llama.cpp under that load.
 
     .venv/bin/python benchmarks/bench_decode.py [--modes bf16,int8,int4,int4/h8] [--tokens 128] [--repeats 3] [--busy 1]
+    .venv/bin/python benchmarks/bench_decode.py --memory-only --modes int4,int4/copy [--gguf FILE]
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import torch
 from common import CHAT, BusyLoad, OtherLoad, common_prefix, cpu_line, goal, hf_generate, load_average, load_hf, llama_decode, load_llama_cpp, median, parser, print_table, setup
 
 GOAL_HF, GOAL_LLAMA = 3.0, 1.0
+GOAL_MEMORY_MB = 150  # peak after the long prompt: at most llama.cpp's + this (issue 19)
 PROMPTS = ["Explain in a few paragraphs why the sky is blue.", "Write a short story about a lighthouse keeper.",
            "What are the main causes of the French Revolution?", "Describe how a bicycle works.",
            "Give me a recipe for pancakes.", "Why do cats purr?", "Explain how vaccines train the immune system.",
@@ -43,15 +49,15 @@ PROMPTS = ["Explain in a few paragraphs why the sky is blue.", "Write a short st
 
 def spec(mode: str) -> dict:
     """``int4/h8`` -> weights=int4, head_weights=int8; ``/lean``: the quantised kernel for prefill too
-    (quant_dense_rows=0); ``/copy``: a resident bf16 copy for prefill (quant_dense="copy"; the default
-    dequantises into a scratch buffer per step)."""
+    (quant_dense_rows=0); ``/copy``: a resident bf16 copy for prefill (quant_dense="copy");
+    ``/scratch``: dequantised into a scratch buffer per step (quant_dense="scratch")."""
     weights, *opts = mode.split("/")
     kw: dict = {"weights": weights}
     for o in opts:
         if o == "lean":
             kw["quant_dense_rows"] = 0
-        elif o == "copy":
-            kw["quant_dense"] = "copy"
+        elif o in ("copy", "scratch"):
+            kw["quant_dense"] = o
         else:
             kw["head_weights"] = {"h8": "int8", "h4": "int4", "hf": "float"}[o]
     return kw
@@ -124,16 +130,38 @@ def long_prompt(tokenizer, n: int) -> list[int]:
     return tokenizer(ppl_text())["input_ids"][:n]
 
 
-def peak_rss(mode: str, args, model_dir: Path) -> str:
-    """"peak / after" MiB: a child process loads ``mode`` (or llama.cpp), prefills a
-    ``--prefill-tokens`` prompt and decodes 32 tokens."""
+def peak_rss(mode: str, args, model_dir: Path) -> dict | None:
+    """``{"peak_mib", "rss_mib"}``: a child process loads ``mode`` (or llama.cpp), prefills a
+    ``--prefill-tokens`` prompt and decodes 32 tokens; None if it failed."""
     cmd = [sys.executable, __file__, "--child", mode, "--threads", str(args.threads), "--model", str(model_dir),
            "--prefill-tokens", str(args.prefill_tokens)] + (["--gguf", args.gguf] if args.gguf else [])
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
-        return "failed"
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    return f"{got['peak_mib']:.0f} / {got['rss_mib']:.0f}"
+        print(f"memory child {mode} failed: {out.stderr.strip()[-400:]}", file=sys.stderr)
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def mib_pair(got: dict | None) -> str:
+    return "failed" if got is None else f"{got['peak_mib']:.0f} / {got['rss_mib']:.0f}"
+
+
+def memory_table(mem: dict, prefill: int, gguf: str | None) -> None:
+    """Each mode's peak beside llama.cpp's on the same GGUF, against ``GOAL_MEMORY_MB``."""
+    lc = mem.get("llama.cpp")
+    rows = []
+    for m, got in mem.items():
+        row = [m, mib_pair(got)]
+        if got is not None and lc is not None and m != "llama.cpp":
+            over_mb = (got["peak_mib"] - lc["peak_mib"]) * 2**20 / 1e6
+            row += [f"{over_mb:+.0f} MB", f"<= +{GOAL_MEMORY_MB} MB  {'MET' if over_mb <= GOAL_MEMORY_MB else 'not met'}"]
+        else:
+            row += ["", ""]
+        rows.append(row)
+    print_table(f"peak memory after a {prefill}-token prompt and 32 decoded tokens, MiB peak / after "
+                f"(VmHWM / VmRSS of a child process; KV pool 2,048 tokens, no host tier; "
+                f"{Path(gguf).name if gguf else 'the packaged GGUF, Q4_1'})",
+                ["weights", "MiB peak / after", "peak vs llama.cpp", "goal"], rows)
 
 
 def child(mode: str, args) -> None:
@@ -171,6 +199,7 @@ def main() -> None:
     p.add_argument("--prefill-tokens", type=int, default=1024)
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
+    p.add_argument("--memory-only", action="store_true", help="only the peak-memory child processes (and their table)")
     p.add_argument("--busy", type=int, default=0, help="also decode beside N busy processes (one core each)")
     p.add_argument("--gguf", default=None, help="a GGUF file (e.g. a Q4_K_M): converted once, and llama.cpp runs the same file")
     p.add_argument("--child", default=None, help=argparse_hidden())
@@ -188,6 +217,13 @@ def main() -> None:
             convert_gguf(gguf, model_dir)
     other = OtherLoad()
     n, modes = args.tokens, args.modes.split(",")
+    if args.memory_only:
+        for m in modes:  # each quantised mode's self-check verdict cached first: a child's peak is then its own
+            load(model_dir, m).close()
+        mem = {m: peak_rss(m, args, model_dir) for m in modes + ([] if args.no_llama_cpp else ["llama.cpp"])}
+        print(f"\n{cpu_line()}")
+        print(f"threads={args.threads}, load average {load_average()}, {other}")
+        return memory_table(mem, args.prefill_tokens, args.gguf)
     llm = None if args.no_llama_cpp or args.model else load_llama_cpp(args.threads, args.gguf)
     engines = {m: load(model_dir, m) for m in modes}
     hf = load_hf(model_dir, "bf16")
@@ -238,7 +274,7 @@ def main() -> None:
         r = median(rate[m])
         row = [m, f"{r:.1f}", f"{r / hf_rate:.2f}x", goal(r / hf_rate, GOAL_HF)]
         row += [f"{r / lc_rate:.2f}x", goal(r / lc_rate, GOAL_LLAMA)] if lc_rate else ["-", ""]
-        row += [mem.get(m, "-"), f"{common_prefix(toks[m], toks['hf'])}/{n}"]
+        row += [mib_pair(mem[m]) if m in mem else "-", f"{common_prefix(toks[m], toks['hf'])}/{n}"]
         rows.append(row)
         rb = median(rate_b[m])
         rows_b.append([m, f"{rb:.1f}", f"{rb / hf_b:.2f}x"])
@@ -248,7 +284,7 @@ def main() -> None:
     print(f"{len(ids)}-token chat prompt, {n} greedy tokens (EOS ignored), threads={args.threads}, "
           f"median of {args.repeats}, load average {load_average()}, {other}")
     print(f"transformers bf16: {hf_rate:.1f} tok/s batch 1, {hf_b:.1f} batch 8" + (
-        f"; llama.cpp ({Path(args.gguf).name if args.gguf else 'the packaged GGUF, Q4_1'}): {lc_rate:.1f} tok/s batch 1, memory peak / after {mem.get('llama.cpp', '-')} MiB" if lc_rate else
+        f"; llama.cpp ({Path(args.gguf).name if args.gguf else 'the packaged GGUF, Q4_1'}): {lc_rate:.1f} tok/s batch 1, memory peak / after {mib_pair(mem['llama.cpp']) if 'llama.cpp' in mem else '-'} MiB" if lc_rate else
         "; llama.cpp: llama_cpp not importable, skipped (pip install llama-cpp-python==0.3.36)"))
     print_table("batch-1 decode tokens/s (prefill excluded)",
                 ["weights", "chatkv tok/s", "vs transformers bf16", "goal", "vs llama.cpp", "goal", "MiB peak / after",
@@ -256,6 +292,8 @@ def main() -> None:
     print_table(f"batch-8 decode, aggregate tokens/s ({n // 2} tokens each)", ["weights", "chatkv tok/s", "vs transformers bf16"], rows_b)
     print_table(f"TTFT of a {len(longp)}-token prompt, ms" + (f" (llama.cpp {median(lc_ttft) * 1000:.0f} ms)" if lc_ttft else ""),
                 ["weights", "chatkv ms", "vs llama.cpp"], rows_t)
+    if mem:
+        memory_table(mem, args.prefill_tokens, args.gguf)
     if args.busy:
         lc_busy = median(busy_lc) if busy_lc else None
         rows_busy = []

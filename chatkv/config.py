@@ -29,9 +29,10 @@ class EngineConfig:
     kv_dtype: str = "auto"  # the KV cache: auto (= the model's dtype) | bf16 | fp16 | fp32 | int8 | fp8 (e4m3, per-token scales)
     quant_dense_rows: int = 16  # int4/int8: steps of this many rows or more compute in bf16 (faster prefill; 0: the quantised kernels only)
     # how those steps get bf16 weights: "copy" (a resident bf16 copy: the fast default) | "scratch"
-    # (dequantised per step into one buffer, no copy resident: peak memory 621 vs 997 MiB after a
-    # 1k prompt, but on a quiet 2-core EPYC a 23-token turn after a 2k history took 460 vs 175 ms
-    # and a 1k prompt 1.33x; see docs/weights.md)
+    # (no copy resident: int4 steps of 64+ rows dequantise into one reused buffer, shorter ones run
+    # the int4 kernel; chatkv.quant_prefill). Intel Xeon with AMX, 2026-12-01, loaded, CPU time on
+    # one thread: peak 655 vs 1,011 MiB after a 1k prompt; the 1k prompt 1.20x the copy's TTFT;
+    # turns of 23/40/63 tokens after a 2k history 1.18/1.21/1.31x; see docs/weights.md
     quant_dense: str = "copy"
     threads: int | None = None  # compute threads at most; None: torch's (the cores)
     adaptive_threads: bool = True  # fewer threads while other processes keep cores busy (chatkv.cpu_threads)

@@ -5,7 +5,9 @@ slower than a bfloat16 matmul for a prefill chunk of hundreds of rows. Instead o
 bf16 copy of every projection for those steps (16 bits a parameter on top of the 4.5 the int4
 weights take), each projection's own quantised weights are dequantised, right before its
 matmul, into one buffer that every projection of the model reuses (``Scratch``: per thread,
-grown to the largest projection, 3.5 MB on the default model), then multiplied in bfloat16.
+grown to the largest projection and its int8 temporaries, 5.3 MB on the default model), then
+multiplied in bfloat16. Steps of fewer than ``SCRATCH_ROWS`` rows run the int4 kernel instead
+("Which rows" below).
 
 The numbers are the ones the quantised kernels compute with, rounded once to bfloat16:
 
@@ -22,6 +24,16 @@ Reading the int4 kernel's packing depends on its layout, which torch documents o
 source and which differs by ISA: ``chatkv.quant.int4pack_block`` finds it by packing known codes once.
 Where it is not one this module reads (or a projection's rows are not whole blocks), the
 projection has no scratch path and its many-row steps run the int4 kernel, still without a copy.
+
+Which rows (int4): the dequantising costs a step the same whatever its rows (a pass over every
+weight, ~125 ms of one core's CPU for the default model's 106 M projection weights on an
+Intel Xeon with AMX, loaded), while the int4 kernel costs each row (~2.9 ms a row there) and
+the bf16 matmul next to nothing with AMX (512 rows: 150 ms for all 30 layers). So steps of
+fewer than ``SCRATCH_ROWS`` (64) rows run the int4 kernel, with no dequantising: the two cost
+the same at about 75 rows there (CPU time, one thread: 64 rows 193 vs 213 ms, 96 rows 273 vs
+223). On the 2-core AMD EPYC of the earlier figures the kernel's rows cost less against its
+bf16 matmul (docs/weights.md), so there the crossing is higher, ~130 rows by those figures;
+64 leaves it slower between there and 64 rows, never by more than the dequantising.
 """
 
 from __future__ import annotations
@@ -33,11 +45,16 @@ import torch.nn.functional as F
 
 from chatkv.quant import GROUP, int4pack_block
 
-__all__ = ["Scratch", "ScratchInt4", "ScratchInt8", "scratch_int4"]
+__all__ = ["SCRATCH_ROWS", "Scratch", "ScratchInt4", "ScratchInt8", "scratch_int4"]
+
+#: int4 steps of fewer rows than this run the int4 kernel even where the scratch path is on
+#: (module docstring, "Which rows"); chatkv.weight_check's prompt is at least this long.
+SCRATCH_ROWS = 64
 
 
 class Scratch:
-    """One reusable buffer per thread, grown to the largest request (a model's largest projection)."""
+    """One reusable buffer per thread, grown to the largest request (a model's largest
+    projection, 1.5x: its bf16 weights and int8 temporaries)."""
 
     def __init__(self, dtype: torch.dtype = torch.bfloat16):
         self.dtype = dtype
@@ -57,40 +74,59 @@ class Scratch:
 
 
 class ScratchInt4:
-    """``y = x @ w.T + bias`` over an ``Int4Linear``'s packed weights, dequantised into ``scratch``
-    per call (see the module docstring). Built by ``scratch_int4``."""
+    """``y = x @ w.T + bias`` over an ``Int4Linear``'s packed weights: steps of ``min_rows`` rows or
+    more dequantise them into ``scratch`` (see the module docstring), fewer run the int4 kernel.
+    Built by ``scratch_int4``."""
 
-    __slots__ = ("packed", "scales_zeros", "bias", "n", "k", "block", "scratch")
+    __slots__ = ("packed", "scales_zeros", "bias", "n", "k", "block", "scratch", "min_rows")
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias, n: int, block: int, scratch: Scratch):
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias, n: int, block: int, scratch: Scratch,
+                 min_rows: int = 0):
         self.packed, self.scales_zeros, self.bias, self.scratch = packed, scales_zeros, bias, scratch
-        self.n, self.k, self.block = n, packed.numel() * 2 // n, block
+        self.n, self.k, self.block, self.min_rows = n, packed.numel() * 2 // n, block, min_rows
 
     def weight_t(self) -> torch.Tensor:
-        """``w.T`` as bfloat16 ``[K, N]`` in the scratch buffer (valid until its next use)."""
+        """``w.T`` as bfloat16 ``[K, N]`` in the scratch buffer (valid until its next use).
+
+        Every op is one contiguous pass the vectorised kernels take (strided scales or a
+        mixed-dtype product made the first version 2x slower): ``byte ^ 0x88`` read as int8 holds
+        both nibbles' ``code - 8`` as signed 4-bit numbers, an arithmetic shift sign-extends
+        each, a copy moves it into its ``[K, N]`` place as bfloat16 (exact: -8..7), and one
+        ``addcmul`` with the kernel's s and z (made contiguous, ``[K / 32, 1, N]``) computes
+        ``(code - 8) * s + z`` in float32 and rounds it once, as before."""
         n, k, b = self.n, self.k, self.block
-        nb, half, groups = n // b, b // 2, k // GROUP
-        out = self.scratch.get(k * n).view(groups, GROUP, nb, 2, half)  # [k // 32, k % 32, block, nibble, d]
-        codes = self.packed.view(nb, groups, GROUP, half).permute(1, 2, 0, 3)  # byte [k // 32, k % 32, block, d]
-        sz = self.scales_zeros.float()  # [K / 32, N, 2]: the kernel's bfloat16 s and z, exactly
-        s = sz[..., 0].view(groups, 1, nb, 2, half)
-        z = (sz[..., 1] - 8 * sz[..., 0]).view(groups, 1, nb, 2, half)  # (code - 8) * s + z = code * s + (z - 8 s)
-        torch.addcmul(z[..., 0, :], codes & 0x0F, s[..., 0, :], out=out[..., 0, :])
-        torch.addcmul(z[..., 1, :], codes >> 4, s[..., 1, :], out=out[..., 1, :])
+        nb, half, groups, e = n // b, b // 2, k // GROUP, k * n
+        buf = self.scratch.get(e + e // 2)  # the weights, then two int8 temporaries of e / 2 bytes
+        out = buf[:e].view(k, nb, 2, half)  # [k, block, nibble, d]: column block * b + nibble * half + d
+        tmp = buf[e:].view(torch.int8)
+        q, hi = tmp[: e // 2].view(nb, k, half), tmp[e // 2 :].view(nb, k, half)  # byte [block, k, d]
+        torch.bitwise_xor(self.packed.view(nb, k, half).view(torch.int8), -0x78, out=q)  # -0x78: 0x88 as int8
+        torch.bitwise_right_shift(q, 4, out=hi)  # high nibble - 8
+        out[:, :, 1].copy_(hi.permute(1, 0, 2))
+        q.bitwise_left_shift_(4).bitwise_right_shift_(4)  # low nibble - 8
+        out[:, :, 0].copy_(q.permute(1, 0, 2))
+        w = out.view(groups, GROUP, n)
+        sz = self.scales_zeros  # [K / 32, N, 2]: the kernel's bfloat16 s and z
+        torch.addcmul(sz[..., 1].contiguous().unsqueeze(1), w, sz[..., 0].contiguous().unsqueeze(1), out=w)
         return out.view(k, n)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] < self.min_rows:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scales_zeros)
+            return y if self.bias is None else y + self.bias
         w = self.weight_t()
         return torch.mm(x, w) if self.bias is None else torch.addmm(self.bias, x, w)
 
 
-def scratch_int4(lin, scratch: Scratch) -> ScratchInt4 | None:
-    """The scratch path of ``lin`` (a ``chatkv.quant.Int4Linear``), or None where this build's
-    packing is not one chatkv.quant reads (``int4pack_block``) or the rows are not whole blocks."""
+def scratch_int4(lin, scratch: Scratch, min_rows: int | None = None) -> ScratchInt4 | None:
+    """The scratch path of ``lin`` (a ``chatkv.quant.Int4Linear``) for its steps of ``min_rows``
+    (default ``SCRATCH_ROWS``) rows or more, or None where this build's packing is not one
+    chatkv.quant reads (``int4pack_block``) or the rows are not whole blocks."""
     block = int4pack_block()
     if block is None or lin.out_features % block or lin.packed.dtype != torch.uint8:
         return None
-    return ScratchInt4(lin.packed, lin.scales_zeros, lin.bias, lin.out_features, block, scratch)
+    return ScratchInt4(lin.packed, lin.scales_zeros, lin.bias, lin.out_features, block, scratch,
+                       SCRATCH_ROWS if min_rows is None else min_rows)
 
 
 class ScratchInt8:

@@ -5,8 +5,8 @@
 - the scratch path computes with the decode kernel's own numbers, ``(code - 8) * s + z`` with its
   bfloat16 s and z, rounded once to bfloat16 (int4), and with the resident copy's numbers bit for
   bit (int8);
-- one buffer per model and thread, the size of the largest projection, and no bf16 weights kept:
-  the int4 model's projections hold about 4.5 bits a parameter (5 with the kernel's bf16 scales
+- one buffer per model and thread, the size of the largest projection (and its int8
+  temporaries), no dequantising below SCRATCH_ROWS rows, and no bf16 weights kept: the int4 model's projections hold about 4.5 bits a parameter (5 with the kernel's bf16 scales
   and zeros);
 - a build whose packing is not one this module reads falls back to the int4 kernel, still
   without a copy.
@@ -62,9 +62,10 @@ def test_the_scratch_path_computes_with_the_int4_kernels_own_numbers(n, k):
     q = quantize_int4(torch.randn(n, k, generator=g) * 0.05)
     bias = torch.randn(n, generator=g).to(torch.bfloat16)
     lin = Int4Linear(q, bias)
-    path = scratch_int4(lin, Scratch())
+    path = scratch_int4(lin, Scratch(), min_rows=40)
     assert isinstance(path, ScratchInt4)
     assert torch.equal(path.weight_t().t(), kernel_numbers(q, lin))
+    assert torch.equal(path.weight_t().t(), kernel_numbers(q, lin))  # again, over its own temporaries
     x = torch.randn(40, k, generator=g).to(torch.bfloat16)
     y = path(x).float()
     ref = x.float() @ kernel_numbers(q, lin).float().t() + bias.float()
@@ -72,6 +73,23 @@ def test_the_scratch_path_computes_with_the_int4_kernels_own_numbers(n, k):
     # and it is what the kernel computes for one row at a time, within bf16 rounding
     one = torch.cat([lin(x[i : i + 1]) for i in range(40)]).float()
     assert (y - one).norm() / one.norm() < 1e-2
+    # below min_rows: the int4 kernel itself, bit for bit
+    assert torch.equal(path(x[:39]), lin(x[:39]))
+
+
+def test_steps_below_scratch_rows_run_the_int4_kernel_and_from_there_the_scratch(monkeypatch):
+    q = quantize_int4(torch.randn(128, 64, generator=torch.Generator().manual_seed(3)))
+    lin = Int4Linear(q)
+    path = scratch_int4(lin, Scratch())
+    assert path.min_rows == quant_prefill.SCRATCH_ROWS
+    dequantised = []
+    real = ScratchInt4.weight_t
+    monkeypatch.setattr(ScratchInt4, "weight_t", lambda self: dequantised.append(1) or real(self))
+    for rows in (1, 16, quant_prefill.SCRATCH_ROWS - 1):
+        path(torch.randn(rows, 64).to(torch.bfloat16))
+    assert dequantised == []  # a short turn pays no dequantising
+    path(torch.randn(quant_prefill.SCRATCH_ROWS, 64).to(torch.bfloat16))
+    assert dequantised == [1]
 
 
 def test_the_int8_scratch_path_is_the_resident_copys_numbers_bit_for_bit():
@@ -96,11 +114,12 @@ def test_one_buffer_per_thread_shared_by_every_projection_and_no_bf16_weights_ke
     assert held * 8 / params == pytest.approx(5.0, abs=0.01)  # 4 bits a code + the kernel's bf16 s and z per 32
     largest = max(p.out_features * p.dense.k for p in projections)
     assert model.scratch.nbytes == 0  # nothing before a many-row step
-    ids = torch.arange(40)
     from chatkv.weight_check import path_logits
 
-    path_logits(model, ids.tolist(), batched=True)
-    assert model.scratch.nbytes == 2 * largest  # one bf16 buffer, the largest projection's
+    path_logits(model, list(range(quant_prefill.SCRATCH_ROWS - 1)), batched=True)
+    assert model.scratch.nbytes == 0  # a step below SCRATCH_ROWS: the int4 kernel
+    path_logits(model, list(range(quant_prefill.SCRATCH_ROWS)), batched=True)
+    assert model.scratch.nbytes == 3 * largest  # one bf16 buffer: the largest projection's + its int8 temporaries
     seen = []
     t = threading.Thread(target=lambda: seen.append(model.scratch.get(8).data_ptr()))
     t.start()

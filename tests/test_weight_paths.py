@@ -237,3 +237,44 @@ def test_the_norm_is_exact_to_float32_at_the_models_real_activations(model_dir, 
         worst_ln = max(worst_ln, float(((ln - exact).abs() / scale).max()))
     assert worst_rms <= 2e-6, worst_rms  # float32 rounding (measured 3e-7)
     assert worst_ln > 10 * worst_rms, (worst_ln, worst_rms)  # why the [x, -x] LayerNorm is gone
+
+
+def test_a_prefill_crossing_the_scratch_threshold_matches_transformers(model_dir, weights, prompts, monkeypatch):
+    """int4 with the scratch path (the default): a step of at least ``SCRATCH_ROWS`` rows
+    dequantises into the scratch buffer, a shorter one runs the int4 kernel. Here the threshold
+    is 32 and a 40-token prompt is prefilled in two chunks, 33 rows (scratch) then 7 (the
+    kernel), and in one step of 40: every position's logits against transformers."""
+    from chatkv import quant_prefill
+    from chatkv.config import EngineConfig
+    from chatkv.model_runner import BatchItem, ModelRunner
+    from chatkv.quant_prefill import ScratchInt4
+
+    monkeypatch.setattr(quant_prefill, "SCRATCH_ROWS", 32)
+    model = LlamaModel.from_pretrained(model_dir, dtype=torch.bfloat16, weights_mode="int4", head_mode="int8",
+                                       dense_rows=16, dense="scratch")
+    assert model.layers[0].qkv.dense.min_rows == 32
+    steps = []  # rows of each step that dequantised, once per step (layer 0's qkv)
+    real = ScratchInt4.weight_t
+
+    def weight_t(self):
+        if self is model.layers[0].qkv.dense:
+            steps.append(True)
+        return real(self)
+
+    monkeypatch.setattr(ScratchInt4, "weight_t", weight_t)
+    ids = prompts["story"][:40]
+    hf = transformers_reference(model_dir, weights, "int4", "int8")
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    for spans in ([(0, 33), (33, 40)], [(0, 40)]):
+        runner = ModelRunner(model, EngineConfig(block_size=16, num_blocks=4, enable_prefix_caching=False))
+        table = runner.pool.allocate(3)
+        got, dequantised = [], []
+        for a, b in spans:
+            before = len(steps)
+            got.append(runner.forward(runner.build_batch([BatchItem(ids[a:b], a, table, logits="all")])))
+            dequantised.append(len(steps) - before)
+        assert dequantised == ([1, 0] if len(spans) == 2 else [1]), (spans, dequantised)  # scratch from 32 rows only
+        m = weight_check.compare(torch.cat(got), ref)
+        assert m["mean"] <= MAX_MEAN * m["std"], (spans, m)
+        assert m["top1"] >= MIN_TOP1, (spans, m)
