@@ -318,3 +318,33 @@ def test_a_spec_proved_with_other_library_versions_is_proved_again(tmp_path, cac
     cache.write_text(json.dumps(data))
     assert type(load_tokenizer(d)).__name__ == "TokenizersBackend"  # and kept again, with today's versions
     assert type(load_tokenizer(d)).__name__ == "DirectTokenizer"
+
+
+def test_weights_are_read_out_of_the_file_and_the_mapping_closed(tmp_path):
+    """A tensor safetensors hands out is a view of the mapped file: one kept as it is (the
+    embeddings, the norms) held the whole file resident. read_weights copies each out."""
+    import torch
+    from safetensors.torch import load_file
+
+    from chatkv.model import LlamaModel
+    from chatkv.weights.loading import read_weights
+    from tests.tiny import make_model
+
+    d = tmp_path / "m"
+    make_model(d, "qwen2", seed=8)
+    want = {k.removeprefix("model."): v for k, v in load_file(str(d / "model.safetensors")).items()}
+    got = read_weights(d)
+    assert sorted(got) == sorted(want) and len(got) == len(want)
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in want.items())
+    del got["embed_tokens.weight"]
+    assert "embed_tokens.weight" not in got and len(got) == len(want) - 1
+    with pytest.raises(KeyError):
+        got["nope"]
+    del got, want
+    model = LlamaModel.from_pretrained(d, dtype=torch.float32)
+    import gc
+
+    gc.collect()
+    maps = open("/proc/self/maps").read()
+    assert str(d / "model.safetensors") not in maps  # nothing the model kept still views the file
+    assert model.num_layers == 3

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import MutableMapping
 from pathlib import Path
 
 import torch
@@ -94,10 +95,16 @@ def load_config(model_dir: str | Path):
     return config
 
 
-def read_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
+def read_weights(model_dir: str | Path) -> MutableMapping[str, torch.Tensor]:
     """Every tensor of the directory's ``*.safetensors`` files, names without the ``model.`` prefix.
 
-    Raises ModelNotFound when there is no such file or one cannot be read.
+    Each tensor is read when first asked for, copied out of the file's mapping, which is closed
+    again (``_FileWeights``): a tensor of safetensors' own is a view of the mapped file, so one
+    kept as it is (the embeddings, every norm) held the whole file resident (256 MiB of the
+    default model's one-shot peak, issue 19) after everything else was converted and dropped.
+
+    Raises ModelNotFound when there is no such file or one cannot be read (its header at once,
+    a tensor's bytes when it is read).
     """
     from safetensors import safe_open
 
@@ -105,16 +112,54 @@ def read_weights(model_dir: str | Path) -> dict[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelNotFound(f"no *.safetensors weights in '{model_dir}'")
-    weights: dict[str, torch.Tensor] = {}
+    where: dict[str, tuple[Path, str]] = {}
     for f in files:
         try:
-            with safe_open(str(f), framework="pt") as st:
+            with safe_open(str(f), framework="pt") as st:  # the header and the file's size, checked here
                 for name in st.keys():
-                    weights[name.removeprefix("model.")] = st.get_tensor(name)
+                    where[name.removeprefix("model.")] = (f, name)
         except Exception as e:  # SafetensorError, OSError: truncated, not safetensors, unreadable
             raise ModelNotFound(f"weights file '{f}' is unreadable: {_why(e)}") from e
-    return weights
+    return _FileWeights(where)
 
+
+class _FileWeights(MutableMapping):
+    """A model's tensors by name, each read from its file on first access and kept until deleted."""
+
+    def __init__(self, where: dict[str, tuple[Path, str]]):
+        self._where = where
+        self._read: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        t = self._read.get(name)
+        if t is None:
+            f, key = self._where[name]  # KeyError for a name the files do not have, as a dict
+            from safetensors import safe_open
+
+            try:
+                with safe_open(str(f), framework="pt") as st:
+                    t = st.get_tensor(key).clone()  # out of the mapping, which closes with the view
+            except Exception as e:  # noqa: BLE001 - changed or damaged since it was opened
+                raise ModelNotFound(f"weights file '{f}' is unreadable: {_why(e)}") from e
+            self._read[name] = t
+        return t
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        self._read[name] = value
+        self._where.setdefault(name, (Path(), name))
+
+    def __delitem__(self, name: str) -> None:
+        del self._where[name]
+        self._read.pop(name, None)
+
+    def __iter__(self):
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, name) -> bool:
+        return name in self._where
 
 
 def _transformers_tokenizer(path: Path, key: str | None):
