@@ -545,8 +545,11 @@ def _any(*a) -> bool:
     return True
 
 
-def _decoding(kv, seq, *a) -> bool:
-    return seq.num_generated > 0
+def _decoding(kv, table, num_tokens, *a) -> bool:
+    """A decode step's reserve: one new token for a table that already holds KV (reserve takes the
+    request's BlockTable, not the request; a prefill chunk of these tests' prompts is never one
+    token, and a step reserves a decoding sequence's one token before any speculative draft)."""
+    return num_tokens == 1 and table.num_computed > 0
 
 
 def _decode_batch(runner, batch) -> bool:  # one new token per sequence, each with logits
