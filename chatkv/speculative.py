@@ -69,6 +69,7 @@ LONG_MATCH = 8  # a match this long (measured past MAX_NGRAM) is its own kind: q
 DECAY = 0.9  # weight of past acceptance per verification
 IDLE_DECAY = 0.98  # per step a kind of match is not tried: its estimate drifts back to the prior
 SHARED_DECAY = 0.98  # the engine-wide acceptance per kind of match (the prior of a new request)
+CPU_MAX_BATCH = 4  # auto speculates in CPU steps of at most this many decoding sequences (Speculator.max_batch)
 PRIOR_WEIGHT = 2.0  # how many verifications the shared prior counts for in a request's estimate
 
 
@@ -282,10 +283,15 @@ def eligible(seq: Any) -> int:
 
 class Speculator:
     def __init__(self, mode: str = "auto", max_k: int = 5, row_cost: float = 0.2, max_rows: int = 15,
-                 proposer=NgramProposer):
+                 proposer=NgramProposer, max_batch: int | None = None):
         if mode not in MODES:
             raise ValueError(f"speculative must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode, self.max_k, self.max_rows = mode, max_k, max_rows
+        # auto's batch bound (None: none). The cost model prices a row as measured in steps of the
+        # same batch, which at batch 8 on CPU said speculation pays where it measured 0.87x of
+        # off (bench_speculative, Intel Xeon, 2026-12-01: rows of several sequences verified in
+        # one step leave the fused one-token decode ops); so on CPU auto speculates at batch <= 4
+        self.max_batch = max_batch
         self.proposer = proposer  # a factory: one Proposer per request
         self.shared = SharedAcceptance()
         self.cost = StepCost(row_cost)  # row_cost: its prior, until the engine's steps measured it
@@ -301,7 +307,8 @@ class Speculator:
             return None
         on_cpu = str(config.device).startswith("cpu")
         max_rows = config.quant_dense_rows - 1 if config.quant_dense_rows > 1 else 32
-        return cls(config.speculative, config.num_speculative_tokens, 0.2 if on_cpu else 0.02, max_rows)
+        return cls(config.speculative, config.num_speculative_tokens, 0.2 if on_cpu else 0.02, max_rows,
+                   max_batch=CPU_MAX_BATCH if on_cpu else None)
 
     def state(self, seq: Any) -> SpecState:
         if seq.spec is None:
@@ -338,7 +345,12 @@ class Speculator:
 
     def _auto(self, offers, tokens: int, rows: int, room: int) -> dict[Any, list[int]]:
         """Add proposals best first (expected tokens ``alpha ** j``) while each adds more tokens
-        per unit of step time than the step yields on average."""
+        per unit of step time than the step yields on average; none in a step of more than
+        ``max_batch`` decoding sequences."""
+        if self.max_batch is not None and tokens > self.max_batch:
+            for seq, st, p in offers:
+                st.idle(p.key)
+            return {}
         r = self.row_cost
         gain, cost = float(tokens), 1.0 + r * max(rows - 1, 0)
         heap, alphas, taken = [], {}, {}

@@ -75,6 +75,19 @@ def test_auto_policy_speculates_where_it_pays():
     assert not Speculator("auto").assign([one], 1, 0)
 
 
+def test_auto_declines_steps_of_more_decoding_sequences_than_its_batch_bound():
+    s = Speculator("auto", max_k=5, max_batch=4)
+    seqs = [Seq(list(LOOP)) for _ in range(5)]
+    for q in seqs:
+        s.state(q)
+        q.spec.key = q.spec.proposer.propose(q.token_ids, 5).key
+        for _ in range(20):
+            s.observe(q, 5, 5)  # every proposal accepted: alone, each would speculate
+    assert s.assign(seqs[:4], 4, 100)  # within the bound it speculates
+    assert s.assign(seqs, 5, 100) == {}  # one more sequence: none
+    assert Speculator("auto", max_k=5).max_batch is None  # the bound is the engine's choice (CPU: 4)
+
+
 @pytest.mark.parametrize("r", [0.05, 0.3, 1.2])
 def test_step_cost_recovers_the_row_cost_of_a_drifting_profile(r):
     cost = StepCost(prior=0.2)
