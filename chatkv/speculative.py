@@ -289,8 +289,8 @@ class Speculator:
         self.mode, self.max_k, self.max_rows = mode, max_k, max_rows
         # auto's batch bound (None: none). The cost model prices a row as measured in steps of the
         # same batch, which at batch 8 on CPU said speculation pays where it measured 0.87x of
-        # off (bench_speculative, Intel Xeon, 2026-12-01: rows of several sequences verified in
-        # one step leave the fused one-token decode ops); so on CPU auto speculates at batch <= 4
+        # off (bench_speculative, Intel Xeon, 2026-12-01: several sequences' verified rows in one
+        # step cost more than it priced; why is not found yet); so on CPU, batches of <= 4 only
         self.max_batch = max_batch
         self.proposer = proposer  # a factory: one Proposer per request
         self.shared = SharedAcceptance()
