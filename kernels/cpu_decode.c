@@ -10,6 +10,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 static inline float bf2f(uint16_t b) {
     uint32_t u = (uint32_t)b << 16;
@@ -46,17 +49,89 @@ void add_rms(float *h, const uint16_t *y, const float *w, uint16_t *out, int64_t
     }
 }
 
+/* exp(x), 16 at a time: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r and 2^n by
+ * scalef; within 2 ulp of expf (glibc's scalar expf was half the attention's time); below -87.3
+ * it gives 0 and above 88.7 infinity, as expf's underflow and overflow do; NaN stays NaN. */
+#ifdef __AVX512F__
+#include <immintrin.h>
+static inline __m512 exp_ps(__m512 x) {
+    /* max/min return their second operand where one is NaN: x second keeps a NaN */
+    x = _mm512_min_ps(_mm512_set1_ps(88.8f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* 16 bf16 <-> float32, rounding as f2bf (to nearest even, NaN kept) */
+static inline __m512 bf16x16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline __m256i to_bf16x16(__m512 f) {
+    const __m512i u = _mm512_castps_si512(f);
+    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                        _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40))));
+}
+#endif
+
 /* out[r] = bf16(bf16(silu(g)) * u) where gu[r] = [g (n), u (n)], bf16; as F.silu(g) * u in bf16. */
 void silu_mul(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t n) {
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *g = gu + r * 2 * n, *u = g + n;
         uint16_t *o = out + r * n;
-        for (int64_t i = 0; i < n; i++) {
+        int64_t i = 0;
+#ifdef __AVX512F__
+        for (; i + 16 <= n; i += 16) {
+            const __m512 x = bf16x16(g + i);
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            const __m512 sl = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+            const __m512 sb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(sl)), 16));
+            _mm256_storeu_si256((__m256i *)(o + i), to_bf16x16(_mm512_mul_ps(sb, bf16x16(u + i))));
+        }
+#endif
+        for (; i < n; i++) {
             float x = bf2f(g[i]);
             float s = bf2f(f2bf(x / (1.0f + expf(-x))));
             o[i] = f2bf(s * bf2f(u[i]));
         }
     }
+}
+
+/* scores[0..n) = exp(scores - mx); returns their sum */
+static float exp_shift_sum(float *sc, int64_t n, float mx) {
+    int64_t j = 0;
+    float sum = 0.0f;
+#ifdef __AVX512F__
+    __m512 acc = _mm512_setzero_ps();
+    const __m512 m = _mm512_set1_ps(mx);
+    for (; j + 16 <= n; j += 16) {
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + j), m));
+        _mm512_storeu_ps(sc + j, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    if (j < n) {
+        const __mmask16 k = (__mmask16)((1u << (n - j)) - 1);
+        const __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, sc + j), m));
+        _mm512_mask_storeu_ps(sc + j, k, e);
+        acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, e));
+        j = n;
+    }
+    sum = _mm512_reduce_add_ps(acc);
+#endif
+    for (; j < n; j++) {
+        sc[j] = expf(sc[j] - mx);
+        sum += sc[j];
+    }
+    return sum;
 }
 
 /* One decode layer's attention for `rows` one-token queries, each over its own keys:
@@ -67,11 +142,13 @@ void silu_mul(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t n) {
  *   all rows before any attends (a row sees the keys earlier rows of the step stored);
  * - row r attends to its first ctx[r] keys, found in blocks[r * max_blocks ...] of block_size
  *   slots: fp32 scores q.k * scale, softmax, sum p v, rounded to bf16 into out [rows, nh d].
- * scores: float32 scratch of at least max over r of ctx[r]. */
+ * scores: float32 scratch [threads, score_stride], score_stride >= max over r of ctx[r].
+ * The (row, head) pairs are split over `threads` OpenMP threads (torch's own libgomp). */
 void decode_attention(const uint16_t *qkv, const uint16_t *table, const int64_t *pos, uint16_t *k_cache,
                       uint16_t *v_cache, const int64_t *slot, const int64_t *blocks, const int64_t *ctx,
                       int64_t max_blocks, int64_t block_size, int64_t rows, int64_t nh, int64_t nkv, int64_t d,
-                      float scale, uint16_t *q_scratch, float *scores, uint16_t *out) {
+                      float scale, uint16_t *q_scratch, float *scores, int64_t score_stride, int threads,
+                      uint16_t *out) {
     const int64_t width = (nh + 2 * nkv) * d, half = d / 2, group = nh / nkv;
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *x = qkv + r * width;
@@ -90,40 +167,46 @@ void decode_attention(const uint16_t *qkv, const uint16_t *table, const int64_t 
         }
         memcpy(vd, x + (nh + nkv) * d, (size_t)(nkv * d) * sizeof(uint16_t));
     }
-    float acc[512];
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t n = ctx[r];
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t rh = 0; rh < rows * nh; rh++) {
+        const int64_t r = rh / nh, h = rh % nh, kvh = h / group, n = ctx[r];
         const int64_t *bl = blocks + r * max_blocks;
-        for (int64_t h = 0; h < nh; h++) {
-            const int64_t kvh = h / group;
-            const uint16_t *q = q_scratch + r * nh * d + h * d;
-            float qf[512];
-            for (int64_t i = 0; i < d; i++) qf[i] = bf2f(q[i]);
-            float mx = -INFINITY;
-            for (int64_t j = 0; j < n; j++) {
-                const uint16_t *k = k_cache + ((bl[j / block_size] * block_size + j % block_size) * nkv + kvh) * d;
+        const int64_t stride = nkv * d; /* between consecutive slots */
+#ifdef _OPENMP
+        float *sc = scores + (int64_t)omp_get_thread_num() * score_stride;
+#else
+        float *sc = scores;
+#endif
+        const uint16_t *q = q_scratch + r * nh * d + h * d;
+        float qf[512], acc[512];
+        for (int64_t i = 0; i < d; i++) qf[i] = bf2f(q[i]) * scale;
+        float mx = -INFINITY;
+        for (int64_t j0 = 0; j0 < n; j0 += block_size) {
+            const uint16_t *kb = k_cache + (bl[j0 / block_size] * block_size * nkv + kvh) * d;
+            const int64_t jn = n - j0 < block_size ? n - j0 : block_size;
+            for (int64_t j = 0; j < jn; j++) {
+                const uint16_t *k = kb + j * stride;
                 float s = 0.0f;
 #pragma omp simd reduction(+ : s)
                 for (int64_t i = 0; i < d; i++) s += qf[i] * bf2f(k[i]);
-                s *= scale;
-                scores[j] = s;
+                sc[j0 + j] = s;
                 if (s > mx) mx = s;
             }
-            float sum = 0.0f;
-            for (int64_t j = 0; j < n; j++) {
-                scores[j] = expf(scores[j] - mx);
-                sum += scores[j];
-            }
-            for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
-            for (int64_t j = 0; j < n; j++) {
-                const uint16_t *v = v_cache + ((bl[j / block_size] * block_size + j % block_size) * nkv + kvh) * d;
-                const float p = scores[j];
+        }
+        const float sum = exp_shift_sum(sc, n, mx);
+        for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
+        for (int64_t j0 = 0; j0 < n; j0 += block_size) {
+            const uint16_t *vb = v_cache + (bl[j0 / block_size] * block_size * nkv + kvh) * d;
+            const int64_t jn = n - j0 < block_size ? n - j0 : block_size;
+            for (int64_t j = 0; j < jn; j++) {
+                const uint16_t *v = vb + j * stride;
+                const float p = sc[j0 + j];
 #pragma omp simd
                 for (int64_t i = 0; i < d; i++) acc[i] += p * bf2f(v[i]);
             }
-            uint16_t *o = out + r * nh * d + h * d;
-            const float inv = 1.0f / sum;
-            for (int64_t i = 0; i < d; i++) o[i] = f2bf(acc[i] * inv);
         }
+        uint16_t *o = out + r * nh * d + h * d;
+        const float inv = 1.0f / sum;
+        for (int64_t i = 0; i < d; i++) o[i] = f2bf(acc[i] * inv);
     }
 }

@@ -116,10 +116,14 @@ def test_silu_mul_is_torchs_bf16_silu_times_u():
     g = torch.Generator().manual_seed(1)
     gu = (torch.randn(3, 2 * 1536, generator=g) * 6).to(torch.bfloat16)
     gu[0, :8] = torch.tensor([0.0, -0.0, 80.0, -80.0, 1e-30, -1e-30, 3.0, -3.0])
+    # the vectorised exp's edges: its clamps at -87.3 and 88.8, overflow, infinities and NaN
+    gu[1, :12] = torch.tensor([88.5, -88.5, 89.0, -89.0, 100.0, -100.0, 1e4, -1e4, float("inf"), -float("inf"),
+                               float("nan"), 87.0])
     out = torch.empty(3, 1536, dtype=torch.bfloat16)
     cpu_decode.silu_mul(gu, out)
     gate, up = gu.chunk(2, dim=-1)
     want = F.silu(gate) * up
+    torch.testing.assert_close(out[1, :12], want[1, :12], rtol=0, atol=0, equal_nan=True)  # bit for bit
     assert float((out != want).float().mean()) <= 2e-3
     assert float(ulps(out.double(), want.double()).max()) <= 1.0
 
@@ -129,7 +133,7 @@ def _pool(blocks: int, block_size: int, kvh: int, d: int, seed: int) -> torch.Te
     return (torch.randn(blocks, block_size, kvh, d, generator=g) * 2).to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("ctx", [[1], [37], [5, 70, 16]])
+@pytest.mark.parametrize("ctx", [[1], [37], [5, 70, 16], [300, 17]])
 def test_decode_attention_is_the_torch_path(model, ctx):
     """RoPE, the KV store and attention of one-token rows (each over its own keys, as a plain
     decode and a verification row) against the model's torch ops on the same inputs: the
@@ -138,12 +142,13 @@ def test_decode_attention_is_the_torch_path(model, ctx):
     nh, nkv, d, bs = model.num_heads, model.num_kv_heads, model.head_dim, 16
     rows = len(ctx)
     g = torch.Generator().manual_seed(sum(ctx))
-    tables = [list(range(i * 5, i * 5 + 5))[::-1] for i in range(rows)]  # disjoint, out of order
+    per = max(ctx) // bs + 1  # blocks per row
+    tables = [list(range(i * per, (i + 1) * per))[::-1] for i in range(rows)]  # disjoint, out of order
     positions = torch.tensor([c - 1 for c in ctx])
     slots = torch.tensor([tables[i][(c - 1) // bs] * bs + (c - 1) % bs for i, c in enumerate(ctx)])
     qkv = (torch.randn(rows, (nh + 2 * nkv) * d, generator=g) * 3).to(torch.bfloat16)
     qkv[:, 5] = 300.0  # an outlier channel
-    k_pool, v_pool = _pool(5 * rows, bs, nkv, d, 1), _pool(5 * rows, bs, nkv, d, 2)
+    k_pool, v_pool = _pool(per * rows, bs, nkv, d, 1), _pool(per * rows, bs, nkv, d, 2)
     model._rope(positions)
     table = model._cos_sin
 
@@ -159,10 +164,16 @@ def test_decode_attention_is_the_torch_path(model, ctx):
     blocks = torch.tensor([tb for tb in tables])
     k_got, v_got = k_pool.clone(), v_pool.clone()
     out = torch.empty(rows, nh * d, dtype=torch.bfloat16)
-    scratch = (torch.empty(rows, nh * d, dtype=torch.bfloat16), torch.empty(max(ctx)))
+    scratch = (torch.empty(rows, nh * d, dtype=torch.bfloat16), torch.empty(1, max(ctx)))
     cpu_decode.decode_attention(qkv, table, positions, k_got, v_got, slots, blocks, torch.tensor(ctx), nh, nkv,
                                 model.scale, out, scratch)
     assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
+    # the (row, head) pairs split over threads, each with its own row of scores: the same bits
+    threaded = torch.empty_like(out)
+    cpu_decode.decode_attention(qkv, table, positions, k_pool.clone(), v_pool.clone(), slots, blocks,
+                                torch.tensor(ctx), nh, nkv, model.scale, threaded,
+                                (torch.empty(rows, nh * d, dtype=torch.bfloat16), torch.empty(3, max(ctx))))
+    assert torch.equal(threaded, out)
 
     # float64 attention over the stored keys
     q = qk[:, :nh].double()
