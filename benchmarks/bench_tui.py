@@ -8,7 +8,12 @@
   (Enter to the first piece written into the reply's Markdown), and the app's share alone
   (the SDK yielding the first piece to it being on screen). Goal: the app adds < 50 ms.
 
-    .venv/bin/python benchmarks/bench_tui.py [--model DIR] [--turns 6] [--no-cold] [--threads 2]
+- ``--beside-suite``: the same warm chat once more while the project's own tests run beside it
+  (pytest on ``SUITE_FILES``, restarted until the chat ends: a CPU-bound multi-threaded load, the
+  situation issue 19 reported, 1.0-1.2 tok/s), and the app's decode tok/s of both runs side by side
+  (reply tokens / (done - first piece shown), turns 2..n) with the ratio.
+
+    .venv/bin/python benchmarks/bench_tui.py [--model DIR] [--turns 6] [--no-cold] [--threads 2] [--beside-suite]
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+SUITE_FILES = ["tests/test_weight_paths.py", "tests/test_cpu_decode.py", "tests/test_scheduler.py"]
+
 QUESTIONS = ["What is the capital of France?", "And of Italy?", "Name a river in Paris.", "How long is it?",
              "Which sea does it reach?", "Thanks! One more: Spain?", "And Portugal?", "Summarise."]
 
@@ -35,7 +42,7 @@ async def launch(model: str | None, data_dir: str, turns: int, max_tokens: int) 
 
     t0 = time.perf_counter()
     app = ChatApp(model=model, data_dir=data_dir, sampling=dict(max_tokens=max_tokens, temperature=0.0))
-    out: dict = {"sdk_ttft": [], "app_ttft": [], "app_added": []}
+    out: dict = {"sdk_ttft": [], "app_ttft": [], "app_added": [], "tok_s": []}
     async with app.run_test(size=(100, 32)) as pilot:
         box = app.query_one(ChatInput)
         while app.engine is None or box.disabled or app.focused is not box or app.query_one("#loading").display:
@@ -53,6 +60,10 @@ async def launch(model: str | None, data_dir: str, turns: int, max_tokens: int) 
             out["sdk_ttft"].append(t["sdk_ttft"])
             out["app_ttft"].append(t["first_shown"] - t["sent"])
             out["app_added"].append(t["first_shown"] - t["first_piece"])
+            usage = app.last_usage
+            n = getattr(usage, "generated_tokens", None)
+            if n and n > 1 and t.get("done", 0) > t["first_shown"]:
+                out["tok_s"].append((n - 1) / (t["done"] - t["first_shown"]))
         await app.quit_app()
     return out
 
@@ -68,6 +79,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--no-cold", action="store_true", help="skip the cold run (conversion in a fresh CHATKV_HOME)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--beside-suite", action="store_true", help="the warm chat again beside a running test suite")
     a = p.parse_args()
     import torch
 
@@ -86,6 +98,44 @@ def main() -> None:
         extra = statistics.median(app_t) - statistics.median(sdk)
         print(f"the app adds {extra * 1000:.1f} ms over the SDK's TTFT (of which SDK yield -> on screen "
               f"{ms(added)}; max {max(added) * 1000:.1f} ms); goal < 50 ms: {'met' if extra < 0.050 else 'NOT met'}")
+        if a.beside_suite:
+            busy = beside_suite(lambda: asyncio.run(launch(a.model, home, a.turns, a.max_tokens)))
+            q, b = statistics.median(warm["tok_s"][1:]), statistics.median(busy["tok_s"][1:])
+            print(f"app decode, turns 2..{a.turns} (median): quiet {q:.1f} tok/s, beside the running suite {b:.1f} tok/s "
+                  f"({b / q:.2f}x of quiet); TTFT quiet {ms(app_t)}, beside the suite {ms(busy['app_ttft'][1:])}")
+
+
+def beside_suite(run):
+    """``run()`` while pytest runs SUITE_FILES beside it (restarted until run returns), with the
+    load average printed before and after."""
+    import subprocess
+    import threading
+
+    stop = threading.Event()
+    procs: list = []
+
+    def suite():
+        while not stop.is_set():
+            p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUITE_FILES],
+                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            procs.append(p)
+            while p.poll() is None and not stop.is_set():
+                time.sleep(0.2)
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    th = threading.Thread(target=suite, daemon=True)
+    th.start()
+    time.sleep(15)  # the suite past its imports and model builds, into its tests
+    try:
+        print(f"beside the suite ({' '.join(SUITE_FILES)}): load average {os.getloadavg()[0]:.2f} at the start")
+        out = run()
+        print(f"load average {os.getloadavg()[0]:.2f} at the end; pytest runs started: {len(procs)}")
+        return out
+    finally:
+        stop.set()
+        th.join()
 
 
 if __name__ == "__main__":
