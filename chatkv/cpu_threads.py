@@ -16,6 +16,13 @@ burst of another process must not make the step oscillate). Reading both files t
 Where /proc is not there (not Linux), nothing changes. The first look is made when the
 governor is made (the engine makes it before it loads the model), so the first step decides.
 
+The count a governor sets stays on the thread that stepped after its engine is gone (OpenMP
+keeps it per thread), and an engine that steps on its caller's thread (not ``start()``ed) sets
+it on the caller's. A new governor on that thread takes torch's count as it was before a
+governor changed it (``torch_threads``), not what an earlier engine left there: else an engine
+made after one whose last look saw a busy core was allowed one thread for its whole life
+(bench_session_restore's restart case, issue 21).
+
 ``one_thread()`` runs a model's load on one thread (see there).
 """
 
@@ -24,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 
 import torch
@@ -31,6 +39,21 @@ import torch
 log = logging.getLogger("chatkv.threads")
 
 _HZ = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+# per thread: (torch's count before a governor first changed it, the count a governor set last)
+_changed = threading.local()
+
+
+def torch_threads() -> int:
+    """torch's intra-op threads on this thread, as they were before a governor changed them (a
+    count set since by someone else is taken as it is)."""
+    n = torch.get_num_threads()
+    was = getattr(_changed, "counts", None)
+    return was[0] if was is not None and was[1] == n else n
+
+
+def _set_threads(n: int) -> None:
+    _changed.counts = (torch_threads(), n)
+    torch.set_num_threads(n)
 
 
 def _machine_busy_ticks(cpus: frozenset[int] | None = None) -> int | None:
@@ -95,7 +118,7 @@ class ThreadGovernor:
     """Sets torch's intra-op threads of the stepping thread to the cores free now."""
 
     def __init__(self, max_threads: int | None = None, interval: float = 0.5, enabled: bool = True):
-        self.allowed = min(allowed_cores(), max_threads or torch.get_num_threads())
+        self.allowed = min(allowed_cores(), max_threads or torch_threads())
         self.cpus = allowed_cpus()
         self.interval = interval
         self.enabled = enabled and self.allowed > 1 and _machine_busy_ticks(self.cpus) is not None
@@ -112,7 +135,7 @@ class ThreadGovernor:
     def _apply(self, n: int) -> None:
         if torch.get_num_threads() != n:  # per thread (OpenMP): set on the thread that steps
             log.debug("compute threads %d -> %d", torch.get_num_threads(), n)
-            torch.set_num_threads(n)
+            _set_threads(n)
         self.threads = n
 
     def decide(self, free: float) -> int:

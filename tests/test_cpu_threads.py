@@ -111,3 +111,27 @@ def test_only_the_cpus_of_the_affinity_mask_are_counted():
     assert 0 < singles <= ours * 1.01 + 10 and ours <= whole * 1.01 + 10
     assert abs(singles - ours) <= 0.01 * ours + 10 * len(cpus)  # read at slightly different moments
     assert cpu_threads._machine_busy_ticks(frozenset({10**6})) == 0  # a CPU this machine lacks counts nothing
+
+
+@pytest.mark.skipif(allowed_cores() < 2, reason="one core: there is no thread count to choose")
+def test_a_new_governor_takes_torchs_count_not_the_one_an_earlier_engine_left():
+    """An engine stepping on its caller's thread leaves its last count there; the next engine made
+    on that thread (a restart in the same process) must not inherit one thread for its whole life."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        first = ThreadGovernor()
+        assert first.allowed == 2 and first.enabled
+        first._apply(1)  # what adjust() applies after a look that saw another process on a core
+        assert torch.get_num_threads() == 1
+        second = ThreadGovernor()
+        assert second.allowed == 2 and second.enabled and second.threads == 2
+        second._apply(2)
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(3)  # a count someone else set is taken as it is
+        assert cpu_threads.torch_threads() == 3
+        torch.set_num_threads(1)
+        assert cpu_threads.torch_threads() == 1
+        assert ThreadGovernor().allowed == 1
+    finally:
+        torch.set_num_threads(before)
