@@ -4,6 +4,8 @@
 run, in a temporary directory, listening on a free loopback port, stopped and removed when
 the run ends. ``postgres.database()`` creates a fresh empty database and returns its
 SQLAlchemy URL (``postgresql+psycopg://...``), so tests never see each other's rows.
+``backend_url(request, backend, sqlite)`` is that URL for a test parametrized over
+``["sqlite", "postgres"]``, else the SQLite URL it is given.
 
 The server refuses to run as root: as root, the data directory is given to the
 ``postgres`` user and ``initdb``/``pg_ctl`` run under ``runuser -u postgres``. The
@@ -102,6 +104,16 @@ class PostgresServer:
                 self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
+
+
+def backend_url(request, backend: str, sqlite: str | None = None) -> str | None:
+    """The database URL of a test that runs on ``backend``: for "postgres" a fresh empty database
+    of the run's server (the ``postgres`` fixture, started only once a test asks for it), for
+    "sqlite" ``sqlite`` (None: the SQLite file the Store keeps in its data directory)."""
+    if backend == "postgres":
+        return request.getfixturevalue("postgres").database()
+    assert backend == "sqlite", f"unknown database backend {backend!r}"
+    return sqlite
 
 
 def missing_reason() -> str | None:

@@ -18,13 +18,12 @@ from chatkv.errors import ConversationBusy, LeaseLost, SessionError
 from chatkv.storage.leases import Mark
 from chatkv.storage.models import ConversationLease
 from chatkv.storage.repository import Store
+from tests.pg import backend_url
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def url(request, tmp_path):
-    if request.param == "postgres":
-        return request.getfixturevalue("postgres").database()
-    return f"sqlite:///{tmp_path / 'chatkv.db'}"
+    return backend_url(request, request.param, sqlite=f"sqlite:///{tmp_path / 'chatkv.db'}")
 
 
 @pytest.fixture

@@ -22,6 +22,7 @@ from chatkv.storage import message_tree as tree
 from chatkv.storage import migrations
 from chatkv.storage.db import DB_FILENAME, make_engine
 from chatkv.storage.repository import Store
+from tests.pg import backend_url
 
 NOW = datetime(2026, 12, 1, 12, 0, 0)
 OLD = [("user", "Hello there"), ("assistant", "Hi! How can I help?"), ("user", "Tell me a joke"),
@@ -31,9 +32,7 @@ OLD_TOKENS = list(range(1, 41))
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def url(request, tmp_path):
-    if request.param == "postgres":
-        return request.getfixturevalue("postgres").database()
-    return f"sqlite:///{tmp_path / DB_FILENAME}"
+    return backend_url(request, request.param, sqlite=f"sqlite:///{tmp_path / DB_FILENAME}")
 
 
 def _old_database(url: str) -> str:

@@ -18,6 +18,7 @@ from chatkv.storage import migrations
 from chatkv.storage.db import DB_FILENAME, make_engine
 from chatkv.storage.models import LOCAL_USER, message_hash
 from chatkv.storage.repository import Store
+from tests.pg import backend_url
 
 NOW = datetime(2026, 11, 30, 12, 0, 0)
 ROWS = [("user", "Hello there"), ("assistant", "Hi! ¿Qué tal? 👋"), ("user", "")]
@@ -46,7 +47,7 @@ def _old_database(url: str) -> str:
 
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 def test_0005_upgrades_a_0004_database(backend, request, tmp_path):
-    url = request.getfixturevalue("postgres").database() if backend == "postgres" else f"sqlite:///{tmp_path / DB_FILENAME}"
+    url = backend_url(request, backend, sqlite=f"sqlite:///{tmp_path / DB_FILENAME}")
     conv = _old_database(url)
     with Store.open(url, data_dir=tmp_path) as s:
         assert s.migrated and migrations.current_revisions(s.engine) == {migrations.HEAD}  # 0005, then those after it

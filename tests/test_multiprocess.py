@@ -36,6 +36,7 @@ from chatkv.turns import TurnRenderer
 from chatkv.weights import load_tokenizer
 from tests import multiprocess_child as child
 from tests.fork_server import ForkServer
+from tests.pg import backend_url
 from tests.processes import one_torch_thread
 from tests.tiny import make_model
 
@@ -169,7 +170,7 @@ def new_conversation(model_dir: Path, data: Path, db_url: str | None) -> str:
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 def test_two_processes_race_on_one_conversation(backend, request, model, workers, tmp_path):
     ref, model_dir = model
-    db_url = request.getfixturevalue("postgres").database() if backend == "postgres" else None
+    db_url = backend_url(request, backend)
     data = tmp_path / "data"  # the SQLite file (sqlite) and the snapshot directory (both)
     conv = new_conversation(model_dir, data, db_url)
     go = tmp_path / "go"
@@ -265,7 +266,7 @@ def test_a_live_turn_elsewhere_is_left_alone_and_the_loser_retries(model, worker
 @pytest.mark.parametrize("backend", ["sqlite", "postgres"])
 def test_a_crashed_holder_does_not_block_the_conversation(backend, request, model, workers, tmp_path):
     ref, model_dir = model
-    db_url = request.getfixturevalue("postgres").database() if backend == "postgres" else None
+    db_url = backend_url(request, backend)
     data = tmp_path / "data"
     e1 = engine_at(model_dir, data, db_url)
     s = e1.session(system=SYSTEM, params=child.PARAMS)

@@ -19,11 +19,12 @@ from chatkv.storage.db import DB_FILENAME, make_engine
 from chatkv.storage.models import Base
 from chatkv.storage.records import ConversationInfo, MessageInfo, SnapshotInfo
 from chatkv.storage.repository import Store
+from tests.pg import backend_url
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def store(request, tmp_path):
-    url = request.getfixturevalue("postgres").database() if request.param == "postgres" else None
+    url = backend_url(request, request.param)
     s = Store.open(url, data_dir=tmp_path)
     yield s
     s.close()
@@ -371,7 +372,7 @@ def test_migrated_schema_matches_models(backend, request, tmp_path):
     from alembic.autogenerate import compare_metadata
     from alembic.runtime.migration import MigrationContext
 
-    url = request.getfixturevalue("postgres").database() if backend == "postgres" else None
+    url = backend_url(request, backend)
     s = Store.open(url, data_dir=tmp_path)
     try:
         with s.engine.connect() as conn:
@@ -396,7 +397,7 @@ def test_newer_schema_is_refused_clearly(tmp_path):
 def test_concurrent_openers_and_writers(backend, request, tmp_path):
     """Two processes' worth of Stores on one database: first open (and migration) races, then
     writes from several threads; nothing fails with 'database is locked' or a duplicate row."""
-    url = request.getfixturevalue("postgres").database() if backend == "postgres" else None
+    url = backend_url(request, backend)
     errors: list[BaseException] = []
     stores: list[Store] = []
     lock = threading.Lock()
@@ -460,7 +461,7 @@ def test_concurrent_first_open_from_processes(backend, request, tmp_path):
     import sys
     import time
 
-    url = request.getfixturevalue("postgres").database() if backend == "postgres" else "-"
+    url = backend_url(request, backend, sqlite="-")
     go, n = tmp_path / "go", 4
     procs = [subprocess.Popen([sys.executable, "-c", FIRST_OPEN, url, str(go), str(tmp_path), str(i)],
                               stderr=subprocess.PIPE, text=True) for i in range(n)]
