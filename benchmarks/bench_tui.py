@@ -52,7 +52,7 @@ async def launch(model: str | None, data_dir: str, turns: int, max_tokens: int) 
         for q in QUESTIONS[:turns]:
             app.send(q)
             while app.generating:
-                await asyncio.sleep(0.002)
+                await asyncio.sleep(0.02)  # a wake-up costs the UI thread: not more often than the app redraws
             await pilot.pause()
             t = app.turn_timing
             if "first_shown" not in t or "sdk_ttft" not in t:
