@@ -210,3 +210,42 @@ void decode_attention(const uint16_t *qkv, const uint16_t *table, const int64_t 
         for (int64_t i = 0; i < d; i++) o[i] = f2bf(acc[i] * inv);
     }
 }
+
+/* The int4 kernel's weights, transposed, for a many-row step without a resident copy
+ * (chatkv.quant_prefill.ScratchInt4): out[k, n] = bf16((code - 8) * s + z), the product exact in
+ * float32 and the sum rounded to float32, then to bfloat16 once more (as torch.addcmul on the
+ * bfloat16 tensors rounds). packed: torch's CPU int4 packing, uint8 [N / block, K, block / 2],
+ * byte [b, k, d] holding row b * block + d in its low nibble and b * block + block / 2 + d in its
+ * high one; sz: bfloat16 [K / 32, N, 2] (s, z); out: bfloat16 [K, N]. */
+void int4_weight_t(const uint8_t *packed, const uint16_t *sz, uint16_t *out, int64_t n, int64_t k, int64_t block,
+                   int threads) {
+    const int64_t nb = n / block, half = block / 2;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t kb = 0; kb < k * nb; kb++) {
+        const int64_t kk = kb / nb, b = kb % nb;
+        const uint8_t *p = packed + (b * k + kk) * half;
+        const uint16_t *g = sz + ((kk / 32) * n + b * block) * 2;
+        uint16_t *o = out + kk * n + b * block;
+        int64_t d = 0;
+#ifdef __AVX512F__
+        for (; d + 16 <= half; d += 16) {
+            const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(p + d)));
+            for (int nib = 0; nib < 2; nib++) {
+                const __m512i q = nib ? _mm512_srli_epi32(c, 4) : _mm512_and_si512(c, _mm512_set1_epi32(15));
+                const __m512 w = _mm512_cvtepi32_ps(_mm512_sub_epi32(q, _mm512_set1_epi32(8)));
+                const __m512i pr = _mm512_loadu_si512((const void *)(g + 2 * (nib * half + d))); /* 16 (s, z) */
+                const __m512 sv = _mm512_castsi512_ps(_mm512_slli_epi32(pr, 16));
+                const __m512 zv = _mm512_castsi512_ps(_mm512_and_si512(pr, _mm512_set1_epi32((int32_t)0xFFFF0000u)));
+                /* w * s is exact in float32 (an integer of 4 bits times 8 significant bits): the fused
+                 * multiply-add rounds once, as the product and the sum did */
+                _mm256_storeu_si256((__m256i *)(o + nib * half + d), to_bf16x16(_mm512_fmadd_ps(w, sv, zv)));
+            }
+        }
+#endif
+        for (; d < half; d++) {
+            const float lo = (float)((int)(p[d] & 15) - 8), hi = (float)((int)(p[d] >> 4) - 8);
+            o[d] = f2bf(lo * bf2f(g[2 * d]) + bf2f(g[2 * d + 1]));
+            o[half + d] = f2bf(hi * bf2f(g[2 * (half + d)]) + bf2f(g[2 * (half + d) + 1]));
+        }
+    }
+}

@@ -43,6 +43,7 @@ _SIGNATURES = {
     "add_rms": [_P, _P, _P, _P, _I, _I, _D],
     "silu_mul": [_P, _P, _I, _I],
     "decode_attention": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I, ctypes.c_int, _P],
+    "int4_weight_t": [_P, _P, _P, _I, _I, _I, ctypes.c_int],
 }
 _lib: ctypes.CDLL | None | bool = False  # False: not looked for yet
 
@@ -173,6 +174,20 @@ def decode_attention(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Te
         blocks.shape[1], bs, rows, num_heads, num_kv_heads, d, scale,
         _check(scratch[0], torch.bfloat16, "scratch"), _check(scratch[1], torch.float32, "scores"),
         scratch[1].shape[1], scratch[1].shape[0], _check(out, torch.bfloat16, "out"))
+
+
+def int4_weight_t(packed: torch.Tensor, scales_zeros: torch.Tensor, out: torch.Tensor, block: int) -> torch.Tensor:
+    """``w.T`` of torch's CPU int4 packing (uint8 ``[N, K / 2]`` in blocks of ``block`` rows) and
+    its bfloat16 ``scales_zeros`` (``[K / 32, N, 2]``) into ``out`` (bfloat16 ``[K, N]``): ``(code -
+    8) * s + z`` rounded as chatkv.quant_prefill's torch ops round it, on the current threads."""
+    groups, n, two = scales_zeros.shape
+    k = groups * 32
+    if two != 2 or packed.numel() * 2 != n * k or out.shape != (k, n) or n % block or block % 2:
+        raise ValueError(f"int4_weight_t: packed {tuple(packed.shape)}, scales_zeros {tuple(scales_zeros.shape)}, "
+                         f"out {tuple(out.shape)}, block {block}")
+    library().int4_weight_t(_check(packed, torch.uint8, "packed"), _check(scales_zeros, torch.bfloat16, "scales_zeros"),
+                            _check(out, torch.bfloat16, "out"), n, k, block, torch.get_num_threads())
+    return out
 
 
 class DecodeStep:

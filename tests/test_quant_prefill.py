@@ -77,6 +77,33 @@ def test_the_scratch_path_computes_with_the_int4_kernels_own_numbers(n, k):
     assert torch.equal(path(x[:39]), lin(x[:39]))
 
 
+@pytest.mark.parametrize("n, k", [(960, 576), (3072, 576), (576, 1536), (128, 64)])
+def test_the_c_dequantising_is_the_torch_ops_bit_for_bit(n, k, monkeypatch):
+    """ScratchInt4.weight_t in one C call (where the fused ops' library is built) and in torch ops:
+    the same bfloat16 weights, on one thread and on two, at the kernel's real scales (and an
+    outlier group, a zero scale)."""
+    import chatkv.quant_prefill as qp
+
+    if not qp.native_dequantise():
+        pytest.skip("the fused ops' library is not built here (no compiler, or off x86 Linux)")
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w[3, :32] *= 400.0
+    w[5, 32:64] = 0.0
+    lin = Int4Linear(quantize_int4(w))
+    path = scratch_int4(lin, Scratch(), min_rows=1)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            native = path.weight_t().clone()
+            monkeypatch.setattr(qp, "native_dequantise", lambda: False)
+            assert torch.equal(native, path.weight_t()), threads
+            monkeypatch.undo()
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_steps_below_scratch_rows_run_the_int4_kernel_and_from_there_the_scratch(monkeypatch):
     q = quantize_int4(torch.randn(128, 64, generator=torch.Generator().manual_seed(3)))
     lin = Int4Linear(q)
@@ -119,7 +146,8 @@ def test_one_buffer_per_thread_shared_by_every_projection_and_no_bf16_weights_ke
     path_logits(model, list(range(quant_prefill.SCRATCH_ROWS - 1)), batched=True)
     assert model.scratch.nbytes == 0  # a step below SCRATCH_ROWS: the int4 kernel
     path_logits(model, list(range(quant_prefill.SCRATCH_ROWS)), batched=True)
-    assert model.scratch.nbytes == 3 * largest  # one bf16 buffer: the largest projection's + its int8 temporaries
+    # one bf16 buffer: the largest projection's, and its int8 temporaries where torch ops dequantise
+    assert model.scratch.nbytes == (2 if quant_prefill.native_dequantise() else 3) * largest
     seen = []
     t = threading.Thread(target=lambda: seen.append(model.scratch.get(8).data_ptr()))
     t.start()
