@@ -15,7 +15,11 @@ exact token ids of chatkv's turn-10 prompt; the first token of every case is pri
   (e) chatkv recomputing the whole prompt (prefix caching off)
   (f) llama.cpp: its sequence state saved to a file, loaded in a fresh Llama, then the
       new tokens (packaged GGUF, Q4_1 weights: an engine comparison, not identical math)
-  (g) snapshot file bytes vs tokens x KV bytes per token
+  (g) the snapshot's bytes on disk (every segment file its manifest lists, and the manifest)
+      vs tokens x KV bytes per token
+
+``--snapshot-only`` builds the history, spills it and prints (g) alone (no timings, no
+transformers), which takes seconds.
 
 chatkv's TTFT is measured two ways: ``usage.ttft_s`` (the engine's own, from request
 admission; it does NOT include the restore, which happens before the request is queued)
@@ -26,7 +30,7 @@ On a 2-core machine any other busy process makes every parallel region wait for 
 slice and inflates latencies several-fold; the run prints the share of CPU time other
 processes took and warns above 10%. ``--profile`` adds a cProfile of one restored turn.
 
-    CHATKV_HOME=/tmp/ckhome .venv/bin/python benchmarks/bench_session_restore.py [--repeats 3] [--history 2100] [--profile]
+    CHATKV_HOME=/tmp/ckhome .venv/bin/python benchmarks/bench_session_restore.py [--repeats 3] [--history 2100] [--profile] [--snapshot-only]
 """
 
 from __future__ import annotations
@@ -341,11 +345,41 @@ def library_version() -> str:
     return head + (f" + uncommitted changes in {', '.join(dirty)}" if dirty else "")
 
 
-def snapshot_layout(path: Path) -> tuple[int, int]:
-    """(file bytes, safetensors header bytes incl. the 8-byte length prefix)."""
-    with open(path, "rb") as f:
-        (hlen,) = struct.unpack("<Q", f.read(8))
-    return path.stat().st_size, 8 + hlen
+def snapshot_layout(snapshots, conv_id: str) -> dict:
+    """A conversation's snapshot as it lies on disk (chatkv.snapshots: append-only safetensors
+    segments listed by a JSON manifest, storage.kv_segments): its tokens (the manifest's end),
+    the manifest's bytes, and over every segment file the manifest lists (any branch, a shared
+    file once) their count, bytes and safetensors header bytes (with the 8-byte length prefix)."""
+    key = snapshots.key(conv_id)
+    man = snapshots.segments.read_manifest(key)
+    assert man is not None, f"no snapshot manifest for conversation {conv_id}"
+    files = sorted(man.files())
+    seg_bytes = header_bytes = 0
+    for name in files:
+        path = snapshots.segments.root / name
+        with open(path, "rb") as f:
+            (hlen,) = struct.unpack("<Q", f.read(8))
+        seg_bytes += path.stat().st_size
+        header_bytes += 8 + hlen
+    manifest = snapshots.segments.manifest_path(key)
+    return dict(tokens=man.end, files=len(files), seg_bytes=seg_bytes, header_bytes=header_bytes,
+                manifest=manifest.name, manifest_bytes=manifest.stat().st_size, listed_bytes=man.nbytes)
+
+
+def report_snapshot_size(lay: dict, kv_bpt: int, geometry) -> int:
+    """Print (g); returns the bytes beyond tokens x KV bytes and the headers."""
+    T, S, H = lay["tokens"], lay["seg_bytes"], lay["header_bytes"]
+    kv_bytes = T * kv_bpt
+    layers, kvh, hd, kvdt = geometry
+    ids_bytes = T * 8
+    files = f"{lay['files']} segment file{'s' if lay['files'] != 1 else ''}"
+    print(f"\n(g) snapshot ({files} + manifest {lay['manifest']}): {S} bytes of segments "
+          f"+ {lay['manifest_bytes']} of manifest = {S + lay['manifest_bytes']} bytes on disk for {T} tokens; "
+          f"tokens x KV bytes = {T} x {kv_bpt} (2 x {layers} layers x {kvh} kv heads x {hd} x {kvdt}) = {kv_bytes}")
+    print(f"    segments' overhead {S - kv_bytes} bytes ({(S - kv_bytes) / kv_bytes * 100:.3f}%) = "
+          f"headers {H} + token_ids tensors {ids_bytes} (int64) + {S - kv_bytes - H - ids_bytes} other"
+          + ("" if lay["listed_bytes"] == S else f"; the manifest lists {lay['listed_bytes']} bytes"))
+    return S - kv_bytes - H
 
 
 def main() -> None:
@@ -358,6 +392,8 @@ def main() -> None:
     p.add_argument("--model", default=None, help="Hugging Face model dir (default: packaged SmolLM2-135M-Instruct)")
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--profile", action="store_true", help="cProfile one extra restored turn and print the top entries")
+    p.add_argument("--snapshot-only", action="store_true",
+                   help="build the history, spill it and print (g), the snapshot's size on disk, alone (no timings)")
     args = p.parse_args()
     R = args.repeats
     RC = max(R, 5)  # cheap cases (a forward over the new tokens only) get more repeats
@@ -376,13 +412,15 @@ def main() -> None:
     try:
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, args.dtype))
-        hf.eval()
+        if not args.snapshot_only:
+            hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=getattr(torch, args.dtype))
+            hf.eval()
 
         # ------------------------------------------------ build the history (engine A)
         eng = make_engine(model_dir, data_dir, args.dtype)
         tok = eng.tokenizer
-        hf_ttft_full(hf, tok("Warm up the kernels, please.")["input_ids"])
+        if not args.snapshot_only:
+            hf_ttft_full(hf, tok("Warm up the kernels, please.")["input_ids"])
         kv_bpt = eng.model.kv_bytes_per_token
         geometry = (eng.model.num_layers, eng.model.num_kv_heads, eng.model.head_dim, eng.kv_dtype)
         eng.generate(tok("Warm up the kernels, please.")["input_ids"], SamplingParams(max_tokens=2, temperature=0.0))
@@ -392,6 +430,16 @@ def main() -> None:
         per_message = max(32, (args.history - sys_tokens) // 9 - per_turn_overhead)
         messages = user_messages(tok, per_message)
 
+        if args.snapshot_only:
+            s = build_session(eng, messages, args.reply_tokens)
+            s.spill()
+            lay = snapshot_layout(eng.session_manager.snapshots, s.id)
+            eng.close()
+            print(f"\nSession snapshot size of a {len(s.tokens)}-token chat  (model {model_dir.name}, {args.dtype}); "
+                  f"library: {library_version()}")
+            extra = report_snapshot_size(lay, kv_bpt, geometry)
+            print(f"  snapshot = tokens x KV bytes + headers + int64 token ids: {extra - lay['tokens'] * 8} bytes beyond that")
+            return
         t0 = time.perf_counter()
         first = build_session(eng, messages, args.reply_tokens)
         build_s = time.perf_counter() - t0
@@ -416,7 +464,10 @@ def main() -> None:
         u0 = a_usage[0]
         cached = u0.cached_tokens  # tokens whose KV the history holds (the last reply token has none yet)
         new_ids = prompt10[cached:]
-        # (c), (b) transformers on the same token ids, right after (a) so both see the same machine load
+        # (c), (b) transformers on the same token ids, right after (a) so both see the same machine load,
+        # on the threads asked for: (a)'s steps ran on this thread, whose count chatkv's thread governor
+        # may have lowered (chatkv.cpu_threads) and which torch keeps per thread
+        torch.set_num_threads(args.threads)
         cache = hf_prefill_cache(hf, prompt10[:cached])
         c_t, c_tok = zip(*[hf_ttft_cached(hf, cache, new_ids) for _ in range(RC)])
         b_t, b_tok = zip(*[hf_ttft_full(hf, prompt10) for _ in range(R)])
@@ -431,9 +482,7 @@ def main() -> None:
         spill_s = time.perf_counter() - t0
         d_id = sess_d.id
         mgr = eng.session_manager
-        snap_file = mgr.snapshots.path(d_id)
-        snap_tokens = mgr.store.get_snapshot(d_id).token_count
-        file_bytes, header_bytes = snapshot_layout(snap_file)
+        lay = snapshot_layout(mgr.snapshots, d_id)
         t0 = time.perf_counter()
         eng.close()
         close_s = time.perf_counter() - t0
@@ -442,7 +491,7 @@ def main() -> None:
         shutil.copytree(data_dir, template)
 
         # (d) after a restart, once per repeat: a copy of the closed data dir, a new Engine, resume, turn 10
-        d_wall, d_ttft, d_usage, d_tok, d_resume, d_timers, d_open = [], [], [], [], [], [], []
+        d_wall, d_ttft, d_usage, d_tok, d_resume, d_timers, d_open, d_threads = [], [], [], [], [], [], [], []
         for i in range(R + (1 if args.profile else 0)):
             shutil.rmtree(data_dir)
             shutil.copytree(template, data_dir)
@@ -476,6 +525,7 @@ def main() -> None:
             d_usage.append(r.usage)
             d_tok.append(s.tokens[r.usage.prompt_tokens])
             d_timers.append(timers.t)
+            d_threads.append(f"{e2.threads.threads}{'*' if e2.threads.changes else ''}")
             assert s.tokens[:cached] == prompt10[:cached]
             e2.close()
             del e2, s, mgr
@@ -586,19 +636,15 @@ def main() -> None:
           f"new Engine {med(d_open) * 1000:.0f} ms (not in TTFT); resume() {fmt_ms(med(d_resume))} ms; "
           f"restore {fmt_ms(rt['restore'])} ms = kv.load {fmt_ms(rt['kv.load'])} + import_kv {fmt_ms(rt['import_kv'])} "
           f"+ rest; then prefill of {du.computed_tokens} tokens (usage.ttft) {fmt_ms(med(d_ttft))} ms")
+    print(f"(d) compute threads after the turn, per repeat (* = the governor changed them during it, "
+          f"chatkv.cpu_threads): {' '.join(d_threads)}")
     print(f"spill (snapshot write + fsync) {fmt_ms(spill_s)} ms; engine close {close_s * 1000:.0f} ms")
     if f:
         print(f"llama.cpp: seq file {f['bytes'] / 1e6:.2f} MB, save {f['save'] * 1000:.1f} ms, "
               f"load alone {fmt_ms(med(f['load']))} ms; GGUF tokenizer gives the same ids as chatkv: {f['same_ids']}")
 
     # (g) snapshot size
-    kv_bytes = snap_tokens * kv_bpt
-    layers, kvh, hd, kvdt = geometry
-    print(f"\n(g) snapshot {snap_file.name}: {file_bytes} bytes for {snap_tokens} tokens; "
-          f"tokens x KV bytes = {snap_tokens} x {kv_bpt} (2 x {layers} layers x {kvh} kv heads x {hd} x {kvdt}) = {kv_bytes}")
-    ids_bytes = snap_tokens * 8
-    print(f"    overhead {file_bytes - kv_bytes} bytes ({(file_bytes - kv_bytes) / kv_bytes * 100:.3f}%) = "
-          f"header {header_bytes} + token_ids tensor {ids_bytes} (int64) + {file_bytes - kv_bytes - header_bytes - ids_bytes} other")
+    extra = report_snapshot_size(lay, kv_bpt, geometry)
 
     # first tokens agree?
     toks = {"(a)": a_tok[0], "(b)": b_tok[0], "(c)": c_tok[0], "(d)": d_tok[0], "(e)": e_tok[0]}
@@ -617,10 +663,10 @@ def main() -> None:
         print(f"  chatkv restored vs llama.cpp restore: {F / D:.2f}x (goal >= 1x, no slower)  {verdict(D <= F)}")
     print(f"  chatkv restored / in memory: {D / A:.2f}x (goal <= 1.3x)  {verdict(D / A <= 1.3)}")
     print(f"  restored_tokens == history with KV: {du.restored_tokens} vs {cached}  {verdict(du.restored_tokens == cached)}")
-    extra = file_bytes - kv_bytes - header_bytes
+    ids_bytes, kv_bytes = lay["tokens"] * 8, lay["tokens"] * kv_bpt
     other = extra - ids_bytes
     note = "" if extra == 0 else (
-        f" (the int64 token_ids tensor the format stores, {ids_bytes / kv_bytes * 100:.3f}%; nothing else)" if other == 0 else "")
+        f" (the int64 token_ids tensors the format stores, {ids_bytes / kv_bytes * 100:.3f}%; nothing else)" if other == 0 else "")
     print(f"  snapshot = tokens x KV bytes + header only: {extra} bytes beyond that{note}  {verdict(extra == 0)}")
     print(f"\ntotal bench time {time.perf_counter() - t_start:.0f} s")
     if prof_text:
