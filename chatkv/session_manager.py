@@ -277,8 +277,8 @@ class SessionManager:
         s.pinned = None
         s.closed = True
         self.live.pop(s.id, None)
-        if self.store.delete_conversation(s.id) is not None:
-            self.snapshots.delete(s.id)
+        self.store.delete_conversation(s.id)  # with its snapshot row, if one was written yet
+        self.snapshots.delete(s.id)  # its files either way: write-behind lists them before any row does
 
     def save_params(self, s: Session, params: dict) -> None:
         """Store a session's sampling settings, keeping its RAG settings beside them; then it has them."""

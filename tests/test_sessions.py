@@ -157,6 +157,26 @@ def test_session_api_lists_renames_archives_exports_deletes(model, tmp_path):
     e.close()
 
 
+def test_delete_removes_the_snapshot_its_row_does_not_name_yet(model, tmp_path):
+    """A turn's write-behind puts the snapshot's files on disk at once and its database row only at
+    the next sync (spill, flush, close, ROW_SYNC_S): deleting the conversation before that removes
+    the files too, not only what the row names (they stayed until the next open's sweep)."""
+    _, d = model
+    e = engine_at(d, tmp_path)
+    a, b = e.session(params=GREEDY), e.session(params=GREEDY)
+    a.send(QUESTIONS[0])
+    b.send(QUESTIONS[1])
+    snaps = e.session_manager.snapshots
+    assert e.session_manager.store.get_snapshot(a.id) is None  # no row yet: the case
+    a.delete()
+    files = sorted(p.name for p in snaps.segments.root.iterdir())
+    assert not [f for f in files if f.startswith(snaps.key(a.id))], files
+    b.spill()  # the other conversation's snapshot is untouched
+    assert snaps.path(b.id).exists() and len(snaps.segment_paths(b.id)) >= 1
+    assert b.send(QUESTIONS[2]).usage.restored_tokens > 0
+    e.close()
+
+
 def test_streaming_and_interrupted_reply_is_kept(model, tmp_path):
     _, d = model
     e = engine_at(d, tmp_path)
