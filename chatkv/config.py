@@ -28,12 +28,12 @@ class EngineConfig:
     head_weights: str = "auto"  # the output matrix: auto (= float) | float | int8 | int4
     kv_dtype: str = "auto"  # the KV cache: auto (= the model's dtype) | bf16 | fp16 | fp32 | int8 | fp8 (e4m3, per-token scales)
     quant_dense_rows: int = 16  # int4/int8: steps of this many rows or more compute in bf16 (faster prefill; 0: the quantised kernels only)
-    # how those steps get bf16 weights: "copy" (a resident bf16 copy: the fast default) | "scratch"
-    # (no copy resident: int4 steps of 64+ rows dequantise into one reused buffer, shorter ones run
-    # the int4 kernel; chatkv.quant_prefill). Intel Xeon with AMX, 2026-12-01, loaded, CPU time on
-    # one thread: peak 655 vs 1,011 MiB after a 1k prompt; the 1k prompt 1.20x the copy's TTFT;
-    # turns of 23/40/63 tokens after a 2k history 1.18/1.21/1.31x; see docs/weights.md
-    quant_dense: str = "copy"
+    # how those steps get bf16 weights: "scratch" (the default: no copy resident; int4 steps of 64+
+    # rows dequantise into one reused buffer, shorter ones run the int4 kernel; chatkv.quant_prefill)
+    # | "copy" (a resident bf16 copy of every projection, 2 bytes a parameter more). Quiet AMD EPYC,
+    # 2026-12-02: peak 516 vs 705 MiB after a 1k prompt (llama.cpp 450); the 1k prompt's TTFT 1.08x
+    # the copy's; turns of 1/23/40/63 tokens after a 2k history 0.95/1.01/1.03/1.24x; docs/weights.md
+    quant_dense: str = "scratch"
     threads: int | None = None  # compute threads at most; None: torch's (the cores)
     adaptive_threads: bool = True  # fewer threads while other processes keep cores busy (chatkv.cpu_threads)
     tenant: str = ""  # salt of the prefix-cache namespace: tenants never share KV

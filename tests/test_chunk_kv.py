@@ -356,7 +356,7 @@ def test_chatkv_ingest_kv_computes_the_chunk_kv_a_chat_then_reads_from_disk(mode
 def test_placement_in_a_quantised_pool_against_the_same_dtype_full_prefill(model_dir, tmp_path, kv_dtype, gate):
     """int8/fp8 KV: placement compared with the engine's own full prefill into a pool of the same
     dtype (dequantised rows). Every chunk token recomputed: every layer within 1e-5 (the same
-    math, forwards of other lengths). None recomputed: layer 0's values are the same bytes and
+    math, forwards of other lengths), but for a rare element rounded to the neighbouring code. None recomputed: layer 0's values are the same bytes and
     its re-rotated keys are within ``gate`` of each row's largest element, two quantisation
     roundings (canonical, then after the rotation) against one: int8 two steps of max/127, fp8
     two half-ulps of 2^-4 (e4m3's 3 mantissa bits); a later layer is not (no cross-attention)."""
@@ -385,7 +385,13 @@ def test_placement_in_a_quantised_pool_against_the_same_dtype_full_prefill(model
                 for layer in range(len(got[w])):
                     a, b = deq(got[w][layer]), deq(ref[w][layer][:n])
                     if ratio == 1.0:
-                        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+                        # the same math over forwards of other lengths: float32 sums in another order,
+                        # 1e-7 apart, which now and then round to the neighbouring code (one element
+                        # of 6,304 in a CI run, under load): within 1e-5, or one code step for 0.1%
+                        diff = (a - b).abs()
+                        step = gate / 2 * b.abs().amax(-1, keepdim=True) + 1e-6
+                        assert (diff <= torch.maximum(step, torch.full_like(step, 1e-5))).all()
+                        assert int((diff > 1e-5).sum()) <= max(1, diff.numel() // 1000)
                     elif layer == 0 and w == 1:
                         assert torch.equal(got[w][0], ref[w][0][:n])  # values carry no position: the same bytes
                     elif layer == 0:
