@@ -33,7 +33,8 @@ def supported(model) -> bool:
     return (model.residual_dtype == torch.float32 and model.dtype == torch.bfloat16
             and model.device.type == "cpu" and model.windows == [None] and model.min_rows == 1
             and all(layer.qk_norm is None for layer in model.layers)
-            and model.head_dim <= cpu_decode.MAX_HEAD_DIM and kernels_available())
+            and model.head_dim <= cpu_decode.MAX_HEAD_DIM and model.num_heads % model.num_kv_heads == 0
+            and model.num_heads // model.num_kv_heads <= cpu_decode.MAX_GROUP and kernels_available())
 
 
 def _rows(meta, t: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:

@@ -49,6 +49,9 @@ void add_rms(float *h, const uint16_t *y, const float *w, uint16_t *out, int64_t
     }
 }
 
+#define ATTN_SEGMENT 64  /* keys per work item of decode_attention (cpu_decode.py: ATTN_SEGMENT) */
+#define ATTN_MAX_GROUP 16 /* query heads per kv head it takes (cpu_decode.py: MAX_GROUP) */
+
 /* exp(x), 16 at a time: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for e^r and 2^n by
  * scalef; within 2 ulp of expf (glibc's scalar expf was half the attention's time); below -87.3
  * it gives 0 and above 88.7 infinity, as expf's underflow and overflow do; NaN stays NaN. */
@@ -80,6 +83,10 @@ static inline __m256i to_bf16x16(__m512 f) {
                                         _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))), 16);
     const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
     return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40))));
+}
+
+static inline __m512 bf16_round(__m512 f) { /* float32 -> the nearest bf16 (as f2bf), as float32 */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(f)), 16));
 }
 #endif
 
@@ -134,6 +141,58 @@ static float exp_shift_sum(float *sc, int64_t n, float mx) {
     return sum;
 }
 
+/* One work item of decode_attention (see there); D is the head size, a constant where the caller
+ * names one (64, 128), so that each head's loops unroll. */
+static inline __attribute__((always_inline)) void attention_item(
+    int64_t it, const int64_t D, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *blocks,
+    const int64_t *ctx, int64_t max_blocks, int64_t block_size, int64_t nh, int64_t nkv, int64_t group,
+    int64_t segs, float scale, const uint16_t *q_scratch, float *scores) {
+    const int64_t d = D, pw = D + 2;
+    const int64_t r = it / (nkv * segs), kvh = (it / segs) % nkv, sg = it % segs, n = ctx[r];
+        const int64_t j_lo = sg * ATTN_SEGMENT, j_hi = n < j_lo + ATTN_SEGMENT ? n : j_lo + ATTN_SEGMENT;
+        float *pt = scores + it * group * pw;
+        if (j_lo >= j_hi) {
+            for (int64_t g = 0; g < group; g++) pt[g * pw] = -INFINITY, pt[g * pw + 1] = 0.0f;
+            return;
+        }
+        const int64_t *bl = blocks + r * max_blocks;
+        float qf[ATTN_MAX_GROUP][512], kf[512], sc[ATTN_MAX_GROUP][ATTN_SEGMENT], mx[ATTN_MAX_GROUP];
+        for (int64_t g = 0; g < group; g++) {
+            const uint16_t *q = q_scratch + r * nh * d + (kvh * group + g) * d;
+            for (int64_t i = 0; i < d; i++) qf[g][i] = bf2f(q[i]) * scale;
+            mx[g] = -INFINITY;
+        }
+        for (int64_t j = j_lo; j < j_hi; j++) {
+            const uint16_t *k = k_cache + ((bl[j / block_size] * block_size + j % block_size) * nkv + kvh) * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) kf[i] = bf2f(k[i]);
+            for (int64_t g = 0; g < group; g++) {
+                float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                for (int64_t i = 0; i < d; i++) s += qf[g][i] * kf[i];
+                sc[g][j - j_lo] = s;
+                if (s > mx[g]) mx[g] = s;
+            }
+        }
+        for (int64_t g = 0; g < group; g++) {
+            pt[g * pw] = mx[g];
+            pt[g * pw + 1] = exp_shift_sum(sc[g], j_hi - j_lo, mx[g]);
+            float *acc = pt + g * pw + 2;
+            for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
+        }
+        for (int64_t j = j_lo; j < j_hi; j++) {
+            const uint16_t *v = v_cache + ((bl[j / block_size] * block_size + j % block_size) * nkv + kvh) * d;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) kf[i] = bf2f(v[i]);
+            for (int64_t g = 0; g < group; g++) {
+                const float p = sc[g][j - j_lo];
+                float *acc = pt + g * pw + 2;
+#pragma omp simd
+                for (int64_t i = 0; i < d; i++) acc[i] += p * kf[i];
+            }
+        }
+    }
+
 /* One decode layer's attention for `rows` one-token queries, each over its own keys:
  * - q and k heads of qkv[r] (bf16 [rows, (nh + 2 nkv) d]) rotated by RoPE as the model's _rotate
  *   does in bf16: bf16(bf16(x cos) + bf16(swapped sin)), cos and sign-folded sin from
@@ -142,8 +201,9 @@ static float exp_shift_sum(float *sc, int64_t n, float mx) {
  *   all rows before any attends (a row sees the keys earlier rows of the step stored);
  * - row r attends to its first ctx[r] keys, found in blocks[r * max_blocks ...] of block_size
  *   slots: fp32 scores q.k * scale, softmax, sum p v, rounded to bf16 into out [rows, nh d].
- * scores: float32 scratch [threads, score_stride], score_stride >= max over r of ctx[r].
- * The (row, head) pairs are split over `threads` OpenMP threads (torch's own libgomp). */
+ * scores: float32 scratch of rows * nkv * score_stride * (nh / nkv) * (d + 2), score_stride the
+ * segments of ATTN_SEGMENT keys of the longest row (chatkv.kernels.cpu_decode.attention_scratch).
+ * The work is split over `threads` OpenMP threads (torch's own libgomp). */
 void decode_attention(const uint16_t *qkv, const uint16_t *table, const int64_t *pos, uint16_t *k_cache,
                       uint16_t *v_cache, const int64_t *slot, const int64_t *blocks, const int64_t *ctx,
                       int64_t max_blocks, int64_t block_size, int64_t rows, int64_t nh, int64_t nkv, int64_t d,
@@ -158,7 +218,16 @@ void decode_attention(const uint16_t *qkv, const uint16_t *table, const int64_t 
         for (int64_t h = 0; h < nh + nkv; h++) {
             const uint16_t *xh = x + h * d;
             uint16_t *dst = h < nh ? qr + h * d : kd + (h - nh) * d;
-            for (int64_t i = 0; i < d; i++) {
+            int64_t i = 0;
+#ifdef __AVX512F__
+            if (half % 16 == 0) /* 16 at a time, the same roundings: bf16(bf16(x cos) + bf16(swapped sin)) */
+                for (; i < d; i += 16) {
+                    const __m512 a = bf16_round(_mm512_mul_ps(bf16x16(xh + i), bf16x16(cs + i)));
+                    const __m512 b = bf16_round(_mm512_mul_ps(bf16x16(xh + (i < half ? i + half : i - half)), bf16x16(sn + i)));
+                    _mm256_storeu_si256((__m256i *)(dst + i), to_bf16x16(_mm512_add_ps(a, b)));
+                }
+#endif
+            for (; i < d; i++) {
                 float sw = bf2f(xh[i < half ? i + half : i - half]);
                 float a = bf2f(f2bf(bf2f(xh[i]) * bf2f(cs[i])));
                 float b = bf2f(f2bf(sw * bf2f(sn[i])));
@@ -167,46 +236,38 @@ void decode_attention(const uint16_t *qkv, const uint16_t *table, const int64_t 
         }
         memcpy(vd, x + (nh + nkv) * d, (size_t)(nkv * d) * sizeof(uint16_t));
     }
+    /* Work items: (row, kv head, segment of ATTN_SEGMENT keys), each for the `group` query heads
+     * that share the kv head (a key and a value are converted once for all of them). Each item
+     * leaves, per query head, its max score m, sum of exp l and unnormalised output in `part`;
+     * then each (row, head) merges its segments in order. Which keys form a segment depends on
+     * ctx only, never on the threads: the result is the same bits on any thread count. */
+    const int64_t segs = score_stride; /* segments per (row, kv head): ceil(max ctx / ATTN_SEGMENT) */
+    const int64_t pw = d + 2;          /* per query head of an item: m, l, out[d] */
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t rh = 0; rh < rows * nh; rh++) {
-        const int64_t r = rh / nh, h = rh % nh, kvh = h / group, n = ctx[r];
-        const int64_t *bl = blocks + r * max_blocks;
-        const int64_t stride = nkv * d; /* between consecutive slots */
-#ifdef _OPENMP
-        float *sc = scores + (int64_t)omp_get_thread_num() * score_stride;
-#else
-        float *sc = scores;
-#endif
-        const uint16_t *q = q_scratch + r * nh * d + h * d;
-        float qf[512], acc[512];
-        for (int64_t i = 0; i < d; i++) qf[i] = bf2f(q[i]) * scale;
-        float mx = -INFINITY;
-        for (int64_t j0 = 0; j0 < n; j0 += block_size) {
-            const uint16_t *kb = k_cache + (bl[j0 / block_size] * block_size * nkv + kvh) * d;
-            const int64_t jn = n - j0 < block_size ? n - j0 : block_size;
-            for (int64_t j = 0; j < jn; j++) {
-                const uint16_t *k = kb + j * stride;
-                float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                for (int64_t i = 0; i < d; i++) s += qf[i] * bf2f(k[i]);
-                sc[j0 + j] = s;
-                if (s > mx) mx = s;
-            }
-        }
-        const float sum = exp_shift_sum(sc, n, mx);
+    for (int64_t it = 0; it < rows * nkv * segs; it++) {
+        if (d == 64)
+            attention_item(it, 64, k_cache, v_cache, blocks, ctx, max_blocks, block_size, nh, nkv, group, segs, scale, q_scratch, scores);
+        else if (d == 128)
+            attention_item(it, 128, k_cache, v_cache, blocks, ctx, max_blocks, block_size, nh, nkv, group, segs, scale, q_scratch, scores);
+        else
+            attention_item(it, d, k_cache, v_cache, blocks, ctx, max_blocks, block_size, nh, nkv, group, segs, scale, q_scratch, scores);
+    }
+    for (int64_t rh = 0; rh < rows * nh; rh++) { /* merge each (row, head)'s segments, in order */
+        const int64_t r = rh / nh, h = rh % nh, kvh = h / group, g = h % group;
+        const float *p0 = scores + ((r * nkv + kvh) * segs) * group * pw + g * pw;
+        float m = -INFINITY;
+        for (int64_t sg = 0; sg < segs; sg++) m = p0[sg * group * pw] > m ? p0[sg * group * pw] : m;
+        float acc[512], l = 0.0f;
         for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
-        for (int64_t j0 = 0; j0 < n; j0 += block_size) {
-            const uint16_t *vb = v_cache + (bl[j0 / block_size] * block_size * nkv + kvh) * d;
-            const int64_t jn = n - j0 < block_size ? n - j0 : block_size;
-            for (int64_t j = 0; j < jn; j++) {
-                const uint16_t *v = vb + j * stride;
-                const float p = sc[j0 + j];
-#pragma omp simd
-                for (int64_t i = 0; i < d; i++) acc[i] += p * bf2f(v[i]);
-            }
+        for (int64_t sg = 0; sg < segs; sg++) {
+            const float *ps = p0 + sg * group * pw;
+            if (ps[1] == 0.0f) continue; /* an empty segment (beyond this row's ctx) */
+            const float w = segs == 1 ? 1.0f : expf(ps[0] - m);
+            l += w * ps[1];
+            for (int64_t i = 0; i < d; i++) acc[i] += w * ps[2 + i];
         }
         uint16_t *o = out + r * nh * d + h * d;
-        const float inv = 1.0f / sum;
+        const float inv = 1.0f / l;
         for (int64_t i = 0; i < d; i++) o[i] = f2bf(acc[i] * inv);
     }
 }

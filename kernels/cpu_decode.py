@@ -37,6 +37,15 @@ log = logging.getLogger("chatkv.kernels")
 ENV = "CHATKV_FUSED_DECODE"  # "0" turns the fused decode ops off
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 MAX_HEAD_DIM = 512  # the C kernel's per-head buffers
+MAX_GROUP = 16  # query heads per kv head decode_attention takes (ATTN_MAX_GROUP in the C)
+ATTN_SEGMENT = 64  # keys per work item of decode_attention (ATTN_SEGMENT in the C)
+
+
+def attention_scratch(rows: int, num_heads: int, num_kv_heads: int, head_dim: int, max_ctx: int) -> torch.Tensor:
+    """decode_attention's float32 scratch: each (row, kv head, segment of ``ATTN_SEGMENT`` keys)
+    item's max, sum and unnormalised output per query head, ``[segments, floats]``."""
+    segs = max(1, -(-max_ctx // ATTN_SEGMENT))
+    return torch.empty(segs, rows * num_heads * (head_dim + 2), dtype=torch.float32)
 
 _P, _I, _D, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_float
 _SIGNATURES = {
@@ -157,15 +166,17 @@ def decode_attention(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Te
     ``[rows, (H + 2 KVH) D]``; table bf16 ``[positions, 2, D]`` (cos, sign-folded sin); k/v_cache
     bf16 ``[blocks, block_size, KVH, D]``; slots, positions, ctx int64 ``[rows]``; blocks int64
     ``[rows, max_blocks]`` (row r's keys are its first ctx[r]); out bf16 ``[rows, H D]``;
-    scratch: (bf16 ``[rows, H D]``, float32 ``[threads, >= max ctx]``: one row of scores per
-    thread). Bounds are the caller's (the model's metadata); only shapes and dtypes are checked here."""
+    scratch: (bf16 ``[rows, H D]``, ``attention_scratch(...)``). Bounds are the caller's (the
+    model's metadata); only shapes and dtypes are checked here."""
     rows = qkv.shape[0]
     nb, bs, kvh, d = k_cache.shape
     if (qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or kvh != num_kv_heads or d > MAX_HEAD_DIM
             or v_cache.shape != k_cache.shape or table.shape[1:] != (2, d) or out.shape != (rows, num_heads * d)
             or blocks.dim() != 2 or blocks.shape[0] != rows or slots.shape != (rows,) or ctx.shape != (rows,)
             or positions.shape != (rows,) or scratch[0].numel() < rows * num_heads * d
-            or scratch[1].dim() != 2 or (rows and scratch[1].shape[1] < int(ctx.max()))):
+            or num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP
+            or scratch[1].dim() != 2 or scratch[1].shape[1] != rows * num_heads * (d + 2)
+            or (rows and scratch[1].shape[0] * ATTN_SEGMENT < int(ctx.max()))):
         raise ValueError("decode_attention: inconsistent shapes")
     library().decode_attention(
         _check(qkv, torch.bfloat16, "qkv"), _check(table, torch.bfloat16, "table"), _check(positions, torch.int64, "positions"),
@@ -173,7 +184,7 @@ def decode_attention(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Te
         _check(slots, torch.int64, "slots"), _check(blocks, torch.int64, "blocks"), _check(ctx, torch.int64, "ctx"),
         blocks.shape[1], bs, rows, num_heads, num_kv_heads, d, scale,
         _check(scratch[0], torch.bfloat16, "scratch"), _check(scratch[1], torch.float32, "scores"),
-        scratch[1].shape[1], scratch[1].shape[0], _check(out, torch.bfloat16, "out"))
+        scratch[1].shape[0], torch.get_num_threads(), _check(out, torch.bfloat16, "out"))
 
 
 def int4_weight_t(packed: torch.Tensor, scales_zeros: torch.Tensor, out: torch.Tensor, block: int) -> torch.Tensor:
@@ -216,8 +227,10 @@ class DecodeStep:
         self.act = torch.empty(rows, intermediate, dtype=torch.bfloat16)
         self._keep = (table, positions, slots, blocks, ctx, kv)  # alive while their pointers are used
         self._q = torch.empty(rows, num_heads * head_dim, dtype=torch.bfloat16)
+        if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
+            raise ValueError("DecodeStep: query heads per kv head over MAX_GROUP")
         threads = torch.get_num_threads()  # what the step's governor set (chatkv.cpu_threads)
-        self._scores = torch.empty(threads, max(max_ctx, 1), dtype=torch.float32)
+        self._scores = attention_scratch(rows, num_heads, num_kv_heads, head_dim, max(max_ctx, 1))
         self._h, self._normed, self._o, self._act = (_check(t, dt, n) for t, dt, n in (
             (h, torch.float32, "h"), (self.normed, torch.bfloat16, "normed"), (self.o, torch.bfloat16, "o"),
             (self.act, torch.bfloat16, "act")))
@@ -228,7 +241,7 @@ class DecodeStep:
         self._attn_args = (_check(table, torch.bfloat16, "table"), _check(positions, torch.int64, "positions"),
                            _check(slots, torch.int64, "slots"), _check(blocks, torch.int64, "blocks"),
                            _check(ctx, torch.int64, "ctx"), blocks.shape[1], bs, rows, num_heads, num_kv_heads,
-                           head_dim, scale, self._q.data_ptr(), self._scores.data_ptr(), self._scores.shape[1],
+                           head_dim, scale, self._q.data_ptr(), self._scores.data_ptr(), self._scores.shape[0],
                            threads, self._o)
         self._qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
         self._inter = intermediate

@@ -164,15 +164,22 @@ def test_decode_attention_is_the_torch_path(model, ctx):
     blocks = torch.tensor([tb for tb in tables])
     k_got, v_got = k_pool.clone(), v_pool.clone()
     out = torch.empty(rows, nh * d, dtype=torch.bfloat16)
-    scratch = (torch.empty(rows, nh * d, dtype=torch.bfloat16), torch.empty(1, max(ctx)))
+    scratch = (torch.empty(rows, nh * d, dtype=torch.bfloat16), cpu_decode.attention_scratch(rows, nh, nkv, d, max(ctx)))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
     cpu_decode.decode_attention(qkv, table, positions, k_got, v_got, slots, blocks, torch.tensor(ctx), nh, nkv,
                                 model.scale, out, scratch)
     assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
-    # the (row, head) pairs split over threads, each with its own row of scores: the same bits
+    # the (row, kv head, segment) items split over threads: the same bits on any thread count
     threaded = torch.empty_like(out)
-    cpu_decode.decode_attention(qkv, table, positions, k_pool.clone(), v_pool.clone(), slots, blocks,
-                                torch.tensor(ctx), nh, nkv, model.scale, threaded,
-                                (torch.empty(rows, nh * d, dtype=torch.bfloat16), torch.empty(3, max(ctx))))
+    torch.set_num_threads(2)
+    try:
+        cpu_decode.decode_attention(qkv, table, positions, k_pool.clone(), v_pool.clone(), slots, blocks,
+                                    torch.tensor(ctx), nh, nkv, model.scale, threaded,
+                                    (torch.empty(rows, nh * d, dtype=torch.bfloat16),
+                                     cpu_decode.attention_scratch(rows, nh, nkv, d, max(ctx))))
+    finally:
+        torch.set_num_threads(before)
     assert torch.equal(threaded, out)
 
     # float64 attention over the stored keys
