@@ -11,10 +11,8 @@ a step, not once a layer). The CPU model and the load are printed.
 
 from __future__ import annotations
 
-import time
-
 import torch
-from common import cpu_line, load_average, OtherLoad, print_table
+from common import best_of, cpu_line, load_average, OtherLoad, print_table
 
 NH, NKV, D, BS = 9, 3, 64, 16
 CASES = [(1, 160), (1, 600), (1, 2000), (8, 300)]
@@ -38,18 +36,6 @@ def setup_case(rows: int, ctx: int):
     meta = build_metadata(tables, [1] * rows, ctxs, BS)
     return dict(tables=tables, ctx=torch.tensor(ctxs), positions=positions, slots=slots, qkv=qkv, k=k_pool, v=v_pool,
                 table=table, out=out, scratch=scratch, meta=meta, blocks=torch.tensor(tables))
-
-
-def timed(f) -> float:
-    for _ in range(20):
-        f()
-    best = float("inf")
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(200):
-            f()
-        best = min(best, (time.perf_counter() - t) / 200)
-    return best * 1e6
 
 
 def main() -> None:
@@ -79,7 +65,7 @@ def main() -> None:
                 store_kv(c["k"], c["v"], c["meta"].slot_mapping, x[:, NH:NH + NKV], x[:, NH + NKV:])
                 paged_attention(x[:, :NH].contiguous(), c["k"], c["v"], c["meta"], 0.125)
 
-            a, b = timed(torch_ops), timed(fused)
+            a, b = best_of(torch_ops, 200, warm=20), best_of(fused, 200, warm=20)
             rows_out.append([str(rows), str(ctx), str(threads), f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}x"])
     torch.set_num_threads(before)
     print_table("one layer's decode attention, us per call", ["batch", "context", "threads", "torch ops us", "fused C us", "fused vs torch"], rows_out)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 
 import torch
-from common import CHAT, OtherLoad, common_prefix, cpu_line, llama_decode, load_average, load_llama_cpp, median, parser, print_table, setup
+from common import CHAT, OtherLoad, best_of, common_prefix, cpu_line, llama_decode, load_average, load_llama_cpp, median, parser, print_table, setup
 
 VARIANTS = ("fused", "torch ops")
 
@@ -48,15 +48,7 @@ def step_cpu_us(engine) -> float:
         def step():
             return runner.forward(runner.build_batch([BatchItem([42], 200, table, "last")]))
 
-        for _ in range(3):
-            step()
-        best = float("inf")
-        for _ in range(5):
-            t = time.thread_time()
-            for _ in range(40):
-                step()
-            best = min(best, (time.thread_time() - t) / 40 * 1e6)
-        return best
+        return best_of(step, 40, clock=time.thread_time)
     finally:
         torch.set_num_threads(before)
         runner.pool.decref(table)
