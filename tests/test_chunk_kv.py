@@ -15,6 +15,7 @@ from chatkv import Engine
 from chatkv import chunk_place as cp
 from chatkv.config import EngineConfig
 from chatkv.errors import InvalidRequest
+from tests.disks import fill, small_disk  # noqa: F401 (a fixture)
 from tests.test_rag_sessions import DOCS
 
 pytestmark = pytest.mark.tiny_model("llama", seed=21, max_position_embeddings=1024)
@@ -223,6 +224,42 @@ def test_changed_text_gets_new_kv_and_damage_is_recomputed(model_dir, tmp_path, 
         assert store.loaded == 1 and d.key == a.key
     finally:
         e.close()
+
+
+def test_a_full_disk_keeps_the_chunk_kv_in_memory_and_writes_it_once_there_is_room(model_dir, small_disk, caplog):
+    """The chunk KV directory on a real full disk (a filled tmpfs): computing a chunk's KV warns
+    that it could not be written, the turn gets the computed KV all the same (the numbers a fresh
+    computation gives), and no file or temporary is left half written. Once the disk has room, the
+    next engine computes it again, writes it, and a third reads it back."""
+    data = small_disk / "data"
+    data.mkdir()
+    (data / "chunk_kv").mkdir()
+    filler = fill(small_disk)
+    e = engine_at(model_dir, data)
+    try:
+        store = cp.chunk_store(e)
+        ids = cp.chunk_ids(e.tokenizer, CHUNK)
+        with caplog.at_level(logging.WARNING, logger="chatkv"):
+            [a] = e.on_loop(lambda: cp.entries(e, store, [CHUNK], [ids]))
+        assert any("could not be written" in r.getMessage() for r in caplog.records)
+        [(fresh_k, fresh_v)] = e.on_loop(lambda: cp.compute_canonical(e, store.frame, [ids]))
+        for x, y in zip(a.k + a.v, fresh_k + fresh_v):
+            torch.testing.assert_close(x, y, atol=0, rtol=0)
+        assert list((data / "chunk_kv").iterdir()) == []  # no partial file, no temporary
+    finally:
+        e.close()
+    filler.unlink()
+    for expect_loaded in (0, 1):
+        e = engine_at(model_dir, data)
+        try:
+            store = cp.chunk_store(e)
+            [b] = e.on_loop(lambda: cp.entries(e, store, [CHUNK], [ids]))
+            assert (store.loaded, store.computed) == ((0, 1) if expect_loaded == 0 else (1, 0))
+            for x, y in zip(b.k, fresh_k):
+                torch.testing.assert_close(x, y, atol=0, rtol=0)
+        finally:
+            e.close()
+    assert len(list((data / "chunk_kv").glob("chunk-*.safetensors"))) == 1
 
 
 def test_bad_options_are_refused():

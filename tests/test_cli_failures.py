@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.disks import fill, small_disk  # noqa: F401 (a fixture)
+
 pytestmark = pytest.mark.tiny_model("qwen2", seed=4)
 
 TIMEOUT = 300
@@ -175,33 +177,6 @@ def test_a_message_that_is_not_utf8_names_its_conversation_and_the_rest_reads(mo
     assert len(messages(tmp_path, good)) == 4 and len(messages(tmp_path, bad)) == 2  # nothing added to the bad one
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 4 MB file system (tmpfs), mounted for the test: root only."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root; the full-disk test runs where it can mount one")
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], check=True)
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
-def _fill(disk: Path) -> Path:
-    filler = disk / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        while True:
-            os.write(fd, b"\0" * 65536)
-    except OSError:  # ENOSPC: full
-        pass
-    finally:
-        os.close(fd)
-    return filler
-
-
 def test_a_full_disk_under_the_database_is_one_line_and_nothing_half_stored(model_dir, small_disk):
     home = small_disk / "home"
     cmd = [sys.executable, "-m", "chatkv.cli", "--model", model_dir, "--max-tokens", "8"]
@@ -213,7 +188,7 @@ def test_a_full_disk_under_the_database_is_one_line_and_nothing_half_stored(mode
         while len(_rows(home)) < 2:  # the first turn is stored: wait for it (a real read of the file)
             assert child.poll() is None and time.monotonic() < deadline, child.stderr.read().decode()
             time.sleep(0.1)
-        filler = _fill(small_disk)
+        filler = fill(small_disk)
         out, err = child.communicate(b"again\n", timeout=TIMEOUT)
     finally:
         if child.poll() is None:
@@ -234,7 +209,7 @@ def test_a_full_disk_under_the_database_is_one_line_and_nothing_half_stored(mode
 def test_a_database_on_a_full_disk_at_start_is_one_line(model_dir, small_disk):
     home = small_disk / "home"
     assert chatkv(model_dir, home=home, input=b"hello\n").returncode == 0
-    filler = _fill(small_disk)
+    filler = fill(small_disk)
     p = chatkv(model_dir, "--resume", home=home, input=b"again\n")
     assert p.returncode == 2
     assert "disk is full" in one_error_line(p.stderr)
