@@ -89,6 +89,8 @@ def main() -> None:
     p.add_argument("--sessions", type=int, default=5)
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--reuse", default="", help="rag_kv_reuse modes to run as well, e.g. edge,blend")
+    p.add_argument("--recompute-ratio", type=float, default=None,
+                   help="blend's rag_recompute_ratio (default: the engine's); rag_eval.py --reuse gates it")
     args = p.parse_args()
     model_dir = setup(args)
     print(cpu_line(), flush=True)
@@ -119,7 +121,8 @@ def main() -> None:
     modes = [m for m in args.reuse.split(",") if m and m != "off"]
     by_mode = {}
     for mode in modes:
-        e = load_engine(model_dir, args.dtype, data_dir=str(home / "data"), rag_kv_reuse=mode)
+        extra = {"rag_recompute_ratio": args.recompute_ratio} if mode == "blend" and args.recompute_ratio is not None else {}
+        e = load_engine(model_dir, args.dtype, data_dir=str(home / "data"), rag_kv_reuse=mode, **extra)
         kbm = e.knowledge_base("bench")
         t1 = time.perf_counter()
         n = kbm.add([str(home / "corpus")], precompute_kv=True).kv_chunks  # as chatkv ingest --kv: chunks + documents
