@@ -1,5 +1,8 @@
 """Conversations' KV on disk: write-behind after every turn, spill, restore, the disk budget.
 
+Past 400 lines: the write-behind queue, the writer's reports, restore and the disk budget
+share the per-conversation tracks; split, each half would reach into the other's state.
+
 Each conversation's KV is stored as append-only segments plus a manifest
 (``storage.kv_segments``), written by one background thread (``storage.kv_writer``):
 
@@ -35,9 +38,6 @@ Each conversation's KV is stored as append-only segments plus a manifest
 It never sees a Session: ``spill`` takes what ``write_behind`` takes (a conversation id, its
 tokens, the KV kept in memory), and ``relieve`` takes ``Resident`` records, each telling its
 owner (the session manager, the only writer of a session) when its KV was released.
-
-Past 400 lines: the write-behind queue, the writer's reports, restore and the disk budget
-share the per-conversation tracks; split, each half would reach into the other's state.
 """
 
 from __future__ import annotations

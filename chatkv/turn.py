@@ -1,5 +1,8 @@
 """One turn of a session: its phases as methods, its state as fields.
 
+(A few lines past 400 on purpose: the phases are read in their order in one class; split, the
+state they hand each other would become parameters between files.)
+
 ``SessionManager.turn`` makes a ``Turn`` and runs it; the phases, in order:
 
 - **plan** (the caller's thread): validate, retrieve sources (with a knowledge base), render
@@ -18,8 +21,6 @@
 
 The whole turn runs under the conversation's lease (``store.leases.hold``). The Turn writes a
 Session only through the manager's methods: the manager is the one writer of session state.
-(A few lines past 400 on purpose: the phases are read in their order in one class; split, the
-state they hand each other would become parameters between files.)
 """
 
 from __future__ import annotations

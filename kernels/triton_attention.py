@@ -1,5 +1,8 @@
 """Triton kernels for paged KV: ``store_kv`` and ``paged_attention`` with the torch reference's signatures.
 
+This file is over 400 lines because the kernels share their jit helpers (tile load, dequantisation,
+online softmax), which Triton cannot import from another module any more cheaply.
+
 The contract is kernels/attention.py's (cache layout ``[num_blocks, block_size, kv_heads, head_dim]``,
 ``AttentionMetadata`` from ``build_metadata``) and, for quantised KV (``quant="int8"`` or ``"fp8_e4m3"``),
 kernels/kv_quant.py's: uint8 rows of ``head_dim + 4``, the quantised elements then the row's float32
@@ -31,8 +34,6 @@ cast; subnormals; 0x7f/0xff are NaN). int8 rounding is integer RNE too (no libde
 
 Per step, the metadata is packed into int32 device tensors once and kept in ``meta.scratch`` for
 every layer. Nothing here synchronises with the device: every launch size comes from host ints.
-This file is over 400 lines because the kernels share their jit helpers (tile load, dequantisation,
-online softmax), which Triton cannot import from another module any more cheaply.
 """
 
 from __future__ import annotations

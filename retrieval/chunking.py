@@ -1,5 +1,8 @@
 """Structure-following chunking, sized in tokens of the embedding tokenizer, with overlap.
 
+Why past ~400 lines: the policy below is the contract and is written out in full here; the three
+structure parsers share one ``_Builder`` and the packer, so they stay in one file.
+
 Contract of ``chunk_document(doc, count_tokens, max_tokens, overlap_tokens)``:
 
 - every chunk's ``text == doc.text[start:end]`` exactly, is not whitespace-only, and
@@ -36,9 +39,6 @@ Policy:
 check the packed total, and ~log2(words) times per chunk to place the overlap; never per character
 except to cut a single word longer than ``max_tokens``. Its constant overhead (special tokens, the
 count of "") is measured once, so ``count_tokens`` may include [CLS]/[SEP].
-
-Why past ~400 lines: the policy above is the contract and is written out in full here; the three
-structure parsers share one ``_Builder`` and the packer, so they stay in one file.
 """
 
 from __future__ import annotations

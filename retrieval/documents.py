@@ -1,5 +1,8 @@
 """Finding and loading documents: files on disk (or texts) -> Document, with one clear error per bad file.
 
+Why past ~400 lines: the HTML-to-text parser (~150 lines at the end) lives here because it serves
+only ``load_file`` and ``document_from_text``.
+
 Contracts:
 
 - ``discover(paths, include, exclude)`` yields, in a stable sorted order, the files under the given
@@ -22,9 +25,6 @@ bytes is UTF-16 without BOM when the NULs sit on one byte parity (ASCII-heavy UT
 binary; then strict UTF-8; then cp1252 / latin-1, only when the result has under 1% control
 characters. Anything else is "not a text encoding chatkv can detect" (or "binary file" for an
 extension chatkv does not know).
-
-Why past ~400 lines: the HTML-to-text parser (~150 lines at the end) lives here because it serves
-only ``load_file`` and ``document_from_text``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,10 @@
 """The knowledge-base store: knowledge bases, their documents and chunks, and the
 lexical (full-text) index over the chunks. The source of truth for retrieval.
 
+It is over 400 lines as one repository over three tables and the FTS5 index: its
+methods are short queries sharing the transaction rules below (the plain records
+live in ``knowledge_records.py``).
+
 ``KnowledgeStore`` is the only way chatkv.retrieval touches these tables. Contracts:
 
 - it hands out plain frozen records (``KBInfo``, ``DocumentInfo``, ``ChunkRecord``,
@@ -16,10 +20,6 @@ lexical (full-text) index over the chunks. The source of truth for retrieval.
   cheaply that another one changed the KB;
 - database trouble raises ``StorageError`` naming what is wrong; bad values raise
   ``InvalidRequest``.
-
-It is over 400 lines as one repository over three tables and the FTS5 index: its
-methods are short queries sharing the transaction rules above (the plain records
-live in ``knowledge_records.py``).
 
 Lexical index: SQLite FTS5, not bm25s. The FTS5 table (migration 0002) is inside
 the database that holds the chunks, written by triggers in the same transaction as
