@@ -101,8 +101,7 @@ void silu_mul(const uint16_t *gu, uint16_t *out, int64_t rows, int64_t n) {
             const __m512 x = bf16x16(g + i);
             const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x));
             const __m512 sl = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-            const __m512 sb = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16x16(sl)), 16));
-            _mm256_storeu_si256((__m256i *)(o + i), to_bf16x16(_mm512_mul_ps(sb, bf16x16(u + i))));
+            _mm256_storeu_si256((__m256i *)(o + i), to_bf16x16(_mm512_mul_ps(bf16_round(sl), bf16x16(u + i))));
         }
 #endif
         for (; i < n; i++) {
@@ -149,49 +148,49 @@ static inline __attribute__((always_inline)) void attention_item(
     int64_t segs, float scale, const uint16_t *q_scratch, float *scores) {
     const int64_t d = D, pw = D + 2;
     const int64_t r = it / (nkv * segs), kvh = (it / segs) % nkv, sg = it % segs, n = ctx[r];
-        const int64_t j_lo = sg * ATTN_SEGMENT, j_hi = n < j_lo + ATTN_SEGMENT ? n : j_lo + ATTN_SEGMENT;
-        float *pt = scores + it * group * pw;
-        if (j_lo >= j_hi) {
-            for (int64_t g = 0; g < group; g++) pt[g * pw] = -INFINITY, pt[g * pw + 1] = 0.0f;
-            return;
-        }
-        const int64_t *bl = blocks + r * max_blocks;
-        float qf[ATTN_MAX_GROUP][512], kf[512], sc[ATTN_MAX_GROUP][ATTN_SEGMENT], mx[ATTN_MAX_GROUP];
-        for (int64_t g = 0; g < group; g++) {
-            const uint16_t *q = q_scratch + r * nh * d + (kvh * group + g) * d;
-            for (int64_t i = 0; i < d; i++) qf[g][i] = bf2f(q[i]) * scale;
-            mx[g] = -INFINITY;
-        }
-        for (int64_t j = j_lo; j < j_hi; j++) {
-            const uint16_t *k = k_cache + ((bl[j / block_size] * block_size + j % block_size) * nkv + kvh) * d;
+    const int64_t j_lo = sg * ATTN_SEGMENT, j_hi = n < j_lo + ATTN_SEGMENT ? n : j_lo + ATTN_SEGMENT;
+    float *pt = scores + it * group * pw;
+    if (j_lo >= j_hi) {
+        for (int64_t g = 0; g < group; g++) pt[g * pw] = -INFINITY, pt[g * pw + 1] = 0.0f;
+        return;
+    }
+    const int64_t *bl = blocks + r * max_blocks;
+    float qf[ATTN_MAX_GROUP][512], kf[512], sc[ATTN_MAX_GROUP][ATTN_SEGMENT], mx[ATTN_MAX_GROUP];
+    for (int64_t g = 0; g < group; g++) {
+        const uint16_t *q = q_scratch + r * nh * d + (kvh * group + g) * d;
+        for (int64_t i = 0; i < d; i++) qf[g][i] = bf2f(q[i]) * scale;
+        mx[g] = -INFINITY;
+    }
+    for (int64_t j = j_lo; j < j_hi; j++) {
+        const uint16_t *k = k_cache + ((bl[j / block_size] * block_size + j % block_size) * nkv + kvh) * d;
 #pragma omp simd
-            for (int64_t i = 0; i < d; i++) kf[i] = bf2f(k[i]);
-            for (int64_t g = 0; g < group; g++) {
-                float s = 0.0f;
+        for (int64_t i = 0; i < d; i++) kf[i] = bf2f(k[i]);
+        for (int64_t g = 0; g < group; g++) {
+            float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                for (int64_t i = 0; i < d; i++) s += qf[g][i] * kf[i];
-                sc[g][j - j_lo] = s;
-                if (s > mx[g]) mx[g] = s;
-            }
-        }
-        for (int64_t g = 0; g < group; g++) {
-            pt[g * pw] = mx[g];
-            pt[g * pw + 1] = exp_shift_sum(sc[g], j_hi - j_lo, mx[g]);
-            float *acc = pt + g * pw + 2;
-            for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
-        }
-        for (int64_t j = j_lo; j < j_hi; j++) {
-            const uint16_t *v = v_cache + ((bl[j / block_size] * block_size + j % block_size) * nkv + kvh) * d;
-#pragma omp simd
-            for (int64_t i = 0; i < d; i++) kf[i] = bf2f(v[i]);
-            for (int64_t g = 0; g < group; g++) {
-                const float p = sc[g][j - j_lo];
-                float *acc = pt + g * pw + 2;
-#pragma omp simd
-                for (int64_t i = 0; i < d; i++) acc[i] += p * kf[i];
-            }
+            for (int64_t i = 0; i < d; i++) s += qf[g][i] * kf[i];
+            sc[g][j - j_lo] = s;
+            if (s > mx[g]) mx[g] = s;
         }
     }
+    for (int64_t g = 0; g < group; g++) {
+        pt[g * pw] = mx[g];
+        pt[g * pw + 1] = exp_shift_sum(sc[g], j_hi - j_lo, mx[g]);
+        float *acc = pt + g * pw + 2;
+        for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
+    }
+    for (int64_t j = j_lo; j < j_hi; j++) {
+        const uint16_t *v = v_cache + ((bl[j / block_size] * block_size + j % block_size) * nkv + kvh) * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; i++) kf[i] = bf2f(v[i]);
+        for (int64_t g = 0; g < group; g++) {
+            const float p = sc[g][j - j_lo];
+            float *acc = pt + g * pw + 2;
+#pragma omp simd
+            for (int64_t i = 0; i < d; i++) acc[i] += p * kf[i];
+        }
+    }
+}
 
 /* One decode layer's attention for `rows` one-token queries, each over its own keys:
  * - q and k heads of qkv[r] (bf16 [rows, (nh + 2 nkv) d]) rotated by RoPE as the model's _rotate
@@ -201,13 +200,13 @@ static inline __attribute__((always_inline)) void attention_item(
  *   all rows before any attends (a row sees the keys earlier rows of the step stored);
  * - row r attends to its first ctx[r] keys, found in blocks[r * max_blocks ...] of block_size
  *   slots: fp32 scores q.k * scale, softmax, sum p v, rounded to bf16 into out [rows, nh d].
- * scores: float32 scratch of rows * nkv * score_stride * (nh / nkv) * (d + 2), score_stride the
- * segments of ATTN_SEGMENT keys of the longest row (chatkv.kernels.cpu_decode.attention_scratch).
+ * scores: float32 scratch of rows * nkv * segments * (nh / nkv) * (d + 2), segments: those of
+ * ATTN_SEGMENT keys of the longest row (chatkv.kernels.cpu_decode.attention_scratch).
  * The work is split over `threads` OpenMP threads (torch's own libgomp). */
 void decode_attention(const uint16_t *qkv, const uint16_t *table, const int64_t *pos, uint16_t *k_cache,
                       uint16_t *v_cache, const int64_t *slot, const int64_t *blocks, const int64_t *ctx,
                       int64_t max_blocks, int64_t block_size, int64_t rows, int64_t nh, int64_t nkv, int64_t d,
-                      float scale, uint16_t *q_scratch, float *scores, int64_t score_stride, int threads,
+                      float scale, uint16_t *q_scratch, float *scores, int64_t segments, int threads,
                       uint16_t *out) {
     const int64_t width = (nh + 2 * nkv) * d, half = d / 2, group = nh / nkv;
     for (int64_t r = 0; r < rows; r++) {
@@ -238,10 +237,10 @@ void decode_attention(const uint16_t *qkv, const uint16_t *table, const int64_t 
     }
     /* Work items: (row, kv head, segment of ATTN_SEGMENT keys), each for the `group` query heads
      * that share the kv head (a key and a value are converted once for all of them). Each item
-     * leaves, per query head, its max score m, sum of exp l and unnormalised output in `part`;
+     * leaves, per query head, its max score m, sum of exp l and unnormalised output in `scores`;
      * then each (row, head) merges its segments in order. Which keys form a segment depends on
      * ctx only, never on the threads: the result is the same bits on any thread count. */
-    const int64_t segs = score_stride; /* segments per (row, kv head): ceil(max ctx / ATTN_SEGMENT) */
+    const int64_t segs = segments; /* per (row, kv head): ceil(max ctx / ATTN_SEGMENT) */
     const int64_t pw = d + 2;          /* per query head of an item: m, l, out[d] */
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t it = 0; it < rows * nkv * segs; it++) {
