@@ -23,6 +23,9 @@ from chatkv.kernels import cpu_decode
 
 def kernels_available() -> bool:
     """Whether the fused ops are built (once, into chatkv's cache directory) and loaded here."""
+    done = cpu_decode.loaded()
+    if done is not None:  # asked once per prefill step and projection (chatkv.quant_prefill)
+        return done
     from chatkv.storage.paths import cache_dir
 
     return cpu_decode.load(cache_dir() / "kernels")
@@ -33,8 +36,8 @@ def supported(model) -> bool:
     return (model.residual_dtype == torch.float32 and model.dtype == torch.bfloat16
             and model.device.type == "cpu" and model.windows == [None] and model.min_rows == 1
             and all(layer.qk_norm is None for layer in model.layers)
-            and model.head_dim <= cpu_decode.MAX_HEAD_DIM and model.num_heads % model.num_kv_heads == 0
-            and model.num_heads // model.num_kv_heads <= cpu_decode.MAX_GROUP and kernels_available())
+            and cpu_decode.heads_supported(model.num_heads, model.num_kv_heads, model.head_dim)
+            and kernels_available())
 
 
 def _rows(meta, t: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:

@@ -7,8 +7,8 @@ weights take), each projection's own quantised weights are dequantised, right be
 matmul, into one buffer that every projection of the model reuses (``Scratch``: per thread,
 grown to the largest projection, 3.5 MB on the default model, and its int8 temporaries where
 torch ops dequantise: 5.3 MB), then multiplied in bfloat16. The dequantising is one C call
-where the fused decode ops' library is built (``native_dequantise``), torch ops elsewhere. Steps of fewer than ``SCRATCH_ROWS`` rows run the int4 kernel instead
-("Which rows" below).
+where the fused decode ops' library is built (``native_dequantise``), torch ops elsewhere.
+Steps of fewer than ``SCRATCH_ROWS`` rows run the int4 kernel instead ("Which rows" below).
 
 The numbers are the ones the quantised kernels compute with, rounded once to bfloat16:
 
@@ -106,9 +106,9 @@ class ScratchInt4:
         ``addcmul`` with the kernel's s and z (made contiguous, ``[K / 32, 1, N]``) computes
         ``(code - 8) * s + z`` in float32 and rounds it once, as before."""
         n, k, b = self.n, self.k, self.block
-        nb, half, groups, e = n // b, b // 2, k // GROUP, k * n
         if native_dequantise():  # the same numbers in one pass of C (kernels/cpu_decode.c), ~4x cheaper
-            return cpu_decode.int4_weight_t(self.packed, self.scales_zeros, self.scratch.get(e).view(k, n), b)
+            return cpu_decode.int4_weight_t(self.packed, self.scales_zeros, self.scratch.get(k * n).view(k, n), b)
+        nb, half, groups, e = n // b, b // 2, k // GROUP, k * n
         buf = self.scratch.get(e + e // 2)  # the weights, then two int8 temporaries of e / 2 bytes
         out = buf[:e].view(k, nb, 2, half)  # [k, block, nibble, d]: column block * b + nibble * half + d
         tmp = buf[e:].view(torch.int8)

@@ -7,10 +7,12 @@ dispatch and allocation for a few hundred numbers; measured on one thread, the s
 matmuls took 4-5 ms of 21-25 ms (benchmarks/bench_decode_ops.py). These three functions do that
 work in one call each: ``add_rms`` (the residual addition and the next RMSNorm), ``silu_mul``,
 ``decode_attention`` (RoPE of q and k, the KV store, attention of one-token queries).
-``decode_attention`` splits its (row, head) pairs over the step's threads (OpenMP, in torch's own
-libgomp), and its softmax and ``silu_mul`` take exp 16 at a time (AVX-512): on the default model
-at a 31-160-token context, attention was 1.7 ms of a 7.6 ms step single-threaded with glibc's
-scalar expf, and is 0.65 ms now on 2 threads; silu_mul 0.30 -> 0.07 ms (AMD EPYC, 2026-12-02).
+``decode_attention`` splits its work over the step's threads (OpenMP, in torch's own libgomp):
+one item per (row, kv head, ``ATTN_SEGMENT`` keys), for the query heads that share the kv head,
+merged in a fixed order (the same bits on any thread count); its softmax and ``silu_mul`` take
+exp 16 at a time (AVX-512). On the default model at a 31-160-token context, attention was 1.7 ms
+of a 7.6 ms step single-threaded with glibc's scalar expf; silu_mul 0.30 -> 0.07 ms (AMD EPYC,
+2026-12-02); benchmarks/bench_decode_attention.py compares it with the torch ops.
 
 Never required: without a compiler, on a build failure, off Linux/x86 or with
 ``CHATKV_FUSED_DECODE=0``, ``load()`` is False and the model runs its torch ops (which are
@@ -39,6 +41,12 @@ SOURCE = Path(__file__).with_name("cpu_decode.c")
 MAX_HEAD_DIM = 512  # the C kernel's per-head buffers
 MAX_GROUP = 16  # query heads per kv head decode_attention takes (ATTN_MAX_GROUP in the C)
 ATTN_SEGMENT = 64  # keys per work item of decode_attention (ATTN_SEGMENT in the C)
+
+
+def heads_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """Whether decode_attention takes these heads (its per-head buffers in the C are fixed)."""
+    return (head_dim <= MAX_HEAD_DIM and num_kv_heads > 0 and num_heads % num_kv_heads == 0
+            and num_heads // num_kv_heads <= MAX_GROUP)
 
 
 def attention_scratch(rows: int, num_heads: int, num_kv_heads: int, head_dim: int, max_ctx: int) -> torch.Tensor:
@@ -128,6 +136,12 @@ def load(directory: Path) -> bool:
     return _lib is not None
 
 
+def loaded() -> bool | None:
+    """Whether ``load`` loaded the library; None before it was tried (a check for hot paths,
+    with no directory to compute)."""
+    return None if _lib is False else _lib is not None
+
+
 def library() -> ctypes.CDLL:
     if not _lib:
         raise RuntimeError("the fused decode ops are not loaded (cpu_decode.load)")
@@ -170,11 +184,10 @@ def decode_attention(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Te
     model's metadata); only shapes and dtypes are checked here."""
     rows = qkv.shape[0]
     nb, bs, kvh, d = k_cache.shape
-    if (qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or kvh != num_kv_heads or d > MAX_HEAD_DIM
-            or v_cache.shape != k_cache.shape or table.shape[1:] != (2, d) or out.shape != (rows, num_heads * d)
+    if (qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or kvh != num_kv_heads
+            or not heads_supported(num_heads, num_kv_heads, d) or v_cache.shape != k_cache.shape or table.shape[1:] != (2, d) or out.shape != (rows, num_heads * d)
             or blocks.dim() != 2 or blocks.shape[0] != rows or slots.shape != (rows,) or ctx.shape != (rows,)
             or positions.shape != (rows,) or scratch[0].numel() < rows * num_heads * d
-            or num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP
             or scratch[1].dim() != 2 or scratch[1].shape[1] != rows * num_heads * (d + 2)
             or (rows and scratch[1].shape[0] * ATTN_SEGMENT < int(ctx.max()))):
         raise ValueError("decode_attention: inconsistent shapes")
@@ -213,7 +226,8 @@ class DecodeStep:
         rows, hidden = h.shape
         nb, bs = kv.shape[2], kv.shape[3]
         if (kv.dtype != torch.bfloat16 or not kv.is_contiguous() or kv.shape[4:] != (num_kv_heads, head_dim)
-                or head_dim > MAX_HEAD_DIM or blocks.shape[1] * bs < max_ctx or slots.shape != (rows,)):
+                or not heads_supported(num_heads, num_kv_heads, head_dim) or blocks.shape[1] * bs < max_ctx
+                or slots.shape != (rows,)):
             raise ValueError("DecodeStep: inconsistent step")
         # the C code indexes with these unchecked: a bad block table must be an error, not a stray write
         if rows and (int(blocks.min()) < 0 or int(blocks.max()) >= nb or int(slots.min()) < 0
@@ -227,8 +241,6 @@ class DecodeStep:
         self.act = torch.empty(rows, intermediate, dtype=torch.bfloat16)
         self._keep = (table, positions, slots, blocks, ctx, kv)  # alive while their pointers are used
         self._q = torch.empty(rows, num_heads * head_dim, dtype=torch.bfloat16)
-        if num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP:
-            raise ValueError("DecodeStep: query heads per kv head over MAX_GROUP")
         threads = torch.get_num_threads()  # what the step's governor set (chatkv.cpu_threads)
         self._scores = attention_scratch(rows, num_heads, num_kv_heads, head_dim, max(max_ctx, 1))
         self._h, self._normed, self._o, self._act = (_check(t, dt, n) for t, dt, n in (
