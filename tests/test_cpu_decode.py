@@ -166,20 +166,20 @@ def test_decode_attention_is_the_torch_path(model, ctx):
     out = torch.empty(rows, nh * d, dtype=torch.bfloat16)
     scratch = (torch.empty(rows, nh * d, dtype=torch.bfloat16), cpu_decode.attention_scratch(rows, nh, nkv, d, max(ctx)))
     before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    cpu_decode.decode_attention(qkv, table, positions, k_got, v_got, slots, blocks, torch.tensor(ctx), nh, nkv,
-                                model.scale, out, scratch)
-    assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
-    # the (row, kv head, segment) items split over threads: the same bits on any thread count
     threaded = torch.empty_like(out)
-    torch.set_num_threads(2)
     try:
+        torch.set_num_threads(1)
+        cpu_decode.decode_attention(qkv, table, positions, k_got, v_got, slots, blocks, torch.tensor(ctx), nh, nkv,
+                                    model.scale, out, scratch)
+        # the (row, kv head, segment) items split over threads: the same bits on any thread count
+        torch.set_num_threads(2)
         cpu_decode.decode_attention(qkv, table, positions, k_pool.clone(), v_pool.clone(), slots, blocks,
                                     torch.tensor(ctx), nh, nkv, model.scale, threaded,
                                     (torch.empty(rows, nh * d, dtype=torch.bfloat16),
                                      cpu_decode.attention_scratch(rows, nh, nkv, d, max(ctx))))
     finally:
-        torch.set_num_threads(before)
+        torch.set_num_threads(before)  # the rest of the run keeps its threads, even after a failure
+    assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
     assert torch.equal(threaded, out)
 
     # float64 attention over the stored keys
