@@ -171,7 +171,7 @@ def test_a_bad_prompt_in_a_started_batch_leaves_nothing_running(model_dir, tmp_p
 
 
 _POOL_CHILD = r"""
-import json, os, threading, torch
+import json, os, threading, time, torch
 from chatkv import engine_loop
 torch.set_num_threads(2)
 count = lambda: len(os.listdir("/proc/self/task"))
@@ -183,6 +183,11 @@ def work():
     (x * 2).sum()  # a parallel op: this thread's pool starts
     seen["with pool"] = count()
     seen["released"] = engine_loop.release_openmp_pool()
+    # libgomp's workers are detached: each leaves /proc/self/task a moment after the pause
+    # returns (CI once counted one still exiting), so wait up to 10 s for them to be gone
+    deadline = time.monotonic() + 10
+    while count() >= seen["with pool"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     seen["after"] = count()
     (x * 2).sum()  # and comes back when needed
     seen["again"] = count()
