@@ -24,7 +24,9 @@ can depend on whether the prompt's last tokens were prefilled as a long or a sho
 or the reply before it: what prompt lookup could propose at best. A workload whose reply copies
 little gains little whatever the policy (measured: the default model's answer from the pinned
 document copies no 4-token run of the document; what speculation gains there comes from the
-reply repeating itself).
+reply repeating itself). ``bound``: what a proposer with perfect foresight over those copied
+tokens would gain at the row cost the run measured (``lookup_bound``): no lookup policy gains
+more on that reply, so a workload whose bound is under its goal cannot meet it with this model.
 
 The peer, in the same run: llama.cpp (llama-cpp-python on the packaged GGUF) plain and with its
 ``LlamaPromptLookupDecoding`` draft model (``num_pred_tokens=10``), the same prompt tokens and as
@@ -116,6 +118,25 @@ def batch8(engine, prompts, n, mode):
 def copied(prompt: list[int], out: list[int], own: bool, n: int = 4) -> int:
     """How many of ``out``'s tokens lie in an ``n``-token run that occurs in ``prompt`` (``own``:
     or earlier in ``out``): the most that prompt lookup could propose and have accepted."""
+    return sum(_hits(prompt, out, own, n))
+
+
+def lookup_bound(prompt: list[int], out: list[int], row_cost: float, max_k: int) -> float:
+    """The speed-up a proposer with perfect foresight would get on ``out`` at batch 1: at each
+    step it proposes exactly the copied tokens ahead (``_hits``, up to ``max_k``), all accepted,
+    and nothing where none is copied; a step of ``k`` proposals costs ``1 + row_cost * k`` plain
+    steps and emits ``k + 1`` tokens. The ceiling of prompt lookup on this reply at this cost."""
+    hit, pos, cost = _hits(prompt, out, True, 4), 0, 0.0
+    while pos < len(out):
+        k = 0
+        while k < max_k and pos + k + 1 < len(out) and hit[pos + k]:  # guesses for out[pos:pos+k], then its own
+            k += 1
+        cost += 1 + row_cost * k
+        pos += k + 1
+    return len(out) / cost if cost else 1.0
+
+
+def _hits(prompt: list[int], out: list[int], own: bool, n: int) -> list[bool]:
     seen = {tuple(prompt[i : i + n]) for i in range(len(prompt) - n + 1)}
     both = prompt + out
     hit = [False] * len(out)
@@ -124,7 +145,7 @@ def copied(prompt: list[int], out: list[int], own: bool, n: int = 4) -> int:
             seen.add(tuple(both[len(prompt) + i - 1 : len(prompt) + i - 1 + n]))
         if tuple(out[i : i + n]) in seen:
             hit[i : i + n] = [True] * n
-    return sum(hit)
+    return hit
 
 
 _speculators: dict = {}
@@ -185,6 +206,8 @@ def main() -> None:
         lc = llama_peer(args, ids, {w: len(got[w, "off"].token_ids) for w in WORKLOADS})
 
     rows, peer_rows = [], []
+    spec = _speculators["auto"]
+    r_cost = spec.cost.row_cost
     for w in WORKLOADS:
         off, auto, look = (median(rate[w, m]) for m in MODES)
         u = got[w, "auto"].usage
@@ -194,16 +217,19 @@ def main() -> None:
         rows.append([w, len(out), same[w], f"{copied(ids[w], out, False)} / {copied(ids[w], out, True)}", f"{off:.1f}",
                      f"{auto:.1f}", f"{auto / off:.2f}x", goal(auto / off, target), f"{look:.1f} ({look / off:.2f}x)",
                      f"{u.accepted_tokens}/{u.proposed_tokens} ({u.accepted_tokens / max(u.proposed_tokens, 1):.0%})",
-                     f"{ul.accepted_tokens}/{ul.proposed_tokens}"])
+                     f"{ul.accepted_tokens}/{ul.proposed_tokens}",
+                     f"{lookup_bound(ids[w], out, r_cost, spec.max_k):.2f}x"])
         if w in lc:
             plain, lookup, lsame = lc[w]
             peer_rows.append([w, f"{auto:.1f}", f"{plain:.1f}", f"{lookup:.1f}", lsame, f"{lookup / plain:.2f}x",
                               f"{auto / lookup:.2f}x", goal(auto / lookup, 1.0) if w in GROUNDED else "-"])
     print_table(f"batch 1, decode tok/s (median of {args.repeats}), greedy, up to {n} tokens",
                 ["workload", "tokens", "auto's = off's", "copied: prompt / +own", "off", "auto", "auto/off", "goal",
-                 "lookup (vs off)", "accepted/proposed auto", "lookup"], rows)
+                 "lookup (vs off)", "accepted/proposed auto", "lookup", "bound"], rows)
     print("copied: how many of off's tokens lie in a 4-token run that occurs in the prompt / in the prompt or "
           "earlier in the reply (what prompt lookup can find at best)")
+    print(f"bound: the speed-up of a proposer with perfect foresight over those copied tokens (all its proposals "
+          f"accepted, up to {spec.max_k} a step) at the row cost measured below (lookup_bound)")
     if peer_rows:
         print_table("the peer: llama.cpp (llama-cpp-python, the packaged GGUF), same prompt tokens and token counts, "
                     "decode tok/s (median)",
