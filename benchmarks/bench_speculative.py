@@ -243,7 +243,7 @@ def main() -> None:
                     ["off", "auto", "auto/off", "goal", "lookup (vs off)", "accepted/proposed auto"],
                     [[f"{off8:.1f}", f"{auto8:.1f}", f"{auto8 / off8:.2f}x", goal(auto8 / off8, 1.0),
                       f"{look8:.1f} ({look8 / off8:.2f}x)", f"{acc}/{prop}"]])
-    cost = _speculators["auto"].cost
+    cost = spec.cost
     print(f"\nauto's verified-row cost, measured in this run: {cost.row_cost:.3f} of a one-row step "
           f"(median of {cost.samples} estimates; 0: the prior, {cost.prior})")
     print(f"\nload average at end: {load_average()}; {load}")

@@ -19,10 +19,8 @@ and the load are printed.
 
 from __future__ import annotations
 
-import time
-
 import torch
-from common import OtherLoad, cpu_line, load_average, median, print_table
+from common import OtherLoad, cpu_line, each_ms, load_average, median, print_table
 
 COUNTS = [2, 1, 2, 1, 2]
 
@@ -42,11 +40,7 @@ def main() -> None:
             eng.step()
         for i, n in enumerate(COUNTS):
             torch.set_num_threads(n)
-            ts = []
-            for _ in range(20):
-                t = time.perf_counter()
-                eng.step()
-                ts.append((time.perf_counter() - t) * 1000)
+            ts = each_ms(eng.step, 20)
             m = median(ts)
             decode_rows.append([f"{i}: -> {n}", " ".join(f"{x:.1f}" for x in ts[:3]), f"{m:.1f}",
                                 f"{max(ts[:3]) / m:.2f}x"])
@@ -56,11 +50,8 @@ def main() -> None:
         eng.generate("Warm: " + "the quick brown fox jumps over the lazy dog " * 20, one)
         for i, n in enumerate(COUNTS):
             torch.set_num_threads(n)
-            ts = []
-            for j in range(3):
-                t = time.perf_counter()
-                eng.generate(f"Story {i}.{j}: " + "the quick brown fox jumps over the lazy dog " * 20, one)
-                ts.append((time.perf_counter() - t) * 1000)
+            prompts = iter(f"Story {i}.{j}: " + "the quick brown fox jumps over the lazy dog " * 20 for j in range(3))
+            ts = each_ms(lambda: eng.generate(next(prompts), one), 3)
             prefill_rows.append([f"{i}: -> {n}", f"{ts[0]:.0f}", f"{median(ts[1:]):.0f}",
                                  f"{ts[0] / median(ts[1:]):.2f}x"])
     finally:

@@ -16,9 +16,8 @@ model and the load are printed.
 from __future__ import annotations
 
 import argparse
-import time
 
-from common import OtherLoad, cpu_line, load_average, median, print_table
+from common import OtherLoad, cpu_line, each_ms, load_average, median, print_table
 
 OPS = ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")
 
@@ -55,12 +54,7 @@ def main() -> None:
             seq = eng.add_request(ids, SamplingParams(max_tokens=args.steps * 8 + 64, temperature=0, ignore_eos=True))
             for _ in range(10):  # the prompt and warm steps
                 eng.step()
-            ts = []
-            for _ in range(args.steps):
-                t = time.perf_counter()
-                eng.step()
-                ts.append((time.perf_counter() - t) * 1000)
-            m = median(ts)
+            m = median(each_ms(eng.step, args.steps))
             base = m if base is None else base
             rows_out.append([str(rows), f"{m:.2f}", f"{m / base:.2f}x",
                              "-" if rows == 1 else f"{(m / base - 1) / (rows - 1):.3f}"])

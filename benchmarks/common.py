@@ -220,6 +220,17 @@ class BusyLoad:
             p.wait()
 
 
+def each_ms(f, calls: int) -> list[float]:
+    """Milliseconds of each of ``calls`` calls of ``f``, in order (an engine's steps one by one:
+    the first ones after a change are compared with the rest)."""
+    out = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        f()
+        out.append((time.perf_counter() - t) * 1000)
+    return out
+
+
 def best_of(f, calls: int, runs: int = 5, warm: int = 3, clock=time.perf_counter) -> float:
     """Microseconds per call of ``f``: the best of ``runs`` runs of ``calls`` calls, after ``warm``
     calls (``clock``: perf_counter for wall time, thread_time for this thread's CPU time)."""
