@@ -27,6 +27,14 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="timed steps per row count (the median is reported)")
     ap.add_argument("--rows", default="1,2,3,6,1,6", help="rows per step to measure, in order (1: no proposals; the repeats show the drift)")
     args = ap.parse_args()
+    try:
+        counts = [int(x) for x in args.rows.split(",")]
+    except ValueError:
+        ap.error(f"--rows: comma-separated row counts, got {args.rows!r}")
+    if not counts or min(counts) < 1 or max(counts) > 16:
+        ap.error(f"--rows: each count from 1 to 16 (a step's rows at most), got {args.rows!r}")
+    if args.steps < 1:
+        ap.error(f"--steps must be >= 1, got {args.steps}")
     from torch.profiler import profile
 
     from chatkv.engine import Engine
@@ -49,7 +57,7 @@ def main() -> None:
 
     rows_out, ops_out, base = [], [], None
     try:
-        for rows in (int(x) for x in args.rows.split(",")):
+        for rows in counts:
             eng.scheduler.speculator = Fixed("lookup", rows - 1, 0.2, 15) if rows > 1 else None
             seq = eng.add_request(ids, SamplingParams(max_tokens=args.steps * 8 + 64, temperature=0, ignore_eos=True))
             for _ in range(10):  # the prompt and warm steps
