@@ -335,7 +335,8 @@ class LlamaModel:
             self.lm_head: AnyLinear | ExactTop = exact_top(Linear(matrix, pack=pack), matrix)
         else:
             # no dense copy: the output matrix computes only the rows whose logits are wanted
-            self.lm_head = exact_top(proj(["embed_tokens.weight" if tied else "lm_head.weight"], None, head_mode, 0), None)
+            head = proj(["embed_tokens.weight" if tied else "lm_head.weight"], None, head_mode, 0)
+            self.lm_head = exact_top(head.native_few_rows() if isinstance(head, Int8Linear) else head, None)
         # padding decode rows helps oneDNN's prepacked kernel and slows the int4/int8 ones
         self.min_rows = MIN_ROWS if isinstance(self.layers[0].qkv, Linear) and getattr(self.layers[0].qkv, "packed", None) is not None else 1
         inv_freq, self.rope_scaling = rope_inv_freq(config)

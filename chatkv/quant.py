@@ -7,13 +7,16 @@ Face directory, or a GGUF's float, Q8_0, Q5 or Q6 tensor, decoded exactly by
 
 - **int4** (``Int4Linear``): per group of 32 inputs, ``w = code * scale + minimum`` with
   ``code`` in 0..15, which is exactly GGUF's Q4_1 (Q4_0 is the case ``minimum = -8 * scale``).
-  It runs on ``torch.ops.aten._weight_int4pack_mm_for_cpu``, which computes
+  It runs on ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (or, for steps of up to 16 rows
+  where the CPU has AVX512-BF16, chatkv's ``int4_mm``, which decodes each weight tile once for
+  all the rows; the same numbers but for the order of float32 sums), which computes
   ``(code - 8) * s + z`` per group: ``s = scale`` and ``z = minimum + 8 * scale``. The codes
   are kept exactly; the kernel computes in bfloat16, so it takes ``s`` and ``z`` in
   bfloat16 too: a relative rounding of at most 2^-9 per weight, the same size as
   bfloat16's own rounding of every activation (Q4's own step is 1/15 of the group's range).
 - **int8** (``Int8Linear``): symmetric, one scale per output channel (``code * scale``,
-  code in -127..127), on ``torch.ops.aten._weight_int8pack_mm``.
+  code in -127..127), on ``torch.ops.aten._weight_int8pack_mm`` (the output matrix's steps of
+  up to 16 rows on chatkv's ``int8_mm`` where it is built: ``Int8Linear.native_few_rows``).
 
 ``Q4Weight``/``Q8Weight`` are the stored forms (numbers only, no kernels), what the converted
 model directory keeps (``chatkv.weights.gguf``) and what the mapping tests compare bit for bit
@@ -23,16 +26,23 @@ with gguf's own reference dequantisation. Activations are bfloat16 in both modes
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from chatkv.kernels import cpu_decode
 
 __all__ = ["GROUP", "Q4Weight", "Q8Weight", "Int4Linear", "Int8Linear", "quantize_int4", "quantize_int8",
            "from_gguf_blocks", "dequantize_gguf_blocks", "kquant_scale_min", "int4_supported", "int8_supported",
            "pack_int4", "unpack_int4pack", "int4pack_block", "repack_nibbles", "int4_from_nibbles"]
 
 GROUP = 32  # inputs per int4 group: GGUF's block size and the kernel's group size
+#: whether steps of few rows take chatkv's kernels where they are built (kernels/cpu_matmul.c:
+#: ``int4_matmul``, ``Int8Linear.native_few_rows``); ``CHATKV_FEW_ROW_KERNELS=0`` in the
+#: environment or ``few_row_kernel(False)`` leaves them to torch's
+_FEW_ROWS = [os.environ.get("CHATKV_FEW_ROW_KERNELS", "1").strip() != "0"]
 
 
 @dataclass
@@ -351,7 +361,7 @@ class Int4Linear:
     bf16 weights do not stay in cache, unlike a matmul timed alone): aggregate decode of 8
     sequences 523 tok/s 4-bit vs 455 dense, 16: 635 vs 612, 32: 792 vs 700; so 16."""
 
-    __slots__ = ("packed", "scales_zeros", "bias", "out_features", "dense", "dense_rows")
+    __slots__ = ("packed", "scales_zeros", "bias", "out_features", "dense", "dense_rows", "_native")
 
     def __init__(self, q: Q4Weight, bias: torch.Tensor | None = None, dense=None, dense_rows: int = 16):
         self._set(pack_int4(q.codes), q.scale, q.minimum, bias, dense, dense_rows)
@@ -371,18 +381,50 @@ class Int4Linear:
         zero = minimum + 8 * scale  # the kernel's (code - 8) * s + z
         self.scales_zeros = torch.stack((scale.t(), zero.t()), dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
         self.bias = None if bias is None else bias.to(torch.bfloat16)
+        self._native = None  # int4_mm's call for this weight, once asked (``few_rows``)
+
+    def few_rows(self):
+        """``int4_mm``'s call for this weight (chatkv.kernels.cpu_decode: each weight tile decoded
+        once for all of a step's rows, up to ``INT4_MM_ROWS``), or False where it is not built
+        here or this weight is not in its layout; looked up once the fused ops have been loaded."""
+        if self._native is None:
+            if cpu_decode.loaded() is None:
+                return False  # not looked for yet: ask again later
+            self._native = cpu_decode.int4_mm_call(self.packed, self.scales_zeros) if int4pack_block() == 64 else False
+        return self._native
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= self.dense_rows:
+        rows = x.shape[0]
+        if self.dense is not None and rows >= self.dense_rows:
             return self.dense(x)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, GROUP, self.scales_zeros)
-        return y if self.bias is None else y + self.bias
+        return int4_matmul(self, x)
+
+
+def few_row_kernel(on: bool | None = None) -> bool:
+    """Whether steps of few rows take chatkv's kernels (``int4_matmul``, ``Int8Linear``); set it
+    with ``on`` (benchmarks compare)."""
+    if on is not None:
+        _FEW_ROWS[0] = bool(on)
+    return _FEW_ROWS[0]
+
+
+def int4_matmul(lin: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    """``lin``'s quantised product of ``x`` (no dense path): ``int4_mm`` for a step of up to
+    ``INT4_MM_ROWS`` rows where it is built, else torch's int4 kernel. The choice depends only on
+    the row count and the machine, and ``int4_mm`` computes each row alone, so a verified proposal
+    computes as its plain decode does."""
+    native = lin.few_rows() if x.shape[0] <= cpu_decode.INT4_MM_ROWS and _FEW_ROWS[0] else False
+    if native:
+        y = native(x.contiguous())
+    else:
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), lin.packed, GROUP, lin.scales_zeros)
+    return y if lin.bias is None else y + lin.bias
 
 
 class Int8Linear:
     """``y = x @ w.T + bias`` for a per-channel ``Q8Weight``; x bfloat16 ``[T, K]``."""
 
-    __slots__ = ("codes", "scales", "bias", "out_features", "dense", "dense_rows")
+    __slots__ = ("codes", "scales", "bias", "out_features", "dense", "dense_rows", "_native")
 
     def __init__(self, q: Q8Weight, bias: torch.Tensor | None = None, dense=None, dense_rows: int = 16):
         if q.scale.shape[1] != 1:
@@ -392,9 +434,32 @@ class Int8Linear:
         self.codes = q.codes.contiguous()
         self.scales = q.scale[:, 0].to(torch.bfloat16).contiguous()
         self.bias = None if bias is None else bias.to(torch.bfloat16)
+        self._native = False  # torch's kernel, unless ``native_few_rows``: as Int4Linear's once asked
+
+    def native_few_rows(self) -> "Int8Linear":
+        """Let steps of few rows take ``int8_mm`` (chatkv.kernels.cpu_decode) where it is built: the
+        output matrix's choice (chatkv.model), whose top logits ExactTop recomputes exactly anyway.
+        Not the int8 projections': int8_mm's sums, though as close to exact per call as torch's,
+        took the int8 mode's logits further from transformers' (4.7% of their spread against 3.3%,
+        over six chat prompts; tests/test_weight_paths.py allows 4.5%)."""
+        self._native = None
+        return self
+
+    def few_rows(self):
+        """``int8_mm``'s call for this weight, or False; as Int4Linear's."""
+        if self._native is None:
+            if cpu_decode.loaded() is None:
+                return False
+            self._native = cpu_decode.int8_mm_call(self.codes, self.scales)
+        return self._native
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.shape[0] >= self.dense_rows:
+        rows = x.shape[0]
+        if self.dense is not None and rows >= self.dense_rows:
             return self.dense(x)
-        y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.codes, self.scales)
+        native = self.few_rows() if rows <= cpu_decode.INT4_MM_ROWS and _FEW_ROWS[0] else False
+        if native:
+            y = native(x.contiguous())
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.codes, self.scales)
         return y if self.bias is None else y + self.bias

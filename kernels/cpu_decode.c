@@ -5,29 +5,15 @@
  * costs ~1-3 us of dispatch and allocation for a few hundred numbers. These do that work in one
  * call each. They compute what the torch ops compute, rounding to bfloat16 where those ops round:
  * only the order of fp32 sums (and the norms' sum of squares, in double here) differs.
- *
- * bf16 is uint16_t; rounding fp32 -> bf16 is round-to-nearest-even, as torch's. */
+ * The step's few-row matrix products are in cpu_matmul.c, bf16 <-> float32 in cpu_bf16.h. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "cpu_bf16.h"
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-
-static inline float bf2f(uint16_t b) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t f2bf(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 /* h[r] += y[r] (y bf16, may be NULL); out[r] = bf16(h[r] * rsqrt(mean(h[r]^2) + eps) * w).
  * h: float32 [rows, n] (the residual stream, updated in place), w: float32 [n], out: bf16 [rows, n]. */
@@ -56,7 +42,6 @@ void add_rms(float *h, const uint16_t *y, const float *w, uint16_t *out, int64_t
  * scalef; within 2 ulp of expf (glibc's scalar expf was half the attention's time); below -87.3
  * it gives 0 and above 88.7 infinity, as expf's underflow and overflow do; NaN stays NaN. */
 #ifdef __AVX512F__
-#include <immintrin.h>
 static inline __m512 exp_ps(__m512 x) {
     /* max/min return their second operand where one is NaN: x second keeps a NaN */
     x = _mm512_min_ps(_mm512_set1_ps(88.8f), _mm512_max_ps(_mm512_set1_ps(-87.3f), x));
@@ -71,18 +56,6 @@ static inline __m512 exp_ps(__m512 x) {
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
     return _mm512_scalef_ps(p, n);
-}
-
-/* 16 bf16 <-> float32, rounding as f2bf (to nearest even, NaN kept) */
-static inline __m512 bf16x16(const uint16_t *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-static inline __m256i to_bf16x16(__m512 f) {
-    const __m512i u = _mm512_castps_si512(f);
-    const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                        _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40))));
 }
 
 static inline __m512 bf16_round(__m512 f) { /* float32 -> the nearest bf16 (as f2bf), as float32 */
@@ -309,3 +282,4 @@ void int4_weight_t(const uint8_t *packed, const uint16_t *sz, uint16_t *out, int
         }
     }
 }
+

@@ -1,5 +1,6 @@
-"""Fused CPU ops of a decode step, in C (``cpu_decode.c``), built with the system's C compiler
-at first use (or by scripts/install.sh) and cached per source, compiler and CPU; called with ctypes.
+"""Fused CPU ops of a decode step, in C (``cpu_decode.c``, ``cpu_matmul.c``), built with the
+system's C compiler at first use (or by scripts/install.sh) and cached per source, compiler and
+CPU; called with ctypes.
 
 Why: at batch 1 the default model's decode step was ~4,900 torch ops (~160 a layer around its 4
 matmuls: RMSNorm alone is ~13 ops on CPU, RoPE 8, the KV store 4, attention ~20), each 1-3 us of
@@ -13,6 +14,12 @@ merged in a fixed order (the same bits on any thread count); its softmax and ``s
 exp 16 at a time (AVX-512). On the default model at a 31-160-token context, attention was 1.7 ms
 of a 7.6 ms step single-threaded with glibc's scalar expf; silu_mul 0.30 -> 0.07 ms (AMD EPYC,
 2026-12-02); benchmarks/bench_decode_attention.py compares it with the torch ops.
+
+The step's quantised products of a few rows (``int4_mm``, ``int8_mm``, in cpu_matmul.c, taken by
+chatkv.quant for up to ``INT4_MM_ROWS`` rows): torch's weight-only kernels decode each weight
+tile again for every row, so a step of 6 rows (speculation's verification) cost 2.3-2.8x a
+one-row step; these decode it once for all rows with AVX512-BF16 dot products, where the CPU
+has them (AMD Zen 4, Intel Sapphire Rapids; elsewhere torch's kernels run).
 
 Never required: without a compiler, on a build failure, off Linux/x86 or with
 ``CHATKV_FUSED_DECODE=0``, ``load()`` is False and the model runs its torch ops (which are
@@ -38,6 +45,8 @@ log = logging.getLogger("chatkv.kernels")
 
 ENV = "CHATKV_FUSED_DECODE"  # "0" turns the fused decode ops off
 SOURCE = Path(__file__).with_name("cpu_decode.c")
+#: the library's sources: the fused step ops, the few-row quantised products, their bf16 helpers
+SOURCES = (SOURCE, SOURCE.with_name("cpu_matmul.c"), SOURCE.with_name("cpu_bf16.h"))
 MAX_HEAD_DIM = 512  # the C kernel's per-head buffers
 MAX_GROUP = 16  # query heads per kv head decode_attention takes (ATTN_MAX_GROUP in the C)
 ATTN_SEGMENT = 64  # keys per work item of decode_attention (ATTN_SEGMENT in the C)
@@ -61,7 +70,11 @@ _SIGNATURES = {
     "silu_mul": [_P, _P, _I, _I],
     "decode_attention": [_P, _P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _F, _P, _P, _I, ctypes.c_int, _P],
     "int4_weight_t": [_P, _P, _P, _I, _I, _I, ctypes.c_int],
+    "int4_mm": [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
+    "int8_mm": [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
 }
+INT4_MM_ROWS = 16  # the most rows int4_mm takes (INT4_MM_ROWS in the C)
+INT4_MM_GROUPS = 1024  # the most groups of 32 inputs it takes (INT4_MM_GROUPS in the C)
 _lib: ctypes.CDLL | None | bool = False  # False: not looked for yet
 
 
@@ -81,8 +94,12 @@ def _cpu_key() -> str:
 
 
 def digest() -> str:
-    """The C source's hash: what a self-check's verdict on the fused path holds for (chatkv.weight_check)."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    """The C sources' hash: what a self-check's verdict on the fused path holds for (chatkv.weight_check)."""
+    return hashlib.sha256(_sources()).hexdigest()[:12]
+
+
+def _sources() -> bytes:
+    return b"".join(p.name.encode() + b"\0" + p.read_bytes() for p in SOURCES)
 
 
 def build(directory: Path) -> Path | None:
@@ -91,7 +108,7 @@ def build(directory: Path) -> Path | None:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None
     key = _cpu_key()
-    src = SOURCE.read_bytes()
+    src = _sources()
     digest = hashlib.sha256(src + key.encode()).hexdigest()[:20]
     target = directory / f"cpu_decode-{digest}.so"
     if target.is_file():
@@ -103,7 +120,7 @@ def build(directory: Path) -> Path | None:
         # -fopenmp: decode_attention's threads; the libgomp.so.1 it needs is the one torch has
         # already loaded (same soname), so both share one runtime and one pool of threads
         cmd = ["gcc", "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC",
-               "-o", tmp, str(SOURCE), "-lm"]
+               "-o", tmp, *(str(p) for p in SOURCES if p.suffix == ".c"), "-lm"]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if out.returncode != 0:
             log.warning("fused decode ops not built (%s): %s; the torch ops are used", " ".join(cmd), out.stderr[-500:])
@@ -130,6 +147,8 @@ def load(directory: Path) -> bool:
                     for name, args in _SIGNATURES.items():
                         getattr(lib, name).argtypes = args
                         getattr(lib, name).restype = None
+                    for name in ("int4_mm_native", "int8_mm_native"):
+                        getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
                     _lib = lib
                 except OSError as err:
                     log.warning("fused decode ops not loaded (%s); the torch ops are used", err)
@@ -212,6 +231,83 @@ def int4_weight_t(packed: torch.Tensor, scales_zeros: torch.Tensor, out: torch.T
     library().int4_weight_t(_check(packed, torch.uint8, "packed"), _check(scales_zeros, torch.bfloat16, "scales_zeros"),
                             _check(out, torch.bfloat16, "out"), n, k, block, torch.get_num_threads())
     return out
+
+
+def int4_mm_native() -> bool:
+    """Whether ``int4_mm`` is built here: it needs AVX512-BF16 and AVX512-VBMI (AMD Zen 4, Intel
+    Sapphire Rapids and later; not an AVX-512 Xeon without bfloat16), and the library loaded."""
+    return bool(loaded()) and bool(_lib.int4_mm_native())
+
+
+def _int4_mm_shape(packed: torch.Tensor, scales_zeros: torch.Tensor) -> tuple[int, int]:
+    groups, n, two = scales_zeros.shape
+    if (two != 2 or packed.numel() * 2 != n * groups * 32 or n % 64 or groups > INT4_MM_GROUPS
+            or packed.dtype != torch.uint8 or not packed.is_contiguous()):
+        raise ValueError(f"int4_mm: packed {packed.dtype} {tuple(packed.shape)}, scales_zeros {tuple(scales_zeros.shape)}")
+    return n, groups * 32
+
+
+def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` (bfloat16 ``[rows, N]``) for torch's CPU int4 packing in blocks of 64 rows and
+    its ``scales_zeros``, as ``torch.ops.aten._weight_int4pack_mm_for_cpu`` computes it but for the
+    order of float32 sums, with each weight tile decoded once for all rows (see cpu_decode.c); on
+    the current threads. A row's result does not depend on the other rows. Only where
+    ``int4_mm_native()``, for whole blocks of 64 output rows."""
+    if not int4_mm_native():
+        raise RuntimeError("int4_mm is not built here (int4_mm_native)")
+    n, k = _int4_mm_shape(packed, scales_zeros)
+    if x.dim() != 2 or x.shape[1] != k or not 0 < x.shape[0] <= INT4_MM_ROWS:
+        raise ValueError(f"int4_mm: x {tuple(x.shape)} for {k} inputs, at most {INT4_MM_ROWS} rows")
+    _check(scales_zeros, torch.bfloat16, "scales_zeros")
+    return int4_mm_call(packed, scales_zeros)(x)
+
+
+def int4_mm_call(packed: torch.Tensor, scales_zeros: torch.Tensor):
+    """``int4_mm`` of these weights as a call of ``x`` alone (their pointers taken once: a
+    decode step makes 4 a layer), or False where it is not built here. x must be a contiguous
+    bfloat16 ``[rows, K]`` of 1 to ``INT4_MM_ROWS`` rows: only its row count is checked."""
+    if not int4_mm_native():
+        return False
+    try:
+        n, k = _int4_mm_shape(packed, scales_zeros)
+    except ValueError:  # not whole blocks of 64 rows, or too long: torch's kernel takes it
+        return False
+    pp, szp, fn = _check(packed, torch.uint8, "packed"), _check(scales_zeros, torch.bfloat16, "scales_zeros"), _lib.int4_mm
+    keep = (packed, scales_zeros)  # alive while their pointers are used
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if x.dtype != torch.bfloat16 or x.shape[1:] != (k,) or not 0 < rows <= INT4_MM_ROWS or keep is None:
+            raise ValueError(f"int4_mm: x {x.dtype} {tuple(x.shape)} for {k} inputs, at most {INT4_MM_ROWS} rows")
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        fn(x.data_ptr(), pp, szp, y.data_ptr(), rows, n, k, torch.get_num_threads())
+        return y
+
+    return call
+
+
+def int8_mm_call(codes: torch.Tensor, scales: torch.Tensor):
+    """``x @ codes.T * scales`` (int8 ``[N, K]`` codes, one bfloat16 scale per output channel, as
+    chatkv.quant.Int8Linear holds them) as a call of ``x``, for 1 to ``INT4_MM_ROWS`` rows, each
+    row of codes read once for all of them (see cpu_decode.c); a row's result does not depend on
+    the other rows. False where it is not built here or these weights do not fit it."""
+    if not (loaded() and _lib.int8_mm_native()):
+        return False
+    if codes.dim() != 2 or scales.shape != (codes.shape[0],) or codes.shape[1] % 32 or codes.shape[0] % 4:
+        return False
+    n, k = codes.shape
+    cp, sp, fn = _check(codes, torch.int8, "codes"), _check(scales, torch.bfloat16, "scales"), _lib.int8_mm
+    keep = (codes, scales)  # alive while their pointers are used
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if x.dtype != torch.bfloat16 or x.shape[1:] != (k,) or not 0 < rows <= INT4_MM_ROWS or keep is None:
+            raise ValueError(f"int8_mm: x {x.dtype} {tuple(x.shape)} for {k} inputs, at most {INT4_MM_ROWS} rows")
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        fn(x.data_ptr(), cp, sp, y.data_ptr(), rows, n, k, torch.get_num_threads())
+        return y
+
+    return call
 
 
 class DecodeStep:

@@ -1,0 +1,176 @@
+/* Quantised matrix products of steps of a few rows (chatkv.kernels.cpu_decode builds this with gcc
+ * beside cpu_decode.c and calls it with ctypes; chatkv.quant decides when). A batch-1 decode step
+ * streams every weight once; verifying k speculative proposals is k + 1 rows over the same
+ * weights. torch's weight-only kernels decode each weight tile again for every row (2.3-2.8x the
+ * one-row time at 6 rows, benchmarks/bench_verify_rows.py); these decode it once for all rows.
+ * Every row is computed alone, in an order that does not depend on the step's other rows, so a
+ * verified proposal's logits are its plain decode's bit for bit (chatkv.fused_decode). */
+#include <stdint.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#include "cpu_bf16.h"
+
+/* y = x @ w.T for torch's CPU int4 packing in blocks of 64 rows (int4_weight_t's layout) and its
+ * bfloat16 (s, z): y[r, j] = bf16(sum_g s[g, j] D[r, g, j] + z[g, j] X[r, g]), where D is row r's
+ * dot product with the codes - 8 over group g (32 inputs) and X its sum of x there. Each weight
+ * tile is read and decoded once for all the step's rows (torch's kernel decodes it again for each
+ * row: 2.3x the time at 6 rows). The products go through AVX512-BF16's dot product (the codes - 8
+ * are exact in bfloat16, as x is), two chains of 8 input pairs a group, added in the same order
+ * for every row whatever the rows of the step: a row's numbers do not depend on the others, so a
+ * verified proposal's logits are its plain decode's bit for bit (chatkv.fused_decode).
+ * x: bf16 [rows, k]; packed: uint8 [n / 64, k, 32]; sz: bf16 [k / 32, n, 2]; y: bf16 [rows, n].
+ * The caller (cpu_decode.int4_mm) checks rows <= INT4_MM_ROWS and k / 32 <= INT4_MM_GROUPS. */
+#define INT4_MM_ROWS 16
+#define INT4_MM_GROUPS 1024
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+int int4_mm_native(void) { return 1; }
+
+#define INT4_MM_RB 6 /* rows a pass over a tile: 4 x 6 accumulators stay in registers */
+static inline __attribute__((always_inline)) void int4_mm_tile(
+        const uint16_t *x, const uint8_t *p, const uint16_t *sz, const float *xs, uint16_t *y,
+        int64_t n, int64_t k, int64_t c0, int R) {
+    /* the tile's 32 columns: c0 + j (low nibbles of bytes h*16 + j) and c0 + 32 + j (high ones);
+     * byte lane 4j of a dword takes byte d = j (+16 for the tile's half) of input k, lane 4j + 2
+     * byte d of input k + 1, the two others zero: (code k, code k + 1) as a pair of words */
+    const int64_t half = (c0 % 64) / 16 * 16; /* 0 or 16 */
+    uint8_t ix[64];
+    for (int j = 0; j < 16; j++) { ix[4 * j] = (uint8_t)(half + j); ix[4 * j + 1] = 0; ix[4 * j + 2] = (uint8_t)(32 + half + j); ix[4 * j + 3] = 0; }
+    const __m512i idx = _mm512_loadu_si512((const void *)ix);
+    uint16_t tb[32];
+    for (int i = 0; i < 32; i++) tb[i] = f2bf((float)((i & 15) - 8)); /* index bit 4 (a neighbour nibble's) ignored */
+    const __m512i table = _mm512_loadu_si512((const void *)tb);
+    const int64_t groups = k / 32, base = c0 - half; /* the block's first column */
+    __m512 ylo[INT4_MM_RB], yhi[INT4_MM_RB]; /* in memory between groups: the registers hold the group's sums */
+    for (int r = 0; r < R; r++) { ylo[r] = _mm512_setzero_ps(); yhi[r] = _mm512_setzero_ps(); }
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 el[INT4_MM_RB], eh[INT4_MM_RB], ol[INT4_MM_RB], oh[INT4_MM_RB]; /* even and odd input pairs */
+        for (int r = 0; r < R; r++) { el[r] = eh[r] = ol[r] = oh[r] = _mm512_setzero_ps(); }
+        const uint8_t *pg = p + g * 32 * 32;
+        const uint16_t *xg0 = x + g * 32;
+        for (int i = 0; i < 16; i += 2) {
+            const __m512i pe = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, idx, _mm512_loadu_si512((const void *)(pg + i * 64)));
+            const __m512i po = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, idx, _mm512_loadu_si512((const void *)(pg + i * 64 + 64)));
+            const __m512bh wel = (__m512bh)_mm512_permutexvar_epi16(pe, table);
+            const __m512bh weh = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(pe, 4), table);
+            const __m512bh wol = (__m512bh)_mm512_permutexvar_epi16(po, table);
+            const __m512bh woh = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(po, 4), table);
+            for (int r = 0; r < R; r++) { /* x's pair broadcast from memory inside the instruction */
+                const int32_t *xe = (const int32_t *)(xg0 + r * k + 2 * i), *xo = xe + 1;
+                __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(el[r]) : "v"(wel), "m"(*xe));
+                __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(eh[r]) : "v"(weh), "m"(*xe));
+                __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(ol[r]) : "v"(wol), "m"(*xo));
+                __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(oh[r]) : "v"(woh), "m"(*xo));
+            }
+        }
+        const __m512i szl = _mm512_loadu_si512((const void *)(sz + (g * n + base + half) * 2));
+        const __m512i szh = _mm512_loadu_si512((const void *)(sz + (g * n + base + 32 + half) * 2));
+        const __m512 sl = _mm512_castsi512_ps(_mm512_slli_epi32(szl, 16)), sh = _mm512_castsi512_ps(_mm512_slli_epi32(szh, 16));
+        const __m512i hi16 = _mm512_set1_epi32((int32_t)0xFFFF0000u);
+        const __m512 zl = _mm512_castsi512_ps(_mm512_and_si512(szl, hi16)), zh = _mm512_castsi512_ps(_mm512_and_si512(szh, hi16));
+        for (int r = 0; r < R; r++) {
+            const __m512 xg = _mm512_set1_ps(xs[r * groups + g]);
+            ylo[r] = _mm512_fmadd_ps(zl, xg, _mm512_fmadd_ps(sl, _mm512_add_ps(el[r], ol[r]), ylo[r]));
+            yhi[r] = _mm512_fmadd_ps(zh, xg, _mm512_fmadd_ps(sh, _mm512_add_ps(eh[r], oh[r]), yhi[r]));
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        _mm256_storeu_si256((__m256i *)(y + r * n + base + half), to_bf16x16(ylo[r]));
+        _mm256_storeu_si256((__m256i *)(y + r * n + base + 32 + half), to_bf16x16(yhi[r]));
+    }
+}
+
+void int4_mm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *y, int64_t rows, int64_t n,
+             int64_t k, int threads) {
+    const int64_t groups = k / 32;
+    float xs[INT4_MM_ROWS * INT4_MM_GROUPS]; /* each row's sum over each group, fp32, in a fixed order */
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t g = 0; g < groups; g++)
+            xs[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(bf16x16(x + r * k + g * 32), bf16x16(x + r * k + g * 32 + 16)));
+    const int64_t tiles = n / 32; /* two a block of 64 columns */
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t b = t / 2, c0 = b * 64 + (t % 2) * 16;
+        const uint8_t *p = packed + b * k * 32;
+        for (int64_t r0 = 0; r0 < rows; r0 += INT4_MM_RB) {
+            const int64_t left = rows - r0;
+            const uint16_t *xr = x + r0 * k;
+            const float *xsr = xs + r0 * groups;
+            uint16_t *yr = y + r0 * n;
+            /* a constant row count for each call, so that the accumulators are registers */
+            if (left >= 6) int4_mm_tile(xr, p, sz, xsr, yr, n, k, c0, 6);
+            else if (left == 5) int4_mm_tile(xr, p, sz, xsr, yr, n, k, c0, 5);
+            else if (left == 4) int4_mm_tile(xr, p, sz, xsr, yr, n, k, c0, 4);
+            else if (left == 3) int4_mm_tile(xr, p, sz, xsr, yr, n, k, c0, 3);
+            else if (left == 2) int4_mm_tile(xr, p, sz, xsr, yr, n, k, c0, 2);
+            else int4_mm_tile(xr, p, sz, xsr, yr, n, k, c0, 1);
+        }
+    }
+}
+#else
+int int4_mm_native(void) { return 0; }
+void int4_mm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *y, int64_t rows, int64_t n,
+             int64_t k, int threads) {
+    (void)x; (void)packed; (void)sz; (void)y; (void)rows; (void)n; (void)k; (void)threads;
+}
+#endif
+
+/* y = x @ codes.T * scale for int8 codes per output channel (chatkv.quant.Int8Linear: the output
+ * matrix): y[r, j] = bf16(scale[j] * sum_i x[r, i] code[j, i]). 32 codes at a time are converted
+ * to bfloat16 (exact: |code| <= 127) and go through AVX512-BF16's dot product with x's pairs, 16
+ * float32 lanes a channel added in a fixed order at the end. Each channel's codes are read and
+ * converted once for all the step's rows (torch's kernel: 2.5x its one-row time at 6 rows); a row's
+ * numbers do not depend on the other rows. x: bf16 [rows, k]; codes: int8 [n, k]; scale: bf16 [n];
+ * y: bf16 [rows, n]; k a multiple of 32, n of 4, rows <= INT4_MM_ROWS (cpu_decode.int8_mm_call). */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define INT8_MM_RB 6 /* rows a pass: 6 x 4 accumulators in registers */
+#define INT8_MM_CB 4 /* output channels a pass */
+static inline __attribute__((always_inline)) void int8_mm_cols(
+        const uint16_t *x, const int8_t *codes, const uint16_t *scale, uint16_t *y, int64_t n, int64_t k,
+        int64_t j0, int R) {
+    __m512 a[INT8_MM_RB][INT8_MM_CB];
+    for (int r = 0; r < R; r++) for (int c = 0; c < INT8_MM_CB; c++) a[r][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 32) {
+        for (int c = 0; c < INT8_MM_CB; c++) {
+            const int8_t *p = codes + (j0 + c) * k + i;
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+            const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo); /* word i: code i */
+            for (int r = 0; r < R; r++)
+                a[r][c] = _mm512_dpbf16_ps(a[r][c], w, (__m512bh)_mm512_loadu_si512((const void *)(x + r * k + i)));
+        }
+    }
+    for (int c = 0; c < INT8_MM_CB; c++) {
+        const float s = bf2f(scale[j0 + c]);
+        for (int r = 0; r < R; r++) y[r * n + j0 + c] = f2bf(_mm512_reduce_add_ps(a[r][c]) * s);
+    }
+}
+
+void int8_mm(const uint16_t *x, const int8_t *codes, const uint16_t *scale, uint16_t *y, int64_t rows, int64_t n,
+             int64_t k, int threads) {
+    const int64_t items = n / INT8_MM_CB;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < items; t++) {
+        for (int64_t r0 = 0; r0 < rows; r0 += INT8_MM_RB) {
+            const int64_t left = rows - r0;
+            const uint16_t *xr = x + r0 * k;
+            uint16_t *yr = y + r0 * n;
+            if (left >= 6) int8_mm_cols(xr, codes, scale, yr, n, k, t * INT8_MM_CB, 6);
+            else if (left == 5) int8_mm_cols(xr, codes, scale, yr, n, k, t * INT8_MM_CB, 5);
+            else if (left == 4) int8_mm_cols(xr, codes, scale, yr, n, k, t * INT8_MM_CB, 4);
+            else if (left == 3) int8_mm_cols(xr, codes, scale, yr, n, k, t * INT8_MM_CB, 3);
+            else if (left == 2) int8_mm_cols(xr, codes, scale, yr, n, k, t * INT8_MM_CB, 2);
+            else int8_mm_cols(xr, codes, scale, yr, n, k, t * INT8_MM_CB, 1);
+        }
+    }
+}
+int int8_mm_native(void) { return 1; }
+#else
+int int8_mm_native(void) { return 0; }
+void int8_mm(const uint16_t *x, const int8_t *codes, const uint16_t *scale, uint16_t *y, int64_t rows, int64_t n,
+             int64_t k, int threads) {
+    (void)x; (void)codes; (void)scale; (void)y; (void)rows; (void)n; (void)k; (void)threads;
+}
+#endif

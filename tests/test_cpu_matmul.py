@@ -1,0 +1,164 @@
+"""The few-row quantised products (kernels/cpu_matmul.c: ``int4_mm``, ``int8_mm``) against exact
+float64 arithmetic and torch's weight-only kernels, on the default model's own weights and real
+activations, at every row count a step gives them (1 to 16), and the property speculation needs:
+a row's numbers do not depend on the other rows of its step.
+
+They need AVX512-BF16 and AVX512-VBMI. Where the CPU lacks them, the tests of the numbers are
+skipped, and the last test shows that the model then takes torch's kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from chatkv import fused_decode, quant, weight_check
+from chatkv.kernels import cpu_decode
+from chatkv.model import LlamaModel
+from chatkv.quant import GROUP, Int4Linear, Int8Linear, quantize_int4, quantize_int8, unpack_int4pack
+from chatkv.weights import load_tokenizer
+
+native = pytest.mark.skipif(not (fused_decode.kernels_available() and cpu_decode.int4_mm_native()),
+                            reason="no AVX512-BF16/VBMI here: torch's int4/int8 kernels run (last test)")
+
+
+@pytest.fixture(scope="module")
+def model(default_model_dir):
+    return LlamaModel.from_pretrained(default_model_dir, dtype=torch.bfloat16, weights_mode="int4", head_mode="int8")
+
+
+@pytest.fixture(scope="module")
+def inputs(model, default_model_dir):
+    """Each projection's (and the output matrix's) real inputs over a chat prompt: 16 rows each."""
+    tok = load_tokenizer(default_model_dir)
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France? Answer in one line."}],
+                                  add_generation_prompt=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    seen: dict[int, tuple[object, list[torch.Tensor]]] = {}
+    real4, real8 = Int4Linear.__call__, Int8Linear.__call__
+
+    def spy(real):
+        def call(self, x):
+            if x.shape[0] == 1:
+                seen.setdefault(id(self), (self, []))[1].append(x.clone())
+            return real(self, x)
+        return call
+
+    Int4Linear.__call__, Int8Linear.__call__ = spy(real4), spy(real8)
+    try:
+        weight_check.path_logits(model, ids, batched=False)
+    finally:
+        Int4Linear.__call__, Int8Linear.__call__ = real4, real8
+    layer = model.layers[7]
+    picked = [layer.qkv, layer.o, layer.gate_up, layer.down, model.lm_head.head]
+    return [(lin, torch.cat(seen[id(lin)][1][-16:])) for lin in picked]
+
+
+def exact_int4(lin: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    """float64 ``x @ w.T`` with the kernel's own numbers: ``(code - 8) * s + z``, s and z bfloat16."""
+    n = lin.out_features
+    k = x.shape[1]
+    codes = unpack_int4pack(lin.packed, n, quant.int4pack_block()).double().view(n, k // GROUP, GROUP)
+    sz = lin.scales_zeros.double()  # [K / 32, N, 2]
+    w = (codes - 8) * sz[..., 0].t().unsqueeze(-1) + sz[..., 1].t().unsqueeze(-1)
+    return x.double() @ w.view(n, k).t()
+
+
+def exact_int8(lin: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ lin.codes.double().t()) * lin.scales.double()
+
+
+def torch_kernel(lin, x: torch.Tensor) -> torch.Tensor:
+    if isinstance(lin, Int4Linear):
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, lin.packed, GROUP, lin.scales_zeros)
+    return torch.ops.aten._weight_int8pack_mm(x, lin.codes, lin.scales)
+
+
+def native_call(lin):
+    return cpu_decode.int4_mm_call(lin.packed, lin.scales_zeros) if isinstance(lin, Int4Linear) \
+        else cpu_decode.int8_mm_call(lin.codes, lin.scales)
+
+
+@native
+def test_the_default_models_products_are_exact_sums_rounded_once_as_torchs(inputs):
+    """At every row count, each output is the exact sum rounded to bfloat16 (but for float32's
+    own rounding of the sum): never further from exact than torch's kernel is, and equal to it
+    but for a few ties of rounding."""
+    for lin, x in inputs:
+        call = native_call(lin)
+        assert call, type(lin).__name__
+        exact_of = exact_int4 if isinstance(lin, Int4Linear) else exact_int8
+        for rows in (1, 2, 3, 5, 6, 7, 11, 16):
+            xr = x[:rows].contiguous()
+            got, ref, exact = call(xr).double(), torch_kernel(lin, xr).double(), exact_of(lin, xr)
+            assert got.shape == (rows, lin.out_features) and torch.isfinite(got).all()
+            worst_torch = (ref - exact).abs().max().item()
+            assert (got - exact).abs().max().item() <= worst_torch * 1.01 + 1e-6, (type(lin).__name__, rows)
+            assert (got == ref).double().mean().item() >= 0.99, (type(lin).__name__, rows)
+
+
+@native
+def test_a_rows_numbers_do_not_depend_on_the_other_rows(inputs):
+    """What lets a verified proposal's logits be its plain decode's bit for bit: row r of a step
+    of any row count equals the one-row step of that row, and any prefix of the rows as much."""
+    for lin, x in inputs:
+        call = native_call(lin)
+        full = call(x)
+        for r in range(x.shape[0]):
+            assert torch.equal(call(x[r : r + 1].contiguous())[0], full[r]), (type(lin).__name__, r)
+        for rows in range(1, x.shape[0]):
+            assert torch.equal(call(x[:rows].contiguous()), full[:rows]), (type(lin).__name__, rows)
+
+
+@native
+def test_the_model_takes_them_for_its_int4_projections_and_int8_output_matrix(model):
+    """Where they are built: every int4 projection and the int8 output matrix, up to 16 rows; an
+    int8 projection keeps torch's kernel (its numbers took the int8 mode's logits further from
+    transformers', chatkv.quant.Int8Linear.native_few_rows)."""
+    for layer in model.layers:
+        for lin in (layer.qkv, layer.o, layer.gate_up, layer.down):
+            assert lin.few_rows(), lin
+    assert model.lm_head.head.few_rows()
+    assert not Int8Linear(quantize_int8(torch.randn(64, 64))).few_rows()
+    lin = model.layers[0].o
+    x = torch.randn(3, lin.scales_zeros.shape[0] * GROUP).to(torch.bfloat16)
+    assert torch.equal(lin(x), native_call(lin)(x))
+    try:
+        quant.few_row_kernel(False)  # CHATKV_FEW_ROW_KERNELS=0: torch's numbers exactly
+        assert torch.equal(lin(x), torch_kernel(lin, x))
+    finally:
+        quant.few_row_kernel(True)
+
+
+@native
+def test_shapes_outside_the_kernels_take_torchs_and_bad_calls_are_errors():
+    g = torch.Generator().manual_seed(3)
+    odd = Int4Linear(quantize_int4(torch.randn(96, 64, generator=g)))  # 96 rows: not whole blocks of 64
+    assert odd.few_rows() is False
+    x = torch.randn(2, 64, generator=g).to(torch.bfloat16)
+    assert torch.equal(odd(x), torch_kernel(odd, x))
+    lin = Int4Linear(quantize_int4(torch.randn(128, 64, generator=g)))
+    call = lin.few_rows()
+    assert call
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        call(torch.zeros(17, 64, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="64 inputs"):
+        call(torch.zeros(2, 32, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="float32"):
+        call(torch.zeros(2, 64))
+    y = lin(torch.zeros(17, 64, dtype=torch.bfloat16))  # more rows than it takes: torch's kernel
+    assert y.shape == (17, 128) and not y.any()
+    nan = torch.full((1, 64), float("nan"), dtype=torch.bfloat16)
+    assert torch.isnan(call(nan)).all()  # a NaN activation stays NaN, as in torch's kernel
+
+
+def test_without_the_instructions_the_model_takes_torchs_kernels(model, monkeypatch):
+    """A CPU without AVX512-BF16 (an AVX-512 Xeon before Sapphire Rapids), or no library: torch's
+    kernels, the same numbers as before these existed."""
+    monkeypatch.setattr(cpu_decode, "int4_mm_native", lambda: False)
+    monkeypatch.setattr(cpu_decode, "_lib", None)
+    lin = Int4Linear(quantize_int4(torch.randn(128, 64)))
+    assert lin.few_rows() is False
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    assert torch.equal(lin(x), torch_kernel(lin, x))
+    assert Int8Linear(quantize_int8(torch.randn(64, 64))).native_few_rows().few_rows() is False
