@@ -15,7 +15,8 @@ whether auto's tokens are off's, and from which token they differ if not.
 Batch 1: each prompt alone, the request's decode rate (``usage.tokens_per_s``: tokens after
 the first over the time after the first; prefill excluded). Batch 8: the 4 prompts twice in
 one ``generate``, generated tokens over the call's wall time. Modes take turns within each
-repeat (background load hits all alike); medians. The modes share one engine (its speculator
+repeat, in reverse order every other repeat (background load and a drifting machine hit all
+alike); medians. The modes share one engine (its speculator
 is swapped between runs: the same weights, the same pool and prefix cache; every prompt is
 cached before the timed runs, so each mode starts from the same cache state: greedy bf16 output
 can depend on whether the prompt's last tokens were prefilled as a long or a short chunk).
@@ -186,13 +187,14 @@ def main() -> None:
     got: dict = {}
     rate8 = {m: [] for m in MODES}
     prompts8 = [ids[w] for w in WORKLOADS] * 2
-    for _ in range(args.repeats):
+    for rep in range(args.repeats):
+        order = MODES if rep % 2 == 0 else MODES[::-1]  # a drifting machine favours no mode
         for w in WORKLOADS:
-            for m in MODES:
+            for m in order:
                 r, res = batch1(engine, ids[w], n, m)
                 rate[w, m].append(r)
                 got[w, m] = res
-        for m in MODES if not args.no_batch8 else ():
+        for m in order if not args.no_batch8 else ():
             r, outs = batch8(engine, prompts8, n, m)
             rate8[m].append(r)
             got["batch8", m] = outs

@@ -4,13 +4,14 @@ Speculation pays by how little a step of ``1 + k`` rows (the last token and ``k`
 costs against a one-row step: on a memory-bound CPU decode the weights are streamed once for
 all rows, so ideally a row adds little. Here one sequence of the default model (int4, the
 governor off) decodes with exactly ``k`` proposals every step (tokens of its prompt, mostly
-rejected: only the row count matters), and the table gives the median step time, its ratio
-to the one-row step (the baseline, same process) and the cost per extra row; then the torch
-profiler's self time of the two weight-only kernels (``_weight_int4pack_mm_for_cpu``, the
-projections; ``_weight_int8pack_mm``, the output matrix) per call at each row count. The CPU
-model and the load are printed.
+rejected: only the row count matters), once with torch's weight-only kernels
+(``_weight_int4pack_mm_for_cpu``, the projections; ``_weight_int8pack_mm``, the output matrix;
+the baseline, same process) and once with chatkv's (kernels/cpu_matmul.c, which decode each
+weight tile once for all rows), step by step in turn on the same sequence. The table gives the step time, the cost
+per extra row against the one-row step, and the speed-up; then the torch profiler's self time
+of torch's two kernels per call at each row count. The CPU model and the load are printed.
 
-    .venv/bin/python benchmarks/bench_verify_rows.py [--steps 40]
+    .venv/bin/python benchmarks/bench_verify_rows.py [--steps 40] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ OPS = ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=40, help="timed steps per row count (the median is reported)")
-    ap.add_argument("--rows", default="1,2,3,6,1,6", help="rows per step to measure, in order (1: no proposals; the repeats show the drift)")
+    ap.add_argument("--steps", type=int, default=30, help="timed steps of each kind per row count and round (the median is reported)")
+    ap.add_argument("--rounds", type=int, default=2, help="rounds over the row counts")
+    ap.add_argument("--rows", default="1,2,3,4,6,8", help="rows per step to measure, in order (1: no proposals; the repeats show the drift)")
     args = ap.parse_args()
     try:
         counts = [int(x) for x in args.rows.split(",")]
@@ -35,6 +37,8 @@ def main() -> None:
         ap.error(f"--rows: each count from 1 to 16 (a step's rows at most), got {args.rows!r}")
     if args.steps < 1:
         ap.error(f"--steps must be >= 1, got {args.steps}")
+    if args.rounds < 1:
+        ap.error(f"--rounds must be >= 1, got {args.rounds}")
     from torch.profiler import profile
 
     from chatkv.engine import Engine
@@ -55,30 +59,48 @@ def main() -> None:
                 out[s] = [ids[3]] * self.max_k
             return out
 
-    rows_out, ops_out, base = [], [], None
+    from chatkv import quant
+
+    steps: dict[tuple[int, bool], list[float]] = {}
+    ops_out = []
     try:
-        for rows in counts:
-            eng.scheduler.speculator = Fixed("lookup", rows - 1, 0.2, 15) if rows > 1 else None
-            seq = eng.add_request(ids, SamplingParams(max_tokens=args.steps * 8 + 64, temperature=0, ignore_eos=True))
-            for _ in range(10):  # the prompt and warm steps
-                eng.step()
-            m = median(each_ms(eng.step, args.steps))
-            base = m if base is None else base
-            rows_out.append([str(rows), f"{m:.2f}", f"{m / base:.2f}x",
-                             "-" if rows == 1 else f"{(m / base - 1) / (rows - 1):.3f}"])
-            with profile() as prof:
-                for _ in range(10):
+        for rnd in range(args.rounds):
+            for rows in counts:
+                eng.scheduler.speculator = Fixed("lookup", rows - 1, 0.2, 15) if rows > 1 else None
+                seq = eng.add_request(ids, SamplingParams(max_tokens=args.steps * 16 + 64, temperature=0, ignore_eos=True))
+                for _ in range(10):  # the prompt and warm steps
                     eng.step()
-            per = {e.key: (e.self_cpu_time_total / max(e.count, 1), e.self_cpu_time_total) for e in prof.key_averages()}
-            total = sum(e.self_cpu_time_total for e in prof.key_averages())
-            ops_out.append([str(rows)] + [f"{per.get(op, (0, 0))[0]:.1f}" for op in OPS]
-                           + [f"{sum(per.get(op, (0, 0))[1] for op in OPS) / max(total, 1):.0%}"])
-            eng.abort(seq)
+                # torch's weight-only kernels and chatkv's (cpu_matmul.c) step by step in turn, so
+                # that both see the same machine (its speed drifts by tens of percent here)
+                for _ in range(args.steps):
+                    for ours in (False, True):
+                        quant.few_row_kernel(ours)
+                        steps.setdefault((rows, ours), []).append(each_ms(eng.step, 1)[0])
+                if rnd == 0:
+                    quant.few_row_kernel(False)
+                    with profile() as prof:
+                        for _ in range(10):
+                            eng.step()
+                    per = {e.key: (e.self_cpu_time_total / max(e.count, 1), e.self_cpu_time_total) for e in prof.key_averages()}
+                    total = sum(e.self_cpu_time_total for e in prof.key_averages())
+                    ops_out.append([str(rows)] + [f"{per.get(op, (0, 0))[0]:.1f}" for op in OPS]
+                                   + [f"{sum(per.get(op, (0, 0))[1] for op in OPS) / max(total, 1):.0%}"])
+                eng.abort(seq)
     finally:
+        quant.few_row_kernel(True)
         eng.close()
-    print_table(f"one sequence, step time by rows (median of {args.steps} steps), ms",
-                ["rows", "step ms", "vs 1 row", "per extra row"], rows_out)
-    print_table("weight-only kernels, self CPU us per call (torch profiler, 10 steps)",
+    native = bool(eng.model.layers[0].qkv.few_rows())
+    best = {key: median(v) for key, v in steps.items()}
+    one = {ours: best.get((1, ours)) for ours in (False, True)}
+    rows_out = []
+    for rows in dict.fromkeys(counts):
+        t, c = best[(rows, False)], best[(rows, True)]
+        extra = lambda m, base: "-" if rows == 1 or not base else f"{(m / base - 1) / (rows - 1):.3f}"  # noqa: E731
+        rows_out.append([str(rows), f"{t:.2f}", extra(t, one[False]), f"{c:.2f}", extra(c, one[True]), f"{t / c:.2f}x"])
+    print_table(f"one sequence, step time by rows, ms (median of {args.steps * args.rounds} steps each, in turn); "
+                f"chatkv's kernels {'built' if native else 'NOT built here (no AVX512-BF16): both columns are torch'}",
+                ["rows", "torch kernels", "per extra row", "chatkv kernels", "per extra row", "speed-up"], rows_out)
+    print_table("torch's weight-only kernels, self CPU us per call (torch profiler, 10 steps)",
                 ["rows", "int4 projections", "int8 output matrix", "their share of the step"], ops_out)
     print(f"load average at end: {load_average()}; {other}")
 
