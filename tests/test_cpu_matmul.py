@@ -148,6 +148,9 @@ def test_shapes_outside_the_kernels_take_torchs_and_bad_calls_are_errors():
         call(torch.zeros(2, 64))
     y = lin(torch.zeros(17, 64, dtype=torch.bfloat16))  # more rows than it takes: torch's kernel
     assert y.shape == (17, 128) and not y.any()
+    for empty in (lin, Int8Linear(quantize_int8(torch.randn(128, 64, generator=g))).native_few_rows()):
+        # a prefill chunk that wants no logits asks the output matrix for 0 rows
+        assert empty(torch.zeros(0, 64, dtype=torch.bfloat16)).shape == (0, 128)
     nan = torch.full((1, 64), float("nan"), dtype=torch.bfloat16)
     assert torch.isnan(call(nan)).all()  # a NaN activation stays NaN, as in torch's kernel
 
