@@ -4,7 +4,10 @@
  * weights. torch's weight-only kernels decode each weight tile again for every row (2.3-2.8x the
  * one-row time at 6 rows, benchmarks/bench_verify_rows.py); these decode it once for all rows.
  * Every row is computed alone, in an order that does not depend on the step's other rows, so a
- * verified proposal's logits are its plain decode's bit for bit (chatkv.fused_decode). */
+ * verified proposal's logits are its plain decode's bit for bit (chatkv.fused_decode), and the
+ * threads split the output columns only, so the bits are the same on any thread count.
+ * Non-finite activations give non-finite outputs, as torch's kernels do, though not always the
+ * same ones: an infinite input times a zero code is NaN here where torch's sum may be inf. */
 #include <stdint.h>
 #include <string.h>
 #ifdef _OPENMP

@@ -100,7 +100,8 @@ def test_the_default_models_products_are_exact_sums_rounded_once_as_torchs(input
 @native
 def test_a_rows_numbers_do_not_depend_on_the_other_rows(inputs):
     """What lets a verified proposal's logits be its plain decode's bit for bit: row r of a step
-    of any row count equals the one-row step of that row, and any prefix of the rows as much."""
+    of any row count equals the one-row step of that row, and any prefix of the rows as much,
+    on any number of threads."""
     for lin, x in inputs:
         call = native_call(lin)
         full = call(x)
@@ -108,6 +109,13 @@ def test_a_rows_numbers_do_not_depend_on_the_other_rows(inputs):
             assert torch.equal(call(x[r : r + 1].contiguous())[0], full[r]), (type(lin).__name__, r)
         for rows in range(1, x.shape[0]):
             assert torch.equal(call(x[:rows].contiguous()), full[:rows]), (type(lin).__name__, rows)
+        before = torch.get_num_threads()
+        try:  # the thread governor may change the count between steps: the same bits on any count
+            for threads in (1, 2, 3):
+                torch.set_num_threads(threads)
+                assert torch.equal(call(x), full), (type(lin).__name__, threads)
+        finally:
+            torch.set_num_threads(before)
 
 
 @native
@@ -165,3 +173,29 @@ def test_without_the_instructions_the_model_takes_torchs_kernels(model, monkeypa
     x = torch.randn(2, 64).to(torch.bfloat16)
     assert torch.equal(lin(x), torch_kernel(lin, x))
     assert Int8Linear(quantize_int8(torch.randn(64, 64))).native_few_rows().few_rows() is False
+
+
+@native
+def test_threads_calling_at_once_get_their_own_numbers(inputs):
+    """Two engines in one process (or the loop thread beside a prefill) call the kernels at once:
+    each call keeps its own scratch, so every result is the one computed alone."""
+    import threading
+
+    lin, x = inputs[2]  # gate_up, the largest projection
+    head, hx = inputs[4]
+    ref = {r: (lin(x[:r].contiguous()), head(hx[:r].contiguous())) for r in range(1, 17)}
+    bad: list[tuple[int, int]] = []
+
+    def work(t: int) -> None:
+        for i in range(40):
+            r = (i * 5 + t) % 16 + 1
+            a, b = lin(x[:r].contiguous()), head(hx[:r].contiguous())
+            if not (torch.equal(a, ref[r][0]) and torch.equal(b, ref[r][1])):
+                bad.append((t, r))
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad, bad
