@@ -7,7 +7,8 @@ governor off) decodes with exactly ``k`` proposals every step (tokens of its pro
 rejected: only the row count matters), once with torch's weight-only kernels
 (``_weight_int4pack_mm_for_cpu``, the projections; ``_weight_int8pack_mm``, the output matrix;
 the baseline, same process) and once with chatkv's (kernels/cpu_matmul.c, which decode each
-weight tile once for all rows), step by step in turn on the same sequence. The table gives the step time, the cost
+weight tile once for all rows), every row count and both kernels step by step in turn on the
+same sequence. The table gives the step time, the cost
 per extra row against the one-row step, and the speed-up; then the torch profiler's self time
 of torch's two kernels per call at each row count. The CPU model and the load are printed.
 
@@ -51,33 +52,42 @@ def main() -> None:
     eng = Engine.from_pretrained(adaptive_threads=False)
     ids = eng.encode_chat([{"role": "user", "content": "Write a long story about a lighthouse keeper."}])
 
-    class Fixed(Speculator):  # exactly max_k proposals every step
+    class Fixed(Speculator):  # exactly ``k`` proposals every step (0: none, a plain one-row step)
+        k = 0
+
         def assign(self, decodes, rows, budget):
             out = {}
             for s in decodes:
-                self.state(s).key = 1
-                out[s] = [ids[3]] * self.max_k
+                if self.k:
+                    self.state(s).key = 1
+                    out[s] = [ids[3]] * self.k
             return out
 
     from chatkv import quant
 
+    fixed = Fixed("lookup", max(counts), 0.2, 15)
+    eng.scheduler.speculator = fixed
     steps: dict[tuple[int, bool], list[float]] = {}
     ops_out = []
     try:
         for rnd in range(args.rounds):
-            for rows in counts:
-                eng.scheduler.speculator = Fixed("lookup", rows - 1, 0.2, 15) if rows > 1 else None
-                seq = eng.add_request(ids, SamplingParams(max_tokens=args.steps * 16 + 64, temperature=0, ignore_eos=True))
-                for _ in range(10):  # the prompt and warm steps
-                    eng.step()
-                # torch's weight-only kernels and chatkv's (cpu_matmul.c) step by step in turn, so
-                # that both see the same machine (its speed drifts by tens of percent here)
-                for _ in range(args.steps):
+            seq = eng.add_request(ids, SamplingParams(max_tokens=args.steps * len(counts) * 2 * max(counts) + 64,
+                                                      temperature=0, ignore_eos=True))
+            for _ in range(10):  # the prompt and warm steps
+                eng.step()
+            # every row count, with torch's weight-only kernels and with chatkv's (cpu_matmul.c),
+            # step by step in turn on one sequence: all see the same machine and the same context
+            # lengths (this machine's speed drifted by tens of percent within minutes)
+            for _ in range(args.steps):
+                for rows in counts:
                     for ours in (False, True):
+                        fixed.k = rows - 1
                         quant.few_row_kernel(ours)
                         steps.setdefault((rows, ours), []).append(each_ms(eng.step, 1)[0])
-                if rnd == 0:
-                    quant.few_row_kernel(False)
+            if rnd == 0:
+                quant.few_row_kernel(False)
+                for rows in counts:
+                    fixed.k = rows - 1
                     with profile() as prof:
                         for _ in range(10):
                             eng.step()
@@ -85,7 +95,7 @@ def main() -> None:
                     total = sum(e.self_cpu_time_total for e in prof.key_averages())
                     ops_out.append([str(rows)] + [f"{per.get(op, (0, 0))[0]:.1f}" for op in OPS]
                                    + [f"{sum(per.get(op, (0, 0))[1] for op in OPS) / max(total, 1):.0%}"])
-                eng.abort(seq)
+            eng.abort(seq)
     finally:
         quant.few_row_kernel(True)
         eng.close()

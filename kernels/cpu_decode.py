@@ -293,7 +293,7 @@ def int8_mm_call(codes: torch.Tensor, scales: torch.Tensor):
     the other rows. False where it is not built here or these weights do not fit it."""
     if not (loaded() and _lib.int8_mm_native()):
         return False
-    if codes.dim() != 2 or scales.shape != (codes.shape[0],) or codes.shape[1] % 32 or codes.shape[0] % 4:
+    if codes.dim() != 2 or scales.shape != (codes.shape[0],) or codes.shape[1] % 32 or codes.shape[0] % 2:
         return False
     n, k = codes.shape
     cp, sp, fn = _check(codes, torch.int8, "codes"), _check(scales, torch.bfloat16, "scales"), _lib.int8_mm

@@ -21,9 +21,10 @@
  * dot product with the codes - 8 over group g (32 inputs) and X its sum of x there. Each weight
  * tile is read and decoded once for all the step's rows (torch's kernel decodes it again for each
  * row: 2.3x the time at 6 rows). The products go through AVX512-BF16's dot product (the codes - 8
- * are exact in bfloat16, as x is), two chains of 8 input pairs a group, added in the same order
- * for every row whatever the rows of the step: a row's numbers do not depend on the others, so a
- * verified proposal's logits are its plain decode's bit for bit (chatkv.fused_decode).
+ * are exact in bfloat16, as x is), one chain of 16 input pairs a group, in the same order for
+ * every row whatever the rows of the step: a row's numbers do not depend on the others, so a
+ * verified proposal's logits are its plain decode's bit for bit (chatkv.fused_decode). Up to 8
+ * rows take one pass over a tile; more decode it again for the rest.
  * x: bf16 [rows, k]; packed: uint8 [n / 64, k, 32]; sz: bf16 [k / 32, n, 2]; y: bf16 [rows, n].
  * The caller (cpu_decode.int4_mm) checks rows <= INT4_MM_ROWS and k / 32 <= INT4_MM_GROUPS. */
 #define INT4_MM_ROWS 16
@@ -31,7 +32,7 @@
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 int int4_mm_native(void) { return 1; }
 
-#define INT4_MM_RB 6 /* rows a pass over a tile: 4 x 6 accumulators stay in registers */
+#define INT4_MM_RB 8 /* rows a pass over a tile: 2 x 8 accumulators (measured: one pass of 9-12 rows was slower than 8 + the rest) */
 static inline __attribute__((always_inline)) void int4_mm_tile(
         const uint16_t *x, const uint8_t *p, const uint16_t *sz, const float *xs, uint16_t *y,
         int64_t n, int64_t k, int64_t c0, int R) {
@@ -49,23 +50,18 @@ static inline __attribute__((always_inline)) void int4_mm_tile(
     __m512 ylo[INT4_MM_RB], yhi[INT4_MM_RB]; /* in memory between groups: the registers hold the group's sums */
     for (int r = 0; r < R; r++) { ylo[r] = _mm512_setzero_ps(); yhi[r] = _mm512_setzero_ps(); }
     for (int64_t g = 0; g < groups; g++) {
-        __m512 el[INT4_MM_RB], eh[INT4_MM_RB], ol[INT4_MM_RB], oh[INT4_MM_RB]; /* even and odd input pairs */
-        for (int r = 0; r < R; r++) { el[r] = eh[r] = ol[r] = oh[r] = _mm512_setzero_ps(); }
+        __m512 al[INT4_MM_RB], ah[INT4_MM_RB]; /* the group's sums: one chain of 16 input pairs each */
+        for (int r = 0; r < R; r++) { al[r] = ah[r] = _mm512_setzero_ps(); }
         const uint8_t *pg = p + g * 32 * 32;
         const uint16_t *xg0 = x + g * 32;
-        for (int i = 0; i < 16; i += 2) {
-            const __m512i pe = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, idx, _mm512_loadu_si512((const void *)(pg + i * 64)));
-            const __m512i po = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, idx, _mm512_loadu_si512((const void *)(pg + i * 64 + 64)));
-            const __m512bh wel = (__m512bh)_mm512_permutexvar_epi16(pe, table);
-            const __m512bh weh = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(pe, 4), table);
-            const __m512bh wol = (__m512bh)_mm512_permutexvar_epi16(po, table);
-            const __m512bh woh = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(po, 4), table);
+        for (int i = 0; i < 16; i++) {
+            const __m512i pr = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, idx, _mm512_loadu_si512((const void *)(pg + i * 64)));
+            const __m512bh wl = (__m512bh)_mm512_permutexvar_epi16(pr, table);
+            const __m512bh wh = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(pr, 4), table);
             for (int r = 0; r < R; r++) { /* x's pair broadcast from memory inside the instruction */
-                const int32_t *xe = (const int32_t *)(xg0 + r * k + 2 * i), *xo = xe + 1;
-                __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(el[r]) : "v"(wel), "m"(*xe));
-                __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(eh[r]) : "v"(weh), "m"(*xe));
-                __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(ol[r]) : "v"(wol), "m"(*xo));
-                __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(oh[r]) : "v"(woh), "m"(*xo));
+                const int32_t *xp = (const int32_t *)(xg0 + r * k + 2 * i);
+                __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(al[r]) : "v"(wl), "m"(*xp));
+                __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(ah[r]) : "v"(wh), "m"(*xp));
             }
         }
         const __m512i szl = _mm512_loadu_si512((const void *)(sz + (g * n + base + half) * 2));
@@ -75,8 +71,8 @@ static inline __attribute__((always_inline)) void int4_mm_tile(
         const __m512 zl = _mm512_castsi512_ps(_mm512_and_si512(szl, hi16)), zh = _mm512_castsi512_ps(_mm512_and_si512(szh, hi16));
         for (int r = 0; r < R; r++) {
             const __m512 xg = _mm512_set1_ps(xs[r * groups + g]);
-            ylo[r] = _mm512_fmadd_ps(zl, xg, _mm512_fmadd_ps(sl, _mm512_add_ps(el[r], ol[r]), ylo[r]));
-            yhi[r] = _mm512_fmadd_ps(zh, xg, _mm512_fmadd_ps(sh, _mm512_add_ps(eh[r], oh[r]), yhi[r]));
+            ylo[r] = _mm512_fmadd_ps(zl, xg, _mm512_fmadd_ps(sl, al[r], ylo[r]));
+            yhi[r] = _mm512_fmadd_ps(zh, xg, _mm512_fmadd_ps(sh, ah[r], yhi[r]));
         }
     }
     for (int r = 0; r < R; r++) {
@@ -103,7 +99,9 @@ void int4_mm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint1
             const float *xsr = xs + r0 * groups;
             uint16_t *yr = y + r0 * n;
             /* a constant row count for each call, so that the accumulators are registers */
-            if (left >= 6) int4_mm_tile(xr, p, sz, xsr, yr, n, k, c0, 6);
+            if (left >= 8) int4_mm_tile(xr, p, sz, xsr, yr, n, k, c0, 8);
+            else if (left == 7) int4_mm_tile(xr, p, sz, xsr, yr, n, k, c0, 7);
+            else if (left == 6) int4_mm_tile(xr, p, sz, xsr, yr, n, k, c0, 6);
             else if (left == 5) int4_mm_tile(xr, p, sz, xsr, yr, n, k, c0, 5);
             else if (left == 4) int4_mm_tile(xr, p, sz, xsr, yr, n, k, c0, 4);
             else if (left == 3) int4_mm_tile(xr, p, sz, xsr, yr, n, k, c0, 3);
@@ -126,10 +124,10 @@ void int4_mm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint1
  * float32 lanes a channel added in a fixed order at the end. Each channel's codes are read and
  * converted once for all the step's rows (torch's kernel: 2.5x its one-row time at 6 rows); a row's
  * numbers do not depend on the other rows. x: bf16 [rows, k]; codes: int8 [n, k]; scale: bf16 [n];
- * y: bf16 [rows, n]; k a multiple of 32, n of 4, rows <= INT4_MM_ROWS (cpu_decode.int8_mm_call). */
+ * y: bf16 [rows, n]; k a multiple of 32, n of 2, rows <= INT4_MM_ROWS (cpu_decode.int8_mm_call). */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define INT8_MM_RB 6 /* rows a pass: 6 x 4 accumulators in registers */
-#define INT8_MM_CB 4 /* output channels a pass */
+#define INT8_MM_RB 12 /* rows a pass: 12 x 2 accumulators in registers */
+#define INT8_MM_CB 2 /* output channels a pass */
 static inline __attribute__((always_inline)) void int8_mm_cols(
         const uint16_t *x, const int8_t *codes, const uint16_t *scale, uint16_t *y, int64_t n, int64_t k,
         int64_t j0, int R) {
@@ -160,7 +158,13 @@ void int8_mm(const uint16_t *x, const int8_t *codes, const uint16_t *scale, uint
             const int64_t left = rows - r0;
             const uint16_t *xr = x + r0 * k;
             uint16_t *yr = y + r0 * n;
-            if (left >= 6) int8_mm_cols(xr, codes, scale, yr, n, k, t * INT8_MM_CB, 6);
+            if (left >= 12) int8_mm_cols(xr, codes, scale, yr, n, k, t * INT8_MM_CB, 12);
+            else if (left == 11) int8_mm_cols(xr, codes, scale, yr, n, k, t * INT8_MM_CB, 11);
+            else if (left == 10) int8_mm_cols(xr, codes, scale, yr, n, k, t * INT8_MM_CB, 10);
+            else if (left == 9) int8_mm_cols(xr, codes, scale, yr, n, k, t * INT8_MM_CB, 9);
+            else if (left == 8) int8_mm_cols(xr, codes, scale, yr, n, k, t * INT8_MM_CB, 8);
+            else if (left == 7) int8_mm_cols(xr, codes, scale, yr, n, k, t * INT8_MM_CB, 7);
+            else if (left == 6) int8_mm_cols(xr, codes, scale, yr, n, k, t * INT8_MM_CB, 6);
             else if (left == 5) int8_mm_cols(xr, codes, scale, yr, n, k, t * INT8_MM_CB, 5);
             else if (left == 4) int8_mm_cols(xr, codes, scale, yr, n, k, t * INT8_MM_CB, 4);
             else if (left == 3) int8_mm_cols(xr, codes, scale, yr, n, k, t * INT8_MM_CB, 3);
