@@ -65,6 +65,7 @@ def main() -> None:
 
     from chatkv import quant
 
+    kernels_before = quant.few_row_kernel()
     fixed = Fixed("lookup", max(counts), 0.2, 15)
     eng.scheduler.speculator = fixed
     steps: dict[tuple[int, bool], list[float]] = {}
@@ -97,7 +98,7 @@ def main() -> None:
                                    + [f"{sum(per.get(op, (0, 0))[1] for op in OPS) / max(total, 1):.0%}"])
             eng.abort(seq)
     finally:
-        quant.few_row_kernel(True)
+        quant.few_row_kernel(kernels_before)
         eng.close()
     native = bool(eng.model.layers[0].qkv.few_rows())
     best = {key: median(v) for key, v in steps.items()}
