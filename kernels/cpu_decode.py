@@ -239,72 +239,50 @@ def int4_mm_native() -> bool:
     return bool(loaded()) and bool(_lib.int4_mm_native())
 
 
-def _int4_mm_shape(packed: torch.Tensor, scales_zeros: torch.Tensor) -> tuple[int, int]:
+def int4_mm_call(packed: torch.Tensor, scales_zeros: torch.Tensor):
+    """``x @ w.T`` (bfloat16 ``[rows, N]``) for torch's CPU int4 packing in blocks of 64 rows and
+    its ``scales_zeros``, as ``torch.ops.aten._weight_int4pack_mm_for_cpu`` computes it but for the
+    order of float32 sums, with each weight tile decoded once for all rows (see cpu_matmul.c), as
+    a call of ``x`` alone (see ``_rows_call``); a row's result does not depend on the other rows.
+    False where it is not built here (``int4_mm_native``) or the weights are not whole blocks of
+    64 output rows of at most ``INT4_MM_GROUPS`` groups: torch's kernel takes those."""
+    if not int4_mm_native() or scales_zeros.dim() != 3:
+        return False
     groups, n, two = scales_zeros.shape
     if (two != 2 or packed.numel() * 2 != n * groups * 32 or n % 64 or groups > INT4_MM_GROUPS
             or packed.dtype != torch.uint8 or not packed.is_contiguous()):
-        raise ValueError(f"int4_mm: packed {packed.dtype} {tuple(packed.shape)}, scales_zeros {tuple(scales_zeros.shape)}")
-    return n, groups * 32
-
-
-def int4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` (bfloat16 ``[rows, N]``) for torch's CPU int4 packing in blocks of 64 rows and
-    its ``scales_zeros``, as ``torch.ops.aten._weight_int4pack_mm_for_cpu`` computes it but for the
-    order of float32 sums, with each weight tile decoded once for all rows (see cpu_decode.c); on
-    the current threads. A row's result does not depend on the other rows. Only where
-    ``int4_mm_native()``, for whole blocks of 64 output rows."""
-    if not int4_mm_native():
-        raise RuntimeError("int4_mm is not built here (int4_mm_native)")
-    n, k = _int4_mm_shape(packed, scales_zeros)
-    if x.dim() != 2 or x.shape[1] != k or not 0 < x.shape[0] <= INT4_MM_ROWS:
-        raise ValueError(f"int4_mm: x {tuple(x.shape)} for {k} inputs, at most {INT4_MM_ROWS} rows")
-    _check(scales_zeros, torch.bfloat16, "scales_zeros")
-    return int4_mm_call(packed, scales_zeros)(x)
-
-
-def int4_mm_call(packed: torch.Tensor, scales_zeros: torch.Tensor):
-    """``int4_mm`` of these weights as a call of ``x`` alone (their pointers taken once: a
-    decode step makes 4 a layer), or False where it is not built here. x must be a contiguous
-    bfloat16 ``[rows, K]`` of 1 to ``INT4_MM_ROWS`` rows: only its row count is checked."""
-    if not int4_mm_native():
         return False
-    try:
-        n, k = _int4_mm_shape(packed, scales_zeros)
-    except ValueError:  # not whole blocks of 64 rows, or too long: torch's kernel takes it
-        return False
-    pp, szp, fn = _check(packed, torch.uint8, "packed"), _check(scales_zeros, torch.bfloat16, "scales_zeros"), _lib.int4_mm
-    keep = (packed, scales_zeros)  # alive while their pointers are used
-
-    def call(x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if x.dtype != torch.bfloat16 or x.shape[1:] != (k,) or not 0 < rows <= INT4_MM_ROWS or keep is None:
-            raise ValueError(f"int4_mm: x {x.dtype} {tuple(x.shape)} for {k} inputs, at most {INT4_MM_ROWS} rows")
-        y = torch.empty(rows, n, dtype=torch.bfloat16)
-        fn(x.data_ptr(), pp, szp, y.data_ptr(), rows, n, k, torch.get_num_threads())
-        return y
-
-    return call
+    return _rows_call("int4_mm", _lib.int4_mm, (packed, torch.uint8, "packed"),
+                      (scales_zeros, torch.bfloat16, "scales_zeros"), n, groups * 32)
 
 
 def int8_mm_call(codes: torch.Tensor, scales: torch.Tensor):
     """``x @ codes.T * scales`` (int8 ``[N, K]`` codes, one bfloat16 scale per output channel, as
-    chatkv.quant.Int8Linear holds them) as a call of ``x``, for 1 to ``INT4_MM_ROWS`` rows, each
-    row of codes read once for all of them (see cpu_decode.c); a row's result does not depend on
-    the other rows. False where it is not built here or these weights do not fit it."""
+    chatkv.quant.Int8Linear holds them) as a call of ``x`` (see ``_rows_call``), each row of codes
+    read once for all of the step's rows (see cpu_matmul.c); a row's result does not depend on the
+    other rows. False where it is not built here or these weights do not fit it."""
     if not (loaded() and _lib.int8_mm_native()):
         return False
     if codes.dim() != 2 or scales.shape != (codes.shape[0],) or codes.shape[1] % 32 or codes.shape[0] % 2:
         return False
-    n, k = codes.shape
-    cp, sp, fn = _check(codes, torch.int8, "codes"), _check(scales, torch.bfloat16, "scales"), _lib.int8_mm
-    keep = (codes, scales)  # alive while their pointers are used
+    return _rows_call("int8_mm", _lib.int8_mm, (codes, torch.int8, "codes"), (scales, torch.bfloat16, "scales"),
+                      *codes.shape)
+
+
+def _rows_call(name: str, fn, weight: tuple, scale: tuple, n: int, k: int):
+    """The few-row product ``fn`` of fixed weights as a call of ``x`` alone, their pointers taken
+    once (a decode step makes 4 a layer): x a contiguous bfloat16 ``[rows, K]`` of 1 to
+    ``INT4_MM_ROWS`` rows; out bfloat16 ``[rows, N]``, on the current threads."""
+    wp, sp = _check(*weight), _check(*scale)
+    keep = (weight[0], scale[0])  # alive while their pointers are used
 
     def call(x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if x.dtype != torch.bfloat16 or x.shape[1:] != (k,) or not 0 < rows <= INT4_MM_ROWS or keep is None:
-            raise ValueError(f"int8_mm: x {x.dtype} {tuple(x.shape)} for {k} inputs, at most {INT4_MM_ROWS} rows")
+        if (x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape[1:] != (k,) or not 0 < rows <= INT4_MM_ROWS
+                or keep is None):
+            raise ValueError(f"{name}: x {x.dtype} {tuple(x.shape)} for {k} inputs, at most {INT4_MM_ROWS} rows")
         y = torch.empty(rows, n, dtype=torch.bfloat16)
-        fn(x.data_ptr(), cp, sp, y.data_ptr(), rows, n, k, torch.get_num_threads())
+        fn(x.data_ptr(), wp, sp, y.data_ptr(), rows, n, k, torch.get_num_threads())
         return y
 
     return call
