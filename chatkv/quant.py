@@ -1,5 +1,10 @@
 """Quantised projection weights for CPU decode: int4 in groups of 32, int8 per output channel.
 
+(Past 400 lines on purpose: the stored forms, their packing into the int4 kernel's layout and
+the two linears that compute from that layout are one contract, the layout; the linears' steps
+of few rows choose between torch's kernels and chatkv's on that same layout. Split, each half
+would restate the other's assumptions about it.)
+
 Batch-1 decode streams every weight once per token, so its time follows the weights' bytes.
 A GGUF's Q4_0/Q4_1/Q4_K tensors are computed as they are stored, and a float weight (a Hugging
 Face directory, or a GGUF's float, Q8_0, Q5 or Q6 tensor, decoded exactly by
@@ -40,7 +45,7 @@ __all__ = ["GROUP", "Q4Weight", "Q8Weight", "Int4Linear", "Int8Linear", "quantiz
 
 GROUP = 32  # inputs per int4 group: GGUF's block size and the kernel's group size
 #: whether steps of few rows take chatkv's kernels where they are built (kernels/cpu_matmul.c:
-#: ``int4_matmul``, ``Int8Linear.native_few_rows``); ``CHATKV_FEW_ROW_KERNELS=0`` in the
+#: ``Int4Linear``, ``Int8Linear.native_few_rows``); ``CHATKV_FEW_ROW_KERNELS=0`` in the
 #: environment or ``few_row_kernel(False)`` leaves them to torch's
 _FEW_ROWS = [os.environ.get("CHATKV_FEW_ROW_KERNELS", "1").strip() != "0"]
 
@@ -387,38 +392,43 @@ class Int4Linear:
         """``int4_mm``'s call for this weight (chatkv.kernels.cpu_decode: each weight tile decoded
         once for all of a step's rows, up to ``INT4_MM_ROWS``), or False where it is not built
         here or this weight is not in its layout; looked up once the fused ops have been loaded."""
-        if self._native is None:
-            if cpu_decode.loaded() is None:
-                return False  # not looked for yet: ask again later
-            self._native = cpu_decode.int4_mm_call(self.packed, self.scales_zeros) if int4pack_block() == 64 else False
-        return self._native
+        return _looked_up(self, lambda: int4pack_block() == 64 and cpu_decode.int4_mm_call(self.packed, self.scales_zeros))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.dense is not None and rows >= self.dense_rows:
+        """The dense path for ``dense_rows`` rows or more; else ``int4_mm`` where ``_few_rows``
+        gives it, torch's int4 kernel otherwise. The choice depends only on the row count and the
+        machine, and ``int4_mm`` computes each row alone, so a verified proposal computes as its
+        plain decode does."""
+        if self.dense is not None and x.shape[0] >= self.dense_rows:
             return self.dense(x)
-        return int4_matmul(self, x)
+        x = x.contiguous()
+        native = _few_rows(self, x)
+        y = native(x) if native else torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        return y if self.bias is None else y + self.bias
 
 
 def few_row_kernel(on: bool | None = None) -> bool:
-    """Whether steps of few rows take chatkv's kernels (``int4_matmul``, ``Int8Linear``); set it
+    """Whether steps of few rows take chatkv's kernels (``Int4Linear``, ``Int8Linear``); set it
     with ``on`` (benchmarks compare)."""
     if on is not None:
         _FEW_ROWS[0] = bool(on)
     return _FEW_ROWS[0]
 
 
-def int4_matmul(lin: Int4Linear, x: torch.Tensor) -> torch.Tensor:
-    """``lin``'s quantised product of ``x`` (no dense path): ``int4_mm`` for a step of up to
-    ``INT4_MM_ROWS`` rows where it is built, else torch's int4 kernel. The choice depends only on
-    the row count and the machine, and ``int4_mm`` computes each row alone, so a verified proposal
-    computes as its plain decode does."""
-    native = lin.few_rows() if 0 < x.shape[0] <= cpu_decode.INT4_MM_ROWS and _FEW_ROWS[0] else False  # 0: torch's empty
-    if native:
-        y = native(x.contiguous())
-    else:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), lin.packed, GROUP, lin.scales_zeros)
-    return y if lin.bias is None else y + lin.bias
+def _looked_up(lin, make):
+    """``lin``'s few-row call, made by ``make`` (False: none) once the fused ops' library has been
+    looked for; False before that, asking again at the next step."""
+    if lin._native is None:
+        if cpu_decode.loaded() is None:
+            return False
+        lin._native = make()
+    return lin._native
+
+
+def _few_rows(lin, x: torch.Tensor):
+    """The few-row call for this step of ``x`` (1 to ``INT4_MM_ROWS`` rows; 0 rows take torch's
+    kernel, which returns the empty result), or False."""
+    return lin.few_rows() if 0 < x.shape[0] <= cpu_decode.INT4_MM_ROWS and _FEW_ROWS[0] else False
 
 
 class Int8Linear:
@@ -447,19 +457,12 @@ class Int8Linear:
 
     def few_rows(self):
         """``int8_mm``'s call for this weight, or False; as Int4Linear's."""
-        if self._native is None:
-            if cpu_decode.loaded() is None:
-                return False
-            self._native = cpu_decode.int8_mm_call(self.codes, self.scales)
-        return self._native
+        return _looked_up(self, lambda: cpu_decode.int8_mm_call(self.codes, self.scales))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if self.dense is not None and rows >= self.dense_rows:
+        if self.dense is not None and x.shape[0] >= self.dense_rows:
             return self.dense(x)
-        native = self.few_rows() if 0 < rows <= cpu_decode.INT4_MM_ROWS and _FEW_ROWS[0] else False
-        if native:
-            y = native(x.contiguous())
-        else:
-            y = torch.ops.aten._weight_int8pack_mm(x.contiguous(), self.codes, self.scales)
+        x = x.contiguous()
+        native = _few_rows(self, x)
+        y = native(x) if native else torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales)
         return y if self.bias is None else y + self.bias
