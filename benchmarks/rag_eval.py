@@ -130,6 +130,8 @@ def main() -> None:
     p.add_argument("--no-peer", action="store_true", help="skip LlamaIndex")
     p.add_argument("--max-tokens", type=int, default=48, help="reply length limit")
     p.add_argument("--reuse", action="store_true", help="chunk KV reuse's modes and ratios against full prefill")
+    p.add_argument("--reuse-configs", default=None, metavar="LIST",
+                   help="with --reuse, only these, e.g. blend:0.3,edge:4 (default: every row of the table)")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     p.add_argument("--data-dir", default=None, help="where the knowledge base lives (default: a temporary dir)")
     args = p.parse_args()
@@ -171,13 +173,16 @@ def main() -> None:
                 print_table(f"Answers (top {SOURCES} hybrid sources, greedy, at most {args.max_tokens} tokens)",
                             ["pipeline", "split", "n", "EM", "F1", "contains", "citation precision", "cites"], arows)
             if args.reuse:
-                from rag_reuse_eval import HEADERS, reuse_rows
+                from rag_reuse_eval import CONFIGS, HEADERS, parse_configs, reuse_rows
+
+                configs = parse_configs(args.reuse_configs) if args.reuse_configs else CONFIGS
 
                 for split in splits:
                     qs = questions[split][: args.limit] if args.limit else questions[split]
                     print_table(f"Chunk KV reuse against full prefill ({split}; SmolLM2-135M, greedy, at most "
                                 f"{args.max_tokens} tokens; gate: F1 and citation precision within 2 points, "
-                                "agreement >= 95%)", HEADERS, reuse_rows(kb, qs, args.max_tokens, SOURCES, SYSTEM))
+                                "agreement >= 95%)", HEADERS,
+                                reuse_rows(kb, qs, args.max_tokens, SOURCES, SYSTEM, configs))
         finally:
             kb.close()
     print(f"\nload average at end: {load_average()}; {load}")

@@ -82,7 +82,26 @@ def _answer(engine, prompt, params, prefix, namespace):
     return seq.result()
 
 
-def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system: str) -> list[list[str]]:
+def parse_configs(spec: str) -> tuple:
+    """``--reuse-configs blend:0.3,edge:4``: the configurations to run (the control always runs)."""
+    out = []
+    for part in filter(None, (x.strip() for x in spec.split(","))):
+        mode, _, value = part.partition(":")
+        try:
+            if mode == "blend" and 0 <= float(value) < 1:
+                out.append((f"blend {float(value):.0%}", "blend", 0, float(value)))
+                continue
+            if mode == "edge" and int(value) > 0:
+                out.append((f"edge {int(value)}", "edge", int(value), 0.0))
+                continue
+        except ValueError:
+            pass
+        raise SystemExit(f"--reuse-configs: {part!r} is not blend:RATIO (0 <= RATIO < 1) or edge:TOKENS (> 0)")
+    return tuple(out) + CONFIGS[-1:]
+
+
+def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system: str,
+               configs: tuple = CONFIGS) -> list[list[str]]:
     from chatkv import Engine
     from chatkv import chunk_place as cp
     from chatkv.rag import canonical, source_texts, user_message
@@ -92,10 +111,10 @@ def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system:
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     golds = [q["answer"] for q in questions]
     replies = {"full prefill": []}
-    agree = {label: [0, 0] for label, *_ in CONFIGS}
-    spent = {label: 0.0 for label, *_ in CONFIGS}
-    reused = {label: [0, 0] for label, *_ in CONFIGS}
-    same = {label: 0 for label, *_ in CONFIGS}  # answers token-identical to full prefill's
+    agree = {label: [0, 0] for label, *_ in configs}
+    spent = {label: 0.0 for label, *_ in configs}
+    reused = {label: [0, 0] for label, *_ in configs}
+    same = {label: 0 for label, *_ in configs}  # answers token-identical to full prefill's
     shown = []
     try:
         t0 = time.perf_counter()
@@ -108,7 +127,7 @@ def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system:
             full = _answer(engine, prompt, params, None, ("rag-eval", qi, "full prefill"))
             replies["full prefill"].append(full.text)
             answer = list(prompt) + list(full.token_ids)
-            for label, mode, edge, ratio in CONFIGS:
+            for label, mode, edge, ratio in configs:
                 ns = ("rag-eval", qi, label)
                 t = time.perf_counter()
                 placed = engine.on_loop(lambda: cp.place(engine, None, answer, 0, texts, ns, None, False, mode, edge, ratio))

@@ -306,21 +306,10 @@ def _build(engine, req: _Req, spans, found: list[ChunkEntry], mode: str, edge_to
     for p in recompute:
         reused[p] = False
     compute = [p for p in range(h0, end) if not reused[p]]
-    runs = _runs(compute)
-    if runs:
-        items = [BatchItem(tokens[a:b], a, table, "none") for a, b in runs]
-        runner.forward(runner.build_batch(items))
+    if compute:  # one item at the chosen positions: one attention call per layer, however scattered
+        item = BatchItem([tokens[p] for p in compute], compute[0], table, "none", positions=compute)
+        runner.forward(runner.build_batch([item]))
     return Placed(None, reused=int(reused[h0:end].sum()), recomputed=len(recompute), computed=len(compute))
-
-
-def _runs(positions: list[int]) -> list[tuple[int, int]]:
-    out: list[list[int]] = []
-    for p in positions:
-        if out and out[-1][1] == p:
-            out[-1][1] = p + 1
-        else:
-            out.append([p, p + 1])
-    return [(a, b) for a, b in out]
 
 
 def _choose(engine, req: _Req, spans, layer1, h0: int, end: int, mode: str, edge_tokens: int, ratio: float) -> list[int]:
@@ -341,29 +330,8 @@ def _choose(engine, req: _Req, spans, layer1, h0: int, end: int, mode: str, edge
         rv = kv_quant.dequantize(rv, quant, torch.float32) if quant else rv.float()
         fk, fv = k1[pos - h0 : pos - h0 + n], v1[pos - h0 : pos - h0 + n]
         dev = ((fk - rk) ** 2).sum(dim=(1, 2)) + ((fv - rv) ** 2).sum(dim=(1, 2))
-        top = sorted(pos + int(i) for i in torch.topk(dev, math.ceil(ratio * n)).indices)
-        out.extend(_coarsen(top, len(top)))
+        out.extend(pos + int(i) for i in torch.topk(dev, math.ceil(ratio * n)).indices)
     return sorted(out)
-
-
-MAX_RUNS = 4  # recompute runs per chunk that blend aims at (each run is one attention call per layer)
-
-
-def _coarsen(positions: list[int], budget: int) -> list[int]:
-    """``positions`` (sorted) with the gaps between their closest runs filled in, as long as the
-    runs number more than MAX_RUNS and the filled tokens stay within ``budget``: each run is
-    an item of the forward, which gathers the whole context's keys for it, so a few longer runs
-    cost far less than many single tokens (and recompute a superset of the chosen ones)."""
-    runs = [list(r) for r in _runs(positions)]
-    while len(runs) > MAX_RUNS:
-        gaps = [runs[i + 1][0] - runs[i][1] for i in range(len(runs) - 1)]
-        i = min(range(len(gaps)), key=gaps.__getitem__)
-        if gaps[i] > budget:
-            break
-        budget -= gaps[i]
-        runs[i][1] = runs[i + 1][1]
-        del runs[i + 1]
-    return [p for a, b in runs for p in range(a, b)]
 
 
 @torch.inference_mode()

@@ -39,6 +39,9 @@ class BatchItem:
     block_table: list[int]  # covers start + len(token_ids) tokens
     logits: str = "last"  # "last": the last new token's logits, "all": every new token's, "none"
     exact: bool = False  # a decode query computed over exactly its own keys (kernels.build_metadata)
+    # the new tokens' positions when they are not start, start + 1, ... (ascending; start is the first):
+    # chatkv.chunk_place recomputes chosen tokens of a prompt between placed KV in one item
+    positions: list[int] | None = None
 
 
 @dataclass
@@ -114,16 +117,17 @@ class ModelRunner:
         self.host_pool = HostPool.for_pool(self.pool, config.host_cache_bytes) if config.enable_prefix_caching else None
 
     def build_batch(self, items: list[BatchItem]) -> Batch:
-        ids, pos, tables, qlens, ctx, rows, exact = [], [], [], [], [], [], []
+        ids, pos, tables, qlens, ctx, rows, exact, at = [], [], [], [], [], [], [], []
         for it in items:
             exact.append(it.exact)
+            at.append(it.positions)
             n = len(it.token_ids)
             first_row = len(ids)
             ids.extend(it.token_ids)
-            pos.extend(range(it.start, it.start + n))
+            pos.extend(range(it.start, it.start + n) if it.positions is None else it.positions)
             tables.append(it.block_table)
             qlens.append(n)
-            ctx.append(it.start + n)
+            ctx.append(it.start + n if it.positions is None else it.positions[-1] + 1)
             if it.logits == "last":
                 rows.append(first_row + n - 1)
             elif it.logits == "all":
@@ -133,7 +137,8 @@ class ModelRunner:
         return Batch(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),
-            {w: build_metadata(tables, qlens, ctx, bs, w, device=dev, exact=exact if any(exact) else None)
+            {w: build_metadata(tables, qlens, ctx, bs, w, device=dev, exact=exact if any(exact) else None,
+                               positions=at if any(a is not None for a in at) else None)
              for w in self.model.windows},
             torch.tensor(rows, dtype=torch.long, device=dev),
         )

@@ -43,6 +43,9 @@ class Prefill:
     # [q_len, kv_len] bool, True = attend (causal, and the sliding window if any); None: every key
     # (an exact decode row, below)
     mask: torch.Tensor | None
+    # the queries sit at given positions, not at the last q_len (``build_metadata(positions=)``):
+    # only ``mask`` says which keys each sees, so only the reference computes it
+    scattered: bool = False
 
 
 @dataclass
@@ -64,9 +67,10 @@ class AttentionMetadata:
     scratch: dict = field(default_factory=dict, repr=False, compare=False)  # a backend's per-step packing, shared by layers
 
 
-def _window_mask(q_len: int, kv_len: int, window: int | None) -> torch.Tensor:
-    """Causal mask for queries that are the last ``q_len`` of ``kv_len`` positions (True = attend)."""
-    q_pos = torch.arange(kv_len - q_len, kv_len)[:, None]
+def _window_mask(q_len: int, kv_len: int, window: int | None, q_pos: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal mask for queries that are the last ``q_len`` of ``kv_len`` positions, or that sit
+    at positions ``q_pos`` (True = attend)."""
+    q_pos = (torch.arange(kv_len - q_len, kv_len) if q_pos is None else q_pos)[:, None]
     k_pos = torch.arange(kv_len)[None, :]
     mask = k_pos <= q_pos
     if window is not None:
@@ -82,8 +86,16 @@ def build_metadata(
     sliding_window: int | None = None,
     device: str | torch.device = "cpu",
     exact: list[bool] | None = None,
+    positions: list[list[int] | None] | None = None,
 ) -> AttentionMetadata:
     """Describe one flattened step. ``context_lens[i]`` counts sequence i's new tokens too.
+
+    ``positions[i]`` (ascending), when given: sequence i's new tokens sit at those positions,
+    not at the last ``query_lens[i]`` of its context, whose end is past the last of them. Each
+    sees the keys at or before its own position, the other new tokens' included (stored in the
+    same layer before the attention): chatkv.chunk_place recomputes a chosen set of a prompt's
+    tokens over KV placed around them in one such item. The torch reference computes these;
+    the Triton kernels hand a step that holds one to it.
 
     ``exact[i]``: sequence i's single query is computed over exactly its own keys, as a lone
     decode is, not padded to the longest decode row of the step with a mask: a padded row's
@@ -92,14 +104,23 @@ def build_metadata(
     sliding window; a window's rows are always padded)."""
     assert len(block_tables) == len(query_lens) == len(context_lens)
     exact = exact or [False] * len(query_lens)
+    positions = positions or [None] * len(query_lens)
     slots: list[int] = []
     prefills: list[Prefill] = []
     decodes: list[tuple[int, list[int], int, int]] = []  # (row, block ids, first valid key, end of keys)
     start = 0
-    for table, q_len, ctx, alone in zip(block_tables, query_lens, context_lens, exact):
+    for table, q_len, ctx, alone, at in zip(block_tables, query_lens, context_lens, exact, positions):
         assert 0 < q_len <= ctx <= len(table) * block_size, (q_len, ctx, len(table), block_size)
-        slots.extend(table[t // block_size] * block_size + t % block_size for t in range(ctx - q_len, ctx))
         n_blocks = -(-ctx // block_size)
+        if at is not None:
+            assert len(at) == q_len and at[-1] < ctx and all(a < b for a, b in zip(at, at[1:])), "positions: ascending, in the context"
+            slots.extend(table[t // block_size] * block_size + t % block_size for t in at)
+            blocks = torch.tensor(table[:n_blocks], dtype=torch.long, device=device)
+            mask = _window_mask(q_len, ctx, sliding_window, torch.tensor(at)).to(device)
+            prefills.append(Prefill(start, q_len, blocks, ctx, mask, scattered=True))
+            start += q_len
+            continue
+        slots.extend(table[t // block_size] * block_size + t % block_size for t in range(ctx - q_len, ctx))
         if q_len == 1 and alone and sliding_window is None:  # its own call over its own keys, unmasked
             prefills.append(Prefill(start, 1, torch.tensor(table[:n_blocks], dtype=torch.long, device=device), ctx, None))
         elif q_len == 1:

@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from chatkv.kernels import kv_quant
+from chatkv.kernels import attention as reference
 from chatkv.kernels.attention import AttentionMetadata
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -410,6 +411,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of the step's queries ``[tokens, heads, head_dim]`` over their paged contexts (see the reference);
     with ``quant`` the caches hold kv_quant rows, dequantised tile by tile in the kernels."""
+    if any(p.scattered for p in meta.prefills):  # queries at given positions: the reference's masks
+        return reference.paged_attention(q, k_cache, v_cache, meta, scale, quant)
     tokens, heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads

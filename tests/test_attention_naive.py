@@ -19,8 +19,9 @@ from chatkv.kernels.attention import build_metadata, paged_attention, store_kv
 GARBAGE = 1e4  # unwritten slots hold large finite values: any leak through a mask shows
 
 
-def naive_attention(q, k_cache, v_cache, block_tables, query_lens, context_lens, block_size, window):
-    """q [tokens, heads, d] -> [tokens, heads, d], one query and one key at a time."""
+def naive_attention(q, k_cache, v_cache, block_tables, query_lens, context_lens, block_size, window, positions=None):
+    """q [tokens, heads, d] -> [tokens, heads, d], one query and one key at a time; ``positions[i]``:
+    sequence i's queries sit there, not at the end of its context."""
     tokens, heads, d = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -28,9 +29,10 @@ def naive_attention(q, k_cache, v_cache, block_tables, query_lens, context_lens,
     v_flat = v_cache.reshape(-1, kv_heads, d)
     out = torch.zeros_like(q)
     row = 0
-    for table, q_len, ctx in zip(block_tables, query_lens, context_lens):
+    positions = positions or [None] * len(query_lens)
+    for table, q_len, ctx, at in zip(block_tables, query_lens, context_lens, positions):
         for j in range(q_len):
-            pos = ctx - q_len + j
+            pos = ctx - q_len + j if at is None else at[j]
             visible = [t for t in range(pos + 1) if window is None or t > pos - window]
             slots = [table[t // block_size] * block_size + t % block_size for t in visible]
             for h in range(heads):
@@ -173,3 +175,31 @@ def test_exact_decode_rows_equal_lone_decodes_bit_for_bit(dtype, first, other):
         assert torch.equal(out[i], alone[0]), i
     padded = paged_attention(q, k_cache, v_cache, build_metadata(tables, [1] * len(lens), lens, bs), 1 / math.sqrt(d))
     torch.testing.assert_close(out, padded, atol=5e-3, rtol=0)  # the same attention, up to rounding
+
+
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "window6"])
+@pytest.mark.parametrize("block_size", [1, 5])
+def test_queries_at_given_positions_see_what_a_causal_prefill_there_would(block_size, window):
+    """``build_metadata(positions=)``: a sequence recomputes tokens scattered through its context
+    (chatkv.chunk_place), the rest of whose keys are already stored; each query sees the keys at
+    or before its position, the others' new keys included, never a later one. In one step with
+    an ordinary prefill chunk and a decode."""
+    heads, kv_heads, d = 4, 2, 8
+    specs = [(30, 0), (11, 6), (20, 1)]  # the first: 30 tokens, all stored, 6 of them recomputed
+    q, k_cache, v_cache, tables, _, _, _, _, truth_k, truth_v = make_case(7 + block_size, block_size, specs, heads,
+                                                                        kv_heads, d)
+    at = [2, 3, 9, 17, 18, 25]  # its context ends after 25: keys 26-29 are never read
+    for t in at:  # the stored rows there are stale: the step writes them again
+        k_cache[tables[0][t // block_size], t % block_size] = GARBAGE
+    qlens, ctxs = [len(at), 6, 1], [at[-1] + 1, 17, 21]
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(sum(qlens), heads, d, generator=g)
+    new_k = torch.cat([truth_k[0][at], truth_k[1][11:], truth_k[2][20:]])
+    new_v = torch.cat([truth_v[0][at], truth_v[1][11:], truth_v[2][20:]])
+    meta = build_metadata(tables, qlens, ctxs, block_size, sliding_window=window, positions=[at, None, None])
+    store_kv(k_cache, v_cache, meta.slot_mapping, new_k, new_v)
+    got = paged_attention(q, k_cache, v_cache, meta, scale=1 / math.sqrt(d))
+    want = naive_attention(q, k_cache, v_cache, tables, qlens, ctxs, block_size, window, positions=[at, None, None])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(AssertionError, match="ascending"):
+        build_metadata(tables[:1], [2], [26], block_size, positions=[[9, 3]])

@@ -327,13 +327,41 @@ def test_the_servers_usage_carries_reused_and_recomputed_tokens():
     assert (cols["reused_tokens"], cols["recomputed_tokens"]) == (3, 1)
 
 
-def test_blend_merges_its_closest_recompute_runs_within_a_budget():
-    assert cp.MAX_RUNS == 4
-    picked = [0, 2, 4, 10, 20, 40]  # six runs: the closest gaps (1, 1) are filled first
-    out = cp._coarsen(picked, budget=len(picked))
-    assert set(picked) <= set(out) and len(cp._runs(out)) == 4 and len(out) - len(picked) <= len(picked)
-    assert cp._coarsen(picked, budget=0) == picked  # no budget: as chosen
-    assert cp._coarsen([5, 9], budget=10) == [5, 9]  # few runs already
+def test_one_item_recomputing_scattered_tokens_gives_full_prefills_kv(model_dir, hf, tmp_path):
+    """The recompute forward (one item at the chosen positions, chatkv.model_runner.BatchItem's
+    ``positions``) over KV that is full prefill's everywhere else gives full prefill's KV at
+    those positions in every layer, in fp32 within 1e-4 of transformers: each recomputed token
+    sees the tokens before it, the others recomputed with it included, and none after it."""
+    from chatkv.model_runner import BatchItem
+
+    e = engine_at(model_dir, tmp_path)
+    try:
+        tokens = list(_prompt(e, [CHUNK]))
+        pool, runner = e.runner.pool, e.runner
+        ref_k, ref_v, _ = hf_kv(hf, tokens, list(range(len(tokens))))
+        g = torch.Generator().manual_seed(5)
+        at = sorted(torch.randperm(len(tokens) - 8, generator=g)[:17].tolist())  # scattered, not the last ones
+
+        def run():
+            table = pool.allocate(-(-len(tokens) // pool.block_size))
+            try:
+                runner.forward(runner.build_batch([BatchItem(tokens, 0, table, "none")]))
+                for p in at:  # stale rows at the chosen positions, in every layer
+                    noise = [torch.randn(1, *pool.kv.shape[-2:], generator=g) * 50 for _ in range(pool.kv.shape[0])]
+                    pool.write(table, p, noise, noise)
+                runner.forward(runner.build_batch([BatchItem([tokens[p] for p in at], at[0], table, "none",
+                                                             positions=at)]))
+                return pool.read(table, len(tokens)).clone()
+            finally:
+                pool.decref(table)
+
+        kv = e.on_loop(run)
+        for i in range(kv.shape[0]):
+            torch.testing.assert_close(kv[i, 0], ref_k[i], atol=1e-4, rtol=0)
+            torch.testing.assert_close(kv[i, 1], ref_v[i], atol=1e-4, rtol=0)
+        e.check_integrity()
+    finally:
+        e.close()
 
 
 def test_pinned_documents_are_placed_from_their_chunk_kv_on_the_first_turn(model_dir, corpus, tmp_path):
