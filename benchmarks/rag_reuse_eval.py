@@ -37,8 +37,9 @@ CONFIGS = (  # (label, mode, edge tokens, recompute ratio)
     ("blend 5%", "blend", 0, 0.05),
     ("blend 15%", "blend", 0, 0.15),
     ("blend 30%", "blend", 0, 0.30),
+    ("blend 45%", "blend", 0, 0.45),
+    ("blend 60%", "blend", 0, 0.60),
     ("edge 4", "edge", 4, 0.0),
-    ("edge 16", "edge", 16, 0.0),
     ("blend 100% (control)", "blend", 0, 1.0),  # every chunk token recomputed: full prefill through placement
 )
 
