@@ -399,3 +399,20 @@ def test_model_with_quantised_kv_triton_matches_the_torch_pair(tmp_path, kv_dtyp
     one_step = kv_quant.scales(pools["torch"]).max().item() * (1 if quant == "int8" else 32)
     assert (dq["triton"] - dq["torch"]).abs().max().item() <= one_step
     assert (outs["triton"] - outs["torch"]).abs().max().item() <= 1e-4
+
+
+def test_a_step_with_queries_at_given_positions_takes_the_reference():
+    """``build_metadata(positions=)`` (chatkv.chunk_place's recompute): the kernels compute a
+    prefill's queries as the last of its context, so a step holding such an item is handed to the
+    reference, whose numbers it gives, with an ordinary prefill and a decode in the same step."""
+    q, kc, vc, tables, _, _, _, _, truth_k, truth_v = make_case(11, 4, [(30, 0), (11, 6), (20, 1)], 4, 2, 8)
+    at = [2, 3, 9, 17, 18, 25]
+    qlens, ctxs = [len(at), 6, 1], [at[-1] + 1, 17, 21]
+    q = torch.randn(sum(qlens), 4, 8, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    meta = ref.build_metadata(tables, qlens, ctxs, 4, device=DEVICE, positions=[at, None, None])
+    kc, vc = kc.to(DEVICE), vc.to(DEVICE)
+    new_k = torch.cat([truth_k[0][at], truth_k[1][11:], truth_k[2][20:]]).to(DEVICE)
+    new_v = torch.cat([truth_v[0][at], truth_v[1][11:], truth_v[2][20:]]).to(DEVICE)
+    tri.store_kv(kc, vc, meta.slot_mapping, new_k, new_v)
+    want = ref.paged_attention(q, kc, vc, meta, 1 / math.sqrt(8))
+    assert torch.equal(tri.paged_attention(q, kc, vc, meta, 1 / math.sqrt(8)), want)
