@@ -47,6 +47,7 @@ from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from chatkv.errors import EngineClosed
+from chatkv.fair_lock import FairRLock
 
 if TYPE_CHECKING:
     from chatkv.sequence import Sequence
@@ -241,7 +242,7 @@ class EngineLoop:
         self._exited = False  # set (under _cv) by the loop thread as it decides to end
         self._thread: threading.Thread | None = None
         self.closed = False  # the engine is closed: nothing runs here any more
-        self.lock = threading.RLock()  # the engine's state: held by whoever runs a round
+        self.lock = FairRLock()  # the engine's state: held by whoever runs a round, first come first served
         self._here = threading.local()  # .depth: this thread is inside a round (it owns the state)
         self.listeners: list[Callable] = []  # fn(result, seq) when a request finishes (in a round)
 

@@ -341,3 +341,92 @@ def test_async_for_on_an_engine_not_started_runs_the_loop_off_the_event_loop(mod
     assert ticks > 0  # the event loop ran other tasks while the request was stepped
     eng.check_integrity()
     eng.close()
+
+
+def test_a_command_waits_one_round_not_a_generation_behind_a_caller_running_rounds(model_dir, tmp_path):
+    """Not started, a caller's generate runs round after round on its own thread. A command
+    from another thread (on_loop: what close() and a timed call wait for too) gets the state
+    after the round in progress, not whenever the lock happens to be free as the generating
+    thread lets go (threading.RLock let it take the lock back before the waiter woke: CI saw
+    a whole 3,000-token generation pass by a waiting command)."""
+    eng = Engine(model_dir, EngineConfig(data_dir=str(tmp_path), num_blocks=256))
+    rounds = 0
+    run_batch = eng.run_batch
+
+    def counted():
+        nonlocal rounds
+        rounds += 1
+        return run_batch()
+
+    eng.run_batch = counted  # the loop's own rounds, counted as they step
+    gen = threading.Thread(target=lambda: eng.generate(
+        "Once upon a time", SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)), daemon=True)
+    gen.start()
+    waited = []
+    try:
+        while rounds < 3:
+            time.sleep(0.001)
+        for _ in range(30):
+            time.sleep(0.01)  # (back to back, this thread would be the one taking the lock again and again)
+            before = rounds
+            got = eng.on_loop(lambda: rounds)  # noqa: B023 - read inside the round it runs in
+            waited.append(got - before)
+            assert gen.is_alive(), f"the generation ended while a command waited for the state ({waited})"
+    finally:
+        eng.close(timeout=0)
+        gen.join(60)
+    assert not gen.is_alive()
+    # the round in progress when it asked, and perhaps one begun just before it queued
+    assert max(waited) <= 2, waited
+
+
+def test_the_fair_lock_is_reentrant_times_out_cleanly_and_hands_over_in_order():
+    from chatkv.fair_lock import FairRLock
+
+    lock = FairRLock()
+    assert lock.acquire() and lock.acquire()  # reentrant
+    order: list[int] = []
+    ready = threading.Barrier(2)
+
+    def taker(i: int) -> None:
+        if i == 0:
+            ready.wait()
+        with lock:
+            order.append(i)
+
+    assert not taken_elsewhere(lock, timeout=0.05)  # another thread times out, leaves no waiter behind
+    threads = [threading.Thread(target=taker, args=(i,)) for i in range(2)]
+    threads[1].start()
+    while len(lock._waiters) < 1:
+        time.sleep(0.001)
+    threads[0].start()
+    ready.wait()
+    while len(lock._waiters) < 2:
+        time.sleep(0.001)
+    lock.release()
+    assert len(lock._waiters) == 2  # still held once (reentrant)
+    lock.release()
+    for t in threads:
+        t.join(10)
+    assert order == [1, 0]  # in the order they asked, not the order they were started
+    with pytest.raises(RuntimeError):
+        lock.release()  # not held by this thread
+    assert lock.acquire(timeout=0)  # free again, nothing queued
+    lock.release()
+
+
+def taken_elsewhere(lock, timeout: float) -> bool:
+    """Whether another thread gets ``lock`` within ``timeout`` (it releases it if it does)."""
+    out = []
+
+    def take():
+        got = lock.acquire(timeout=timeout)
+        out.append(got)
+        if got:
+            lock.release()
+
+    t = threading.Thread(target=take)
+    t.start()
+    t.join(10)
+    assert len(lock._waiters) == 0
+    return out[0]
