@@ -18,6 +18,7 @@ import pytest
 from chatkv import InvalidRequest, engine_loop
 from chatkv.config import EngineConfig
 from chatkv.engine import Engine
+from chatkv.errors import EngineClosed
 from chatkv.sampling import SamplingParams
 
 pytestmark = pytest.mark.tiny_model("llama", seed=5)
@@ -359,8 +360,15 @@ def test_a_command_waits_one_round_not_a_generation_behind_a_caller_running_roun
         return run_batch()
 
     eng.run_batch = counted  # the loop's own rounds, counted as they step
-    gen = threading.Thread(target=lambda: eng.generate(
-        "Once upon a time", SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)), daemon=True)
+    ended = []
+
+    def generate():
+        try:
+            eng.generate("Once upon a time", SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True))
+        except EngineClosed as e:  # close() below ends it mid-generation, as it should
+            ended.append(e)
+
+    gen = threading.Thread(target=generate, daemon=True)
     gen.start()
     waited = []
     try:
@@ -375,13 +383,13 @@ def test_a_command_waits_one_round_not_a_generation_behind_a_caller_running_roun
     finally:
         eng.close(timeout=0)
         gen.join(60)
-    assert not gen.is_alive()
+    assert not gen.is_alive() and len(ended) == 1
     # the round in progress when it asked, and perhaps one begun just before it queued
     assert max(waited) <= 2, waited
 
 
 def test_the_fair_lock_is_reentrant_times_out_cleanly_and_hands_over_in_order():
-    from chatkv.fair_lock import FairRLock
+    from chatkv.engine_loop import FairRLock
 
     lock = FairRLock()
     assert lock.acquire() and lock.acquire()  # reentrant
