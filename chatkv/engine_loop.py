@@ -2,7 +2,8 @@
 
 (Past ~400 lines on purpose: the loop's rounds, its thread, its stop and the streams' waits
 share one lock and one queue; split, the order in which they are taken could no longer be
-read in one place.)
+read in one place. That lock's own class, ``FairRLock``, is here too: it exists for the loop
+alone, and why it must hand over in order is a fact about the rounds.)
 
 The loop's body is ``round()``: the queued commands, then one step of the batch, then each
 request's new text pushed to its ``RequestStream``. It holds ``lock`` (the engine's state)
