@@ -12,7 +12,7 @@ turn's KV up to the end of its last source is built here, before the request is 
 3. one forward then computes, over everything, the tokens that are not reused: the tokens
    between the sources, and the chunk tokens chosen for recompute:
    - ``edge`` (EPIC): the first ``rag_edge_tokens`` tokens of each chunk;
-   - ``blend`` (CacheBlend): the ``rag_recompute_ratio`` share of each chunk's tokens whose
+   - ``blend`` (CacheBlend): the ``rag_recompute_ratio`` share of all placed chunk tokens whose
      layer-1 KV deviates most from the reused KV, measured by a probe that computes layer 0
      for every new token over the placed KV;
    each computed row replaces the reused row in its layer before that layer's attention, so
@@ -324,14 +324,17 @@ def _choose(engine, req: _Req, spans, layer1, h0: int, end: int, mode: str, edge
         return [p for _, pos, _, n in spans for p in range(pos, pos + math.ceil(ratio * n))]
     k1, v1 = _probe(engine, req, h0, end)
     quant = engine.runner.pool.quant
-    out = []
+    devs, where = [], []
     for (_, pos, _, n), (_, rk, rv) in zip(spans, layer1):
         rk = kv_quant.dequantize(rk, quant, torch.float32) if quant else rk.float()
         rv = kv_quant.dequantize(rv, quant, torch.float32) if quant else rv.float()
         fk, fv = k1[pos - h0 : pos - h0 + n], v1[pos - h0 : pos - h0 + n]
-        dev = ((fk - rk) ** 2).sum(dim=(1, 2)) + ((fv - rv) ** 2).sum(dim=(1, 2))
-        out.extend(pos + int(i) for i in torch.topk(dev, math.ceil(ratio * n)).indices)
-    return sorted(out)
+        devs.append(((fk - rk) ** 2).sum(dim=(1, 2)) + ((fv - rv) ** 2).sum(dim=(1, 2)))
+        where.append(torch.arange(pos, pos + n))
+    # the share is of all placed chunk tokens together, as CacheBlend selects: a chunk that the
+    # others change more gets more of the recompute (per chunk, r% each, agreed less at equal cost)
+    dev, where = torch.cat(devs), torch.cat(where)
+    return sorted(int(where[i]) for i in torch.topk(dev, math.ceil(ratio * len(dev))).indices)
 
 
 @torch.inference_mode()

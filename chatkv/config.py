@@ -54,7 +54,7 @@ class EngineConfig:
     # retrieved sources' KV reused wherever they land (chatkv.chunk_place): "off" | "edge" | "blend"
     rag_kv_reuse: str = "off"
     rag_edge_tokens: int = 4  # edge: the first tokens of each chunk recomputed
-    rag_recompute_ratio: float = 0.15  # blend: the share of each chunk's tokens recomputed (0..1)
+    rag_recompute_ratio: float = 0.15  # blend: the share of all placed chunk tokens recomputed (0..1)
     chunk_kv_bytes: int = 256 * 2**20  # host memory of the chunk KV store (its own LRU; evicted entries stay on disk)
     rag_kv_disk: bool = True  # chunk KV kept on disk too (data_dir/chunk_kv), read back after a restart
 

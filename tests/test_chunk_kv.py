@@ -7,6 +7,7 @@ and placed KV lives in the conversation's own radix namespace."""
 from __future__ import annotations
 
 import logging
+import math
 
 import pytest
 import torch
@@ -121,6 +122,52 @@ def test_placement_against_full_prefill(model_dir, hf, tmp_path, mode, ratio, ex
         else:
             assert (k[-1] - ref_k[-1][:n]).abs().max() > 1e-3
         e.on_loop(lambda: e.kv.drop(placed.kept))
+        e.check_integrity()
+    finally:
+        e.close()
+
+
+def test_blend_recomputes_the_top_share_of_all_chunks_by_their_layer1_deviation(model_dir, hf, tmp_path):
+    """Blend's choice against an oracle: layer 1's KV of a from-scratch prefill (transformers)
+    against the reused rows. The ratio is a share of all placed chunk tokens together (as
+    CacheBlend selects), so a chunk that the others change more gets more of the recompute;
+    the rows chosen are the top share by that deviation, and layer 1 shows which were chosen
+    (a recomputed row is from-scratch's, an untouched one the reused copy)."""
+    e = engine_at(model_dir, tmp_path, rag_kv_reuse="blend")
+    try:
+        texts = [CHUNK, "A refractor uses lenses, a reflector uses mirrors. Collimate a reflector before each night.",
+                 "Descale the kettle with citric acid; rinse it twice before the next boil."]
+        tokens = list(_prompt(e, texts))
+        ids = [cp.chunk_ids(e.tokenizer, t) for t in texts]
+        spans = cp.find_spans(tokens, 0, ids)
+        chunk_pos = torch.tensor([p for _, pos, _, n in spans for p in range(pos, pos + n)])
+
+        def layer1(ratio):
+            placed = e.on_loop(lambda: cp.place(e, None, tokens, 0, texts, ("t", ratio), None, False, "blend", 0,
+                                                ratio, full_as_prefill=False))
+            k, v = e.on_loop(lambda: e.kv.export_kv(placed.kept))
+            e.on_loop(lambda: e.kv.drop(placed.kept))
+            return placed, k[1], v[1]
+
+        _, rk, rv = layer1(0.0)
+        ref_k, ref_v, _ = hf_kv(hf, tokens, list(range(len(tokens))))
+        dev = ((ref_k[1][chunk_pos] - rk[chunk_pos]) ** 2).sum(dim=(1, 2)) + \
+            ((ref_v[1][chunk_pos] - rv[chunk_pos]) ** 2).sum(dim=(1, 2))
+        ratio = 0.3
+        want = math.ceil(ratio * len(chunk_pos))
+        top = set(chunk_pos[torch.topk(dev, want).indices].tolist())
+        per_chunk, at = set(), 0
+        for _, pos, _, n in spans:  # r% of each chunk on its own: the selection this replaced
+            per_chunk |= set(chunk_pos[at + torch.topk(dev[at : at + n], math.ceil(ratio * n)).indices].tolist())
+            at += n
+        assert top != per_chunk  # this prompt tells the two apart
+        placed, k1, v1 = layer1(ratio)
+        assert placed.recomputed == want
+        changed = {int(p) for p in chunk_pos if not torch.equal(k1[p], rk[p])}
+        assert changed == top
+        for p in top:  # a recomputed row is from-scratch's at layer 1 (layer 0 is exact for every token)
+            torch.testing.assert_close(k1[p], ref_k[1][p], atol=1e-4, rtol=0)
+            torch.testing.assert_close(v1[p], ref_v[1][p], atol=1e-4, rtol=0)
         e.check_integrity()
     finally:
         e.close()
