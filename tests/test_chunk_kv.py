@@ -193,7 +193,7 @@ def test_full_recompute_gives_full_prefills_greedy_tokens_and_usage_counts(model
     is full prefill's exactly, token for token, in bf16 too (where one placement forward of
     another length would round differently from the scheduler's chunks)."""
     small = dict(dtype=dtype, max_batch_tokens=64)  # several scheduler chunks a prompt
-    off, off_tokens, _ = _replies(model_dir, tmp_path / "off", corpus, **small)
+    off, off_tokens, _ = _replies(model_dir, tmp_path / "off", corpus, rag_kv_reuse="off", **small)
     got, got_tokens, _ = _replies(model_dir, tmp_path / "all", corpus, **small, **full)
     assert got_tokens == off_tokens  # the same greedy replies, token for token, over two turns
     assert [r.text for r in got] == [r.text for r in off]

@@ -81,7 +81,8 @@ def test_follow_up_is_searched_with_the_previous_question():
 
 
 def test_pinned_documents_are_shared_between_sessions_and_survive_a_restart(model_dir, corpus, tmp_path):
-    e = engine_at(model_dir, tmp_path)
+    """Prefix caching alone (chunk KV reuse off): the pinned prefix is the radix tree's, shared."""
+    e = engine_at(model_dir, tmp_path, rag_kv_reuse="off")
     kb = e.knowledge_base("docs")
     kb.add([str(corpus)])
     pinned = [str(corpus / "bread.md")]
@@ -99,12 +100,46 @@ def test_pinned_documents_are_shared_between_sessions_and_survive_a_restart(mode
     a_id = a.id
     e.close()
 
-    e2 = engine_at(model_dir, tmp_path)
+    e2 = engine_at(model_dir, tmp_path, rag_kv_reuse="off")
     a2 = e2.resume(a_id)
     assert a2.knowledge is not None and a2.documents == pinned and a2.top_k == 4
     r = a2.send("And the steam?")
     assert r.usage.restored_tokens >= doc_prefix  # documents and history came back from the snapshot
     assert r.sources
+    e2.check_integrity()
+    e2.close()
+
+
+def test_by_default_pinned_documents_and_sources_are_placed_from_chunk_kv(model_dir, corpus, tmp_path):
+    """The default (``rag_kv_reuse="blend"`` at 45%): a second session's pinned document and sources
+    come from the chunk KV the first computed, 45% of them recomputed, each conversation's KV its
+    own; after a restart it is restored from disk."""
+    e = engine_at(model_dir, tmp_path)
+    assert (e.config.rag_kv_reuse, e.config.rag_recompute_ratio) == ("blend", 0.45)
+    kb = e.knowledge_base("docs")
+    kb.add([str(corpus)])
+    pinned = [str(corpus / "bread.md")]
+    a = e.session(system="Answer briefly.", knowledge=kb, documents=pinned, params=GREEDY, top_k=2)
+    ra = a.send("What temperature for baking?")
+    computed, hits = e.kv.stats()["chunk_computed"], e.kv.stats()["chunk_hits"]
+    assert computed >= 2 and ra.usage.reused_tokens > 0  # a's document and sources: computed once, then placed
+    b = e.session(system="Answer briefly.", knowledge=kb, documents=pinned, params=GREEDY, top_k=2)
+    rb = b.send("What temperature for baking?")  # the same sources: nothing new to compute
+    stats = e.kv.stats()
+    assert stats["chunk_computed"] == computed and stats["chunk_hits"] > hits
+    u = rb.usage
+    placed = u.reused_tokens + u.recomputed_tokens
+    assert u.reused_tokens > 0 and abs(u.recomputed_tokens - 0.45 * placed) <= 1, u
+    assert u.prompt_tokens == u.cached_tokens + u.host_tokens + u.restored_tokens + u.computed_tokens + u.reused_tokens
+    assert u.cached_tokens < len(e.session_manager.renderer.system_prefix(a.system_content))  # not the tree's copy
+    e.check_integrity()
+    a_id, kv_len = a.id, len(a.tokens) - 1
+    e.close()
+
+    e2 = engine_at(model_dir, tmp_path)
+    r = e2.resume(a_id).send("And the steam?")
+    assert r.usage.restored_tokens >= kv_len // 16 * 16 and r.sources  # within the context: no window moved
+    assert r.usage.reused_tokens > 0  # the new sources, placed after the restored history
     e2.check_integrity()
     e2.close()
 
