@@ -32,7 +32,7 @@ from chatkv.cpu_threads import ThreadGovernor
 from chatkv.storage.paths import LOCAL_USER  # not storage.models: no SQLAlchemy until a store is opened
 from chatkv.detokenize import TextStream
 from chatkv.engine_loop import EngineLoop, RequestStream
-from chatkv.errors import EngineClosed, InvalidRequest, ModelNotFound, StorageError, check_text
+from chatkv.errors import EngineClosed, InvalidRequest, ModelNotFound, StorageError, check_text, check_timeout
 from chatkv.kv_manager import KVManager, RetainedKV
 from chatkv.model_runner import ModelRunner
 from chatkv.outputs import EngineStats, GenerationResult
@@ -487,8 +487,9 @@ class Engine:
         (None: no limit), then interrupt what is left: its callers get ``EngineClosed``, a turn's
         partial reply stored first, marked interrupted. Then spill and close every open session
         and the database, and release the prefix cache. Afterwards every call raises
-        ``EngineClosed``. Idempotent; never hangs (see ``chatkv.closing``)."""
-        closing.close(self, timeout)
+        ``EngineClosed``. Idempotent; never hangs (see ``chatkv.closing``). A ``timeout`` that is
+        not a number of seconds >= 0 (nan, negative) is refused before anything closes."""
+        closing.close(self, check_timeout(timeout))
 
     def __enter__(self) -> "Engine":
         return self

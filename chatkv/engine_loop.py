@@ -47,7 +47,7 @@ from collections import deque
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
-from chatkv.errors import EngineClosed
+from chatkv.errors import EngineClosed, check_timeout
 
 if TYPE_CHECKING:
     from chatkv.sequence import Sequence
@@ -262,7 +262,7 @@ class RequestStream:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the request finished; False if ``timeout`` seconds passed first."""
-        return self._until(lambda: self._done, timeout)
+        return self._until(lambda: self._done, check_timeout(timeout))
 
     def result(self):
         """Wait for the request to finish; its GenerationResult (raises the request's own error)."""
@@ -398,6 +398,7 @@ class EngineLoop:
         EngineClosed once the engine is closed."""
         if not callable(fn):
             raise TypeError(f"the engine loop runs functions, got {type(fn).__name__}")
+        timeout = check_timeout(timeout)
         if self.owns_state():
             return fn()
         fut = self._queue(fn, False)
@@ -458,7 +459,7 @@ class EngineLoop:
     def until_idle(self, timeout: float | None) -> bool:
         """Until no request is left to step (or ``timeout``); True if none is."""
         eng = self.engine
-        return self.until(lambda: not eng.has_work(), self._block_idle, timeout)
+        return self.until(lambda: not eng.has_work(), self._block_idle, check_timeout(timeout))
 
     def _block_idle(self, done: Callable[[], bool], timeout: float | None) -> None:
         with self._idle:

@@ -101,3 +101,25 @@ def check_text(what: str, value: object) -> str:
             f"{what} is not valid Unicode: a lone surrogate {value[e.start]!r} at character {e.start}"
         ) from None
     return value
+
+
+def check_timeout(value: object, what: str = "timeout") -> float | None:
+    """A wait's limit in seconds: ``None`` (and infinity, or more than the platform can wait,
+    ``threading.TIMEOUT_MAX``) waits for ever, ``0`` not at all. nan, negative numbers, bools and
+    anything not a real number are refused with InvalidRequest naming ``what``: nan used to time
+    out at once in one call and wait in another, and infinity raised OverflowError from deep in
+    ``threading``."""
+    import numbers
+    import threading
+
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidRequest(f"{what} must be a number of seconds or None, got {value!r}")
+    try:
+        seconds = float(value)
+    except OverflowError:  # an int beyond float's range
+        return None
+    if seconds != seconds or seconds < 0:
+        raise InvalidRequest(f"{what} must be a number of seconds >= 0 or None, got {value!r}")
+    return None if seconds > threading.TIMEOUT_MAX else seconds
