@@ -262,7 +262,7 @@ class RequestStream:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the request finished; False if ``timeout`` seconds passed first."""
-        return self._until(lambda: self._done, check_timeout(timeout))
+        return self._until(lambda: self._done, timeout)
 
     def result(self):
         """Wait for the request to finish; its GenerationResult (raises the request's own error)."""
@@ -433,7 +433,8 @@ class EngineLoop:
               timeout: float | None = None) -> bool:
         """Return once ``done()`` holds: while the loop thread runs, ``block(done, seconds)``
         sleeps until it signals; without one this thread runs the rounds. False if ``timeout``
-        seconds passed first."""
+        seconds passed first (``timeout`` as ``check_timeout`` takes it: every wait comes here)."""
+        timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         while not done():
             left = None if deadline is None else deadline - time.monotonic()
@@ -459,7 +460,7 @@ class EngineLoop:
     def until_idle(self, timeout: float | None) -> bool:
         """Until no request is left to step (or ``timeout``); True if none is."""
         eng = self.engine
-        return self.until(lambda: not eng.has_work(), self._block_idle, check_timeout(timeout))
+        return self.until(lambda: not eng.has_work(), self._block_idle, timeout)
 
     def _block_idle(self, done: Callable[[], bool], timeout: float | None) -> None:
         with self._idle:
