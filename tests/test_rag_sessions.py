@@ -192,3 +192,63 @@ def test_cli_ingest_kb_commands_and_chat_over_a_kb(model_dir, corpus, tmp_path, 
     assert main(["kb", "remove", "docs", str(corpus / "bread.md")]) == 1
     capsys.readouterr()
     assert main(["kb", "list"]) == 0 and capsys.readouterr().out.split() == ["docs"]
+
+
+def test_default_placement_from_two_threads_at_once_and_a_read_only_chunk_kv_dir(model_dir, corpus, tmp_path):
+    """Hostile tries of the default (blend): two threads send RAG turns at once over the same
+    chunks (placement runs on the engine's loop, one at a time), then the chunk KV directory turns
+    read-only (root: a real tmpfs there, remounted read-only; else its mode): new chunks' KV is
+    computed and used from memory, and the files already written stay as they were."""
+    import os
+    import subprocess
+    import threading
+
+    chunk_dir = tmp_path / "chunk_kv"
+    root = os.geteuid() == 0
+    if root:  # the mode bits do not stop root: a file system that is read-only does
+        chunk_dir.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m,mode=0700", "tmpfs", str(chunk_dir)], check=True)
+    e = engine_at(model_dir, tmp_path)
+    e.start()
+    try:
+        kb = e.knowledge_base("docs")
+        kb.add([str(corpus)])
+        replies, errors = {}, []
+
+        def chat(name, question):
+            try:
+                s = e.session(knowledge=kb, top_k=2, params=GREEDY)
+                replies[name] = s.send(question)
+            except Exception as err:  # noqa: BLE001 - reported below
+                errors.append(err)
+
+        threads = [threading.Thread(target=chat, args=(n, "How often should the kettle be descaled?")) for n in "ab"]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors and not any(t.is_alive() for t in threads), errors
+        assert sorted(replies) == ["a", "b"]
+        for r in replies.values():
+            assert r.usage.reused_tokens > 0 and r.sources
+        e.check_integrity()
+
+        before = {p.name: p.read_bytes() for p in chunk_dir.iterdir()}
+        assert before
+        if root:
+            subprocess.run(["mount", "-o", "remount,ro", str(chunk_dir)], check=True)
+        else:
+            os.chmod(chunk_dir, 0o500)
+        assert not os.access(chunk_dir, os.W_OK)
+        computed = e.kv.stats()["chunk_computed"]
+        r = e.session(knowledge=kb, top_k=2, params=GREEDY).send("Which eyepiece gives high magnification?")
+        assert r.sources and r.usage.reused_tokens > 0
+        assert e.kv.stats()["chunk_computed"] > computed  # new chunks: computed, used, not written
+        assert {p.name: p.read_bytes() for p in chunk_dir.iterdir()} == before
+        e.check_integrity()
+    finally:
+        e.close()
+        if root:
+            subprocess.run(["umount", "-l", str(chunk_dir)], check=False)
+        elif chunk_dir.exists():
+            os.chmod(chunk_dir, 0o700)
