@@ -2,9 +2,14 @@
 the fused C op (``chatkv.kernels.cpu_decode.decode_attention``: RoPE, the KV store, attention)
 against the torch ops it replaces in the same process (``kernels.attention``: store_kv and
 paged_attention over the same block tables; RoPE excluded from the torch side), at batch 1 and 8
-and contexts of 160 to 2,000 keys, on 1 and 2 threads. Microseconds per call, best of 5 runs of
-200 calls, the Python wrapper's checks included on the C side (in a decode step they are made once
-a step, not once a layer). The CPU model and the load are printed.
+and contexts of 160 to 2,000 keys, on 1 and 2 threads; and a verification's rows (``6 rows, one
+sequence``: the last token and 5 proposals, one block table, contexts n .. n + 5, as speculative
+decoding computes them). The fused op has two paths, timed in the same run: ``per row`` (each row
+its own work items, the path before 2026-12-04) and ``blocked`` (the default: rows that share a
+block table convert each key and value once, scores 16 keys at a time, the value sum in
+registers). Microseconds per call, best of 5 runs of 200 calls, the Python wrapper's checks
+included on the C side (in a decode step they are made once a step, not once a layer). The CPU
+model and the load are printed.
 
     .venv/bin/python benchmarks/bench_decode_attention.py
 """
@@ -15,16 +20,20 @@ import torch
 from common import best_of, cpu_line, load_average, OtherLoad, print_table
 
 NH, NKV, D, BS = 9, 3, 64, 16
-CASES = [(1, 160), (1, 600), (1, 2000), (8, 300)]
+CASES = [(1, 160, False), (1, 600, False), (1, 2000, False), (8, 300, False), (6, 300, True), (6, 2000, True)]
 
 
-def setup_case(rows: int, ctx: int):
+def setup_case(rows: int, ctx: int, one_sequence: bool):
     from chatkv.kernels import build_metadata, cpu_decode
 
     g = torch.Generator().manual_seed(rows * ctx)
     per = ctx // BS + 1
-    tables = [list(range(i * per, (i + 1) * per))[::-1] for i in range(rows)]
-    ctxs = [ctx - i for i in range(rows)]
+    if one_sequence:  # a verification: one table, each row one key further
+        tables = [list(range(per))[::-1]] * rows
+        ctxs = [ctx - rows + 1 + i for i in range(rows)]
+    else:
+        tables = [list(range(i * per, (i + 1) * per))[::-1] for i in range(rows)]
+        ctxs = [ctx - i for i in range(rows)]
     positions = torch.tensor([c - 1 for c in ctxs])
     slots = torch.tensor([tables[i][(c - 1) // BS] * BS + (c - 1) % BS for i, c in enumerate(ctxs)])
     qkv = torch.randn(rows, (NH + 2 * NKV) * D, generator=g).bfloat16()
@@ -50,8 +59,8 @@ def main() -> None:
     print(f"load average {load_average()}; query heads {NH}, kv heads {NKV}, head size {D}, block size {BS}")
     rows_out = []
     before = torch.get_num_threads()
-    for rows, ctx in CASES:
-        c = setup_case(rows, ctx)
+    for rows, ctx, one in CASES:
+        c = setup_case(rows, ctx, one)
         for threads in (1, 2):
             torch.set_num_threads(threads)
 
@@ -65,10 +74,20 @@ def main() -> None:
                 store_kv(c["k"], c["v"], c["meta"].slot_mapping, x[:, NH:NH + NKV], x[:, NH + NKV:])
                 paged_attention(x[:, :NH].contiguous(), c["k"], c["v"], c["meta"], 0.125)
 
-            a, b = best_of(torch_ops, 200, warm=20), best_of(fused, 200, warm=20)
-            rows_out.append([str(rows), str(ctx), str(threads), f"{a:.1f}", f"{b:.1f}", f"{a / b:.2f}x"])
+            a = best_of(torch_ops, 200, warm=20)
+            cpu_decode.attention_blocked(False)
+            try:
+                b = best_of(fused, 200, warm=20)
+            finally:
+                cpu_decode.attention_blocked(True)
+            f = best_of(fused, 200, warm=20)
+            what = f"{rows} rows, one sequence" if one else str(rows)
+            rows_out.append([what, str(ctx), str(threads), f"{a:.1f}", f"{b:.1f}", f"{f:.1f}", f"{b / f:.2f}x",
+                             f"{a / f:.2f}x"])
     torch.set_num_threads(before)
-    print_table("one layer's decode attention, us per call", ["batch", "context", "threads", "torch ops us", "fused C us", "fused vs torch"], rows_out)
+    print_table("one layer's decode attention, us per call",
+                ["batch", "context", "threads", "torch ops us", "fused per row us", "fused blocked us",
+                 "blocked vs per row", "blocked vs torch"], rows_out)
     print(f"load average at the end {load_average()}; {other}")
 
 

@@ -165,6 +165,108 @@ static inline __attribute__((always_inline)) void attention_item(
     }
 }
 
+#ifdef __AVX512F__
+#define ATTN_FAST_MAX_D 128 /* the widest head the register-blocked path takes (D / 16 vectors a query) */
+
+/* out lane t = the sum of v[t]'s 16 lanes, for t < 16: a fixed tree over each vector's own lanes
+ * (what one key's score is never depends on the other keys of the block). */
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 w[8], z[4], u[2];
+    for (int t = 0; t < 8; t++) /* [t quarters 0,1 + 2,3 | t+1 ...]: 8 lanes of each of two keys */
+        w[t] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * t], v[2 * t + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * t], v[2 * t + 1], 0xEE));
+    for (int t = 0; t < 4; t++) /* quarter q of z[t]: key 4t + q, 4 lanes */
+        z[t] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * t], w[2 * t + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * t], w[2 * t + 1], 0xDD));
+    for (int t = 0; t < 2; t++) /* quarter q of u[t]: keys 8t + q at lanes 0, 1 and 8t + 4 + q at 2, 3 (2 lanes each) */
+        u[t] = _mm512_add_ps(_mm512_unpacklo_ps(z[2 * t], z[2 * t + 1]), _mm512_unpackhi_ps(z[2 * t], z[2 * t + 1]));
+    /* quarter q: keys q, 8 + q, 4 + q, 12 + q */
+    const __m512 s = _mm512_add_ps(_mm512_unpacklo_ps(u[0], u[1]), _mm512_unpackhi_ps(u[0], u[1]));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 2, 6, 10, 14, 1, 5, 9, 13, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, s);
+}
+
+/* One work item of decode_attention's register-blocked path: (a run of rows with the same block
+ * table, kv head, segment). The segment's keys and values are converted to float32 once for all
+ * the run's rows (a verification's rows share them); each row then computes exactly what it
+ * computes alone (its own keys, below its own ctx): a key's score is D / 16 fused multiply-adds
+ * into one vector, 16 keys' vectors summed by hsum16; the value sum stays in registers. Used for
+ * every row of the step, a lone decode included, so a verified row is its lone decode's bits. */
+static inline __attribute__((always_inline)) void attention_run_item(
+    int64_t it, const int64_t D, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *blocks,
+    const int64_t *ctx, const int64_t *run_start, int64_t max_blocks, int64_t block_size, int64_t nh, int64_t nkv,
+    int64_t group, int64_t segs, float scale, const uint16_t *q_scratch, float *scores) {
+    const int64_t pw = D + 2, nv = D / 16;
+    const int64_t run = it / (nkv * segs), kvh = (it / segs) % nkv, sg = it % segs;
+    const int64_t r0 = run_start[run], r1 = run_start[run + 1];
+    const int64_t j_lo = sg * ATTN_SEGMENT;
+    int64_t n_max = 0;
+    for (int64_t r = r0; r < r1; r++) n_max = ctx[r] > n_max ? ctx[r] : n_max;
+    const int64_t j_hi = n_max < j_lo + ATTN_SEGMENT ? n_max : j_lo + ATTN_SEGMENT;
+    const int64_t *bl = blocks + r0 * max_blocks;
+    float kf[ATTN_SEGMENT * D], vf[ATTN_SEGMENT * D];
+    for (int64_t j = j_lo; j < j_hi; j++) {
+        const int64_t at = ((bl[j / block_size] * block_size + j % block_size) * nkv + kvh) * D;
+        for (int64_t c = 0; c < nv; c++) {
+            _mm512_storeu_ps(kf + (j - j_lo) * D + 16 * c, bf16x16(k_cache + at + 16 * c));
+            _mm512_storeu_ps(vf + (j - j_lo) * D + 16 * c, bf16x16(v_cache + at + 16 * c));
+        }
+    }
+    for (int64_t r = r0; r < r1; r++) {
+        float *pt = scores + ((r * nkv + kvh) * segs + sg) * group * pw;
+        const int64_t n = (ctx[r] < j_hi ? ctx[r] : j_hi) - j_lo; /* this row's keys in the segment */
+        for (int64_t g = 0; g < group; g++) {
+            if (n <= 0) {
+                pt[g * pw] = -INFINITY, pt[g * pw + 1] = 0.0f;
+                continue;
+            }
+            const uint16_t *q = q_scratch + r * nh * D + (kvh * group + g) * D;
+            __m512 qv[ATTN_FAST_MAX_D / 16], acc[ATTN_FAST_MAX_D / 16];
+            for (int64_t c = 0; c < nv; c++) qv[c] = _mm512_mul_ps(bf16x16(q + 16 * c), _mm512_set1_ps(scale));
+            float sc[ATTN_SEGMENT];
+            __m512 mx = _mm512_set1_ps(-INFINITY);
+            for (int64_t b = 0; b < n; b += 16) {
+                const int64_t m = n - b < 16 ? n - b : 16;
+                __m512 part[16];
+                for (int64_t t = 0; t < 16; t++) {
+                    __m512 s = _mm512_setzero_ps();
+                    if (t < m) {
+                        const float *k = kf + (b + t) * D;
+                        s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+                        for (int64_t c = 1; c < nv; c++) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), s);
+                    }
+                    part[t] = s;
+                }
+                const __mmask16 mk = (__mmask16)(m == 16 ? 0xFFFFu : (1u << m) - 1);
+                const __m512 s = hsum16(part);
+                _mm512_mask_storeu_ps(sc + b, mk, s);
+                mx = _mm512_mask_max_ps(mx, mk, mx, s);
+            }
+            const float m = _mm512_reduce_max_ps(mx);
+            pt[g * pw] = m;
+            pt[g * pw + 1] = exp_shift_sum(sc, n, m);
+            for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_setzero_ps();
+            for (int64_t j = 0; j < n; j++) {
+                const __m512 p = _mm512_set1_ps(sc[j]);
+                const float *v = vf + j * D;
+                for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]);
+            }
+            for (int64_t c = 0; c < nv; c++) _mm512_storeu_ps(pt + g * pw + 2 + 16 * c, acc[c]);
+        }
+    }
+}
+#endif
+
+static int attention_blocked = 1; /* 0: every row its own items (the path before the blocked one) */
+
+/* Choose decode_attention's path (benchmarks/bench_decode_attention.py compares them in one
+ * run); returns the one before. Both give every row the same bits whatever else is in the step. */
+int set_attention_blocked(int on) {
+    const int before = attention_blocked;
+    attention_blocked = on;
+    return before;
+}
+
 /* One decode layer's attention for `rows` one-token queries, each over its own keys:
  * - q and k heads of qkv[r] (bf16 [rows, (nh + 2 nkv) d]) rotated by RoPE as the model's _rotate
  *   does in bf16: bf16(bf16(x cos) + bf16(swapped sin)), cos and sign-folded sin from
@@ -215,6 +317,24 @@ void decode_attention(const uint16_t *qkv, const uint16_t *table, const int64_t 
      * ctx only, never on the threads: the result is the same bits on any thread count. */
     const int64_t segs = segments; /* per (row, kv head): ceil(max ctx / ATTN_SEGMENT) */
     const int64_t pw = d + 2;          /* per query head of an item: m, l, out[d] */
+#ifdef __AVX512F__
+    if (attention_blocked && d % 16 == 0 && d <= ATTN_FAST_MAX_D) {
+        /* runs of consecutive rows with the same block table (a verification's rows): an item per
+         * (run, kv head, segment), the keys converted once for the run */
+        int64_t run_start[rows + 1], runs = 0;
+        for (int64_t r = 0; r < rows; r++)
+            if (r == 0 || memcmp(blocks + r * max_blocks, blocks + (r - 1) * max_blocks, (size_t)max_blocks * sizeof(int64_t)))
+                run_start[runs++] = r;
+        run_start[runs] = rows;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t it = 0; it < runs * nkv * segs; it++) {
+            if (d == 64)
+                attention_run_item(it, 64, k_cache, v_cache, blocks, ctx, run_start, max_blocks, block_size, nh, nkv, group, segs, scale, q_scratch, scores);
+            else
+                attention_run_item(it, d, k_cache, v_cache, blocks, ctx, run_start, max_blocks, block_size, nh, nkv, group, segs, scale, q_scratch, scores);
+        }
+    } else
+#endif
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t it = 0; it < rows * nkv * segs; it++) {
         if (d == 64)

@@ -149,6 +149,7 @@ def load(directory: Path) -> bool:
                         getattr(lib, name).restype = None
                     for name in ("int4_mm_native", "int8_mm_native"):
                         getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
+                    lib.set_attention_blocked.argtypes, lib.set_attention_blocked.restype = [ctypes.c_int], ctypes.c_int
                     _lib = lib
                 except OSError as err:
                     log.warning("fused decode ops not loaded (%s); the torch ops are used", err)
@@ -189,6 +190,14 @@ def silu_mul(gu: torch.Tensor, out: torch.Tensor) -> None:
     if n2 % 2 or out.shape != (rows, n2 // 2):
         raise ValueError(f"silu_mul: shapes gu {tuple(gu.shape)}, out {tuple(out.shape)}")
     library().silu_mul(_check(gu, torch.bfloat16, "gu"), _check(out, torch.bfloat16, "out"), rows, n2 // 2)
+
+
+def attention_blocked(on: bool) -> bool:
+    """Choose ``decode_attention``'s path: True (the default) the register-blocked one, where
+    rows sharing a block table (a verification's) convert each key once; False each row's own
+    items, the path before it (benchmarks/bench_decode_attention.py compares them). Returns the
+    choice before. Either gives a row the same bits whatever else is in the step."""
+    return bool(library().set_attention_blocked(int(on)))
 
 
 def decode_attention(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,

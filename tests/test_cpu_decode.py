@@ -195,6 +195,65 @@ def test_decode_attention_is_the_torch_path(model, ctx):
         assert float((o_ref[r].double() - exact).abs().max()) <= tol  # what torch's path gives, for scale
 
 
+@pytest.mark.parametrize("blocked", [True, False])
+@pytest.mark.parametrize("start", [1, 60, 130])
+def test_a_verifications_rows_are_their_lone_decodes_bits(model, blocked, start):
+    """Speculative decoding's exactness at the kernel: rows of one sequence in one call (the last
+    token and its proposals, one block table, each a key further; the blocked path converts each
+    key once for all of them) give every row exactly the bits of a plain decode, one call per
+    token; on both paths, across segment edges (64 keys), on 1 and 2 threads. The paths agree
+    with each other and with float64 to a bfloat16 step."""
+    nh, nkv, d, bs, rows = model.num_heads, model.num_kv_heads, model.head_dim, 16, 6
+    ctx = [start + i for i in range(rows)]
+    table = list(range(max(ctx) // bs + 1))[::-1]
+    g = torch.Generator().manual_seed(start)
+    qkv = (torch.randn(rows, (nh + 2 * nkv) * d, generator=g) * 3).to(torch.bfloat16)
+    positions = torch.tensor([c - 1 for c in ctx])
+    slots = torch.tensor([table[(c - 1) // bs] * bs + (c - 1) % bs for c in ctx])
+    model._rope(positions)
+    k0, v0 = _pool(len(table), bs, nkv, d, 3), _pool(len(table), bs, nkv, d, 4)
+
+    def call(r0: int, r1: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        n = r1 - r0
+        out = torch.empty(n, nh * d, dtype=torch.bfloat16)
+        cpu_decode.decode_attention(qkv[r0:r1].contiguous(), model._cos_sin, positions[r0:r1].contiguous(), k, v,
+                                    slots[r0:r1].contiguous(), torch.tensor([table] * n), torch.tensor(ctx[r0:r1]),
+                                    nh, nkv, model.scale, out,
+                                    (torch.empty(n, nh * d, dtype=torch.bfloat16),
+                                     cpu_decode.attention_scratch(n, nh, nkv, d, max(ctx[r0:r1]))))
+        return out
+
+    before_path, before_threads = cpu_decode.attention_blocked(blocked), torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            k, v = k0.clone(), v0.clone()
+            together = call(0, rows, k, v)
+            kl, vl = k0.clone(), v0.clone()
+            alone = torch.cat([call(r, r + 1, kl, vl) for r in range(rows)])
+            assert torch.equal(k, kl) and torch.equal(v, vl)
+            assert torch.equal(together, alone), f"rows differ from their lone decodes: {(together != alone).any(1).tolist()}"
+            results.append(together)
+        assert torch.equal(results[0], results[1])
+        cpu_decode.attention_blocked(not blocked)
+        other = call(0, rows, k0.clone(), v0.clone())
+    finally:
+        cpu_decode.attention_blocked(before_path)
+        torch.set_num_threads(before_threads)
+    tol = 2 * BF16_REL * results[0].double().abs().max()
+    assert float((results[0].double() - other.double()).abs().max()) <= tol
+    q = torch.stack([model._rotate(qkv[r].view(1, nh + 2 * nkv, d)[:, :nh], model._cos_sin[positions[r], 0:1].unsqueeze(0),
+                                   model._cos_sin[positions[r], 1:2].unsqueeze(0))[0] for r in range(rows)]).double()
+    for r in range(rows):
+        sl = torch.tensor([table[j // bs] * bs + j % bs for j in range(ctx[r])])
+        kk = k.view(-1, nkv, d)[sl].double().repeat_interleave(nh // nkv, dim=1)
+        vv = v.view(-1, nkv, d)[sl].double().repeat_interleave(nh // nkv, dim=1)
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[r], kk) * model.scale, dim=-1)
+        exact = torch.einsum("hn,nhd->hd", p, vv).reshape(-1)
+        assert float((results[0][r].double() - exact).abs().max()) <= 2 * BF16_REL * exact.abs().max()
+
+
 def test_decode_steps_of_the_default_model_fused_and_torch_agree(model, france):
     """Whole decode steps (one token a step, the France prompt): the fused path and the torch
     path compute the same model, to bfloat16 rounding noise: the same answer token, and top-1
