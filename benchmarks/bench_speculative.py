@@ -41,7 +41,7 @@ auto prices a verified row from the engine's own decode steps (chatkv.speculativ
 the table's end prints the row cost it measured in this run, next to its prior.
 
     .venv/bin/python benchmarks/bench_speculative.py [--tokens 128] [--repeats 3] [--no-llama-cpp]
-        [--workloads "free-form chat,rewrite code"] [--no-batch8]
+        [--workloads "free-form chat,rewrite code"] [--no-batch8] [--num-speculative-tokens 5]
 
 (measured: 8 minutes without the peer with 1.6 of 2 cores busy elsewhere; a quiet run is shorter)
 """
@@ -158,6 +158,8 @@ def main() -> None:
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of: " + ", ".join(WORKLOADS))
     p.add_argument("--no-batch8", action="store_true", help="skip the batch-8 table (a shorter A/B)")
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="proposals per sequence and step at most (default: the engine's)")
     args = p.parse_args()
     chosen = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in chosen if w not in WORKLOADS]
@@ -177,7 +179,8 @@ def main() -> None:
     engine = Engine.from_pretrained(model_dir)
     print(f"weights: {engine.weights.label}; threads {args.threads}")
     for mode in MODES:
-        cfg = EngineConfig(speculative=mode, quant_dense_rows=engine.config.quant_dense_rows)
+        k = engine.config.num_speculative_tokens if args.num_speculative_tokens is None else args.num_speculative_tokens
+        cfg = EngineConfig(speculative=mode, quant_dense_rows=engine.config.quant_dense_rows, num_speculative_tokens=k)
         _speculators[mode] = Speculator.from_config(cfg)
     ids = {w: engine.encode_chat(m) for w, m in WORKLOADS.items()}
     n = args.tokens

@@ -320,8 +320,8 @@ class Speculator:
         of ``rows`` rows with ``budget`` tokens left): ``{seq: proposed tokens}``. The caller
         reserves their KV and may shorten them; ``observe`` takes the outcome."""
         room = min(budget, self.max_rows - rows)
-        if room <= 0:
-            return {}
+        if room <= 0 or (self.mode == "auto" and self.max_batch is not None and len(decodes) > self.max_batch):
+            return {}  # auto does not speculate in a step this big: no lookups (their index catches up later)
         offers = []
         for seq in decodes:
             k = min(eligible(seq), self.max_k)
@@ -346,11 +346,7 @@ class Speculator:
     def _auto(self, offers, tokens: int, rows: int, room: int) -> dict[Any, list[int]]:
         """Add proposals best first (expected tokens ``alpha ** j``) while each adds more tokens
         per unit of step time than the step yields on average; none in a step of more than
-        ``max_batch`` decoding sequences."""
-        if self.max_batch is not None and tokens > self.max_batch:
-            for seq, st, p in offers:
-                st.idle(p.key)
-            return {}
+        ``max_batch`` decoding sequences (``assign`` does not look them up)."""
         r = self.row_cost
         gain, cost = float(tokens), 1.0 + r * max(rows - 1, 0)
         heap, alphas, taken = [], {}, {}

@@ -85,6 +85,8 @@ def test_auto_declines_steps_of_more_decoding_sequences_than_its_batch_bound():
             s.observe(q, 5, 5)  # every proposal accepted: alone, each would speculate
     assert s.assign(seqs[:4], 4, 100)  # within the bound it speculates
     assert s.assign(seqs, 5, 100) == {}  # one more sequence: none
+    fresh = [Seq(list(LOOP)) for _ in range(5)]
+    assert s.assign(fresh, 5, 100) == {} and all(q.spec is None for q in fresh)  # nor any lookup made for it
     assert Speculator("auto", max_k=5).max_batch is None  # the bound is the engine's choice (CPU: 4)
 
 
