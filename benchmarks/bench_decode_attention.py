@@ -8,16 +8,20 @@ decoding computes them). The fused op has two paths, timed in the same run: ``pe
 its own work items, the path before 2026-12-04) and ``blocked`` (the default: rows that share a
 block table convert each key and value once, scores 16 keys at a time, the value sum in
 registers). Microseconds per call, best of 5 runs of 200 calls, the Python wrapper's checks
-included on the C side (in a decode step they are made once a step, not once a layer). The CPU
-model and the load are printed.
+included on the C side (in a decode step they are made once a step, not once a layer).
 
-    .venv/bin/python benchmarks/bench_decode_attention.py
+Then whole decode steps of the default model (int4, batch 1, greedy, EOS ignored) at contexts
+of about 300, 2,000 and 6,000 tokens (a RAG turn's), the two paths taking turns within each
+repeat: decode tok/s (``usage.tokens_per_s``, prefill excluded), medians. The CPU model and
+the load are printed.
+
+    .venv/bin/python benchmarks/bench_decode_attention.py [--no-steps] [--repeats 3] [--contexts 300,2000,6000]
 """
 
 from __future__ import annotations
 
 import torch
-from common import best_of, cpu_line, load_average, OtherLoad, print_table
+from common import best_of, cpu_line, load_average, median, OtherLoad, print_table
 
 NH, NKV, D, BS = 9, 3, 64, 16
 CASES = [(1, 160, False), (1, 600, False), (1, 2000, False), (8, 300, False), (6, 300, True), (6, 2000, True)]
@@ -47,7 +51,49 @@ def setup_case(rows: int, ctx: int, one_sequence: bool):
                 table=table, out=out, scratch=scratch, meta=meta, blocks=torch.tensor(tables))
 
 
+STEP_CONTEXTS = (300, 2000, 6000)
+FILLER = ("The committee met on Tuesday to review the budget, the hiring plan and the schedule for the new "
+          "library wing; each item was discussed at length and the minutes were circulated afterwards. ")
+
+
+def decode_steps(repeats: int, tokens: int, contexts=STEP_CONTEXTS) -> list[list[str]]:
+    """[context, per-row tok/s, blocked tok/s, ratio] of the default model's batch-1 decode."""
+    from chatkv.engine import Engine
+    from chatkv.kernels import cpu_decode
+    from chatkv.sampling import SamplingParams
+
+    eng = Engine.from_pretrained(speculative="off", adaptive_threads=False)
+    out = []
+    try:
+        for ctx in contexts:
+            text = FILLER * (ctx // 30 + 1)
+            ids = eng.encode_chat([{"role": "user", "content": text}])[: ctx]
+            params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+            eng.generate(ids, SamplingParams(max_tokens=4, temperature=0))  # the prompt's KV, cached for both
+            rates = {False: [], True: []}
+            for rep in range(repeats):
+                for blocked in ((False, True) if rep % 2 == 0 else (True, False)):
+                    cpu_decode.attention_blocked(blocked)
+                    try:
+                        rates[blocked].append(eng.generate(ids, params).usage.tokens_per_s)
+                    finally:
+                        cpu_decode.attention_blocked(True)
+            a, b = median(rates[False]), median(rates[True])
+            out.append([str(len(ids)), f"{a:.1f}", f"{b:.1f}", f"{b / a:.2f}x"])
+    finally:
+        eng.close()
+    return out
+
+
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-steps", action="store_true", help="only the per-call table")
+    ap.add_argument("--repeats", type=int, default=3, help="whole-step runs per path and context (median)")
+    ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per whole-step run")
+    ap.add_argument("--contexts", default=",".join(map(str, STEP_CONTEXTS)), help="prompt tokens of the whole-step runs")
+    args = ap.parse_args()
     from chatkv import fused_decode
     from chatkv.kernels import cpu_decode
     from chatkv.kernels.attention import paged_attention, store_kv
@@ -88,6 +134,11 @@ def main() -> None:
     print_table("one layer's decode attention, us per call",
                 ["batch", "context", "threads", "torch ops us", "fused per row us", "fused blocked us",
                  "blocked vs per row", "blocked vs torch"], rows_out)
+    if not args.no_steps:
+        print_table(f"the default model's decode, batch 1, {args.tokens} tokens, threads {torch.get_num_threads()}, "
+                    f"tok/s (median of {args.repeats}, the paths in turn)",
+                    ["prompt tokens", "fused per row", "fused blocked", "blocked vs per row"],
+                    decode_steps(args.repeats, args.tokens, [int(c) for c in args.contexts.split(",")]))
     print(f"load average at the end {load_average()}; {other}")
 
 
