@@ -1,7 +1,7 @@
 """Placing retrieved chunks' KV into a turn's prompt, then a selective recompute (issue 23).
 
 A RAG turn's user message holds its sources (chatkv.rag). With ``rag_kv_reuse`` on, the
-turn's KV up to the end of its last source is built here, before the request is added:
+turn's KV up to its prompt's last token is built here, before the request is added:
 
 1. each source's text, as the prompt quotes it with its label (``rag.source_texts``), and on
    a first turn each pinned document's (``rag.pinned_texts``), is found as a run of the
@@ -9,12 +9,16 @@ turn's KV up to the end of its last source is built here, before the request is 
 2. its KV in the canonical frame comes from the chunk owner (chatkv.chunk_kv: memory, then
    disk, else computed now, all missing chunks in one forward) and is copied into the
    request's blocks with its keys re-rotated to the positions it takes (``rotate_keys``);
-3. one forward then computes, over everything, the tokens that are not reused: the tokens
-   between the sources, and the chunk tokens chosen for recompute:
-   - ``edge`` (EPIC): the first ``rag_edge_tokens`` tokens of each chunk;
-   - ``blend`` (CacheBlend): the ``rag_recompute_ratio`` share of all placed chunk tokens whose
-     layer-1 KV deviates most from the reused KV, measured by a probe that computes layer 0
-     for every new token over the placed KV;
+3. one forward then computes, over everything, what is not reused: the tokens between and
+   after the sources (for a turn, through the prompt's last token but one: the scheduler then
+   computes only the last, in a decode step) and the chunk tokens chosen for recompute:
+   - ``edge`` (EPIC): the first ``rag_edge_tokens`` tokens of each chunk, through every layer;
+   - ``blend`` (CacheBlend): every token computes layer 0 (its KV there depends on no other
+     token); then at each check layer (1 .. ``rag_check_layers``) the tokens that reached it
+     compute its KV (stored: fresh KV replaces the copy) and only the top share of all placed
+     chunk tokens by that layer's deviation from the reused KV goes on, shrinking
+     geometrically to ``rag_recompute_ratio`` at the last check (gradual filtering; one check
+     layer is LMCache's ``check_layers=[1]``);
    each computed row replaces the reused row in its layer before that layer's attention, so
    a later token sees it, as in a from-scratch forward. With every chunk token chosen the
    forward is one ordinary prefill chunk: the KV is full prefill's.
@@ -22,8 +26,11 @@ turn's KV up to the end of its last source is built here, before the request is 
    namespace (``ContextState.private``, as a moved sink window's): KV built from reused
    chunks is never matched by, nor shared with, a from-scratch computation of those tokens.
 
-The rest of the prompt (the instruction and the question) is computed by the scheduler as
-usual. Anything that fails here falls back to computing (a slower turn, never a wrong one).
+The scheduler computes the rest (a turn's last prompt token) as usual. Anything that fails
+here falls back to computing (a slower turn, never a wrong one).
+
+Past 400 lines: the chunk owner's other half (chatkv.chunk_kv holds the store) and blend's
+layer loop are one contract: which rows are reused, which recomputed, and in what order.
 """
 
 from __future__ import annotations
@@ -198,8 +205,11 @@ def recomputes_all(spans, mode: str, edge_tokens: int, ratio: float) -> bool:
 
 def place(engine, kept: RetainedKV | None, tokens: list[int], start: int, texts: Sequence[str], namespace: Hashable,
           old_namespace: Hashable | None, migrate: bool, mode: str, edge_tokens: int, ratio: float,
-          full_as_prefill: bool = True) -> Placed:
-    """Build the KV of ``tokens`` up to the end of the last source found in ``tokens[start:]``
+          full_as_prefill: bool = True, upto: int | None = None, check_layers: int | None = None) -> Placed:
+    """Build the KV of ``tokens`` up to the end of the last source found in ``tokens[start:]``,
+    or up to ``upto`` when that is further (a turn passes its prompt's length less one: the
+    tokens after the sources are computed in the same forward, and the scheduler computes only
+    the last, for its logits, in a decode step; one pass over the weights less per turn)
     (``texts``: the sources' texts as the prompt holds them) in radix ``namespace``, continuing
     ``kept`` (the history's KV). With ``migrate`` the history lives in ``old_namespace``: it, and
     what the shared tree holds of the prompt there (a system prompt, pinned documents), is copied
@@ -212,7 +222,8 @@ def place(engine, kept: RetainedKV | None, tokens: list[int], start: int, texts:
     Computing it here instead, in one forward of another length, is the same math but not the
     same rounding in bf16 (a GEMM's row depends on the row count there: oneDNN picks its
     kernel by shape), which flipped greedy near-ties of the default model. The Placed then
-    only counts the chunk tokens as ``recomputed``."""
+    only counts the chunk tokens as ``recomputed``. ``check_layers``: blend's (None: the
+    engine's ``rag_check_layers``)."""
     kv: KVManager = engine.kv
     ids = [chunk_ids(engine.tokenizer, t) for t in texts]
     spans = find_spans(tokens, start, ids)
@@ -229,7 +240,7 @@ def place(engine, kept: RetainedKV | None, tokens: list[int], start: int, texts:
     except Exception as e:  # noqa: BLE001 - nothing moved: the sources are computed as usual
         log.warning("the sources' chunk KV is unavailable (%s: %s); computing them instead", type(e).__name__, e)
         return Placed(kept, private=not migrate)
-    end = spans[-1][1] + spans[-1][3]
+    end = max(spans[-1][1] + spans[-1][3], min(upto or 0, len(tokens) - 1))
     if migrate:  # the history's KV and the shared prefix, copied into the private namespace
         r0 = _Req(tokens[: spans[0][1] + 1], old_namespace, prefix=kept)  # up to the first source
         kv.attach(r0)
@@ -248,7 +259,8 @@ def place(engine, kept: RetainedKV | None, tokens: list[int], start: int, texts:
     try:
         if not kv.reserve(req.kv, end - req.kv.num_computed):
             raise OutOfBlocks(f"no room for the KV of a {end}-token prompt's sources")
-        out = _build(engine, req, spans, found, mode, edge_tokens, ratio)
+        out = _build(engine, req, spans, found, end, mode, edge_tokens, ratio,
+                     engine.config.rag_check_layers if check_layers is None else check_layers)
         req.kv.num_computed = max(end, req.kv.num_computed)
     except Exception as e:  # noqa: BLE001 - the history's KV is kept; the rest is computed as usual
         log.warning("placing the sources' chunk KV failed (%s: %s); computing them instead", type(e).__name__, e)
@@ -275,15 +287,18 @@ def for_turn(turn, kept: RetainedKV | None, context: list[int]) -> RetainedKV | 
     texts = rag.source_texts(turn.hits)  # each with its label: only its number "[n] " is left to compute
     if not context and s.documents and s.knowledge is not None:  # a first prompt: the system message's pinned documents
         texts = rag.pinned_texts([(d, s.knowledge.chunks_of(d)) for d in s.documents]) + texts
-    placed = place(turn.engine, kept, context + turn.delta, len(context), texts, m._namespace(s.id, st), old_ns,
-                   migrate, cfg.rag_kv_reuse, cfg.rag_edge_tokens, cfg.rag_recompute_ratio)
+    prompt = context + turn.delta
+    placed = place(turn.engine, kept, prompt, len(context), texts, m._namespace(s.id, st), old_ns,
+                   migrate, cfg.rag_kv_reuse, cfg.rag_edge_tokens, cfg.rag_recompute_ratio, upto=len(prompt) - 1)
     if not placed.private and migrate:
         st.private, st.epoch = False, st.epoch - 1
     turn.placed = placed if placed.private or placed.recomputed else None  # usage's counts
     return placed.kept
 
 
-def _build(engine, req: _Req, spans, found: list[ChunkEntry], mode: str, edge_tokens: int, ratio: float) -> Placed:
+def _build(engine, req: _Req, spans, found: list[ChunkEntry], end: int, mode: str, edge_tokens: int,
+           ratio: float, check_layers: int) -> Placed:
+    """Place the found chunks' KV into ``req``'s blocks and compute the rest of ``tokens[h0:end]``."""
     model, runner, pool = engine.model, engine.runner, engine.runner.pool
     quant = pool.quant
     table, tokens, h0 = req.kv.blocks, req.token_ids, req.kv.num_computed
@@ -292,17 +307,20 @@ def _build(engine, req: _Req, spans, found: list[ChunkEntry], mode: str, edge_to
         return Placed(None)
     spans = [s for s, _ in pairs]
     reused = torch.zeros(len(tokens), dtype=torch.bool)
-    layer1: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (position, reused layer-1 K, V) per placed chunk
     for (_, pos, off, n), e in pairs:
         delta = pos - off - e.frame
         k = [model.rotate_keys(x[off : off + n].to(pool.kv.device), delta, quant) for x in e.k]
         v = [x[off : off + n].to(pool.kv.device) for x in e.v]
         pool.write(table, pos, k, v)
         reused[pos : pos + n] = True
-        if len(k) > 1:
-            layer1.append((pos, k[1], v[1]))
-    end = spans[-1][1] + spans[-1][3]
-    recompute = _choose(engine, req, spans, layer1, h0, end, mode, edge_tokens, ratio)
+    n_chunk = int(reused[h0:end].sum())
+    checks = None
+    if mode == "blend" and 0 < ratio < 1 and len(model.layers) > 1:
+        checks = blend_checks(ratio, check_layers, len(model.layers))
+    if checks is not None:  # CacheBlend: every token from layer 0, fewer from each check layer on
+        kept = _blend_forward(engine, req, h0, end, reused, checks)
+        return Placed(None, reused=n_chunk - kept, recomputed=kept, computed=end - h0 - n_chunk + kept)
+    recompute = _choose(spans, mode, edge_tokens, ratio)
     for p in recompute:
         reused[p] = False
     compute = [p for p in range(h0, end) if not reused[p]]
@@ -312,57 +330,86 @@ def _build(engine, req: _Req, spans, found: list[ChunkEntry], mode: str, edge_to
     return Placed(None, reused=int(reused[h0:end].sum()), recomputed=len(recompute), computed=len(compute))
 
 
-def _choose(engine, req: _Req, spans, layer1, h0: int, end: int, mode: str, edge_tokens: int, ratio: float) -> list[int]:
-    """The chunk positions to recompute."""
+def _choose(spans, mode: str, edge_tokens: int, ratio: float) -> list[int]:
+    """The chunk positions to recompute through every layer when no layer's KV chooses them:
+    ``edge``'s first tokens of each chunk, blend at 0% or 100%, or a one-layer model's blend
+    (no later layer to compare: each chunk's first ``ratio`` share)."""
     if mode == "edge":
         return [p for _, pos, _, n in spans for p in range(pos, pos + min(n, edge_tokens))]
-    if ratio <= 0:
-        return []
-    if ratio >= 1:
-        return [p for _, pos, _, n in spans for p in range(pos, pos + n)]
-    if len(layer1) != len(spans):  # a one-layer model: no early layer to compare, recompute each chunk's start
-        return [p for _, pos, _, n in spans for p in range(pos, pos + math.ceil(ratio * n))]
-    k1, v1 = _probe(engine, req, h0, end)
-    quant = engine.runner.pool.quant
-    devs, where = [], []
-    for (_, pos, _, n), (_, rk, rv) in zip(spans, layer1):
-        rk = kv_quant.dequantize(rk, quant, torch.float32) if quant else rk.float()
-        rv = kv_quant.dequantize(rv, quant, torch.float32) if quant else rv.float()
-        fk, fv = k1[pos - h0 : pos - h0 + n], v1[pos - h0 : pos - h0 + n]
-        devs.append(((fk - rk) ** 2).sum(dim=(1, 2)) + ((fv - rv) ** 2).sum(dim=(1, 2)))
-        where.append(torch.arange(pos, pos + n))
-    # the share is of all placed chunk tokens together, as CacheBlend selects: a chunk that the
-    # others change more gets more of the recompute (per chunk, r% each, agreed less at equal cost)
-    dev, where = torch.cat(devs), torch.cat(where)
-    return sorted(int(where[i]) for i in torch.topk(dev, math.ceil(ratio * len(dev))).indices)
+    return [p for _, pos, _, n in spans for p in range(pos, pos + math.ceil(min(max(ratio, 0.0), 1.0) * n))]
+
+
+def blend_checks(ratio: float, check_layers: int, num_layers: int) -> dict[int, float]:
+    """Blend's check layers: ``{layer: share of all placed chunk tokens that go on past it}``.
+    Layers 1 .. ``check_layers`` each keep a share of the last one's, geometrically down to
+    ``ratio`` (``ratio ** (i / n)`` at the i-th of n): CacheBlend's gradual filtering, each
+    layer's choice made on that layer's own deviation. One check layer is LMCache's
+    ``check_layers=[1]``."""
+    n = max(1, min(check_layers, num_layers - 1))
+    return {i: ratio ** (i / n) for i in range(1, n + 1)}
 
 
 @torch.inference_mode()
-def _probe(engine, req: _Req, h0: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer 1's fresh keys and values (float32, rotated) of ``tokens[h0:end]``: layer 0 computed
-    over the pool (whose rows for these tokens it stores: layer 0's KV depends on no other token)
-    as LlamaModel.forward computes it, then layer 1's projection."""
+def _blend_forward(engine, req: _Req, h0: int, end: int, reused: torch.Tensor, checks: dict[int, float]) -> int:
+    """Compute ``tokens[h0:end]`` over the placed KV, layer by layer, with a shrinking set of
+    tokens (CacheBlend's selective recompute; ``reused[p]``: position p's KV was placed from a
+    chunk). Every token enters layer 0 (its KV there depends on no other token). A layer computes
+    the keys and values of every token it holds and stores them (they replace the reused rows:
+    a token's fresh KV is never worse than the copy); at a check layer ``l`` only the top
+    ``checks[l]`` share of all placed chunk tokens by that layer's deviation from the reused KV
+    (summed squared difference of keys and values), and every token between the chunks, go on
+    through its attention and MLP into the next layer. Returns how many chunk tokens went
+    through every layer (blend's ``recomputed``)."""
     model, runner, pool = engine.model, engine.runner, engine.runner.pool
-    batch = runner.build_batch([BatchItem(req.token_ids[h0:end], h0, req.kv.blocks, "none")])
-    t = end - h0
+    quant, table, tokens = pool.quant, req.kv.blocks, req.token_ids
     nh, nkv, d = model.num_heads, model.num_kv_heads, model.head_dim
+    at = torch.arange(h0, end)  # the positions this layer computes
+    chunk = reused[h0:end].clone()  # which of them are placed chunk tokens
+    n_chunk = int(chunk.sum())
+
+    def metas(pos: torch.Tensor):
+        p = pos.tolist()
+        return runner.build_batch([BatchItem([tokens[i] for i in p], p[0], table, "none", positions=p)])
+
+    batch = metas(at)
     h = F.embedding(batch.input_ids, model.embed).to(model.residual_dtype)
     cos, sin = model._rope(batch.positions)
-    l0, l1 = model.layers[0], model.layers[1]
-    qkv = l0.qkv(model._rms(h, l0.input_norm)).view(t, nh + 2 * nkv, d)
-    qk = qkv[:, : nh + nkv]
-    if l0.qk_norm is not None:
-        qk = model._rms(qk, l0.qk_norm)
-    qk = model._rotate(qk, cos, sin)
-    kc, vc = pool.kv[0, 0], pool.kv[0, 1]
-    model.store_kv(kc, vc, batch.metas[l0.window].slot_mapping, qk[:, nh:], qkv[:, nh + nkv :], quant=pool.quant)
-    o = model.attention(qk[:, :nh], kc, vc, batch.metas[l0.window], model.scale, quant=pool.quant).reshape(t, nh * d)
-    h = h + l0.o(o)
-    g, u = l0.gate_up(model._rms(h, l0.post_norm)).chunk(2, dim=-1)
-    h = h + l0.down(F.silu(g) * u)
-    qkv = l1.qkv(model._rms(h, l1.input_norm)).view(t, nh + 2 * nkv, d)
-    k = qkv[:, nh : nh + nkv]
-    if l1.qk_norm is not None:
-        k = model._rms(k, l1.qk_norm)
-    k = model._rotate(k, cos, sin)
-    return k.float(), qkv[:, nh + nkv :].float()
+    for li, layer in enumerate(model.layers):
+        kc, vc = pool.kv[li, 0], pool.kv[li, 1]
+        meta = batch.metas[layer.window]
+        t = at.shape[0]
+        qkv = layer.qkv(model._rms(h, layer.input_norm)).view(t, nh + 2 * nkv, d)
+        qk = qkv[:, : nh + nkv]
+        if layer.qk_norm is not None:
+            qk = model._rms(qk, layer.qk_norm)
+        qk = model._rotate(qk, cos, sin)
+        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
+        share = checks.get(li)
+        keep = None
+        if share is not None and bool(chunk.any()):
+            keep = _keep(kc, vc, meta.slot_mapping, k, v, chunk, math.ceil(share * n_chunk), quant)
+        model.store_kv(kc, vc, meta.slot_mapping, k, v, quant=quant)
+        if keep is not None and keep.shape[0] < t:
+            at, chunk, h, q, cos, sin = at[keep], chunk[keep], h[keep], q[keep], cos[keep], sin[keep]
+            if at.shape[0] == 0:
+                return 0
+            batch = metas(at)
+            meta = batch.metas[layer.window]
+        o = model.attention(q, kc, vc, meta, model.scale, quant=quant).reshape(at.shape[0], nh * d)
+        h = h + layer.o(o)
+        g, u = layer.gate_up(model._rms(h, layer.post_norm)).chunk(2, dim=-1)
+        h = h + layer.down(F.silu(g) * u)
+    return int(chunk.sum())
+
+
+def _keep(kc, vc, slots, k, v, chunk: torch.Tensor, n: int, quant: str | None) -> torch.Tensor:
+    """Rows to go on: every non-chunk row, and the ``n`` chunk rows whose fresh ``k``, ``v``
+    deviate most from the rows stored at ``slots`` (the reused KV), in ascending order."""
+    kv_heads, row = kc.shape[-2:]
+    old_k, old_v = kc.view(-1, kv_heads, row).index_select(0, slots), vc.view(-1, kv_heads, row).index_select(0, slots)
+    if quant:
+        old_k, old_v = kv_quant.dequantize(old_k, quant, torch.float32), kv_quant.dequantize(old_v, quant, torch.float32)
+    dev = ((k.float() - old_k.float()) ** 2).sum(dim=(1, 2)) + ((v.float() - old_v.float()) ** 2).sum(dim=(1, 2))
+    dev = dev.masked_fill(~chunk.to(dev.device), float("inf"))  # the tokens between the chunks always go on
+    n = min(int((~chunk).sum()) + n, chunk.shape[0])
+    return torch.topk(dev, n).indices.sort().values.cpu()  # indexes the positions (CPU) and the rows

@@ -53,11 +53,17 @@ class EngineConfig:
     host_cache_bytes: int = 256 * 2**20  # host-memory tier between the KV pool and disk (pinned on CUDA); 0: off
     # retrieved sources' KV reused wherever they land (chatkv.chunk_place): "off" | "edge" | "blend".
     # The default is what benchmarks/rag_eval.py --reuse passes on the default model (SmolLM2-135M,
-    # 128 questions): blend at 45% keeps top-1 agreement with full prefill at 95.8% / 95.2% (tune /
-    # held back) and F1 within 2 points; 30% and edge fall below 95%. "off" computes every source.
+    # 128 questions, docs/rag.md): blend at 45% with 4 check layers keeps top-1 agreement with full
+    # prefill at 96.9% / 96.2% (tune / held back, Intel Xeon, 2026-12-06) and F1 within 2 points;
+    # with one check layer (LMCache's) it fell to 94.7-94.8% on the held-back split there.
+    # "off" computes every source.
     rag_kv_reuse: str = "blend"
     rag_edge_tokens: int = 4  # edge: the first tokens of each chunk recomputed
     rag_recompute_ratio: float = 0.45  # blend: the share of all placed chunk tokens recomputed (0..1)
+    # blend: layers 1..n each keep, by their own KV deviation, a share of the tokens going on,
+    # geometrically down to rag_recompute_ratio at layer n (CacheBlend's gradual filtering); 1: one
+    # check at layer 1
+    rag_check_layers: int = 4
     chunk_kv_bytes: int = 256 * 2**20  # host memory of the chunk KV store (its own LRU; evicted entries stay on disk)
     rag_kv_disk: bool = True  # chunk KV kept on disk too (data_dir/chunk_kv), read back after a restart
 
@@ -100,6 +106,9 @@ class EngineConfig:
         r = cfg.rag_recompute_ratio
         if isinstance(r, bool) or not isinstance(r, (int, float)) or not 0 <= r <= 1:
             raise InvalidRequest(f"rag_recompute_ratio must be a number in [0, 1], got {r!r}")
+        n = cfg.rag_check_layers
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 64:
+            raise InvalidRequest(f"rag_check_layers must be an int in [1, 64], got {n!r}")
         if cfg.max_batch_tokens < 1:
             raise InvalidRequest(f"max_batch_tokens must be >= 1, got {cfg.max_batch_tokens}")
         return cfg

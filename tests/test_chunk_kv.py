@@ -19,7 +19,7 @@ from chatkv.errors import InvalidRequest
 from tests.disks import fill, small_disk  # noqa: F401 (a fixture)
 from tests.test_rag_sessions import DOCS
 
-pytestmark = pytest.mark.tiny_model("llama", seed=21, max_position_embeddings=1024)
+pytestmark = pytest.mark.tiny_model("llama", seed=21, max_position_embeddings=1024, num_hidden_layers=3)
 
 GREEDY = dict(max_tokens=8, temperature=0.0)
 QUESTIONS = ["How often should the kettle be descaled?", "And how do I collimate a reflector telescope?"]
@@ -105,9 +105,12 @@ def test_placement_against_full_prefill(model_dir, hf, tmp_path, mode, ratio, ex
         texts = [CHUNK, "A refractor uses lenses, a reflector uses mirrors. Collimate a reflector before each night."]
         tokens = list(_prompt(e, texts))
         edge = int(ratio) if mode == "edge" else 0
+        # the machinery itself; exact: through the prompt's last token but one, as a turn places it
+        # (the instruction and question after the sources computed in the same forward)
+        upto = len(tokens) - 1 if exact else None
         placed = e.on_loop(lambda: cp.place(e, None, tokens, 0, texts, ("test", "private"), None, False, mode, edge,
-                                            min(float(ratio), 1.0), full_as_prefill=False))  # the machinery itself
-        assert placed.private and placed.end < len(tokens)
+                                            min(float(ratio), 1.0), full_as_prefill=False, upto=upto))
+        assert placed.private and placed.end == (upto or placed.end) < len(tokens)
         n_chunks = sum(len(cp.chunk_ids(e.tokenizer, t)) for t in texts)
         assert placed.reused + placed.recomputed == n_chunks
         assert placed.reused == (0 if exact else n_chunks)
@@ -131,8 +134,10 @@ def test_blend_recomputes_the_top_share_of_all_chunks_by_their_layer1_deviation(
     """Blend's choice against an oracle: layer 1's KV of a from-scratch prefill (transformers)
     against the reused rows. The ratio is a share of all placed chunk tokens together (as
     CacheBlend selects), so a chunk that the others change more gets more of the recompute;
-    the rows chosen are the top share by that deviation, and layer 1 shows which were chosen
-    (a recomputed row is from-scratch's, an untouched one the reused copy)."""
+    the rows chosen are the top share by that deviation. Every token computes layers 0 and 1
+    (its fresh KV replaces the copy there: layer 1 is from-scratch's for every row); only the
+    chosen go on, so layer 2 shows which were chosen (a chosen row is from-scratch's, the
+    others the reused copy)."""
     e = engine_at(model_dir, tmp_path, rag_kv_reuse="blend")
     try:
         texts = [CHUNK, "A refractor uses lenses, a reflector uses mirrors. Collimate a reflector before each night.",
@@ -142,17 +147,17 @@ def test_blend_recomputes_the_top_share_of_all_chunks_by_their_layer1_deviation(
         spans = cp.find_spans(tokens, 0, ids)
         chunk_pos = torch.tensor([p for _, pos, _, n in spans for p in range(pos, pos + n)])
 
-        def layer1(ratio):
+        def placed_kv(ratio):
             placed = e.on_loop(lambda: cp.place(e, None, tokens, 0, texts, ("t", ratio), None, False, "blend", 0,
-                                                ratio, full_as_prefill=False))
+                                                ratio, full_as_prefill=False, check_layers=1))
             k, v = e.on_loop(lambda: e.kv.export_kv(placed.kept))
             e.on_loop(lambda: e.kv.drop(placed.kept))
-            return placed, k[1], v[1]
+            return placed, k, v
 
-        _, rk, rv = layer1(0.0)
+        _, rk, rv = placed_kv(0.0)  # nothing recomputed: every chunk row is the reused copy
         ref_k, ref_v, _ = hf_kv(hf, tokens, list(range(len(tokens))))
-        dev = ((ref_k[1][chunk_pos] - rk[chunk_pos]) ** 2).sum(dim=(1, 2)) + \
-            ((ref_v[1][chunk_pos] - rv[chunk_pos]) ** 2).sum(dim=(1, 2))
+        dev = ((ref_k[1][chunk_pos] - rk[1][chunk_pos]) ** 2).sum(dim=(1, 2)) + \
+            ((ref_v[1][chunk_pos] - rv[1][chunk_pos]) ** 2).sum(dim=(1, 2))
         ratio = 0.3
         want = math.ceil(ratio * len(chunk_pos))
         top = set(chunk_pos[torch.topk(dev, want).indices].tolist())
@@ -161,13 +166,60 @@ def test_blend_recomputes_the_top_share_of_all_chunks_by_their_layer1_deviation(
             per_chunk |= set(chunk_pos[at + torch.topk(dev[at : at + n], math.ceil(ratio * n)).indices].tolist())
             at += n
         assert top != per_chunk  # this prompt tells the two apart
-        placed, k1, v1 = layer1(ratio)
-        assert placed.recomputed == want
-        changed = {int(p) for p in chunk_pos if not torch.equal(k1[p], rk[p])}
+        placed, k, v = placed_kv(ratio)
+        assert placed.recomputed == want and placed.reused == len(chunk_pos) - want
+        n = placed.end
+        for layer in (0, 1):  # every token computed these: from-scratch's
+            torch.testing.assert_close(k[layer], ref_k[layer][:n], atol=1e-4, rtol=0)
+            torch.testing.assert_close(v[layer], ref_v[layer][:n], atol=1e-4, rtol=0)
+        changed = {int(p) for p in chunk_pos if not torch.equal(k[2][p], rk[2][p])}
         assert changed == top
-        for p in top:  # a recomputed row is from-scratch's at layer 1 (layer 0 is exact for every token)
-            torch.testing.assert_close(k1[p], ref_k[1][p], atol=1e-4, rtol=0)
-            torch.testing.assert_close(v1[p], ref_v[1][p], atol=1e-4, rtol=0)
+        for p in top:  # a chosen row went on with exact layers below it: from-scratch's at layer 2
+            torch.testing.assert_close(k[2][p], ref_k[2][p], atol=1e-4, rtol=0)
+            torch.testing.assert_close(v[2][p], ref_v[2][p], atol=1e-4, rtol=0)
+        e.check_integrity()
+    finally:
+        e.close()
+
+
+def test_blend_filters_gradually_each_check_layer_choosing_on_its_own_deviation(model_dir, hf, tmp_path):
+    """Two check layers (``rag_check_layers=2``, ratio r): layer 1 keeps the top sqrt(r) of the
+    placed chunk tokens by layer 1's deviation, layer 2 the top r of those by layer 2's own.
+    Against transformers' from-scratch KV: layers 0 and 1 are from-scratch's for every row;
+    at layer 2 exactly the rows layer 1 kept are (they computed it over exact layers below),
+    the rest the reused copy; and r of the tokens went on through every layer."""
+    e = engine_at(model_dir, tmp_path, rag_kv_reuse="blend", rag_check_layers=2)
+    try:
+        texts = [CHUNK, "A refractor uses lenses, a reflector uses mirrors. Collimate a reflector before each night."]
+        tokens = list(_prompt(e, texts))
+        spans = cp.find_spans(tokens, 0, [cp.chunk_ids(e.tokenizer, t) for t in texts])
+        chunk_pos = torch.tensor([p for _, pos, _, n in spans for p in range(pos, pos + n)])
+        assert cp.blend_checks(0.25, 2, 3) == {1: 0.5, 2: 0.25}
+        assert cp.blend_checks(0.25, 8, 3) == {1: 0.5, 2: 0.25}  # no more checks than layers after layer 0
+
+        def placed_kv(ratio):
+            placed = e.on_loop(lambda: cp.place(e, None, tokens, 0, texts, ("g", ratio), None, False, "blend", 0,
+                                                ratio, full_as_prefill=False))
+            k, v = e.on_loop(lambda: e.kv.export_kv(placed.kept))
+            e.on_loop(lambda: e.kv.drop(placed.kept))
+            return placed, k, v
+
+        _, rk, rv = placed_kv(0.0)
+        ref_k, ref_v, _ = hf_kv(hf, tokens, list(range(len(tokens))))
+        dev = ((ref_k[1][chunk_pos] - rk[1][chunk_pos]) ** 2).sum(dim=(1, 2)) + \
+            ((ref_v[1][chunk_pos] - rv[1][chunk_pos]) ** 2).sum(dim=(1, 2))
+        first = set(chunk_pos[torch.topk(dev, math.ceil(0.5 * len(chunk_pos))).indices].tolist())
+        placed, k, v = placed_kv(0.25)
+        assert placed.recomputed == math.ceil(0.25 * len(chunk_pos))
+        assert placed.reused == len(chunk_pos) - placed.recomputed
+        n = placed.end
+        for layer in (0, 1):
+            torch.testing.assert_close(k[layer], ref_k[layer][:n], atol=1e-4, rtol=0)
+            torch.testing.assert_close(v[layer], ref_v[layer][:n], atol=1e-4, rtol=0)
+        assert {int(p) for p in chunk_pos if not torch.equal(k[2][p], rk[2][p])} == first
+        for p in first:
+            torch.testing.assert_close(k[2][p], ref_k[2][p], atol=1e-4, rtol=0)
+            torch.testing.assert_close(v[2][p], ref_v[2][p], atol=1e-4, rtol=0)
         e.check_integrity()
     finally:
         e.close()
@@ -226,6 +278,34 @@ def test_placed_kv_is_never_shared_under_from_scratch_token_ids(model_dir, corpu
         e.config.rag_kv_reuse = "off"
         r2 = e.session(knowledge=kb, top_k=2, params=GREEDY).send(QUESTIONS[0])
         assert r2.usage.reused_tokens == 0 and r2.usage.cached_tokens <= first_source
+        e.check_integrity()
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("mode", ["blend", "edge"])
+def test_a_turn_places_through_its_last_prompt_token_but_one(model_dir, corpus, tmp_path, monkeypatch, mode):
+    """A RAG turn's placement computes the instruction and the question after the sources in
+    the same forward (one pass over the weights less per turn): its KV ends at the prompt's last
+    token but one, and the scheduler computes only the last, for the first token's logits."""
+    e = engine_at(model_dir, tmp_path, rag_kv_reuse=mode, rag_recompute_ratio=0.3)
+    seen, real = [], cp.place
+
+    def spy(engine, kept, tokens, *args, **kwargs):  # the real placement, its outcome noted
+        out = real(engine, kept, tokens, *args, **kwargs)
+        seen.append((len(tokens), out.end, out.computed))
+        return out
+
+    monkeypatch.setattr(cp, "place", spy)
+    try:
+        kb = e.knowledge_base("docs")
+        kb.add([str(corpus)])
+        s = e.session(knowledge=kb, top_k=2, params=GREEDY)
+        for q in QUESTIONS:  # a first turn, then one after a history
+            r = s.send(q)
+            n, end, computed = seen.pop()
+            assert r.usage.reused_tokens > 0 and end == n - 1
+            assert r.usage.computed_tokens == computed + 1, r.usage
         e.check_integrity()
     finally:
         e.close()
