@@ -410,6 +410,7 @@ def _keep(kc, vc, slots, k, v, chunk: torch.Tensor, n: int, quant: str | None) -
     if quant:
         old_k, old_v = kv_quant.dequantize(old_k, quant, torch.float32), kv_quant.dequantize(old_v, quant, torch.float32)
     dev = ((k.float() - old_k.float()) ** 2).sum(dim=(1, 2)) + ((v.float() - old_v.float()) ** 2).sum(dim=(1, 2))
+    dev = torch.nan_to_num(dev, nan=3e38, posinf=3e38)  # a non-finite row deviates most: it goes on
     dev = dev.masked_fill(~chunk.to(dev.device), float("inf"))  # the tokens between the chunks always go on
     n = min(int((~chunk).sum()) + n, chunk.shape[0])
     return torch.topk(dev, n).indices.sort().values.cpu()  # indexes the positions (CPU) and the rows

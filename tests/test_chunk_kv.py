@@ -389,8 +389,26 @@ def test_a_full_disk_keeps_the_chunk_kv_in_memory_and_writes_it_once_there_is_ro
     assert len(list((data / "chunk_kv").glob("chunk-*.safetensors"))) == 1
 
 
+def test_blends_choice_keeps_every_token_between_the_chunks_and_a_non_finite_row():
+    """``_keep``: the rows between the chunks always go on, then the chunk rows by deviation; a
+    chunk row whose deviation is NaN or inf (non-finite KV) counts as the most deviant, never
+    pushing a row between the chunks out."""
+    kc, vc = torch.zeros(2, 4, 1, 2), torch.zeros(2, 4, 1, 2)  # 8 slots of one head of 2
+    slots = torch.arange(6)
+    k = torch.tensor([[[0.0, 0.0]], [[1.0, 0.0]], [[float("nan"), 0.0]], [[0.0, 0.0]], [[3.0, 0.0]], [[float("inf"), 0.0]]])
+    chunk = torch.tensor([False, True, True, False, True, True])
+    assert cp._keep(kc, vc, slots, k, torch.zeros_like(k), chunk, 2, None).tolist() == [0, 2, 3, 5]
+    assert cp._keep(kc, vc, slots, k, torch.zeros_like(k), chunk, 3, None).tolist() == [0, 2, 3, 4, 5]
+    assert cp._keep(kc, vc, slots, k, torch.zeros_like(k), chunk, 9, None).tolist() == [0, 1, 2, 3, 4, 5]
+    one = cp._keep(kc, vc, slots, k, torch.zeros_like(k), chunk, 1, None).tolist()
+    assert len(one) == 3 and {0, 3} < set(one) and set(one) - {0, 3} <= {2, 5}  # two non-finite rows for one place
+
+
 def test_bad_options_are_refused():
-    for kw in ({"rag_kv_reuse": "always"}, {"rag_recompute_ratio": 1.5}, {"rag_edge_tokens": -1}):
+    bad = [{"rag_kv_reuse": "always"}, {"rag_recompute_ratio": 1.5}, {"rag_recompute_ratio": float("nan")},
+           {"rag_edge_tokens": -1}]
+    bad += [{"rag_check_layers": n} for n in (0, -1, 65, 10**30, True, 2.5, float("nan"), "4", None)]
+    for kw in bad:
         with pytest.raises(InvalidRequest, match=next(iter(kw))):
             EngineConfig.from_kwargs(**kw)
 
