@@ -21,7 +21,8 @@ same prompt and against today's path (``off``: prefix caching alone, the first t
 whatever the engine's default mode) at the same turn, with the chunk tokens reused.
 
     CHATKV_HOME=/tmp/ckrag .venv/bin/python benchmarks/bench_rag.py [--threads 2] [--sessions 5] [--turns 10]
-                                                                    [--reuse edge,blend]
+                                                                    [--reuse edge,blend] [--recompute-ratio R]
+                                                                    [--check-layers N]
 """
 
 from __future__ import annotations
@@ -92,6 +93,7 @@ def main() -> None:
     p.add_argument("--reuse", default="", help="rag_kv_reuse modes to run as well, e.g. edge,blend")
     p.add_argument("--recompute-ratio", type=float, default=None,
                    help="blend's rag_recompute_ratio (default: the engine's); rag_eval.py --reuse gates it")
+    p.add_argument("--check-layers", type=int, default=None, help="blend's rag_check_layers (default: the engine's)")
     args = p.parse_args()
     model_dir = setup(args)
     print(cpu_line(), flush=True)
@@ -123,7 +125,11 @@ def main() -> None:
     modes = [m for m in args.reuse.split(",") if m and m != "off"]
     by_mode = {}
     for mode in modes:
-        extra = {"rag_recompute_ratio": args.recompute_ratio} if mode == "blend" and args.recompute_ratio is not None else {}
+        extra = {}
+        if mode == "blend" and args.recompute_ratio is not None:
+            extra["rag_recompute_ratio"] = args.recompute_ratio
+        if mode == "blend" and args.check_layers is not None:
+            extra["rag_check_layers"] = args.check_layers
         e = load_engine(model_dir, args.dtype, data_dir=str(home / "data"), rag_kv_reuse=mode, **extra)
         kbm = e.knowledge_base("bench")
         t1 = time.perf_counter()

@@ -35,15 +35,15 @@ from rag_metrics import answer_row
 
 from chatkv.kv_types import BlockTable
 
-CONFIGS = (  # (label, mode, edge tokens, recompute ratio)
-    ("blend 0%", "blend", 0, 0.0),
-    ("blend 5%", "blend", 0, 0.05),
-    ("blend 15%", "blend", 0, 0.15),
-    ("blend 30%", "blend", 0, 0.30),
-    ("blend 45%", "blend", 0, 0.45),
-    ("blend 60%", "blend", 0, 0.60),
-    ("edge 4", "edge", 4, 0.0),
-    ("blend 100% (control)", "blend", 0, 1.0),  # every chunk token recomputed: full prefill through placement
+CONFIGS = (  # (label, mode, edge tokens, recompute ratio, blend's check layers: None = the engine's)
+    ("blend 0%", "blend", 0, 0.0, None),
+    ("blend 5%", "blend", 0, 0.05, None),
+    ("blend 15%", "blend", 0, 0.15, None),
+    ("blend 30%", "blend", 0, 0.30, None),
+    ("blend 45%", "blend", 0, 0.45, None),
+    ("blend 60%", "blend", 0, 0.60, None),
+    ("edge 4", "edge", 4, 0.0, None),
+    ("blend 100% (control)", "blend", 0, 1.0, None),  # every chunk token recomputed: full prefill through placement
 )
 
 
@@ -95,20 +95,25 @@ def _warm(engine, cp, tokens: list[int], texts: list[str]) -> None:
 
 
 def parse_configs(spec: str) -> tuple:
-    """``--reuse-configs blend:0.3,edge:4``: the configurations to run (the control always runs)."""
+    """``--reuse-configs blend:0.3,blend:0.45@1,edge:4``: the configurations to run (the control
+    always runs); ``@N``: blend with N check layers (default: the engine's ``rag_check_layers``)."""
     out = []
     for part in filter(None, (x.strip() for x in spec.split(","))):
         mode, _, value = part.partition(":")
+        value, _, layers = value.partition("@")
         try:
-            if mode == "blend" and 0 <= float(value) < 1:
-                out.append((f"blend {float(value):.0%}", "blend", 0, float(value)))
+            checks = int(layers) if layers else None
+            if mode == "blend" and 0 <= float(value) < 1 and (checks is None or checks >= 1):
+                label = f"blend {float(value):.0%}" + (f" @{checks}" if checks else "")
+                out.append((label, "blend", 0, float(value), checks))
                 continue
-            if mode == "edge" and int(value) > 0:
-                out.append((f"edge {int(value)}", "edge", int(value), 0.0))
+            if mode == "edge" and int(value) > 0 and not layers:
+                out.append((f"edge {int(value)}", "edge", int(value), 0.0, None))
                 continue
         except ValueError:
             pass
-        raise SystemExit(f"--reuse-configs: {part!r} is not blend:RATIO (0 <= RATIO < 1) or edge:TOKENS (> 0)")
+        raise SystemExit(f"--reuse-configs: {part!r} is not blend:RATIO[@LAYERS] (0 <= RATIO < 1, LAYERS >= 1) "
+                         "or edge:TOKENS (> 0)")
     return tuple(out) + CONFIGS[-1:]
 
 
@@ -140,10 +145,11 @@ def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system:
             replies["full prefill"].append(full.text)
             answer = list(prompt) + list(full.token_ids)
             engine.on_loop(lambda: _warm(engine, cp, answer, texts))  # so that no row's place ms/q computes chunk KV
-            for label, mode, edge, ratio in configs:
+            for label, mode, edge, ratio, checks in configs:
                 ns = ("rag-eval", qi, label)
                 t = time.perf_counter()
-                placed = engine.on_loop(lambda: cp.place(engine, None, answer, 0, texts, ns, None, False, mode, edge, ratio))
+                placed = engine.on_loop(lambda: cp.place(engine, None, answer, 0, texts, ns, None, False, mode, edge, ratio,
+                                                         check_layers=checks))
                 spent[label] += time.perf_counter() - t
                 reused[label][0] += placed.reused
                 reused[label][1] += placed.reused + placed.recomputed
@@ -155,7 +161,9 @@ def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system:
                     if placed.kept is not None:
                         engine.on_loop(lambda: engine.kv.drop(placed.kept))
                 # free-running from the placed KV (the teacher-forced rows left it in the namespace's tree)
-                placed = engine.on_loop(lambda: cp.place(engine, None, prompt, 0, texts, ns, None, False, mode, edge, ratio))
+                # as a turn places them: through the prompt's last token but one
+                placed = engine.on_loop(lambda: cp.place(engine, None, prompt, 0, texts, ns, None, False, mode, edge, ratio,
+                                                         upto=len(prompt) - 1, check_layers=checks))
                 got = _answer(engine, prompt, params, placed.kept, ns)
                 replies.setdefault(label, []).append(got.text)
                 same[label] += int(list(got.token_ids) == list(full.token_ids))
