@@ -18,7 +18,7 @@ turn's KV up to its prompt's last token is built here, before the request is add
      compute its KV (stored: fresh KV replaces the copy) and only the top share of all placed
      chunk tokens by that layer's deviation from the reused KV goes on, shrinking
      geometrically to ``rag_recompute_ratio`` at the last check (gradual filtering; one check
-     layer is LMCache's ``check_layers=[1]``);
+     layer is LMCache's ``check_layers=[1]``; chatkv.chunk_blend);
    each computed row replaces the reused row in its layer before that layer's attention, so
    a later token sees it, as in a from-scratch forward. With every chunk token chosen the
    forward is one ordinary prefill chunk: the KV is full prefill's.
@@ -28,9 +28,6 @@ turn's KV up to its prompt's last token is built here, before the request is add
 
 The scheduler computes the rest (a turn's last prompt token) as usual. Anything that fails
 here falls back to computing (a slower turn, never a wrong one).
-
-Past 400 lines: the chunk owner's other half (chatkv.chunk_kv holds the store) and blend's
-layer loop are one contract: which rows are reused, which recomputed, and in what order.
 """
 
 from __future__ import annotations
@@ -41,11 +38,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Hashable, Sequence
 
 import torch
-import torch.nn.functional as F
 
+from chatkv import chunk_blend
 from chatkv.chunk_kv import ChunkEntry, ChunkKV
 from chatkv.errors import OutOfBlocks
-from chatkv.kernels import kv_quant
 from chatkv.kv_types import BlockTable
 from chatkv.model_runner import BatchItem
 
@@ -316,9 +312,9 @@ def _build(engine, req: _Req, spans, found: list[ChunkEntry], end: int, mode: st
     n_chunk = int(reused[h0:end].sum())
     checks = None
     if mode == "blend" and 0 < ratio < 1 and len(model.layers) > 1:
-        checks = blend_checks(ratio, check_layers, len(model.layers))
+        checks = chunk_blend.checks(ratio, check_layers, len(model.layers))
     if checks is not None:  # CacheBlend: every token from layer 0, fewer from each check layer on
-        kept = _blend_forward(engine, req, h0, end, reused, checks)
+        kept = chunk_blend.forward(engine, req.token_ids, req.kv.blocks, h0, end, reused, checks)
         return Placed(None, reused=n_chunk - kept, recomputed=kept, computed=end - h0 - n_chunk + kept)
     recompute = _choose(spans, mode, edge_tokens, ratio)
     for p in recompute:
@@ -337,80 +333,3 @@ def _choose(spans, mode: str, edge_tokens: int, ratio: float) -> list[int]:
     if mode == "edge":
         return [p for _, pos, _, n in spans for p in range(pos, pos + min(n, edge_tokens))]
     return [p for _, pos, _, n in spans for p in range(pos, pos + math.ceil(min(max(ratio, 0.0), 1.0) * n))]
-
-
-def blend_checks(ratio: float, check_layers: int, num_layers: int) -> dict[int, float]:
-    """Blend's check layers: ``{layer: share of all placed chunk tokens that go on past it}``.
-    Layers 1 .. ``check_layers`` each keep a share of the last one's, geometrically down to
-    ``ratio`` (``ratio ** (i / n)`` at the i-th of n): CacheBlend's gradual filtering, each
-    layer's choice made on that layer's own deviation. One check layer is LMCache's
-    ``check_layers=[1]``."""
-    n = max(1, min(check_layers, num_layers - 1))
-    return {i: ratio ** (i / n) for i in range(1, n + 1)}
-
-
-@torch.inference_mode()
-def _blend_forward(engine, req: _Req, h0: int, end: int, reused: torch.Tensor, checks: dict[int, float]) -> int:
-    """Compute ``tokens[h0:end]`` over the placed KV, layer by layer, with a shrinking set of
-    tokens (CacheBlend's selective recompute; ``reused[p]``: position p's KV was placed from a
-    chunk). Every token enters layer 0 (its KV there depends on no other token). A layer computes
-    the keys and values of every token it holds and stores them (they replace the reused rows:
-    a token's fresh KV is never worse than the copy); at a check layer ``l`` only the top
-    ``checks[l]`` share of all placed chunk tokens by that layer's deviation from the reused KV
-    (summed squared difference of keys and values), and every token between the chunks, go on
-    through its attention and MLP into the next layer. Returns how many chunk tokens went
-    through every layer (blend's ``recomputed``)."""
-    model, runner, pool = engine.model, engine.runner, engine.runner.pool
-    quant, table, tokens = pool.quant, req.kv.blocks, req.token_ids
-    nh, nkv, d = model.num_heads, model.num_kv_heads, model.head_dim
-    at = torch.arange(h0, end)  # the positions this layer computes
-    chunk = reused[h0:end].clone()  # which of them are placed chunk tokens
-    n_chunk = int(chunk.sum())
-
-    def metas(pos: torch.Tensor):
-        p = pos.tolist()
-        return runner.build_batch([BatchItem([tokens[i] for i in p], p[0], table, "none", positions=p)])
-
-    batch = metas(at)
-    h = F.embedding(batch.input_ids, model.embed).to(model.residual_dtype)
-    cos, sin = model._rope(batch.positions)
-    for li, layer in enumerate(model.layers):
-        kc, vc = pool.kv[li, 0], pool.kv[li, 1]
-        meta = batch.metas[layer.window]
-        t = at.shape[0]
-        qkv = layer.qkv(model._rms(h, layer.input_norm)).view(t, nh + 2 * nkv, d)
-        qk = qkv[:, : nh + nkv]
-        if layer.qk_norm is not None:
-            qk = model._rms(qk, layer.qk_norm)
-        qk = model._rotate(qk, cos, sin)
-        q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
-        share = checks.get(li)
-        keep = None
-        if share is not None and bool(chunk.any()):
-            keep = _keep(kc, vc, meta.slot_mapping, k, v, chunk, math.ceil(share * n_chunk), quant)
-        model.store_kv(kc, vc, meta.slot_mapping, k, v, quant=quant)
-        if keep is not None and keep.shape[0] < t:
-            at, chunk, h, q, cos, sin = at[keep], chunk[keep], h[keep], q[keep], cos[keep], sin[keep]
-            if at.shape[0] == 0:
-                return 0
-            batch = metas(at)
-            meta = batch.metas[layer.window]
-        o = model.attention(q, kc, vc, meta, model.scale, quant=quant).reshape(at.shape[0], nh * d)
-        h = h + layer.o(o)
-        g, u = layer.gate_up(model._rms(h, layer.post_norm)).chunk(2, dim=-1)
-        h = h + layer.down(F.silu(g) * u)
-    return int(chunk.sum())
-
-
-def _keep(kc, vc, slots, k, v, chunk: torch.Tensor, n: int, quant: str | None) -> torch.Tensor:
-    """Rows to go on: every non-chunk row, and the ``n`` chunk rows whose fresh ``k``, ``v``
-    deviate most from the rows stored at ``slots`` (the reused KV), in ascending order."""
-    kv_heads, row = kc.shape[-2:]
-    old_k, old_v = kc.view(-1, kv_heads, row).index_select(0, slots), vc.view(-1, kv_heads, row).index_select(0, slots)
-    if quant:
-        old_k, old_v = kv_quant.dequantize(old_k, quant, torch.float32), kv_quant.dequantize(old_v, quant, torch.float32)
-    dev = ((k.float() - old_k.float()) ** 2).sum(dim=(1, 2)) + ((v.float() - old_v.float()) ** 2).sum(dim=(1, 2))
-    dev = torch.nan_to_num(dev, nan=3e38, posinf=3e38)  # a non-finite row deviates most: it goes on
-    dev = dev.masked_fill(~chunk.to(dev.device), float("inf"))  # the tokens between the chunks always go on
-    n = min(int((~chunk).sum()) + n, chunk.shape[0])
-    return torch.topk(dev, n).indices.sort().values.cpu()  # indexes the positions (CPU) and the rows

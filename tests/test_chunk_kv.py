@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from chatkv import Engine
+from chatkv import chunk_blend
 from chatkv import chunk_place as cp
 from chatkv.config import EngineConfig
 from chatkv.errors import InvalidRequest
@@ -194,8 +195,8 @@ def test_blend_filters_gradually_each_check_layer_choosing_on_its_own_deviation(
         tokens = list(_prompt(e, texts))
         spans = cp.find_spans(tokens, 0, [cp.chunk_ids(e.tokenizer, t) for t in texts])
         chunk_pos = torch.tensor([p for _, pos, _, n in spans for p in range(pos, pos + n)])
-        assert cp.blend_checks(0.25, 2, 3) == {1: 0.5, 2: 0.25}
-        assert cp.blend_checks(0.25, 8, 3) == {1: 0.5, 2: 0.25}  # no more checks than layers after layer 0
+        assert chunk_blend.checks(0.25, 2, 3) == {1: 0.5, 2: 0.25}
+        assert chunk_blend.checks(0.25, 8, 3) == {1: 0.5, 2: 0.25}  # no more checks than layers after layer 0
 
         def placed_kv(ratio):
             placed = e.on_loop(lambda: cp.place(e, None, tokens, 0, texts, ("g", ratio), None, False, "blend", 0,
@@ -397,10 +398,10 @@ def test_blends_choice_keeps_every_token_between_the_chunks_and_a_non_finite_row
     slots = torch.arange(6)
     k = torch.tensor([[[0.0, 0.0]], [[1.0, 0.0]], [[float("nan"), 0.0]], [[0.0, 0.0]], [[3.0, 0.0]], [[float("inf"), 0.0]]])
     chunk = torch.tensor([False, True, True, False, True, True])
-    assert cp._keep(kc, vc, slots, k, torch.zeros_like(k), chunk, 2, None).tolist() == [0, 2, 3, 5]
-    assert cp._keep(kc, vc, slots, k, torch.zeros_like(k), chunk, 3, None).tolist() == [0, 2, 3, 4, 5]
-    assert cp._keep(kc, vc, slots, k, torch.zeros_like(k), chunk, 9, None).tolist() == [0, 1, 2, 3, 4, 5]
-    one = cp._keep(kc, vc, slots, k, torch.zeros_like(k), chunk, 1, None).tolist()
+    assert chunk_blend.keep_rows(kc, vc, slots, k, torch.zeros_like(k), chunk, 2, None).tolist() == [0, 2, 3, 5]
+    assert chunk_blend.keep_rows(kc, vc, slots, k, torch.zeros_like(k), chunk, 3, None).tolist() == [0, 2, 3, 4, 5]
+    assert chunk_blend.keep_rows(kc, vc, slots, k, torch.zeros_like(k), chunk, 9, None).tolist() == [0, 1, 2, 3, 4, 5]
+    one = chunk_blend.keep_rows(kc, vc, slots, k, torch.zeros_like(k), chunk, 1, None).tolist()
     assert len(one) == 3 and {0, 3} < set(one) and set(one) - {0, 3} <= {2, 5}  # two non-finite rows for one place
 
 
