@@ -614,3 +614,39 @@ def test_placement_in_a_quantised_pool_against_the_same_dtype_full_prefill(model
         e.check_integrity()
     finally:
         e.close()
+
+
+@pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
+def test_blend_in_a_quantised_pool_chooses_on_dequantised_rows(model_dir, tmp_path, kv_dtype):
+    """Blend with check layers over int8 / fp8 KV: the deviation is taken on the dequantised
+    reused rows; the share recomputed is exact, layer 0 is the same dtype's full prefill within
+    its two roundings, every value finite, and the pool's accounting holds."""
+    from chatkv.kernels import kv_quant
+    from chatkv.sampling import SamplingParams
+
+    e = engine_at(model_dir, tmp_path, kv_dtype=kv_dtype, rag_check_layers=2)
+    try:
+        quant = e.runner.pool.quant
+        texts = [CHUNK, "A refractor uses lenses, a reflector uses mirrors. Collimate a reflector before each night."]
+        tokens = list(_prompt(e, texts))
+        n_chunks = sum(len(cp.chunk_ids(e.tokenizer, t)) for t in texts)
+        seq = e.add_request(tokens, SamplingParams(max_tokens=1, temperature=0.0), retain=True, namespace=("full",))
+        for _ in e.drive(seq):
+            pass
+        ref = e.on_loop(lambda: e.kv.export_kv(seq.retained))
+        placed = e.on_loop(lambda: cp.place(e, None, tokens, 0, texts, ("q",), None, False, "blend", 0, 0.3,
+                                            full_as_prefill=False, upto=len(tokens) - 1))
+        assert placed.end == len(tokens) - 1
+        assert placed.recomputed == math.ceil(0.3 * n_chunks) and placed.reused == n_chunks - placed.recomputed
+        k, v = e.on_loop(lambda: e.kv.export_kv(placed.kept))
+        gate = {"int8": 2 / 127, "fp8": 1 / 8}[kv_dtype]
+        for got, want in ((k, ref[0]), (v, ref[1])):
+            a = kv_quant.dequantize(got[0], quant, torch.float32)
+            b = kv_quant.dequantize(want[0][: placed.end], quant, torch.float32)
+            assert ((a - b).abs() <= gate * b.abs().amax(-1, keepdim=True) + 1e-6).all()
+            assert all(torch.isfinite(kv_quant.dequantize(x, quant, torch.float32)).all() for x in got)
+        e.on_loop(lambda: e.kv.drop(placed.kept))
+        e.on_loop(lambda: e.kv.drop(seq.retained))
+        e.check_integrity()
+    finally:
+        e.close()
