@@ -203,9 +203,11 @@ def place(engine, kept: RetainedKV | None, tokens: list[int], start: int, texts:
           old_namespace: Hashable | None, migrate: bool, mode: str, edge_tokens: int, ratio: float,
           full_as_prefill: bool = True, upto: int | None = None, check_layers: int | None = None) -> Placed:
     """Build the KV of ``tokens`` up to the end of the last source found in ``tokens[start:]``,
-    or up to ``upto`` when that is further (a turn passes its prompt's length less one: the
-    tokens after the sources are computed in the same forward, and the scheduler computes only
-    the last, for its logits, in a decode step; one pass over the weights less per turn)
+    or up to ``upto`` when that is further by at most ``max_batch_tokens`` (what one step
+    computes: a longer tail would hold other requests back; the scheduler computes it in its
+    chunks). A turn passes its prompt's length less one: the tokens after the sources are
+    computed in the same forward, and the scheduler computes only the last, for its logits, in
+    a decode step; one pass over the weights less per turn
     (``texts``: the sources' texts as the prompt holds them) in radix ``namespace``, continuing
     ``kept`` (the history's KV). With ``migrate`` the history lives in ``old_namespace``: it, and
     what the shared tree holds of the prompt there (a system prompt, pinned documents), is copied
@@ -236,7 +238,9 @@ def place(engine, kept: RetainedKV | None, tokens: list[int], start: int, texts:
     except Exception as e:  # noqa: BLE001 - nothing moved: the sources are computed as usual
         log.warning("the sources' chunk KV is unavailable (%s: %s); computing them instead", type(e).__name__, e)
         return Placed(kept, private=not migrate)
-    end = max(spans[-1][1] + spans[-1][3], min(upto or 0, len(tokens) - 1))
+    end = spans[-1][1] + spans[-1][3]
+    if upto is not None and 0 < min(upto, len(tokens) - 1) - end <= engine.config.max_batch_tokens:
+        end = min(upto, len(tokens) - 1)  # a longer tail is the scheduler's, in its chunks between steps
     if migrate:  # the history's KV and the shared prefix, copied into the private namespace
         r0 = _Req(tokens[: spans[0][1] + 1], old_namespace, prefix=kept)  # up to the first source
         kv.attach(r0)

@@ -312,6 +312,35 @@ def test_a_turn_places_through_its_last_prompt_token_but_one(model_dir, corpus, 
         e.close()
 
 
+def test_a_tail_longer_than_a_step_is_left_to_the_scheduler(model_dir, corpus, tmp_path, monkeypatch):
+    """Placement runs on the loop between steps: it computes the instruction and question after
+    the sources only when they fit one step's budget (``max_batch_tokens``); a longer tail is
+    the scheduler's, in its chunks, and placement ends at the last source as before."""
+    e = engine_at(model_dir, tmp_path, rag_recompute_ratio=0.3, max_batch_tokens=8)
+    seen, real = [], cp.place
+
+    def spy(engine, kept, tokens, *args, **kwargs):
+        out = real(engine, kept, tokens, *args, **kwargs)
+        seen.append((list(tokens), out.end, out.computed))
+        return out
+
+    monkeypatch.setattr(cp, "place", spy)
+    try:
+        kb = e.knowledge_base("docs")
+        kb.add([str(corpus)])
+        s = e.session(knowledge=kb, top_k=2, params=GREEDY)
+        r = s.send(QUESTIONS[0] + " Please answer in one short sentence with the source's number.")
+        tokens, end, computed = seen.pop()
+        from chatkv import rag
+
+        spans = cp.find_spans(tokens, 0, [cp.chunk_ids(e.tokenizer, t) for t in rag.source_texts(r.sources)])
+        assert end == spans[-1][1] + spans[-1][3] and len(tokens) - 1 - end > 8
+        assert r.usage.reused_tokens > 0 and r.usage.computed_tokens == computed + len(tokens) - end
+        e.check_integrity()
+    finally:
+        e.close()
+
+
 def test_chunk_kv_comes_back_from_disk_after_a_restart(model_dir, corpus, tmp_path):
     _, _, first = _replies(model_dir, tmp_path, corpus, rag_kv_reuse="edge")
     assert first["chunk_computed"] >= 2 and first["chunk_loaded"] == 0
