@@ -10,8 +10,9 @@ turn's KV up to its prompt's last token is built here, before the request is add
    disk, else computed now, all missing chunks in one forward) and is copied into the
    request's blocks with its keys re-rotated to the positions it takes (``rotate_keys``);
 3. one forward then computes, over everything, what is not reused: the tokens between and
-   after the sources (for a turn, through the prompt's last token but one: the scheduler then
-   computes only the last, in a decode step) and the chunk tokens chosen for recompute:
+   after the sources (for a turn, through the prompt's last token but one when that tail fits
+   one step's ``max_batch_tokens``: the scheduler then computes only the last, in a decode
+   step) and the chunk tokens chosen for recompute:
    - ``edge`` (EPIC): the first ``rag_edge_tokens`` tokens of each chunk, through every layer;
    - ``blend`` (CacheBlend): every token computes layer 0 (its KV there depends on no other
      token); then at each check layer (1 .. ``rag_check_layers``) the tokens that reached it
@@ -207,8 +208,8 @@ def place(engine, kept: RetainedKV | None, tokens: list[int], start: int, texts:
     computes: a longer tail would hold other requests back; the scheduler computes it in its
     chunks). A turn passes its prompt's length less one: the tokens after the sources are
     computed in the same forward, and the scheduler computes only the last, for its logits, in
-    a decode step; one pass over the weights less per turn
-    (``texts``: the sources' texts as the prompt holds them) in radix ``namespace``, continuing
+    a decode step: one pass over the weights less per turn. ``texts``: the sources' texts as the
+    prompt holds them. The KV is built in radix ``namespace``, continuing
     ``kept`` (the history's KV). With ``migrate`` the history lives in ``old_namespace``: it, and
     what the shared tree holds of the prompt there (a system prompt, pinned documents), is copied
     into ``namespace`` first. ``kept`` is ended; the Placed's handle replaces it (``private``:
@@ -313,12 +314,10 @@ def _build(engine, req: _Req, spans, found: list[ChunkEntry], end: int, mode: st
         v = [x[off : off + n].to(pool.kv.device) for x in e.v]
         pool.write(table, pos, k, v)
         reused[pos : pos + n] = True
-    n_chunk = int(reused[h0:end].sum())
-    checks = None
-    if mode == "blend" and 0 < ratio < 1 and len(model.layers) > 1:
-        checks = chunk_blend.checks(ratio, check_layers, len(model.layers))
-    if checks is not None:  # CacheBlend: every token from layer 0, fewer from each check layer on
-        kept = chunk_blend.forward(engine, req.token_ids, req.kv.blocks, h0, end, reused, checks)
+    if mode == "blend" and 0 < ratio < 1 and len(model.layers) > 1:  # every token from layer 0, fewer past each check
+        n_chunk = int(reused[h0:end].sum())
+        shares = chunk_blend.checks(ratio, check_layers, len(model.layers))
+        kept = chunk_blend.forward(engine, tokens, table, h0, end, reused, shares)
         return Placed(None, reused=n_chunk - kept, recomputed=kept, computed=end - h0 - n_chunk + kept)
     recompute = _choose(spans, mode, edge_tokens, ratio)
     for p in recompute:

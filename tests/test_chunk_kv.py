@@ -284,28 +284,35 @@ def test_placed_kv_is_never_shared_under_from_scratch_token_ids(model_dir, corpu
         e.close()
 
 
+def _placements(monkeypatch) -> list:
+    """Every turn's placement from now on, as ``(prompt tokens, Placed.end, Placed.computed)``:
+    the real ``chunk_place.place`` runs, its outcome noted."""
+    seen, real = [], cp.place
+
+    def spy(engine, kept, tokens, *args, **kwargs):
+        out = real(engine, kept, tokens, *args, **kwargs)
+        seen.append((list(tokens), out.end, out.computed))
+        return out
+
+    monkeypatch.setattr(cp, "place", spy)
+    return seen
+
+
 @pytest.mark.parametrize("mode", ["blend", "edge"])
 def test_a_turn_places_through_its_last_prompt_token_but_one(model_dir, corpus, tmp_path, monkeypatch, mode):
     """A RAG turn's placement computes the instruction and the question after the sources in
     the same forward (one pass over the weights less per turn): its KV ends at the prompt's last
     token but one, and the scheduler computes only the last, for the first token's logits."""
     e = engine_at(model_dir, tmp_path, rag_kv_reuse=mode, rag_recompute_ratio=0.3)
-    seen, real = [], cp.place
-
-    def spy(engine, kept, tokens, *args, **kwargs):  # the real placement, its outcome noted
-        out = real(engine, kept, tokens, *args, **kwargs)
-        seen.append((len(tokens), out.end, out.computed))
-        return out
-
-    monkeypatch.setattr(cp, "place", spy)
+    seen = _placements(monkeypatch)
     try:
         kb = e.knowledge_base("docs")
         kb.add([str(corpus)])
         s = e.session(knowledge=kb, top_k=2, params=GREEDY)
         for q in QUESTIONS:  # a first turn, then one after a history
             r = s.send(q)
-            n, end, computed = seen.pop()
-            assert r.usage.reused_tokens > 0 and end == n - 1
+            tokens, end, computed = seen.pop()
+            assert r.usage.reused_tokens > 0 and end == len(tokens) - 1
             assert r.usage.computed_tokens == computed + 1, r.usage
         e.check_integrity()
     finally:
@@ -317,14 +324,7 @@ def test_a_tail_longer_than_a_step_is_left_to_the_scheduler(model_dir, corpus, t
     the sources only when they fit one step's budget (``max_batch_tokens``); a longer tail is
     the scheduler's, in its chunks, and placement ends at the last source as before."""
     e = engine_at(model_dir, tmp_path, rag_recompute_ratio=0.3, max_batch_tokens=8)
-    seen, real = [], cp.place
-
-    def spy(engine, kept, tokens, *args, **kwargs):
-        out = real(engine, kept, tokens, *args, **kwargs)
-        seen.append((list(tokens), out.end, out.computed))
-        return out
-
-    monkeypatch.setattr(cp, "place", spy)
+    seen = _placements(monkeypatch)
     try:
         kb = e.knowledge_base("docs")
         kb.add([str(corpus)])
