@@ -65,10 +65,21 @@ def main() -> None:
 
     from chatkv import quant
 
-    kernels_before = quant.few_row_kernel()
+    from chatkv.kernels import cpu_decode
+
+    kernels_before, amx_before = quant.few_row_kernel(), cpu_decode.amx()
+    # (name, chatkv's few-row kernels, on AMX tiles): torch's kernels are the baseline
+    variants = [("torch kernels", False, False), ("chatkv AVX-512", True, False)]
+    if amx_before:
+        variants.append(("chatkv AMX", True, True))
+
+    def use(ours: bool, tiles: bool) -> None:
+        quant.few_row_kernel(ours)
+        cpu_decode.amx(tiles)
+
     fixed = Fixed("lookup", max(counts), 0.2, 15)
     eng.scheduler.speculator = fixed
-    steps: dict[tuple[int, bool], list[float]] = {}
+    steps: dict[tuple[int, str], list[float]] = {}
     ops_out = []
     try:
         for rnd in range(args.rounds):
@@ -76,17 +87,17 @@ def main() -> None:
                                                       temperature=0, ignore_eos=True))
             for _ in range(10):  # the prompt and warm steps
                 eng.step()
-            # every row count, with torch's weight-only kernels and with chatkv's (cpu_matmul.c),
-            # step by step in turn on one sequence: all see the same machine and the same context
-            # lengths (this machine's speed drifted by tens of percent within minutes)
+            # every row count with each variant, step by step in turn on one sequence: all see
+            # the same machine and the same context lengths (this machine's speed drifted by tens
+            # of percent within minutes)
             for _ in range(args.steps):
                 for rows in counts:
-                    for ours in (False, True):
+                    for name, ours, tiles in variants:
                         fixed.k = rows - 1
-                        quant.few_row_kernel(ours)
-                        steps.setdefault((rows, ours), []).append(each_ms(eng.step, 1)[0])
+                        use(ours, tiles)
+                        steps.setdefault((rows, name), []).append(each_ms(eng.step, 1)[0])
             if rnd == 0:
-                quant.few_row_kernel(False)
+                use(False, False)
                 for rows in counts:
                     fixed.k = rows - 1
                     with profile() as prof:
@@ -98,19 +109,23 @@ def main() -> None:
                                    + [f"{sum(per.get(op, (0, 0))[1] for op in OPS) / max(total, 1):.0%}"])
             eng.abort(seq)
     finally:
-        quant.few_row_kernel(kernels_before)
+        use(kernels_before, amx_before)
         eng.close()
     native = bool(eng.model.layers[0].qkv.few_rows())
     best = {key: median(v) for key, v in steps.items()}
-    one = {ours: best.get((1, ours)) for ours in (False, True)}
     rows_out = []
     for rows in dict.fromkeys(counts):
-        t, c = best[(rows, False)], best[(rows, True)]
-        extra = lambda m, base: "-" if rows == 1 or not base else f"{(m / base - 1) / (rows - 1):.3f}"  # noqa: E731
-        rows_out.append([str(rows), f"{t:.2f}", extra(t, one[False]), f"{c:.2f}", extra(c, one[True]), f"{t / c:.2f}x"])
+        line = [str(rows)]
+        for name, _, _ in variants:
+            m, base = best[(rows, name)], best[(1, name)] if (1, name) in best else None
+            line += [f"{m:.2f}", "-" if rows == 1 or not base else f"{(m / base - 1) / (rows - 1):.3f}"]
+        line += [f"{best[(rows, 'torch kernels')] / best[(rows, name)]:.2f}x" for name, _, _ in variants[1:]]
+        rows_out.append(line)
+    head = ["rows"] + [h for name, _, _ in variants for h in (name, "per extra row")]
+    head += [f"{name} vs torch" for name, _, _ in variants[1:]]
     print_table(f"one sequence, step time by rows, ms (median of {args.steps * args.rounds} steps each, in turn); "
-                f"chatkv's kernels {'built' if native else 'NOT built here (no AVX512-BF16): both columns are torch'}",
-                ["rows", "torch kernels", "per extra row", "chatkv kernels", "per extra row", "speed-up"], rows_out)
+                f"chatkv's kernels {'built' if native else 'NOT built here (no AVX512-BF16): the chatkv columns are torch'}"
+                f"{'' if amx_before else '; no AMX here (or not granted): no AMX column'}", head, rows_out)
     print_table("torch's weight-only kernels, self CPU us per call (torch profiler, 10 steps)",
                 ["rows", "int4 projections", "int8 output matrix", "their share of the step"], ops_out)
     print(f"load average at end: {load_average()}; {other}")

@@ -43,7 +43,8 @@ Pieces:
   - the row's cost (``StepCost.row_cost``, relative to a one-row step) is measured on this
     machine from the engine's own decode steps (the model runner reports each one's rows and
     time): the median of estimates from consecutive steps of different rows, so a busy core's
-    outlier or a slowly changing load does not move it. Before it is measured: 0.2 on a CPU.
+    outlier or a slowly changing load does not move it. Before it is measured: 0.2 on a CPU,
+    0.05 where the few-row products run on AMX tiles (chatkv.kernels.cpu_decode.amx).
 * Constrained requests (``seq.matcher``, chatkv.constraints) speculate too: a proposal is cut to
   the prefix the constraint accepts (``Matcher.validate``), and ``verify`` masks each position's
   logits with the matcher advanced through the tokens before it, exactly as plain decoding masks
@@ -305,9 +306,12 @@ class Speculator:
         """The engine's speculator (None when ``speculative="off"``)."""
         if config.speculative == "off" or config.num_speculative_tokens == 0:
             return None
+        from chatkv.kernels import cpu_decode
+
         on_cpu = str(config.device).startswith("cpu")
         max_rows = config.quant_dense_rows - 1 if config.quant_dense_rows > 1 else 32
-        return cls(config.speculative, config.num_speculative_tokens, 0.2 if on_cpu else 0.02, max_rows,
+        prior = (0.05 if cpu_decode.amx() else 0.2) if on_cpu else 0.02  # AMX tiles: a row ~0.05 (bench_verify_rows)
+        return cls(config.speculative, config.num_speculative_tokens, prior, max_rows,
                    max_batch=CPU_MAX_BATCH if on_cpu else None)
 
     def state(self, seq: Any) -> SpecState:

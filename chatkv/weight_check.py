@@ -243,7 +243,7 @@ def verify(model, model_dir: Path, fingerprint: str, tokenizer, dense_rows: int,
     if getattr(model, "fused_decode", False):  # its decode path is the fused C ops: a verdict per their source
         from chatkv.kernels import cpu_decode
 
-        key += f"|fused decode {cpu_decode.digest()}"
+        key += f"|fused decode {cpu_decode.digest()}{' amx' if cpu_decode.amx() else ''}"  # tiles: other sums
     f = cache_file()
     with _lock:
         hit = _load_cache(f).get(key)

@@ -44,6 +44,7 @@ import torch
 log = logging.getLogger("chatkv.kernels")
 
 ENV = "CHATKV_FUSED_DECODE"  # "0" turns the fused decode ops off
+AMX_ENV = "CHATKV_AMX"  # "0": the few-row products use AVX-512 only, where the CPU has AMX too
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 #: the library's sources: the fused step ops, the few-row quantised products, their bf16 helpers
 SOURCES = (SOURCE, SOURCE.with_name("cpu_matmul.c"), SOURCE.with_name("cpu_bf16.h"))
@@ -150,6 +151,8 @@ def load(directory: Path) -> bool:
                     for name in ("int4_mm_native", "int8_mm_native"):
                         getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
                     lib.set_attention_blocked.argtypes, lib.set_attention_blocked.restype = [ctypes.c_int], ctypes.c_int
+                    lib.amx_enable.argtypes, lib.amx_enable.restype = [ctypes.c_int], ctypes.c_int
+                    lib.amx_enable(int(os.environ.get(AMX_ENV, "1").strip() != "0"))
                     _lib = lib
                 except OSError as err:
                     log.warning("fused decode ops not loaded (%s); the torch ops are used", err)
@@ -246,6 +249,16 @@ def int4_mm_native() -> bool:
     """Whether ``int4_mm`` is built here: it needs AVX512-BF16 and AVX512-VBMI (AMD Zen 4, Intel
     Sapphire Rapids and later; not an AVX-512 Xeon without bfloat16), and the library loaded."""
     return bool(loaded()) and bool(_lib.int4_mm_native())
+
+
+def amx(on: bool | None = None) -> bool:
+    """Whether the few-row products run on AMX tiles (cpu_matmul.c; Intel Sapphire Rapids and
+    later, where Linux grants the tile state); ``on`` turns them on or off (benchmarks compare:
+    a process should keep one choice, as a verified row is its plain decode's bit for bit only
+    on the same kernel)."""
+    if not loaded():
+        return False
+    return _lib.amx_enable(-1 if on is None else int(on)) == 1
 
 
 def int4_mm_call(packed: torch.Tensor, scales_zeros: torch.Tensor):

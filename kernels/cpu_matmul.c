@@ -9,6 +9,7 @@
  * Non-finite activations give non-finite outputs, as torch's kernels do, though not always the
  * same ones: an infinite input times a zero code is NaN here where torch's sum may be inf. */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #ifdef _OPENMP
 #include <omp.h>
@@ -81,6 +82,158 @@ static inline __attribute__((always_inline)) void int4_mm_tile(
     }
 }
 
+/* AMX (Intel Sapphire Rapids and later): the same two products with tile dot products. A
+ * vdpbf16ps multiplies 32 input pairs of one row; a tdpbf16ps 16 rows x 16 columns x 32 inputs at
+ * about the cost of 16 of them, so each extra row of a step is nearly free where the AVX-512
+ * kernels above pay the whole dot product again (0.12-0.27 of a one-row step per extra row on the
+ * default model against 0.05-0.06 here, benchmarks/bench_verify_rows.py). A C element is row m
+ * of A times column n of B: a row's result does not depend on the step's other rows. The tiles'
+ * sums are not vdpbf16ps's bit for bit (measured: 4% of the default model's group sums differ in
+ * the last bit, in either direction from the exact sum), so when the process has AMX (asked of
+ * the kernel once, amx_enable) every step takes them, one row included: a verified proposal's
+ * logits are its plain decode's bit for bit. A one-row step costs the same either way in a real
+ * decode step, whose weights come from memory (11.7 ms against 11.9 on AVX-512; alone with its
+ * weights in cache a one-row product takes 1.3x AVX-512's time). */
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_BUILT 1
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } amx_config;
+static int amx_on = 0;
+
+static void amx_configure(const int *rows, const int *colsb, int tiles) {
+    amx_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < tiles; t++) { c.rows[t] = (uint8_t)rows[t]; c.colsb[t] = (uint16_t)colsb[t]; }
+    _tile_loadconfig(&c);
+}
+
+/* int4_mm with tiles. A work item is int4_mm's 32 columns (c0 + j and c0 + 32 + j, j < 16). Per
+ * group of 32 inputs: A = the rows' 32 inputs (tile 4, read from x), B = the 32 x 16 codes - 8 of
+ * each 16 columns as input pairs (tiles 5, 6), decoded as int4_mm_tile decodes them; tiles 0 and
+ * 1 = the group's dot products D, stored and then scaled as int4_mm_tile scales al and ah. */
+static void int4_mm_amx(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, const float *xs, uint16_t *y,
+                        int64_t rows, int64_t n, int64_t k, int threads) {
+    const int64_t groups = k / 32, tiles = n / 32;
+#pragma omp parallel num_threads(threads)
+    {
+        const int tr[7] = {(int)rows, (int)rows, 0, 0, (int)rows, 16, 16}, tc[7] = {64, 64, 0, 0, 64, 64, 64};
+        amx_configure(tr, tc, 7);
+        uint8_t ix[2][64];
+        for (int h = 0; h < 2; h++)
+            for (int j = 0; j < 16; j++) { ix[h][4 * j] = (uint8_t)(16 * h + j); ix[h][4 * j + 1] = 0; ix[h][4 * j + 2] = (uint8_t)(32 + 16 * h + j); ix[h][4 * j + 3] = 0; }
+        uint16_t tb[32];
+        for (int i = 0; i < 32; i++) tb[i] = f2bf((float)((i & 15) - 8));
+        const __m512i table = _mm512_loadu_si512((const void *)tb);
+        const __m512i hi16 = _mm512_set1_epi32((int32_t)0xFFFF0000u);
+        uint16_t bbuf[2][2][16 * 32] __attribute__((aligned(64))); /* [group parity][tile][pair row, column pair] */
+        float cbuf[2][16 * 16] __attribute__((aligned(64)));
+        float acc[16][32] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t b = t / 2, half = (t % 2) * 16, base = b * 64;
+            const uint8_t *p = packed + b * k * 32;
+            const __m512i idx = _mm512_loadu_si512((const void *)ix[t % 2]);
+            for (int64_t r = 0; r < rows; r++) { _mm512_store_ps(acc[r], _mm512_setzero_ps()); _mm512_store_ps(acc[r] + 16, _mm512_setzero_ps()); }
+            for (int64_t g = 0; g < groups; g++) {
+                uint16_t *b0 = bbuf[g & 1][0], *b1 = bbuf[g & 1][1];
+                const uint8_t *pg = p + g * 32 * 32;
+                for (int i = 0; i < 16; i++) {
+                    const __m512i pr = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, idx, _mm512_loadu_si512((const void *)(pg + i * 64)));
+                    _mm512_store_si512((void *)(b0 + i * 32), _mm512_permutexvar_epi16(pr, table));
+                    _mm512_store_si512((void *)(b1 + i * 32), _mm512_permutexvar_epi16(_mm512_srli_epi16(pr, 4), table));
+                }
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_loadd(4, x + g * 32, k * 2);
+                _tile_loadd(5, b0, 64);
+                _tile_loadd(6, b1, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_stored(0, cbuf[0], 64);
+                _tile_stored(1, cbuf[1], 64);
+                const __m512i szl = _mm512_loadu_si512((const void *)(sz + (g * n + base + half) * 2));
+                const __m512i szh = _mm512_loadu_si512((const void *)(sz + (g * n + base + 32 + half) * 2));
+                const __m512 sl = _mm512_castsi512_ps(_mm512_slli_epi32(szl, 16)), sh = _mm512_castsi512_ps(_mm512_slli_epi32(szh, 16));
+                const __m512 zl = _mm512_castsi512_ps(_mm512_and_si512(szl, hi16)), zh = _mm512_castsi512_ps(_mm512_and_si512(szh, hi16));
+                for (int64_t r = 0; r < rows; r++) {
+                    const __m512 xg = _mm512_set1_ps(xs[r * groups + g]);
+                    _mm512_store_ps(acc[r], _mm512_fmadd_ps(zl, xg, _mm512_fmadd_ps(sl, _mm512_load_ps(cbuf[0] + r * 16), _mm512_load_ps(acc[r]))));
+                    _mm512_store_ps(acc[r] + 16, _mm512_fmadd_ps(zh, xg, _mm512_fmadd_ps(sh, _mm512_load_ps(cbuf[1] + r * 16), _mm512_load_ps(acc[r] + 16))));
+                }
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                _mm256_storeu_si256((__m256i *)(y + r * n + base + half), to_bf16x16(_mm512_load_ps(acc[r])));
+                _mm256_storeu_si256((__m256i *)(y + r * n + base + 32 + half), to_bf16x16(_mm512_load_ps(acc[r] + 16)));
+            }
+        }
+        _tile_release();
+    }
+}
+
+/* int8_mm with tiles, transposed: A = 16 output channels' codes as bfloat16 (tile 3), B = the
+ * rows' inputs as pairs, column r = row r (tile 7, laid out once a call), C = channels x rows
+ * (tile 2), summed over all inputs in the tile and scaled at the end. */
+static void int8_mm_avx512(const uint16_t *x, const int8_t *codes, const uint16_t *scale, uint16_t *y, int64_t rows,
+                           int64_t n, int64_t k, int threads);
+static void int8_mm_amx(const uint16_t *x, const int8_t *codes, const uint16_t *scale, uint16_t *y, int64_t rows,
+                        int64_t n, int64_t k, int threads) {
+    uint32_t *xt = aligned_alloc(64, (size_t)((k / 2 * rows * 4 + 63) / 64 * 64)); /* [pair][row]: k / 2 x rows */
+    if (!xt) { int8_mm_avx512(x, codes, scale, y, rows, n, k, threads); return; }
+    for (int64_t i = 0; i < k / 2; i++)
+        for (int64_t r = 0; r < rows; r++) memcpy(&xt[i * rows + r], x + r * k + 2 * i, 4);
+    const int64_t blocks = n / 16;
+#pragma omp parallel num_threads(threads)
+    {
+        const int tr[8] = {0, 0, 16, 16, 0, 0, 0, 16}, tc[8] = {0, 0, (int)rows * 4, 64, 0, 0, 0, (int)rows * 4};
+        amx_configure(tr, tc, 8);
+        uint16_t abuf[2][16 * 32] __attribute__((aligned(64)));
+        float cbuf[16 * 16] __attribute__((aligned(64)));
+        const __m512i gather = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
+#pragma omp for schedule(static)
+        for (int64_t bl = 0; bl < blocks; bl++) {
+            const int8_t *cb = codes + bl * 16 * k;
+            _tile_zero(2);
+            for (int64_t i = 0; i < k; i += 32) {
+                uint16_t *a = abuf[(i / 32) & 1];
+                for (int c = 0; c < 16; c++) {
+                    const int8_t *pc = cb + c * k + i;
+                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)pc)));
+                    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(pc + 16))));
+                    _mm512_store_si512((void *)(a + c * 32), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                }
+                _tile_loadd(3, a, 64);
+                _tile_loadd(7, xt + (i / 2) * rows, rows * 4);
+                _tile_dpbf16ps(2, 3, 7);
+            }
+            _tile_stored(2, cbuf, 64);
+            const __m512 s = bf16x16(scale + bl * 16);
+            for (int64_t r = 0; r < rows; r++) {
+                const __m512 v = _mm512_i32gather_ps(_mm512_add_epi32(gather, _mm512_set1_epi32((int)r)), cbuf, 4);
+                _mm256_storeu_si256((__m256i *)(y + r * n + bl * 16), to_bf16x16(_mm512_mul_ps(v, s)));
+            }
+        }
+        _tile_release();
+    }
+    free(xt);
+}
+
+/* Ask Linux for the AMX tile state once (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA; torch's
+ * oneDNN asks the same); on = 1 turns the tile kernels on where granted, 0 off (benchmarks
+ * compare), -1 asks. Whether they run. */
+int amx_enable(int on) {
+    static int granted = -1;
+    if (on < 0) return amx_on;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    amx_on = on && granted;
+    return amx_on;
+}
+#else
+#define AMX_BUILT 0
+int amx_enable(int on) { (void)on; return 0; }
+#endif
+
 void int4_mm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *y, int64_t rows, int64_t n,
              int64_t k, int threads) {
     const int64_t groups = k / 32;
@@ -88,6 +241,9 @@ void int4_mm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint1
     for (int64_t r = 0; r < rows; r++)
         for (int64_t g = 0; g < groups; g++)
             xs[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(bf16x16(x + r * k + g * 32), bf16x16(x + r * k + g * 32 + 16)));
+#if AMX_BUILT
+    if (amx_on) { int4_mm_amx(x, packed, sz, xs, y, rows, n, k, threads); return; }
+#endif
     const int64_t tiles = n / 32; /* two a block of 64 columns */
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < tiles; t++) {
@@ -112,6 +268,7 @@ void int4_mm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint1
 }
 #else
 int int4_mm_native(void) { return 0; }
+int amx_enable(int on) { (void)on; return 0; }
 void int4_mm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *y, int64_t rows, int64_t n,
              int64_t k, int threads) {
     (void)x; (void)packed; (void)sz; (void)y; (void)rows; (void)n; (void)k; (void)threads;
@@ -149,8 +306,8 @@ static inline __attribute__((always_inline)) void int8_mm_cols(
     }
 }
 
-void int8_mm(const uint16_t *x, const int8_t *codes, const uint16_t *scale, uint16_t *y, int64_t rows, int64_t n,
-             int64_t k, int threads) {
+static void int8_mm_avx512(const uint16_t *x, const int8_t *codes, const uint16_t *scale, uint16_t *y, int64_t rows,
+                           int64_t n, int64_t k, int threads) {
     const int64_t items = n / INT8_MM_CB;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t t = 0; t < items; t++) {
@@ -172,6 +329,13 @@ void int8_mm(const uint16_t *x, const int8_t *codes, const uint16_t *scale, uint
             else int8_mm_cols(xr, codes, scale, yr, n, k, t * INT8_MM_CB, 1);
         }
     }
+}
+void int8_mm(const uint16_t *x, const int8_t *codes, const uint16_t *scale, uint16_t *y, int64_t rows, int64_t n,
+             int64_t k, int threads) {
+#if defined(AMX_BUILT) && AMX_BUILT
+    if (amx_on && n % 16 == 0) { int8_mm_amx(x, codes, scale, y, rows, n, k, threads); return; }
+#endif
+    int8_mm_avx512(x, codes, scale, y, rows, n, k, threads);
 }
 int int8_mm_native(void) { return 1; }
 #else

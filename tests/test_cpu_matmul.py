@@ -4,7 +4,9 @@ activations, at every row count a step gives them (1 to 16), and the property sp
 a row's numbers do not depend on the other rows of its step.
 
 They need AVX512-BF16 and AVX512-VBMI. Where the CPU lacks them, the tests of the numbers are
-skipped, and the last test shows that the model then takes torch's kernels.
+skipped, and the last test shows that the model then takes torch's kernels. Where it has AMX
+(Intel Sapphire Rapids and later) the tests of the numbers run twice: on AVX-512 alone and on
+the tile kernels, which then take every step, one row included.
 """
 
 from __future__ import annotations
@@ -20,6 +22,19 @@ from chatkv.weights import load_tokenizer
 
 native = pytest.mark.skipif(not (fused_decode.kernels_available() and cpu_decode.int4_mm_native()),
                             reason="no AVX512-BF16/VBMI here: torch's int4/int8 kernels run (last test)")
+
+
+@pytest.fixture(params=["avx512", "amx"])
+def kernel(request):
+    """The few-row products on AVX-512 alone, or with AMX tiles where the CPU has them (the
+    process's own choice is restored after)."""
+    before = cpu_decode.amx()
+    if request.param == "amx" and not cpu_decode.amx(True):
+        pytest.skip("no AMX here (or Linux did not grant the tile state): AVX-512 alone runs")
+    if request.param == "avx512":
+        cpu_decode.amx(False)
+    yield request.param
+    cpu_decode.amx(before)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +95,7 @@ def native_call(lin):
 
 
 @native
-def test_the_default_models_products_are_exact_sums_rounded_once_as_torchs(inputs):
+def test_the_default_models_products_are_exact_sums_rounded_once_as_torchs(inputs, kernel):
     """At every row count, each output is the exact sum rounded to bfloat16 (but for float32's
     own rounding of the sum): never further from exact than torch's kernel is, and equal to it
     but for a few ties of rounding."""
@@ -98,7 +113,7 @@ def test_the_default_models_products_are_exact_sums_rounded_once_as_torchs(input
 
 
 @native
-def test_a_rows_numbers_do_not_depend_on_the_other_rows(inputs):
+def test_a_rows_numbers_do_not_depend_on_the_other_rows(inputs, kernel):
     """What lets a verified proposal's logits be its plain decode's bit for bit: row r of a step
     of any row count equals the one-row step of that row, and any prefix of the rows as much,
     on any number of threads."""
@@ -178,7 +193,7 @@ def test_without_the_instructions_the_model_takes_torchs_kernels(model, monkeypa
 
 
 @native
-def test_threads_calling_at_once_get_their_own_numbers(inputs):
+def test_threads_calling_at_once_get_their_own_numbers(inputs, kernel):
     """Two engines in one process (or the loop thread beside a prefill) call the kernels at once:
     each call keeps its own scratch, so every result is the one computed alone."""
     import threading
@@ -201,3 +216,33 @@ def test_threads_calling_at_once_get_their_own_numbers(inputs):
     for t in threads:
         t.join()
     assert not bad, bad
+
+
+@native
+def test_amx_is_the_process_choice_for_every_row_count(inputs):
+    """On AMX every step takes the tiles, one row included: their sums are not AVX-512's bit for
+    bit (in the last bit of some group sums), so a one-row step on AVX-512 beside verified rows on
+    tiles would break the greedy identity. Each row count, on tiles, gives each row the bits of
+    that row alone on tiles, and CHATKV_AMX=0 keeps AVX-512 alone in a new process."""
+    import os
+    import subprocess
+    import sys
+
+    before = cpu_decode.amx()
+    if not cpu_decode.amx(True):
+        cpu_decode.amx(before)
+        pytest.skip("no AMX here (or Linux did not grant the tile state): AVX-512 alone runs")
+    try:
+        for lin, x in inputs:
+            call = native_call(lin)
+            cpu_decode.amx(True)
+            one = torch.cat([call(x[r : r + 1].contiguous()) for r in range(x.shape[0])])
+            for rows in (2, 7, 16):
+                assert torch.equal(call(x[:rows].contiguous()), one[:rows]), (rows, lin.out_features)
+    finally:
+        cpu_decode.amx(before)
+    code = "from chatkv import fused_decode; from chatkv.kernels import cpu_decode; fused_decode.kernels_available(); print(cpu_decode.amx())"
+    for env, want in (("0", "False"), ("1", "True")):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "CHATKV_AMX": env})
+        assert out.stdout.strip().splitlines()[-1] == want, (env, out.stdout, out.stderr[-500:])
