@@ -19,7 +19,8 @@ The step's quantised products of a few rows (``int4_mm``, ``int8_mm``, in cpu_ma
 chatkv.quant for up to ``INT4_MM_ROWS`` rows): torch's weight-only kernels decode each weight
 tile again for every row, so a step of 6 rows (speculation's verification) cost 2.3-2.8x a
 one-row step; these decode it once for all rows with AVX512-BF16 dot products, where the CPU
-has them (AMD Zen 4, Intel Sapphire Rapids; elsewhere torch's kernels run).
+has them (AMD Zen 4, Intel Sapphire Rapids; elsewhere torch's kernels run), and with AMX tile
+dot products where it has those too (Intel; ``amx``), which make an extra row nearly free.
 
 Never required: without a compiler, on a build failure, off Linux/x86 or with
 ``CHATKV_FUSED_DECODE=0``, ``load()`` is False and the model runs its torch ops (which are
