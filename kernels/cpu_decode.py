@@ -259,7 +259,7 @@ def amx(on: bool | None = None) -> bool:
     on the same kernel)."""
     if not loaded():
         return False
-    return _lib.amx_enable(-1 if on is None else int(on)) == 1
+    return _lib.amx_enable(-1 if on is None else int(on)) >= 1
 
 
 def int4_mm_call(packed: torch.Tensor, scales_zeros: torch.Tensor):

@@ -175,20 +175,24 @@ static void int4_mm_amx(const uint16_t *x, const uint8_t *packed, const uint16_t
 /* int8_mm with tiles, transposed: A = 16 output channels' codes as bfloat16 (tile 3), B = the
  * rows' inputs as pairs, column r = row r (tile 7, laid out once a call), C = channels x rows
  * (tile 2), summed over all inputs in the tile and scaled at the end. */
-static void int8_mm_avx512(const uint16_t *x, const int8_t *codes, const uint16_t *scale, uint16_t *y, int64_t rows,
-                           int64_t n, int64_t k, int threads);
 static void int8_mm_amx(const uint16_t *x, const int8_t *codes, const uint16_t *scale, uint16_t *y, int64_t rows,
                         int64_t n, int64_t k, int threads) {
-    uint32_t *xt = aligned_alloc(64, (size_t)((k / 2 * rows * 4 + 63) / 64 * 64)); /* [pair][row]: k / 2 x rows */
-    if (!xt) { int8_mm_avx512(x, codes, scale, y, rows, n, k, threads); return; }
-    for (int64_t i = 0; i < k / 2; i++)
-        for (int64_t r = 0; r < rows; r++) memcpy(&xt[i * rows + r], x + r * k + 2 * i, 4);
+    /* B for every 32 inputs, [pair][row]: k / 2 x rows, laid out once; on the stack up to 16 KiB
+     * (the default model's 576 inputs at 16 rows take 18 KiB: the heap). Where the heap has none
+     * left, each thread lays out each step's 16 pairs itself: slower, the same numbers. */
+    uint32_t small[4096] __attribute__((aligned(64)));
+    const size_t need = (size_t)(k / 2 * rows);
+    uint32_t *xt = amx_on == 2 ? NULL : need <= 4096 ? small : aligned_alloc(64, (need * 4 + 63) / 64 * 64);
+    if (xt)
+        for (int64_t i = 0; i < k / 2; i++)
+            for (int64_t r = 0; r < rows; r++) memcpy(&xt[i * rows + r], x + r * k + 2 * i, 4);
     const int64_t blocks = n / 16;
 #pragma omp parallel num_threads(threads)
     {
         const int tr[8] = {0, 0, 16, 16, 0, 0, 0, 16}, tc[8] = {0, 0, (int)rows * 4, 64, 0, 0, 0, (int)rows * 4};
         amx_configure(tr, tc, 8);
         uint16_t abuf[2][16 * 32] __attribute__((aligned(64)));
+        uint32_t xb[16 * 16] __attribute__((aligned(64)));
         float cbuf[16 * 16] __attribute__((aligned(64)));
         const __m512i gather = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
 #pragma omp for schedule(static)
@@ -204,7 +208,11 @@ static void int8_mm_amx(const uint16_t *x, const int8_t *codes, const uint16_t *
                     _mm512_store_si512((void *)(a + c * 32), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
                 }
                 _tile_loadd(3, a, 64);
-                _tile_loadd(7, xt + (i / 2) * rows, rows * 4);
+                const uint32_t *bt = xt ? xt + (i / 2) * rows : xb;
+                if (!xt)
+                    for (int64_t q = 0; q < 16; q++)
+                        for (int64_t r = 0; r < rows; r++) memcpy(&xb[q * rows + r], x + r * k + i + 2 * q, 4);
+                _tile_loadd(7, bt, rows * 4);
                 _tile_dpbf16ps(2, 3, 7);
             }
             _tile_stored(2, cbuf, 64);
@@ -216,17 +224,18 @@ static void int8_mm_amx(const uint16_t *x, const int8_t *codes, const uint16_t *
         }
         _tile_release();
     }
-    free(xt);
+    if (xt != small) free(xt);
 }
 
 /* Ask Linux for the AMX tile state once (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA; torch's
  * oneDNN asks the same); on = 1 turns the tile kernels on where granted, 0 off (benchmarks
- * compare), -1 asks. Whether they run. */
+ * compare), -1 asks; 2 is on with int8_mm's path for a heap with no room left (tests). Whether
+ * they run (2 for that path). */
 int amx_enable(int on) {
     static int granted = -1;
     if (on < 0) return amx_on;
     if (granted < 0) granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-    amx_on = on && granted;
+    amx_on = granted ? on : 0;
     return amx_on;
 }
 #else
