@@ -33,20 +33,36 @@
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__) && defined(__AVX512BW__)
 int int4_mm_native(void) { return 1; }
 
+/* Shared by int4_mm_tile and int4_mm_amx. The byte permutation for 32 columns of a block: c0 + j
+ * (low nibbles of bytes half + j) and c0 + 32 + j (high ones); byte lane 4j of a dword takes byte
+ * d = half + j of input k, lane 4j + 2 byte d of input k + 1, the two others zero: (code k, code
+ * k + 1) as a pair of words. half is 0 or 16. */
+static inline __m512i int4_pair_index(int64_t half) {
+    uint8_t ix[64];
+    for (int j = 0; j < 16; j++) { ix[4 * j] = (uint8_t)(half + j); ix[4 * j + 1] = 0; ix[4 * j + 2] = (uint8_t)(32 + half + j); ix[4 * j + 3] = 0; }
+    return _mm512_loadu_si512((const void *)ix);
+}
+/* code - 8 in bfloat16 by a word's low 4 bits (bit 4, a neighbour nibble's, ignored) */
+static inline __m512i int4_code_table(void) {
+    uint16_t tb[32];
+    for (int i = 0; i < 32; i++) tb[i] = f2bf((float)((i & 15) - 8));
+    return _mm512_loadu_si512((const void *)tb);
+}
+/* group g's scales and zeros of columns col .. col + 15, as float32 */
+static inline __attribute__((always_inline)) void int4_scale_zero(const uint16_t *sz, int64_t g, int64_t n, int64_t col,
+                                                                  __m512 *s, __m512 *z) {
+    const __m512i v = _mm512_loadu_si512((const void *)(sz + (g * n + col) * 2));
+    *s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+    *z = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int32_t)0xFFFF0000u)));
+}
+
 #define INT4_MM_RB 8 /* rows a pass over a tile: 2 x 8 accumulators (measured: one pass of 9-12 rows was slower than 8 + the rest) */
 static inline __attribute__((always_inline)) void int4_mm_tile(
         const uint16_t *x, const uint8_t *p, const uint16_t *sz, const float *xs, uint16_t *y,
         int64_t n, int64_t k, int64_t c0, int R) {
-    /* the tile's 32 columns: c0 + j (low nibbles of bytes h*16 + j) and c0 + 32 + j (high ones);
-     * byte lane 4j of a dword takes byte d = j (+16 for the tile's half) of input k, lane 4j + 2
-     * byte d of input k + 1, the two others zero: (code k, code k + 1) as a pair of words */
+    /* the tile's 32 columns: c0 + j and c0 + 32 + j (int4_pair_index) */
     const int64_t half = (c0 % 64) / 16 * 16; /* 0 or 16 */
-    uint8_t ix[64];
-    for (int j = 0; j < 16; j++) { ix[4 * j] = (uint8_t)(half + j); ix[4 * j + 1] = 0; ix[4 * j + 2] = (uint8_t)(32 + half + j); ix[4 * j + 3] = 0; }
-    const __m512i idx = _mm512_loadu_si512((const void *)ix);
-    uint16_t tb[32];
-    for (int i = 0; i < 32; i++) tb[i] = f2bf((float)((i & 15) - 8)); /* index bit 4 (a neighbour nibble's) ignored */
-    const __m512i table = _mm512_loadu_si512((const void *)tb);
+    const __m512i idx = int4_pair_index(half), table = int4_code_table();
     const int64_t groups = k / 32, base = c0 - half; /* the block's first column */
     __m512 ylo[INT4_MM_RB], yhi[INT4_MM_RB]; /* in memory between groups: the registers hold the group's sums */
     for (int r = 0; r < R; r++) { ylo[r] = _mm512_setzero_ps(); yhi[r] = _mm512_setzero_ps(); }
@@ -65,11 +81,9 @@ static inline __attribute__((always_inline)) void int4_mm_tile(
                 __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(ah[r]) : "v"(wh), "m"(*xp));
             }
         }
-        const __m512i szl = _mm512_loadu_si512((const void *)(sz + (g * n + base + half) * 2));
-        const __m512i szh = _mm512_loadu_si512((const void *)(sz + (g * n + base + 32 + half) * 2));
-        const __m512 sl = _mm512_castsi512_ps(_mm512_slli_epi32(szl, 16)), sh = _mm512_castsi512_ps(_mm512_slli_epi32(szh, 16));
-        const __m512i hi16 = _mm512_set1_epi32((int32_t)0xFFFF0000u);
-        const __m512 zl = _mm512_castsi512_ps(_mm512_and_si512(szl, hi16)), zh = _mm512_castsi512_ps(_mm512_and_si512(szh, hi16));
+        __m512 sl, zl, sh, zh;
+        int4_scale_zero(sz, g, n, base + half, &sl, &zl);
+        int4_scale_zero(sz, g, n, base + 32 + half, &sh, &zh);
         for (int r = 0; r < R; r++) {
             const __m512 xg = _mm512_set1_ps(xs[r * groups + g]);
             ylo[r] = _mm512_fmadd_ps(zl, xg, _mm512_fmadd_ps(sl, al[r], ylo[r]));
@@ -112,7 +126,8 @@ static void amx_configure(const int *rows, const int *colsb, int tiles) {
 /* int4_mm with tiles. A work item is int4_mm's 32 columns (c0 + j and c0 + 32 + j, j < 16). Per
  * group of 32 inputs: A = the rows' 32 inputs (tile 4, read from x), B = the 32 x 16 codes - 8 of
  * each 16 columns as input pairs (tiles 5, 6), decoded as int4_mm_tile decodes them; tiles 0 and
- * 1 = the group's dot products D, stored and then scaled as int4_mm_tile scales al and ah. */
+ * 1 = the group's dot products D, stored and then scaled as int4_mm_tile scales al and ah (the
+ * helpers above int4_mm_tile: the same decode and scales). */
 static void int4_mm_amx(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, const float *xs, uint16_t *y,
                         int64_t rows, int64_t n, int64_t k, int threads) {
     const int64_t groups = k / 32, tiles = n / 32;
@@ -120,13 +135,7 @@ static void int4_mm_amx(const uint16_t *x, const uint8_t *packed, const uint16_t
     {
         const int tr[7] = {(int)rows, (int)rows, 0, 0, (int)rows, 16, 16}, tc[7] = {64, 64, 0, 0, 64, 64, 64};
         amx_configure(tr, tc, 7);
-        uint8_t ix[2][64];
-        for (int h = 0; h < 2; h++)
-            for (int j = 0; j < 16; j++) { ix[h][4 * j] = (uint8_t)(16 * h + j); ix[h][4 * j + 1] = 0; ix[h][4 * j + 2] = (uint8_t)(32 + 16 * h + j); ix[h][4 * j + 3] = 0; }
-        uint16_t tb[32];
-        for (int i = 0; i < 32; i++) tb[i] = f2bf((float)((i & 15) - 8));
-        const __m512i table = _mm512_loadu_si512((const void *)tb);
-        const __m512i hi16 = _mm512_set1_epi32((int32_t)0xFFFF0000u);
+        const __m512i ix[2] = {int4_pair_index(0), int4_pair_index(16)}, table = int4_code_table();
         uint16_t bbuf[2][2][16 * 32] __attribute__((aligned(64))); /* [group parity][tile][pair row, column pair] */
         float cbuf[2][16 * 16] __attribute__((aligned(64)));
         float acc[16][32] __attribute__((aligned(64)));
@@ -134,7 +143,7 @@ static void int4_mm_amx(const uint16_t *x, const uint8_t *packed, const uint16_t
         for (int64_t t = 0; t < tiles; t++) {
             const int64_t b = t / 2, half = (t % 2) * 16, base = b * 64;
             const uint8_t *p = packed + b * k * 32;
-            const __m512i idx = _mm512_loadu_si512((const void *)ix[t % 2]);
+            const __m512i idx = ix[t % 2];
             for (int64_t r = 0; r < rows; r++) { _mm512_store_ps(acc[r], _mm512_setzero_ps()); _mm512_store_ps(acc[r] + 16, _mm512_setzero_ps()); }
             for (int64_t g = 0; g < groups; g++) {
                 uint16_t *b0 = bbuf[g & 1][0], *b1 = bbuf[g & 1][1];
@@ -153,10 +162,9 @@ static void int4_mm_amx(const uint16_t *x, const uint8_t *packed, const uint16_t
                 _tile_dpbf16ps(1, 4, 6);
                 _tile_stored(0, cbuf[0], 64);
                 _tile_stored(1, cbuf[1], 64);
-                const __m512i szl = _mm512_loadu_si512((const void *)(sz + (g * n + base + half) * 2));
-                const __m512i szh = _mm512_loadu_si512((const void *)(sz + (g * n + base + 32 + half) * 2));
-                const __m512 sl = _mm512_castsi512_ps(_mm512_slli_epi32(szl, 16)), sh = _mm512_castsi512_ps(_mm512_slli_epi32(szh, 16));
-                const __m512 zl = _mm512_castsi512_ps(_mm512_and_si512(szl, hi16)), zh = _mm512_castsi512_ps(_mm512_and_si512(szh, hi16));
+                __m512 sl, zl, sh, zh;
+                int4_scale_zero(sz, g, n, base + half, &sl, &zl);
+                int4_scale_zero(sz, g, n, base + 32 + half, &sh, &zh);
                 for (int64_t r = 0; r < rows; r++) {
                     const __m512 xg = _mm512_set1_ps(xs[r * groups + g]);
                     _mm512_store_ps(acc[r], _mm512_fmadd_ps(zl, xg, _mm512_fmadd_ps(sl, _mm512_load_ps(cbuf[0] + r * 16), _mm512_load_ps(acc[r]))));

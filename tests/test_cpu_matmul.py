@@ -24,16 +24,28 @@ native = pytest.mark.skipif(not (fused_decode.kernels_available() and cpu_decode
                             reason="no AVX512-BF16/VBMI here: torch's int4/int8 kernels run (last test)")
 
 
+@pytest.fixture
+def tiles():
+    """The few-row products on AMX tiles for the test (skipped where the CPU has none, or Linux
+    did not grant the tile state); the process's own choice restored after."""
+    before = cpu_decode.amx()
+    if not cpu_decode.amx(True):
+        cpu_decode.amx(before)
+        pytest.skip("no AMX here (or Linux did not grant the tile state): AVX-512 alone runs")
+    yield
+    cpu_decode.amx(before)
+
+
 @pytest.fixture(params=["avx512", "amx"])
 def kernel(request):
-    """The few-row products on AVX-512 alone, or with AMX tiles where the CPU has them (the
-    process's own choice is restored after)."""
+    """The few-row products on AVX-512 alone, or on AMX tiles where the CPU has them."""
+    if request.param == "amx":
+        request.getfixturevalue("tiles")
+        yield "amx"
+        return
     before = cpu_decode.amx()
-    if request.param == "amx" and not cpu_decode.amx(True):
-        pytest.skip("no AMX here (or Linux did not grant the tile state): AVX-512 alone runs")
-    if request.param == "avx512":
-        cpu_decode.amx(False)
-    yield request.param
+    cpu_decode.amx(False)
+    yield "avx512"
     cpu_decode.amx(before)
 
 
@@ -243,7 +255,7 @@ def test_threads_calling_at_once_get_their_own_numbers(inputs, kernel):
 
 
 @native
-def test_amx_is_the_process_choice_for_every_row_count(inputs):
+def test_amx_is_the_process_choice_for_every_row_count(inputs, tiles):
     """On AMX every step takes the tiles, one row included: their sums are not AVX-512's bit for
     bit (in the last bit of some group sums), so a one-row step on AVX-512 beside verified rows on
     tiles would break the greedy identity. Each row count, on tiles, gives each row the bits of
@@ -253,24 +265,16 @@ def test_amx_is_the_process_choice_for_every_row_count(inputs):
     import subprocess
     import sys
 
-    before = cpu_decode.amx()
-    if not cpu_decode.amx(True):
-        cpu_decode.amx(before)
-        pytest.skip("no AMX here (or Linux did not grant the tile state): AVX-512 alone runs")
-    try:
-        for lin, x in inputs:
-            call = native_call(lin)
+    for lin, x in inputs:
+        call = native_call(lin)
+        one = torch.cat([call(x[r : r + 1].contiguous()) for r in range(x.shape[0])])
+        for rows in (2, 7, 16):
+            assert torch.equal(call(x[:rows].contiguous()), one[:rows]), (rows, lin.out_features)
+        if not isinstance(lin, Int4Linear):  # int8_mm's path for a heap with no room: the same numbers
+            cpu_decode.library().amx_enable(2)  # (the tiles fixture sets the process's choice back)
+            for rows in (1, 15, 16):
+                assert torch.equal(call(x[:rows].contiguous()), one[:rows]), ("no heap", rows)
             cpu_decode.amx(True)
-            one = torch.cat([call(x[r : r + 1].contiguous()) for r in range(x.shape[0])])
-            for rows in (2, 7, 16):
-                assert torch.equal(call(x[:rows].contiguous()), one[:rows]), (rows, lin.out_features)
-            if not isinstance(lin, Int4Linear):  # int8_mm's path for a heap with no room: the same numbers
-                cpu_decode.library().amx_enable(2)
-                for rows in (1, 15, 16):
-                    assert torch.equal(call(x[:rows].contiguous()), one[:rows]), ("no heap", rows)
-                cpu_decode.amx(True)
-    finally:
-        cpu_decode.amx(before)
     code = "from chatkv import fused_decode; from chatkv.kernels import cpu_decode; fused_decode.kernels_available(); print(cpu_decode.amx())"
     for env, want in (("0", "False"), ("1", "True")):
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
