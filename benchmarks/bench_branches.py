@@ -80,7 +80,7 @@ def main() -> None:
     print(f"load average at start: {load_average()}")
     load = OtherLoad()
 
-    from chatkv.sampling import SamplingParams
+    from chatkv.engine.sampling import SamplingParams
     from chatkv.weights import ensure_default_model
 
     one = SamplingParams(max_tokens=1, temperature=0.0)

@@ -28,8 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from chatkv.config import EngineConfig  # noqa: E402
-from chatkv.engine import Engine  # noqa: E402
-from chatkv.sampling import SamplingParams  # noqa: E402
+from chatkv.engine.core import Engine  # noqa: E402
+from chatkv.engine.sampling import SamplingParams  # noqa: E402
 
 
 def run(model_dir, budget: int, prompt_tokens: int) -> dict:
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=2048)
     args = ap.parse_args()
     if args.tiny:
-        from tests.tiny import make_model
+        from tests.support.tiny import make_model
 
         model_dir = Path(tempfile.mkdtemp()) / "tiny"
         make_model(model_dir, "llama", seed=0, max_position_embeddings=4096)

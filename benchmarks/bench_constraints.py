@@ -6,7 +6,7 @@ Measured on this CPU, for the 49,152-token vocabulary of the packaged SmolLM2:
   choice, a grammar and "any JSON object";
 - mask: microseconds to fill one request's token bitmask, at every step of biased random
   walks through each schema (median and p99 over all steps), and to apply a bitmask to one
-  49,152-float logits row (the library's own apply, and chatkv's: chatkv.constraints);
+  49,152-float logits row (the library's own apply, and chatkv's: chatkv.engine.constraints);
 - coverage: for each schema feature (nested objects, arrays, enums, bounded numbers, optional
   fields, string patterns, anyOf, $ref, const, additionalProperties, string lengths), whether it
   compiles and whether every walk that ends (EOS allowed and taken) validates with jsonschema;
@@ -267,7 +267,7 @@ def walk(lib, compiled, vocab: int, eos: int, bonus: torch.Tensor, gen: torch.Ge
          max_steps: int = 200) -> list[int] | None:
     """One biased random walk; the tokens before EOS, or None if it did not end in max_steps.
     Records, per step, the microseconds of the fill and of both applies of that real mask."""
-    from chatkv.constraints import apply_bitmask
+    from chatkv.engine.constraints import apply_bitmask
 
     m = lib.matcher(compiled)
     bm = lib.bitmask(vocab)
@@ -351,8 +351,8 @@ def run(lib_cls, tok, vocab: int, eos: int, threads: int, walks: int, bonus: tor
 def chatkv_cost(tok, bonus: torch.Tensor, walks: int) -> dict:
     """What a decode step pays through chatkv's own path: Matcher.mask_into (fill + apply) and
     advance per constrained token, over walks of every schema; mask_rows on a batch of 8 free rows."""
-    from chatkv.constraints import ConstraintCompiler, constraint_of
-    from chatkv.sampling import SamplingParams, mask_rows
+    from chatkv.engine.constraints import ConstraintCompiler, constraint_of
+    from chatkv.engine.sampling import SamplingParams, mask_rows
 
     compiler = ConstraintCompiler(tok)
     vocab, eos = len(tok), tok.eos_token_id

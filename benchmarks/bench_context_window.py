@@ -33,11 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from chatkv.context_window import ContextState, apply, plan  # noqa: E402
-from chatkv.detokenize import TextStream  # noqa: E402
-from chatkv.model_runner import BatchItem  # noqa: E402
-from chatkv.sampling import SamplingParams  # noqa: E402
-from chatkv.sequence import Sequence  # noqa: E402
+from chatkv.sessions.context_window import ContextState, apply, plan  # noqa: E402
+from chatkv.engine.detokenize import TextStream  # noqa: E402
+from chatkv.engine.model_runner import BatchItem  # noqa: E402
+from chatkv.engine.sampling import SamplingParams  # noqa: E402
+from chatkv.engine.sequence import Sequence  # noqa: E402
 
 
 def long_text() -> str:
@@ -114,7 +114,7 @@ def eng_tokenizer(model_dir):
 
 def memory(model_dir, window: int, max_tokens: int, tiny: bool) -> None:
     from chatkv.config import EngineConfig
-    from chatkv.engine import Engine
+    from chatkv.engine.core import Engine
 
     print(f"\n## KV held vs conversation length, context_window {window}")
     words = long_text().split()
@@ -155,10 +155,10 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(torch.get_num_threads())
     from chatkv.config import EngineConfig
-    from chatkv.engine import Engine
+    from chatkv.engine.core import Engine
 
     if args.tiny:
-        from tests.tiny import make_model
+        from tests.support.tiny import make_model
 
         model_dir = Path(tempfile.mkdtemp()) / "tiny"
         make_model(model_dir, "llama", seed=0, max_position_embeddings=8192)

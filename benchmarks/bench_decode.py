@@ -64,13 +64,13 @@ def spec(mode: str) -> dict:
 
 
 def load(model_dir: Path, mode: str):
-    from chatkv.engine import Engine
+    from chatkv.engine.core import Engine
 
     return Engine.from_pretrained(model_dir, **spec(mode))
 
 
 def chatkv_decode(engine, ids, n):
-    from chatkv.sampling import SamplingParams
+    from chatkv.engine.sampling import SamplingParams
 
     r = engine.generate(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     assert r.usage.generated_tokens == n, r.usage.generated_tokens
@@ -78,14 +78,14 @@ def chatkv_decode(engine, ids, n):
 
 
 def chatkv_batch(engine, prompts, n):
-    from chatkv.sampling import SamplingParams
+    from chatkv.engine.sampling import SamplingParams
 
     outs = engine.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     return sum(o.usage.tokens_per_s for o in outs)
 
 
 def chatkv_ttft(engine, ids):
-    from chatkv.sampling import SamplingParams
+    from chatkv.engine.sampling import SamplingParams
 
     t = time.perf_counter()
     engine.generate(ids, SamplingParams(max_tokens=1, temperature=0))
@@ -125,7 +125,7 @@ def llama_ttft(llm, ids):
 
 def long_prompt(tokenizer, n: int) -> list[int]:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.llama_cpp_reference import ppl_text  # Python's own pydoc topics
+    from tests.support.llama_cpp_reference import ppl_text  # Python's own pydoc topics
 
     return tokenizer(ppl_text())["input_ids"][:n]
 
@@ -176,7 +176,7 @@ def child(mode: str, args) -> None:
         llama_ttft(llm, longp)
         llama_decode(llm, llm.tokenize(ids.encode(), special=True), 32)
     else:
-        from chatkv.engine import Engine
+        from chatkv.engine.core import Engine
 
         # llama.cpp's context here: 2,048 tokens of KV, no host tier
         engine = Engine.from_pretrained(args.model, num_blocks=128, host_cache_bytes=0, **spec(mode))

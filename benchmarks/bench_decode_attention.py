@@ -58,9 +58,9 @@ FILLER = ("The committee met on Tuesday to review the budget, the hiring plan an
 
 def decode_steps(repeats: int, tokens: int, contexts=STEP_CONTEXTS) -> list[list[str]]:
     """[context, per-row tok/s, blocked tok/s, ratio] of the default model's batch-1 decode."""
-    from chatkv.engine import Engine
+    from chatkv.engine.core import Engine
     from chatkv.kernels import cpu_decode
-    from chatkv.sampling import SamplingParams
+    from chatkv.engine.sampling import SamplingParams
 
     eng = Engine.from_pretrained(speculative="off", adaptive_threads=False)
     out = []
@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per whole-step run")
     ap.add_argument("--contexts", default=",".join(map(str, STEP_CONTEXTS)), help="prompt tokens of the whole-step runs")
     args = ap.parse_args()
-    from chatkv import fused_decode
+    from chatkv.model import fused_decode
     from chatkv.kernels import cpu_decode
     from chatkv.kernels.attention import paged_attention, store_kv
 

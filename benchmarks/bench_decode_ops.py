@@ -1,4 +1,4 @@
-"""Batch-1 decode of the default int4 model with the fused CPU decode ops (chatkv.fused_decode) and
+"""Batch-1 decode of the default int4 model with the fused CPU decode ops (chatkv.model.fused_decode) and
 with the torch ops they replace, interleaved in one process, beside llama.cpp on the same GGUF.
 
 Per variant: decode tokens/s (greedy, EOS ignored, prefill excluded, as bench_decode), the torch
@@ -21,7 +21,7 @@ VARIANTS = ("fused", "torch ops")
 
 
 def decode(engine, ids, n):
-    from chatkv.sampling import SamplingParams
+    from chatkv.engine.sampling import SamplingParams
 
     r = engine.generate(ids, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
     return r.usage.tokens_per_s, r.token_ids
@@ -38,7 +38,7 @@ def ops_per_token(engine, ids, n: int = 16) -> float:
 
 def step_cpu_us(engine) -> float:
     """CPU microseconds of one decode step (build_batch + forward) on one thread, best of 5."""
-    from chatkv.model_runner import BatchItem
+    from chatkv.engine.model_runner import BatchItem
 
     runner = engine.runner
     table = runner.pool.allocate(13)  # 208 slots
@@ -60,7 +60,7 @@ def main() -> None:
     p.add_argument("--no-llama-cpp", action="store_true")
     args = p.parse_args()
     setup(args)
-    from chatkv.engine import Engine
+    from chatkv.engine.core import Engine
 
     other = OtherLoad()
     engine = Engine.from_pretrained(weights="int4", speculative="off")

@@ -52,7 +52,7 @@ def turn10_message(n: int) -> str:
 
 def tiny_model(root: Path) -> Path:
     """A seeded random Llama (4 layers, hidden 256) with the tests' tokenizer: no download, no packaged model."""
-    from tests.tiny import make_model
+    from tests.support.tiny import make_model
 
     d = root / "tiny-model"
     make_model(d, "llama", seed=0, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -63,7 +63,7 @@ def tiny_model(root: Path) -> Path:
 def first_token(e, prompt, prefix=None, restored=0):
     """Submit ``prompt`` (with ``prefix``, the KV of ``restored`` tokens read from disk), step to
     its first token; return (wall seconds, the token, usage)."""
-    from chatkv.sampling import SamplingParams
+    from chatkv.engine.sampling import SamplingParams
 
     t0 = time.perf_counter()
     seq = e.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), prefix=prefix)
@@ -110,7 +110,7 @@ def main() -> None:
     meter = CpuMeter()
     t_start = time.perf_counter()
 
-    from chatkv.engine import Engine
+    from chatkv.engine.core import Engine
 
     root = Path(tempfile.mkdtemp(prefix="chatkv-bench-host-"))
     try:

@@ -34,7 +34,7 @@ import torch
 from common import OtherLoad, load_average, median, parser, print_table, setup
 
 from chatkv.config import EngineConfig
-from chatkv.model_runner import BatchItem, ModelRunner
+from chatkv.engine.model_runner import BatchItem, ModelRunner
 
 BLOCK = 16
 SESSION = 2048  # tokens of one conversation in the memory and snapshot rows
@@ -61,7 +61,7 @@ def memory_rows(model, kv_dtypes: list[str]) -> list[list[str]]:
 
 def context_kv(model, tokenizer, n: int) -> torch.Tensor:
     """Float KV ``[layers, 2, n, kv_heads, head_dim]`` of the first ``n`` tokens of the pydoc text (bf16 KV)."""
-    from tests.llama_cpp_reference import ppl_text
+    from tests.support.llama_cpp_reference import ppl_text
 
     ids = tokenizer(ppl_text())["input_ids"][:n]
     assert len(ids) == n
@@ -123,9 +123,9 @@ def decode_rows(model, tokenizer, kv_dtypes, contexts, batches, steps, warmup, r
 
 
 def snapshot_rows(model_dir: Path, tokenizer, kv_dtypes, repeats: int) -> list[list[str]]:
-    from chatkv.engine import Engine
-    from chatkv.sampling import SamplingParams
-    from tests.llama_cpp_reference import ppl_text
+    from chatkv.engine.core import Engine
+    from chatkv.engine.sampling import SamplingParams
+    from tests.support.llama_cpp_reference import ppl_text
 
     one = SamplingParams(max_tokens=1, temperature=0.0)
     text = tokenizer.decode(tokenizer(ppl_text())["input_ids"][: SESSION - 30])
@@ -193,7 +193,7 @@ def main() -> None:
     args = p.parse_args()
     model_dir = setup(args)
     other = OtherLoad()
-    from chatkv.engine import Engine
+    from chatkv.engine.core import Engine
 
     kv_dtypes = args.kv_dtypes.split(",")
     engine = Engine(model_dir, EngineConfig(num_blocks=8, host_cache_bytes=0))

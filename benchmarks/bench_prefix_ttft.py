@@ -56,7 +56,7 @@ def request(engine, doc: str, question: str) -> list[int]:
 
 
 def first_token(engine, ids):
-    from chatkv.sampling import SamplingParams
+    from chatkv.engine.sampling import SamplingParams
 
     return engine.generate(ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
 

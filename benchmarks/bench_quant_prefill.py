@@ -5,7 +5,7 @@ repeat a fresh first token so nothing comes from the prefix cache except the his
 
 - TTFT of a 1,024-token prompt (two chunks of 512: each dequantises every projection once);
 - short turns: 1, 23, 40 and 63 new tokens after a 2,000-token history held in the prefix cache
-  (steps below chatkv.quant_prefill.SCRATCH_ROWS run the int4 kernel on the scratch side, bf16
+  (steps below chatkv.model.prefill.SCRATCH_ROWS run the int4 kernel on the scratch side, bf16
   from 16 rows on the copy side);
 - each as process CPU time (steadier than wall time on a shared machine, and what a step costs
   the cores) and wall time, minimum over ``--repeats``; the ratio is scratch / copy.
@@ -29,10 +29,10 @@ def main() -> None:
     p.set_defaults(threads=1, repeats=5)
     args = p.parse_args()
     model_dir = setup(args)
-    from chatkv.engine import Engine
-    from chatkv.quant_prefill import SCRATCH_ROWS
-    from chatkv.sampling import SamplingParams
-    from tests.llama_cpp_reference import ppl_text  # Python's own pydoc topics
+    from chatkv.engine.core import Engine
+    from chatkv.model.prefill import SCRATCH_ROWS
+    from chatkv.engine.sampling import SamplingParams
+    from tests.support.llama_cpp_reference import ppl_text  # Python's own pydoc topics
 
     other = OtherLoad()
     kw = dict(weights="int4", threads=args.threads, adaptive_threads=False, host_cache_bytes=0)

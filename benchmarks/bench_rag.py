@@ -1,6 +1,6 @@
 """RAG over one knowledge base: how much document KV is served from cache, and what that does to TTFT.
 
-Builds a knowledge base from the labelled corpus of the tests (tests/rag_corpus.py: 56
+Builds a knowledge base from the labelled corpus of the tests (tests/support/rag_corpus.py: 56
 documents; ingest figures: chunks/s and the parse / embed / index split), then runs 5
 sessions x 10 questions on the default model. Every session pins the same two documents
 after the same system prompt and retrieves 3 sources per question (chatkv's placement:
@@ -58,7 +58,7 @@ def doc_spans(renderer, s, content: str, question: str, before: int, first_turn:
 def run_sessions(engine, kb, renderer, pinned, questions, args):
     """The sessions x questions workload: (share of document tokens served from cache, the measured
     turns as (prompt ids, TTFT s, reused chunk tokens))."""
-    from chatkv import rag as rag_context
+    from chatkv.rag import context as rag_context
 
     greedy = dict(max_tokens=8, temperature=0.0)
     doc_total = doc_cached = 0
@@ -101,9 +101,9 @@ def main() -> None:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.rag_corpus import QUESTIONS, write_corpus
+    from tests.support.rag_corpus import QUESTIONS, write_corpus
 
-    from chatkv.sampling import SamplingParams
+    from chatkv.engine.sampling import SamplingParams
 
     home = Path(tempfile.mkdtemp(prefix="chatkv-rag-"))
     files = write_corpus(home / "corpus")

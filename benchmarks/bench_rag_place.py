@@ -45,9 +45,9 @@ def placement(configs, n_questions: int, repeats: int) -> list[list[str]]:
     from rag_metrics import load_questions
 
     from chatkv import Engine
-    from chatkv import chunk_place as cp
-    from chatkv.rag import canonical, source_texts, user_message
-    from chatkv.sampling import SamplingParams
+    from chatkv.rag import placement as cp
+    from chatkv.rag.context import canonical, source_texts, user_message
+    from chatkv.engine.sampling import SamplingParams
 
     kb = open_kb(Path(tempfile.mkdtemp(prefix="chatkv-place-")))
     e = Engine.from_pretrained(rag_kv_disk=False)
@@ -93,7 +93,7 @@ def turns(configs, n_turns: int, model_dir, dtype: str) -> list[list[str]]:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from bench_rag import PINNED, SYSTEM
-    from tests.rag_corpus import QUESTIONS, write_corpus
+    from tests.support.rag_corpus import QUESTIONS, write_corpus
 
     home = Path(tempfile.mkdtemp(prefix="chatkv-turns-"))
     files = write_corpus(home / "corpus")

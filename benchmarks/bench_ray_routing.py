@@ -160,7 +160,7 @@ def main() -> None:
     load = OtherLoad()
     tmp = Path(tempfile.mkdtemp(prefix="chatkv-bench-ray-"))
     if args.tiny:
-        from tests.tiny import make_model
+        from tests.support.tiny import make_model
 
         model_dir, args.dtype = tmp / "tiny", "float32"
         make_model(model_dir, "llama", seed=3, max_position_embeddings=4096)

@@ -163,7 +163,7 @@ def user_messages(tokenizer, per_message: int, seed: int = 0) -> list[str]:
 
 
 def make_engine(model_dir, data_dir, dtype, **config):
-    from chatkv.engine import Engine
+    from chatkv.engine.core import Engine
 
     return Engine.from_pretrained(model_dir, data_dir=str(data_dir), dtype=dtype, **config)
 
@@ -177,7 +177,7 @@ def build_session(engine, messages, reply_tokens):
 
 def timed_turn(session, text):
     """Send ``text`` with max_tokens=1; return (wall seconds to the first yielded piece, Reply)."""
-    from chatkv.sampling import SamplingParams
+    from chatkv.engine.sampling import SamplingParams
 
     t0 = time.perf_counter()
     first = None
@@ -346,7 +346,7 @@ def library_version() -> str:
 
 
 def snapshot_layout(snapshots, conv_id: str) -> dict:
-    """A conversation's snapshot as it lies on disk (chatkv.snapshots: append-only safetensors
+    """A conversation's snapshot as it lies on disk (chatkv.sessions.snapshots: append-only safetensors
     segments listed by a JSON manifest, storage.kv_segments): its tokens (the manifest's end),
     the manifest's bytes, and over every segment file the manifest lists (any branch, a shared
     file once) their count, bytes and safetensors header bytes (with the 8-byte length prefix)."""
@@ -403,7 +403,7 @@ def main() -> None:
     meter = CpuMeter()
 
     from chatkv.weights import ensure_default_model
-    from chatkv.sampling import SamplingParams
+    from chatkv.engine.sampling import SamplingParams
 
     model_dir = Path(args.model) if args.model else ensure_default_model()
     prof_text = None
@@ -466,7 +466,7 @@ def main() -> None:
         new_ids = prompt10[cached:]
         # (c), (b) transformers on the same token ids, right after (a) so both see the same machine load,
         # on the threads asked for: (a)'s steps ran on this thread, whose count chatkv's thread governor
-        # may have lowered (chatkv.cpu_threads) and which torch keeps per thread
+        # may have lowered (chatkv.model.cpu_threads) and which torch keeps per thread
         torch.set_num_threads(args.threads)
         cache = hf_prefill_cache(hf, prompt10[:cached])
         c_t, c_tok = zip(*[hf_ttft_cached(hf, cache, new_ids) for _ in range(RC)])
@@ -637,7 +637,7 @@ def main() -> None:
           f"restore {fmt_ms(rt['restore'])} ms = kv.load {fmt_ms(rt['kv.load'])} + import_kv {fmt_ms(rt['import_kv'])} "
           f"+ rest; then prefill of {du.computed_tokens} tokens (usage.ttft) {fmt_ms(med(d_ttft))} ms")
     print(f"(d) compute threads after the turn, per repeat (* = the governor changed them during it, "
-          f"chatkv.cpu_threads): {' '.join(d_threads)}")
+          f"chatkv.model.cpu_threads): {' '.join(d_threads)}")
     print(f"spill (snapshot write + fsync) {fmt_ms(spill_s)} ms; engine close {close_s * 1000:.0f} ms")
     if f:
         print(f"llama.cpp: seq file {f['bytes'] / 1e6:.2f} MB, save {f['save'] * 1000:.1f} ms, "

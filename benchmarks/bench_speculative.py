@@ -2,7 +2,7 @@
 (the default) and lookup against ``off``, the same engine and process, on the default model.
 
 Workloads (chat-templated, greedy, EOS honoured, ``--tokens`` at most). Greedy speculation
-computes each verified row as a plain decode row (chatkv.model_runner), so the modes generate
+computes each verified row as a plain decode row (chatkv.engine.model_runner), so the modes generate
 the same tokens wherever the model's decode is batch-invariant (float32: the tests); in bf16 a
 row decoded beside others of other lengths takes a masked attention whose rounding differs from
 a lone decode's (as in plain continuous batching), so a near-tie can flip: the table says
@@ -37,7 +37,7 @@ workloads). llama.cpp's threads suffer far more than torch's from other load on 
 (measured: 1-2 tok/s plain at load 5 on 2 cores, against ~160 quiet), so its rows mean
 something only in a quiet run.
 
-auto prices a verified row from the engine's own decode steps (chatkv.speculative.StepCost):
+auto prices a verified row from the engine's own decode steps (chatkv.engine.speculative.StepCost):
 the table's end prints the row cost it measured in this run, next to its prior.
 
     .venv/bin/python benchmarks/bench_speculative.py [--tokens 128] [--repeats 3] [--no-llama-cpp]
@@ -100,7 +100,7 @@ MODES = ("off", "auto", "lookup")
 
 
 def batch1(engine, ids, n, mode):
-    from chatkv.sampling import SamplingParams
+    from chatkv.engine.sampling import SamplingParams
 
     engine.scheduler.speculator = _speculators[mode]
     r = engine.generate(ids, SamplingParams(max_tokens=n, temperature=0))
@@ -108,7 +108,7 @@ def batch1(engine, ids, n, mode):
 
 
 def batch8(engine, prompts, n, mode):
-    from chatkv.sampling import SamplingParams
+    from chatkv.engine.sampling import SamplingParams
 
     engine.scheduler.speculator = _speculators[mode]
     t = time.perf_counter()
@@ -172,8 +172,8 @@ def main() -> None:
     print(cpu_line())
     print(f"load average at start: {load_average()}")
     load = OtherLoad()
-    from chatkv.engine import Engine
-    from chatkv.speculative import Speculator
+    from chatkv.engine.core import Engine
+    from chatkv.engine.speculative import Speculator
     from chatkv.config import EngineConfig
 
     engine = Engine.from_pretrained(model_dir)

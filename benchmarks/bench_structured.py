@@ -121,7 +121,7 @@ def _decode_rate(results) -> float:
 
 
 def batch1_cost(engine, prompts: list[list[int]], cases: list[dict], repeats: int) -> dict:
-    from chatkv.sampling import SamplingParams
+    from chatkv.engine.sampling import SamplingParams
 
     def one(ids, params):
         return engine.generate([ids], [params])[0]
@@ -144,7 +144,7 @@ def batch1_cost(engine, prompts: list[list[int]], cases: list[dict], repeats: in
 
 
 def batch_cost(engine, prompts: list[list[int]], cases: list[dict], tokens: int, repeats: int) -> dict:
-    from chatkv.sampling import SamplingParams
+    from chatkv.engine.sampling import SamplingParams
 
     free = [SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True) for _ in range(8)]
     long = [{"type": "array", "items": cases[i]["schema"], "minItems": 500} for i in range(4)]

@@ -1,7 +1,7 @@
 """What a change of the compute thread count costs a step (issue 21's leftover: "a governor drop
 from 2 to 1 threads mid-turn costs 270-710 ms", seen once under load and never traced).
 
-The thread governor (chatkv.cpu_threads) moves torch's intra-op threads between 2 and 1 as
+The thread governor (chatkv.model.cpu_threads) moves torch's intra-op threads between 2 and 1 as
 another process takes and frees a core. If a change had a price of its own (OpenMP re-forming
 its pool, oneDNN re-creating primitives for the new thread count), the first step after it would
 be slower than the later ones at the same count. Here, in one process on the default int4

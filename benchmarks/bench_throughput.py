@@ -36,7 +36,7 @@ def prompts(engine) -> list[list[int]]:
 
 
 def run_chatkv(engine, batch) -> tuple[float, int]:
-    from chatkv.sampling import SamplingParams
+    from chatkv.engine.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
     start = time.perf_counter()

@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SUITE_FILES = ["tests/test_weight_paths.py", "tests/test_cpu_decode.py", "tests/test_scheduler.py"]
+SUITE_FILES = ["tests/model/test_weight_paths.py", "tests/model/test_cpu_decode.py", "tests/engine/test_scheduler.py"]
 
 QUESTIONS = ["What is the capital of France?", "And of Italy?", "Name a river in Paris.", "How long is it?",
              "Which sea does it reach?", "Thanks! One more: Spain?", "And Portugal?", "Summarise."]

@@ -42,9 +42,9 @@ def main() -> None:
         ap.error(f"--rounds must be >= 1, got {args.rounds}")
     from torch.profiler import profile
 
-    from chatkv.engine import Engine
-    from chatkv.sampling import SamplingParams
-    from chatkv.speculative import Speculator
+    from chatkv.engine.core import Engine
+    from chatkv.engine.sampling import SamplingParams
+    from chatkv.engine.speculative import Speculator
 
     print(cpu_line())
     print(f"load average at start: {load_average()}")
@@ -63,7 +63,7 @@ def main() -> None:
                     out[s] = [ids[3]] * self.k
             return out
 
-    from chatkv import quant
+    from chatkv.weights import quantised as quant
 
     from chatkv.kernels import cpu_decode
 

@@ -54,7 +54,7 @@ def setup(args) -> Path:
 
 
 def load_engine(model_dir: Path, dtype: str, **config):
-    from chatkv.engine import Engine
+    from chatkv.engine.core import Engine
 
     return Engine.from_pretrained(model_dir, dtype=ENGINE_DTYPES[dtype], **config)
 
@@ -185,7 +185,7 @@ def median(xs: list[float]) -> float:
 
 def cpu_line() -> str:
     """The CPU model, its ISA flags that matter to the kernels, the cores, and torch's ISA level."""
-    from chatkv.weight_check import cpu_model
+    from chatkv.model.self_check import cpu_model
 
     flags: set[str] = set()
     try:
@@ -254,7 +254,7 @@ def load_average() -> str:
 
 def _busy_cpu_seconds() -> float | None:
     """CPU seconds the whole machine spent busy since boot (Linux /proc/stat), or None."""
-    from chatkv.cpu_threads import _HZ, _machine_busy_ticks
+    from chatkv.model.cpu_threads import _HZ, _machine_busy_ticks
 
     ticks = _machine_busy_ticks()
     return None if ticks is None else ticks / _HZ

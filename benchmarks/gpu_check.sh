@@ -8,12 +8,12 @@
 # `pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128`), triton, and
 # the test extras (pytest, transformers: pip install -e '.[test]').
 #
-# 1. tests/triton_kernel_cases.py natively (TRITON_INTERPRET unset): every kernel against the torch
+# 1. tests/support/triton_kernel_cases.py natively (TRITON_INTERPRET unset): every kernel against the torch
 #    reference for every kv dtype (fp32, fp16, int8 and fp8_e4m3 quantised KV under fp32 and fp16
 #    queries; store_kv bit-exact, the fp8/int8 codecs against torch's casts), and chatkv's forward on
 #    CUDA with the Triton kernels against transformers. On a fresh machine most of its time is Triton
 #    compiling ~100 kernel variants (no cache yet); a second run takes seconds.
-# 2. the engine equivalence tests, tests/test_model_equivalence.py. They take no device: they build
+# 2. the engine equivalence tests, tests/model/test_model_equivalence.py. They take no device: they build
 #    their LlamaModel on the CPU (from_pretrained without device=, EngineConfig's default "cpu"), so
 #    here they check the CPU path only. The CUDA engine equivalence is covered by step 1's
 #    test_model_forward_with_triton_matches_transformers / test_model_sliding_window_with_triton_matches_transformers.
@@ -48,8 +48,8 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, remember a failure,
 }
 
 # limits add up to 290 s (the budget is 5 minutes); expected well under: ~17 s for step 2 on 2 CPU cores
-step "kernel tests, native" 140 "$PY" -m pytest -q -x tests/triton_kernel_cases.py
-step "engine equivalence (CPU path: these tests take no device)" 60 "$PY" -m pytest -q tests/test_model_equivalence.py
+step "kernel tests, native" 140 "$PY" -m pytest -q -x tests/support/triton_kernel_cases.py
+step "engine equivalence (CPU path: these tests take no device)" 60 "$PY" -m pytest -q tests/model/test_model_equivalence.py
 step "decode attention benchmark" 90 "$PY" benchmarks/bench_triton_decode.py
 echo "gpu_check: $([ $status -eq 0 ] && echo all steps passed || echo SOME STEPS FAILED)"
 exit $status

@@ -37,9 +37,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from chatkv.config import EngineConfig  # noqa: E402
-from chatkv.model import Linear, LlamaModel  # noqa: E402
-from chatkv.model_runner import BatchItem, ModelRunner  # noqa: E402
-from chatkv.quant import quantize_int4, quantize_int8  # noqa: E402
+from chatkv.model.forward import Linear, LlamaModel  # noqa: E402
+from chatkv.engine.model_runner import BatchItem, ModelRunner  # noqa: E402
+from chatkv.weights.quantised import quantize_int4, quantize_int8  # noqa: E402
 from chatkv.weights import convert_gguf, load_tokenizer  # noqa: E402
 from chatkv.weights.gguf import _hf_name, read_q4  # noqa: E402
 from chatkv.weights.loading import load_config, read_weights  # noqa: E402
@@ -63,7 +63,7 @@ def logits_all(model: LlamaModel, ids: list[int], chunk: int = 512) -> torch.Ten
 def main() -> None:
     from gguf import GGUFReader
 
-    from tests.llama_cpp_reference import PROMPTS, ppl_text, prompt_ids
+    from tests.support.llama_cpp_reference import PROMPTS, ppl_text, prompt_ids
 
     ap = argparse.ArgumentParser()
     ap.add_argument("gguf")

@@ -7,8 +7,8 @@ difference between the rows is how K/V are stored: every query, in prefill chunk
 decode steps, reads the stored (quantised) form of every earlier token, its own chunk's too.
 
 - **agreement** (goal: int8 >= 98%): bf16-KV greedy continuations of ``--tokens`` tokens
-  (EOS ignored, as tests/test_quant_weights.py does) for the 20 chat prompts of
-  tests/llama_cpp_reference.py (chat template applied), decoded as one batch; then the same
+  (EOS ignored, as tests/model/test_quant_weights.py does) for the 20 chat prompts of
+  tests/support/llama_cpp_reference.py (chat template applied), decoded as one batch; then the same
   prompts through the dtype under test, teacher forced: every decode step feeds bf16's token,
   and a position agrees when the argmax is bf16's next token. Forcing runs the very steps of
   the free run (same batch, same shapes), so bf16 against itself is exactly 100% and the
@@ -45,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from chatkv.config import EngineConfig  # noqa: E402
-from chatkv.model_runner import BatchItem, ModelRunner  # noqa: E402
+from chatkv.engine.model_runner import BatchItem, ModelRunner  # noqa: E402
 from common import common_prefix  # noqa: E402 (benchmarks/common.py)
 
 CHUNK = 512
@@ -65,7 +65,7 @@ ANSWER = 'The secret passphrase is "'  # the reply starts with it: the model has
 
 def load_engine(model_dir=None):
     """The default model as the engine loads it (its weights, its dtype); a tiny pool: the runners have their own."""
-    from chatkv.engine import Engine
+    from chatkv.engine.core import Engine
 
     return Engine.from_pretrained(model_dir, num_blocks=8, host_cache_bytes=0)
 
@@ -139,7 +139,7 @@ def perplexity(runner: ModelRunner, ids: list[int]) -> float:
 
 
 def ppl_ids(tokenizer, n: int) -> list[int]:
-    from tests.llama_cpp_reference import ppl_text
+    from tests.support.llama_cpp_reference import ppl_text
 
     ids = tokenizer(ppl_text())["input_ids"][:n]
     assert len(ids) == n, (len(ids), n)
@@ -147,14 +147,14 @@ def ppl_ids(tokenizer, n: int) -> list[int]:
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[int]]:
-    from tests.llama_cpp_reference import prompt_ids
+    from tests.support.llama_cpp_reference import prompt_ids
 
     return prompt_ids(tokenizer)[:n]
 
 
 def needle_prompts(tokenizer, n_tokens: int, needles=NEEDLES) -> list[list[int]]:
     """Chat prompts of ~``n_tokens``: pydoc filler with one passphrase sentence at its place, the question last."""
-    from tests.llama_cpp_reference import ppl_text
+    from tests.support.llama_cpp_reference import ppl_text
 
     filler = tokenizer.decode(tokenizer(ppl_text())["input_ids"][: n_tokens - 80])
     out = []

@@ -12,7 +12,7 @@ Reported, per split:
   by document, and answer@3 (one of the first 3 chunks holds the gold answer);
 - answers (unless --no-answers) of the default chat model, SmolLM2-135M-Instruct through
   ``chatkv.Engine.from_pretrained()``, greedy, given the top 3 hybrid sources exactly as a RAG turn
-  lays them out (chatkv.rag.user_message: numbered sources, the citation instruction, the question):
+  lays them out (chatkv.rag.context.user_message: numbered sources, the citation instruction, the question):
   exact match, token F1 and "contains" against gold, citation precision (does a cited [n] hold the
   answer) and the share of replies citing anything. The metrics are benchmarks/rag_metrics.py.
 
@@ -100,8 +100,8 @@ def retrieval_rows(retrievers: dict, splits: list[str], questions: dict[str, lis
 def answer_questions(kb, questions: list[dict], max_tokens: int) -> tuple[list[str], list[list[str]]]:
     """The default model's greedy replies to each question over its top-3 hybrid sources, batched."""
     from chatkv import Engine
-    from chatkv.rag import canonical, user_message
-    from chatkv.sampling import SamplingParams
+    from chatkv.rag.context import canonical, user_message
+    from chatkv.engine.sampling import SamplingParams
 
     engine = Engine.from_pretrained()
     try:

@@ -1,7 +1,7 @@
 """The RAG evaluation's metrics and question set, as pure functions (benchmarks/rag_eval.py runs
-them; tests/test_rag_eval.py tests them). Nothing here loads a model or a knowledge base.
+them; tests/rag/test_rag_eval.py tests them). Nothing here loads a model or a knowledge base.
 
-- Retrieval is scored by document, as tests/test_retrieval_quality.py does: a question's rank is the
+- Retrieval is scored by document, as tests/retrieval/test_retrieval_quality.py does: a question's rank is the
   position of the first of its gold ``sources`` (topic names) among the *distinct* documents of the
   search's chunk hits, in order. ``hit@k``: rank <= k; ``MRR@k``: mean of 1/rank over the questions
   (0 when the rank is over k or there is none). ``answer_in`` asks a stricter thing of the chunks

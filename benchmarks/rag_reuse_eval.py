@@ -3,7 +3,7 @@
 
 For every question the prompt is exactly a RAG turn's (system prompt, then the numbered top-3
 hybrid sources, the citation instruction, the question). Full prefill answers it greedily first;
-then, per configuration, the sources' KV is placed (chatkv.chunk_place.place: chunk KV from the
+then, per configuration, the sources' KV is placed (chatkv.rag.placement.place: chunk KV from the
 store, re-rotated, the selected rows recomputed) and
 
 - **teacher-forced top-1 agreement**: full prefill's answer tokens are fed after the placed prompt
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from rag_metrics import answer_row
 
-from chatkv.kv_types import BlockTable
+from chatkv.kvcache.types import BlockTable
 
 CONFIGS = (  # (label, mode, edge tokens, recompute ratio, blend's check layers: None = the engine's)
     ("blend 0%", "blend", 0, 0.0, None),
@@ -48,7 +48,7 @@ CONFIGS = (  # (label, mode, edge tokens, recompute ratio, blend's check layers:
 
 
 @dataclass(eq=False)
-class _Req:  # the KV record chatkv.kv_types.SequenceKV names, for one teacher-forced forward
+class _Req:  # the KV record chatkv.kvcache.types.SequenceKV names, for one teacher-forced forward
     token_ids: list
     namespace: object
     prefix: object = None
@@ -60,7 +60,7 @@ def _teacher_forced(engine, placed, tokens: list[int], n_prompt: int, namespace)
     """(answer positions whose argmax is the next token of ``tokens``, positions) over the placed KV."""
     import torch
 
-    from chatkv.model_runner import BatchItem
+    from chatkv.engine.model_runner import BatchItem
 
     kv, runner = engine.kv, engine.runner
     req = _Req(tokens, namespace, prefix=placed.kept)
@@ -120,9 +120,9 @@ def parse_configs(spec: str) -> tuple:
 def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system: str,
                configs: tuple = CONFIGS) -> list[list[str]]:
     from chatkv import Engine
-    from chatkv import chunk_place as cp
-    from chatkv.rag import canonical, source_texts, user_message
-    from chatkv.sampling import SamplingParams
+    from chatkv.rag import placement as cp
+    from chatkv.rag.context import canonical, source_texts, user_message
+    from chatkv.engine.sampling import SamplingParams
 
     engine = Engine.from_pretrained(rag_kv_disk=False)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)

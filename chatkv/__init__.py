@@ -51,11 +51,11 @@ def __getattr__(name: str):
     imported on first use so that ``import chatkv.storage`` or ``chatkv.retrieval`` does not load
     torch, the model code or the database schema."""
     if name == "Engine":
-        from chatkv.engine import Engine
+        from chatkv.engine.core import Engine
 
         return Engine
     if name == "SamplingParams":
-        from chatkv.sampling import SamplingParams
+        from chatkv.engine.sampling import SamplingParams
 
         return SamplingParams
     if name == "Conversations":  # the saved conversations, listed and searched without a model
@@ -63,7 +63,7 @@ def __getattr__(name: str):
 
         return Conversations
     if name == "TurnRenderer":  # the chat template's token deltas (a reply's closing tokens, a prompt's continuation)
-        from chatkv.turns import TurnRenderer
+        from chatkv.sessions.template import TurnRenderer
 
         return TurnRenderer
     if name == "LOCAL_USER":  # the owner of conversations made without a user (the app's, the SDK's)

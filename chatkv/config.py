@@ -7,12 +7,12 @@ from dataclasses import dataclass, fields
 from chatkv.errors import InvalidRequest
 
 OVERFLOW_POLICIES = ("sink", "truncate", "error")
-WEIGHTS = ("auto", "bf16", "fp32", "int4", "int8")  # chatkv.weight_modes
+WEIGHTS = ("auto", "bf16", "fp32", "int4", "int8")  # chatkv.model.modes
 HEADS = ("auto", "float", "int8", "int4")
-QUANT_DENSE = ("scratch", "copy")  # chatkv.model.DENSE_KINDS
-KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8", "fp8")  # chatkv.model_runner.kv_format
-SPECULATIVE = ("auto", "off", "lookup")  # chatkv.speculative.MODES
-RAG_KV_REUSE = ("off", "edge", "blend")  # chatkv.chunk_place.MODES
+QUANT_DENSE = ("scratch", "copy")  # chatkv.model.forward.DENSE_KINDS
+KV_DTYPES = ("auto", "bf16", "fp16", "fp32", "int8", "fp8")  # chatkv.engine.model_runner.kv_format
+SPECULATIVE = ("auto", "off", "lookup")  # chatkv.engine.speculative.MODES
+RAG_KV_REUSE = ("off", "edge", "blend")  # chatkv.rag.placement.MODES
 
 
 @dataclass
@@ -24,24 +24,24 @@ class EngineConfig:
     max_running: int = 32
     dtype: str = "auto"  # "auto" = the model's own dtype (bfloat16 for the packaged default), or float32/bfloat16/float16
     device: str = "cpu"
-    weights: str = "auto"  # auto | bf16 | fp32 | int4 | int8 (chatkv.weight_modes: auto = a GGUF's own int4, else the float model)
+    weights: str = "auto"  # auto | bf16 | fp32 | int4 | int8 (chatkv.model.modes: auto = a GGUF's own int4, else the float model)
     head_weights: str = "auto"  # the output matrix: auto (= float) | float | int8 | int4
     kv_dtype: str = "auto"  # the KV cache: auto (= the model's dtype) | bf16 | fp16 | fp32 | int8 | fp8 (e4m3, per-token scales)
     quant_dense_rows: int = 16  # int4/int8: steps of this many rows or more compute in bf16 (faster prefill; 0: the quantised kernels only)
     # how those steps get bf16 weights: "scratch" (the default: no copy resident; int4 steps of 64+
-    # rows dequantise into one reused buffer, shorter ones run the int4 kernel; chatkv.quant_prefill)
+    # rows dequantise into one reused buffer, shorter ones run the int4 kernel; chatkv.model.prefill)
     # | "copy" (a resident bf16 copy of every projection, 2 bytes a parameter more). Quiet AMD EPYC,
     # 2026-12-02: peak 516 vs 705 MiB after a 1k prompt (llama.cpp 450); the 1k prompt's TTFT 1.08x
     # the copy's; turns of 1/23/40/63 tokens after a 2k history 0.95/1.01/1.03/1.24x; docs/weights.md
     quant_dense: str = "scratch"
     threads: int | None = None  # compute threads at most; None: torch's (the cores)
-    adaptive_threads: bool = True  # fewer threads while other processes keep cores busy (chatkv.cpu_threads)
+    adaptive_threads: bool = True  # fewer threads while other processes keep cores busy (chatkv.model.cpu_threads)
     tenant: str = ""  # salt of the prefix-cache namespace: tenants never share KV
     enable_prefix_caching: bool = True
-    # speculative decoding by prompt lookup (chatkv.speculative): exact, greedy or sampled
+    # speculative decoding by prompt lookup (chatkv.engine.speculative): exact, greedy or sampled
     speculative: str = "auto"  # "auto" (as many proposals as pay, per sequence) | "lookup" (always, when a match exists) | "off"
     num_speculative_tokens: int = 5  # proposals per sequence and step at most (0: off)
-    # conversations longer than the context (chatkv.context_window)
+    # conversations longer than the context (chatkv.sessions.context_window)
     context_window: int | None = None  # tokens a conversation's KV may hold; None: the model's context (and the pool)
     overflow: str = "sink"  # beyond it: "sink" (keep the first tokens + a recent window), "truncate" (drop oldest turns), "error"
     sink_tokens: int = 4  # attention-sink tokens kept in "sink" mode (rounded up to a block; the system prompt is always kept)
@@ -51,7 +51,7 @@ class EngineConfig:
     idle_spill_s: float = 300.0  # a session idle this long is spilled to disk on the next engine activity
     snapshot_budget_bytes: int = 4 * 2**30  # disk budget of KV snapshots, LRU deletion beyond it
     host_cache_bytes: int = 256 * 2**20  # host-memory tier between the KV pool and disk (pinned on CUDA); 0: off
-    # retrieved sources' KV reused wherever they land (chatkv.chunk_place): "off" | "edge" | "blend".
+    # retrieved sources' KV reused wherever they land (chatkv.rag.placement): "off" | "edge" | "blend".
     # The default is what benchmarks/rag_eval.py --reuse passes on the default model (SmolLM2-135M,
     # 128 questions, docs/rag.md): blend at 45% with 4 check layers keeps top-1 agreement with full
     # prefill at 96.9% / 96.2% (tune / held back, Intel Xeon, 2026-12-06) and F1 within 2 points;

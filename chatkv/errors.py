@@ -23,7 +23,7 @@ class UnsupportedModel(ChatKVError):
 
 class WeightCheckFailed(InvalidRequest):
     """A quantised weight mode asked for by name disagreed with the float path of the same
-    weights on this CPU (chatkv.weight_check); the message names the check that failed."""
+    weights on this CPU (chatkv.model.self_check); the message names the check that failed."""
 
 
 class OutOfBlocks(ChatKVError, MemoryError):

@@ -19,9 +19,9 @@ class Usage:
     generated_tokens: int = 0
     ttft_s: float = 0.0  # time to first token
     tokens_per_s: float = 0.0  # generated tokens after the first, per second
-    proposed_tokens: int = 0  # speculative decoding: tokens proposed for verification (chatkv.speculative)
+    proposed_tokens: int = 0  # speculative decoding: tokens proposed for verification (chatkv.engine.speculative)
     accepted_tokens: int = 0  # of which the model accepted (each one a token without a step of its own)
-    reused_tokens: int = 0  # RAG sources' tokens placed from their chunk KV, not computed (chatkv.chunk_place)
+    reused_tokens: int = 0  # RAG sources' tokens placed from their chunk KV, not computed (chatkv.rag.placement)
     recomputed_tokens: int = 0  # of the sources' tokens, those recomputed over the placed KV (in computed_tokens)
 
     def message_columns(self) -> dict:
@@ -70,9 +70,9 @@ class Reply:
     finish_reason: str  # "stop" | "length" | "aborted"
     message_id: int
     sources: list = field(default_factory=list)
-    context: object = None  # chatkv.context_window.ContextInfo: what the KV window kept and dropped
+    context: object = None  # chatkv.sessions.context_window.ContextInfo: what the KV window kept and dropped
     parsed: object = None  # send(json_schema=...): the reply as JSON (None unless it ended by stop, valid)
-    tool_calls: list = field(default_factory=list)  # send(tools=...): chatkv.tools.ToolCall, in order
+    tool_calls: list = field(default_factory=list)  # send(tools=...): chatkv.sessions.tools.ToolCall, in order
 
 
 @dataclass

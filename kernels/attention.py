@@ -1,6 +1,6 @@
 """Attention over paged KV: the torch reference (CPU, and the oracle for Triton).
 
-Layout (owned by chatkv.block_pool, restated here as the kernel contract):
+Layout (owned by chatkv.kvcache.block_pool, restated here as the kernel contract):
 ``k_cache`` and ``v_cache`` of one layer are ``[num_blocks, block_size, kv_heads, head_dim]``
 (quantised KV: uint8 rows of ``head_dim + 4``, the values then their scale; kernels/kv_quant.py);
 token ``t`` of a sequence lives in slot ``block_table[t // block_size] * block_size + t % block_size``.
@@ -93,7 +93,7 @@ def build_metadata(
     ``positions[i]`` (ascending), when given: sequence i's new tokens sit at those positions,
     not at the last ``query_lens[i]`` of its context, whose end is past the last of them. Each
     sees the keys at or before its own position, the other new tokens' included (stored in the
-    same layer before the attention): chatkv.chunk_place recomputes a chosen set of a prompt's
+    same layer before the attention): chatkv.rag.placement recomputes a chosen set of a prompt's
     tokens over KV placed around them in one such item. The torch reference computes these;
     the Triton kernels hand a step that holds one to it.
 

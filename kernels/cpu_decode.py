@@ -16,7 +16,7 @@ of a 7.6 ms step single-threaded with glibc's scalar expf; silu_mul 0.30 -> 0.07
 2026-12-02); benchmarks/bench_decode_attention.py compares it with the torch ops.
 
 The step's quantised products of a few rows (``int4_mm``, ``int8_mm``, in cpu_matmul.c, taken by
-chatkv.quant for up to ``INT4_MM_ROWS`` rows): torch's weight-only kernels decode each weight
+chatkv.weights.quantised for up to ``INT4_MM_ROWS`` rows): torch's weight-only kernels decode each weight
 tile again for every row, so a step of 6 rows (speculation's verification) cost 2.3-2.8x a
 one-row step; these decode it once for all rows with AVX512-BF16 dot products, where the CPU
 has them (AMD Zen 4, Intel Sapphire Rapids; elsewhere torch's kernels run), and with AMX tile
@@ -24,7 +24,7 @@ dot products where it has those too (Intel; ``amx``), which make an extra row ne
 
 Never required: without a compiler, on a build failure, off Linux/x86 or with
 ``CHATKV_FUSED_DECODE=0``, ``load()`` is False and the model runs its torch ops (which are
-the oracle: tests/test_cpu_decode.py compares both at the default model's real activations).
+the oracle: tests/model/test_cpu_decode.py compares both at the default model's real activations).
 Numbers: each function rounds to bfloat16 where the torch ops it replaces round; only the order
 of float32 sums differs (the norm's sum of squares is taken in float64, closer to exact).
 """
@@ -96,7 +96,7 @@ def _cpu_key() -> str:
 
 
 def digest() -> str:
-    """The C sources' hash: what a self-check's verdict on the fused path holds for (chatkv.weight_check)."""
+    """The C sources' hash: what a self-check's verdict on the fused path holds for (chatkv.model.self_check)."""
     return hashlib.sha256(_sources()).hexdigest()[:12]
 
 
@@ -105,7 +105,7 @@ def _sources() -> bytes:
 
 
 def build(directory: Path) -> Path | None:
-    """The shared library in ``directory`` (the caller's cache: chatkv.fused_decode gives chatkv's),
+    """The shared library in ``directory`` (the caller's cache: chatkv.model.fused_decode gives chatkv's),
     compiled unless it is there; None when it cannot be built here."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None
@@ -235,7 +235,7 @@ def decode_attention(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Te
 def int4_weight_t(packed: torch.Tensor, scales_zeros: torch.Tensor, out: torch.Tensor, block: int) -> torch.Tensor:
     """``w.T`` of torch's CPU int4 packing (uint8 ``[N, K / 2]`` in blocks of ``block`` rows) and
     its bfloat16 ``scales_zeros`` (``[K / 32, N, 2]``) into ``out`` (bfloat16 ``[K, N]``): ``(code -
-    8) * s + z`` rounded as chatkv.quant_prefill's torch ops round it, on the current threads."""
+    8) * s + z`` rounded as chatkv.model.prefill's torch ops round it, on the current threads."""
     groups, n, two = scales_zeros.shape
     k = groups * 32
     if two != 2 or packed.numel() * 2 != n * k or out.shape != (k, n) or n % block or block % 2:
@@ -281,7 +281,7 @@ def int4_mm_call(packed: torch.Tensor, scales_zeros: torch.Tensor):
 
 def int8_mm_call(codes: torch.Tensor, scales: torch.Tensor):
     """``x @ codes.T * scales`` (int8 ``[N, K]`` codes, one bfloat16 scale per output channel, as
-    chatkv.quant.Int8Linear holds them) as a call of ``x`` (see ``_rows_call``), each row of codes
+    chatkv.weights.quantised.Int8Linear holds them) as a call of ``x`` (see ``_rows_call``), each row of codes
     read once for all of the step's rows (see cpu_matmul.c); a row's result does not depend on the
     other rows. False where it is not built here or these weights do not fit it."""
     if not (loaded() and _lib.int8_mm_native()):
@@ -338,7 +338,7 @@ class DecodeStep:
         self.act = torch.empty(rows, intermediate, dtype=torch.bfloat16)
         self._keep = (table, positions, slots, blocks, ctx, kv)  # alive while their pointers are used
         self._q = torch.empty(rows, num_heads * head_dim, dtype=torch.bfloat16)
-        threads = torch.get_num_threads()  # what the step's governor set (chatkv.cpu_threads)
+        threads = torch.get_num_threads()  # what the step's governor set (chatkv.model.cpu_threads)
         self._scores = attention_scratch(rows, num_heads, num_kv_heads, head_dim, max(max_ctx, 1))
         self._h, self._normed, self._o, self._act = (_check(t, dt, n) for t, dt, n in (
             (h, torch.float32, "h"), (self.normed, torch.bfloat16, "normed"), (self.o, torch.bfloat16, "o"),

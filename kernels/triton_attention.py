@@ -6,7 +6,7 @@ online softmax), which Triton cannot import from another module any more cheaply
 The contract is kernels/attention.py's (cache layout ``[num_blocks, block_size, kv_heads, head_dim]``,
 ``AttentionMetadata`` from ``build_metadata``) and, for quantised KV (``quant="int8"`` or ``"fp8_e4m3"``),
 kernels/kv_quant.py's: uint8 rows of ``head_dim + 4``, the quantised elements then the row's float32
-scale. The torch reference is the oracle these kernels are tested against (tests/triton_kernel_cases.py,
+scale. The torch reference is the oracle these kernels are tested against (tests/support/triton_kernel_cases.py,
 under ``TRITON_INTERPRET=1`` on CPU).
 
 - ``store_kv``: one program per new token writes its K and V rows into its slot; with ``quant`` it

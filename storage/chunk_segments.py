@@ -1,7 +1,7 @@
-"""Retrieved chunks' KV on disk: one safetensors file per chunk (chatkv.chunk_kv's disk tier).
+"""Retrieved chunks' KV on disk: one safetensors file per chunk (chatkv.rag.chunk_kv's disk tier).
 
 A chunk's KV is computed once in its canonical frame (a fixed short prefix, then the chunk's
-tokens at fixed positions; see chatkv/chunk_kv.py) and kept here under its key: a hash of the
+tokens at fixed positions; see chatkv/rag/chunk_kv.py) and kept here under its key: a hash of the
 chunk's text, the model fingerprint and the kv dtype, so a chunk whose text changed has
 another key and never reads the old KV. Each file is a ``KVStore`` snapshot (same format,
 crc32 checksum, atomic write, checks on load) of the chunk's own tokens, with header fields
@@ -26,7 +26,7 @@ import torch
 from chatkv.errors import SnapshotInvalid
 from chatkv.storage.kv_store import SUFFIX, KVStore
 
-log = logging.getLogger("chatkv.chunk_kv")
+log = logging.getLogger("chatkv.rag.chunk_kv")
 
 __all__ = ["ChunkSegments", "chunk_key"]
 

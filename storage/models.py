@@ -140,7 +140,7 @@ class Conversation(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, index=True)
     archived: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
-    # what the KV window holds when the history outgrew the context (chatkv.context_window);
+    # what the KV window holds when the history outgrew the context (chatkv.sessions.context_window);
     # None: the whole history. Written in the same transaction as token_ids.
     context: Mapped[Optional[dict]] = mapped_column(JSON(none_as_null=True))
     # the message whose branch the conversation is now (migration 0006; None: no message yet).

@@ -52,7 +52,7 @@ class ConversationInfo:
     created_at: datetime
     updated_at: datetime
     archived: bool
-    context: Optional[dict[str, Any]] = None  # the KV window's state (chatkv.context_window), None: whole history
+    context: Optional[dict[str, Any]] = None  # the KV window's state (chatkv.sessions.context_window), None: whole history
     owner: str = LOCAL_USER  # the user it belongs to (migration 0005)
     current_leaf_id: Optional[int] = None  # the message whose branch it is now (migration 0006)
 

@@ -1,7 +1,7 @@
 """Shared test set-up.
 
 Quantised weight modes check themselves against the float path when they load and cache the
-verdict per machine (chatkv.weight_check); the suite keeps that cache in one temporary
+verdict per machine (chatkv.model.self_check); the suite keeps that cache in one temporary
 directory of its own, shared by every test and child process of the run, so the user's cache
 is never touched and each mode is checked once per run.
 
@@ -11,8 +11,8 @@ tiny Qwen2-style model with a tool template, and a module's engine on it); ``pos
 real PostgreSQL server for the run, a fresh database per ``database()`` call); ``anyio_backend``
 (asyncio, for the Textual Pilot tests); ``default_model_dir`` (the packaged default model,
 converted once for the run) and ``default_model_home`` (a CHATKV_HOME that already holds it). Plain helpers that are not fixtures are modules of
-tests/: ``tests.tiny`` (the tiny models), ``tests.fakes`` (a fake tokenizer and request for the
-KV manager and scheduler tests), ``tests.pilot`` (driving the Textual app), ``tests.pg`` (the
+tests/: ``tests.support.tiny`` (the tiny models), ``tests.support.fakes`` (a fake tokenizer and request for the
+KV manager and scheduler tests), ``tests.support.pilot`` (driving the Textual app), ``tests.support.pg`` (the
 PostgreSQL server itself)."""
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers",
         "tiny_model(model_type='llama', seed=0, **config): the seeded random tiny model that the "
-        "`model_dir` fixture builds for a test module (tests.tiny.make_model's arguments)",
+        "`model_dir` fixture builds for a test module (tests.support.tiny.make_model's arguments)",
     )
 
 
@@ -43,8 +43,8 @@ def pytest_configure(config):
 def model_dir(request, tmp_path_factory) -> str:
     """A seeded random tiny model directory, built once per test module, as a command line gives
     it (a str). The module says which model with ``pytestmark = pytest.mark.tiny_model(...)``
-    (the arguments of ``tests.tiny.make_model``); without one, make_model's default."""
-    from tests.tiny import make_model  # torch: only for the tests that use a model
+    (the arguments of ``tests.support.tiny.make_model``); without one, make_model's default."""
+    from tests.support.tiny import make_model  # torch: only for the tests that use a model
 
     mark = request.node.get_closest_marker("tiny_model")
     args, kwargs = (mark.args, mark.kwargs) if mark is not None else ((), {})
@@ -55,9 +55,9 @@ def model_dir(request, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def tool_model_dir(tmp_path_factory) -> str:
-    """The tiny Qwen2-style model with a tool-capable chat template (``tests.tiny.make_tool_model``,
+    """The tiny Qwen2-style model with a tool-capable chat template (``tests.support.tiny.make_tool_model``,
     seed 1), built once per run: every test reads it, none writes it."""
-    from tests.tiny import make_tool_model
+    from tests.support.tiny import make_tool_model
 
     d = tmp_path_factory.mktemp("toolmodel")
     make_tool_model(d, seed=1)
@@ -68,7 +68,7 @@ def tool_model_dir(tmp_path_factory) -> str:
 def tool_engine(tool_model_dir, tmp_path_factory):
     """An engine on ``tool_model_dir`` with a data directory of the module's own."""
     from chatkv.config import EngineConfig
-    from chatkv.engine import Engine
+    from chatkv.engine.core import Engine
 
     e = Engine(tool_model_dir, EngineConfig(data_dir=str(tmp_path_factory.mktemp("data")), num_blocks=1024))
     yield e
@@ -77,11 +77,11 @@ def tool_engine(tool_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def postgres():
-    """A running PostgreSQL server (tests/pg.py), one for the whole run: initdb and a start cost
+    """A running PostgreSQL server (tests/support/pg.py), one for the whole run: initdb and a start cost
     seconds, and every test takes a fresh empty database from it (``postgres.database()``), so
     no test sees another's rows. Missing binaries fail the tests that ask for it, saying what is
     missing (this machine and CI have them: a skip would only hide an untested store)."""
-    from tests.pg import PostgresServer, find_bin_dir, missing_reason
+    from tests.support.pg import PostgresServer, find_bin_dir, missing_reason
 
     why = missing_reason()
     if why:

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # what the chat face must not load, and what the server face must not load
 SERVER_STACK = ("starlette", "uvicorn", "prometheus_client", "ray", "chatkv.server")
 APP_STACK = ("textual", "chatkv.tui.app")
-STORE_STACK = ("sqlalchemy", "alembic", "chatkv.storage.models", "chatkv.storage.repository", "chatkv.session_manager")
+STORE_STACK = ("sqlalchemy", "alembic", "chatkv.storage.models", "chatkv.storage.repository", "chatkv.sessions.manager")
 
 _PROBE = """
 import json, sys
@@ -35,7 +35,7 @@ except SystemExit as e:
     status = e.code
 roots = {"starlette", "uvicorn", "prometheus_client", "ray", "textual", "sqlalchemy", "alembic"}
 loaded = sorted(m for m in list(sys.modules) if m.split(".")[0] in roots
-                or m.startswith(("chatkv.server", "chatkv.tui", "chatkv.storage", "chatkv.session_manager")))
+                or m.startswith(("chatkv.server", "chatkv.tui", "chatkv.storage", "chatkv.sessions.manager")))
 print("\\nPROBE " + json.dumps({"status": status, "loaded": loaded}), file=sys.stderr)
 """
 

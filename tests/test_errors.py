@@ -41,7 +41,7 @@ def test_no_error_is_defined_outside_chatkv_errors():
 
 
 def test_the_old_import_paths_still_work():
-    from chatkv.context_window import ContextOverflow
+    from chatkv.sessions.context_window import ContextOverflow
     from chatkv.retrieval.documents import DocumentError
 
     assert ContextOverflow is errors.ContextOverflow and issubclass(ContextOverflow, errors.InvalidRequest)

@@ -3,9 +3,9 @@
 Every face file is read with ``ast``, never imported. An import of a chatkv module (at module
 level or inside a function, relative ones resolved, ``importlib.import_module`` with a literal
 name too) must be of another face, of ``chatkv`` itself for a name in its ``__all__``, or of a
-public module below (and then never of a ``_name``). The engine's internals (``chatkv.engine``:
-``from chatkv import Engine``; ``chatkv.turns``, ``chatkv.context_window``, ``chatkv.text_tokens``,
-``chatkv.session_manager``, ``chatkv.storage.*``, ``chatkv.weights.*``...) are not.
+public module below (and then never of a ``_name``). The engine's internals (``chatkv.engine.core``:
+``from chatkv import Engine``; ``chatkv.sessions.template``, ``chatkv.sessions.context_window``, ``chatkv.engine.text_tokens``,
+``chatkv.sessions.manager``, ``chatkv.storage.*``, ``chatkv.weights.*``...) are not.
 
 Attribute access to a ``_name`` of an SDK object is refused where it can be seen simply: ``x._y``
 or ``getattr(x, "_y")`` where ``x`` is a name or attribute that holds one of the SDK's objects by
@@ -27,10 +27,10 @@ PUBLIC_MODULES = {
     "chatkv.errors",  # every error, and check_text (the text checks the SDK applies)
     "chatkv.config",  # EngineConfig and the option choices (WEIGHTS, KV_DTYPES, HEADS, OVERFLOW_POLICIES)
     "chatkv.outputs",  # Usage, GenerationResult, Reply, EngineStats
-    "chatkv.sampling",  # SamplingParams
-    "chatkv.metrics",  # EngineMetrics: one engine's Prometheus collectors
+    "chatkv.engine.sampling",  # SamplingParams
+    "chatkv.engine.metrics",  # EngineMetrics: one engine's Prometheus collectors
     "chatkv.retrieval",  # KnowledgeBase, Embedder (the package's exports, not its modules)
-    "chatkv.tools",  # tool specs from callables or JSON, tool_choice, the parsing of calls (issue 25)
+    "chatkv.sessions.tools",  # tool specs from callables or JSON, tool_choice, the parsing of calls (issue 25)
 }
 # names that hold an SDK object in the faces' code (Engine, Session, EngineMetrics, KnowledgeBase...)
 SDK_HANDLES = {"engine", "session", "sessions", "metrics", "kb", "knowledge", "knowledge_base", "store", "seq",
@@ -151,14 +151,14 @@ def test_the_public_names_the_faces_import_exist():
 # ---------------------------------------------------------------- the checker itself
 
 @pytest.mark.parametrize("src,found", [
-    ("from chatkv.turns import TurnRenderer\n", "imports chatkv.turns"),
-    ("def f():\n    from chatkv.context_window import ContextOverflow\n", "imports chatkv.context_window"),
-    ("import chatkv.engine\n", "imports chatkv.engine"),
-    ("from chatkv import text_tokens\n", "from chatkv import text_tokens - not in chatkv.__all__"),
+    ("from chatkv.sessions.template import TurnRenderer\n", "imports chatkv.sessions.template"),
+    ("def f():\n    from chatkv.sessions.context_window import ContextOverflow\n", "imports chatkv.sessions.context_window"),
+    ("import chatkv.engine.core\n", "imports chatkv.engine.core"),
+    ("from chatkv.sessions import text_tokens\n", "imports chatkv.sessions, not a public module of the SDK"),
     ("from chatkv.storage.models import LOCAL_USER\n", "imports chatkv.storage.models"),
     ("from chatkv.errors import _hidden\n", "from chatkv.errors import _hidden - a private name"),
-    ("from ..turns import TurnRenderer\n", "imports chatkv.turns"),  # relative, from chatkv.server.x
-    ("import importlib\nimportlib.import_module('chatkv.engine_loop')\n", "imports chatkv.engine_loop"),
+    ("from ..sessions.template import TurnRenderer\n", "imports chatkv.sessions.template"),  # relative, from chatkv.server.x
+    ("import importlib\nimportlib.import_module('chatkv.engine.loop')\n", "imports chatkv.engine.loop"),
     ("def f(state):\n    return len(state.metrics._pending)\n", "state.metrics._pending"),
     ("def f(session):\n    return getattr(session, '_m', None)\n", "getattr(session, '_m', None)"),
     ("def f(self):\n    return self.engine._sessions\n", "self.engine._sessions"),

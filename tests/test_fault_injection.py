@@ -35,13 +35,13 @@ from safetensors import SafetensorError
 from sqlalchemy.exc import OperationalError
 
 from chatkv.config import EngineConfig
-from chatkv.detokenize import TextStream
-from chatkv.engine import Engine
+from chatkv.engine.detokenize import TextStream
+from chatkv.engine.core import Engine
 from chatkv.errors import StorageError
-from chatkv.kv_manager import KVManager
-from chatkv.model_runner import ModelRunner
-from chatkv.sampling import SamplingParams
-from chatkv.snapshots import Snapshots
+from chatkv.kvcache.manager import KVManager
+from chatkv.engine.model_runner import ModelRunner
+from chatkv.engine.sampling import SamplingParams
+from chatkv.sessions.snapshots import Snapshots
 from chatkv.storage import kv_store
 from chatkv.storage.kv_store import KVStore
 from chatkv.storage.repository import Store

@@ -235,7 +235,7 @@ def describe(cycle: list[Edge]) -> str:
 
 def test_the_distribution_is_found(graph):
     modules, edges, _ = graph
-    for name in ["chatkv", "chatkv.errors", "chatkv.sampling", "chatkv.kernels", "chatkv.kernels.attention",
+    for name in ["chatkv", "chatkv.errors", "chatkv.engine.sampling", "chatkv.kernels", "chatkv.kernels.attention",
                  "chatkv.storage", "chatkv.retrieval", "chatkv.tui", "chatkv.storage.migrations.env"]:
         assert name in modules, name
     assert "kernels" not in modules and "storage.kv_store" not in modules  # no bare top-level names

@@ -17,7 +17,7 @@ from textual.widgets import Markdown
 
 from chatkv.errors import ChatKVError
 from chatkv.outputs import Reply, Usage
-from chatkv.sampling import SamplingParams
+from chatkv.engine.sampling import SamplingParams
 from chatkv.tui.widgets.chat import ChatMessage, StatusLine
 from chatkv.tui.widgets.titles import safe_text
 

@@ -35,7 +35,7 @@ import sys
 from chatkv import ChatKVError, Conversations, Engine, InvalidRequest
 from chatkv.config import HEADS, KV_DTYPES, OVERFLOW_POLICIES, WEIGHTS
 from chatkv.outputs import GenerationResult, Reply
-from chatkv.sampling import SamplingParams
+from chatkv.engine.sampling import SamplingParams
 from chatkv.tui.failures import Stdout, check_data_dir, error, note
 from chatkv.tui.terminal_text import SafeStream, safe_text
 

@@ -14,7 +14,7 @@ from textual.widgets import Label
 
 from chatkv.errors import ChatKVError
 from chatkv.outputs import Usage
-from chatkv.sampling import SamplingParams
+from chatkv.engine.sampling import SamplingParams
 from chatkv.tui.screens.dialogs import HelpScreen, PromptScreen, SettingsScreen
 from chatkv.tui.screens.search import SearchScreen
 from chatkv.tui.widgets.chat import ChatMessage

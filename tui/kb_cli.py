@@ -78,7 +78,7 @@ def run(argv: list[str]) -> int:
 def _run(args, say) -> int:
     if args.command == "ingest":
         engine = None
-        if args.kv:  # the chat model computes each chunk's KV (chatkv.chunk_place)
+        if args.kv:  # the chat model computes each chunk's KV (chatkv.rag.placement)
             from chatkv import Engine
 
             engine = Engine.from_pretrained(args.model, data_dir=args.data_dir)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from chatkv.errors import ChatKVError
-from chatkv.tools import TOOL_NAME, Tool, tools_of
+from chatkv.sessions.tools import TOOL_NAME, Tool, tools_of
 from chatkv.tui.mcp_config import ServerConfig, load_config
 
 START_TIMEOUT_S = 30.0
@@ -36,7 +36,7 @@ class MCPTool:
     schema: dict
 
     def spec(self) -> dict:
-        """The SDK's tool spec, under the name the model calls it by (chatkv.tools.Tool's own)."""
+        """The SDK's tool spec, under the name the model calls it by (chatkv.sessions.tools.Tool's own)."""
         return Tool(self.exposed, self.description, self.schema).spec()
 
 

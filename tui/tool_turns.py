@@ -16,7 +16,7 @@ from pathlib import Path
 from textual.containers import VerticalScroll
 
 from chatkv.errors import ChatKVError
-from chatkv.tools import tagged_calls
+from chatkv.sessions.tools import tagged_calls
 from chatkv.tui.mcp_config import CONFIG_NAME
 from chatkv.tui.mcp_tools import MCPTools, ToolResult
 from chatkv.tui.screens.dialogs import ToolConfirmScreen

@@ -18,8 +18,9 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.routing import Route
 
-from chatkv.metrics import EngineMetrics
-from chatkv.server import resp_routes, routes
+from chatkv.engine.metrics import EngineMetrics
+from chatkv.server import routes
+from chatkv.server.responses import routes as resp_routes
 from chatkv.server.errors import APIError
 from chatkv.server.guards import ConcurrencyLimit, Users
 from chatkv.server.history import HistoryTokens

@@ -32,7 +32,7 @@ from anyio import to_thread
 
 from chatkv.errors import check_text
 from chatkv.outputs import Reply, Usage
-from chatkv.sampling import SamplingParams
+from chatkv.engine.sampling import SamplingParams
 from chatkv.server.errors import APIError, from_chatkv
 
 NEW_SESSION = "new"

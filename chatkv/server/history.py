@@ -81,7 +81,7 @@ class HistoryTokens:
                     self._lru.move_to_end(keys[k - 1])
             if ids is None:
                 continue
-            rest = self._turns.continuation(messages, k)  # a client's text is data (chatkv.text_tokens)
+            rest = self._turns.continuation(messages, k)  # a client's text is data (chatkv.engine.text_tokens)
             if rest is None:  # the template rewrites earlier turns
                 break
             with self._lock:

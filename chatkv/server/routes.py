@@ -20,7 +20,7 @@ from chatkv.server import generation as gen
 from chatkv.server import tool_calls
 from chatkv.server.errors import APIError, from_chatkv
 from chatkv.server.guards import check_api_key, read_body
-from chatkv.server.responses import Chat, Completion, sse, sum_usage
+from chatkv.server.chat_shapes import Chat, Completion, sse, sum_usage
 from chatkv.server.schemas import parse_chat, parse_completion, parse_embedding, parse_json
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}

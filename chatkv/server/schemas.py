@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass, field
 
 from chatkv.errors import InvalidRequest
-from chatkv.sampling import SamplingParams
+from chatkv.engine.sampling import SamplingParams
 from chatkv.server import tool_calls
 from chatkv.server.errors import APIError, bad_value, unsupported
 
@@ -43,7 +43,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     session_id: str | None = None
-    tools: list = field(default_factory=list)  # chatkv.tools.Tool (tool_calls.py)
+    tools: list = field(default_factory=list)  # chatkv.sessions.tools.Tool (tool_calls.py)
     tool_choice: object = "none"
 
 

@@ -1,7 +1,7 @@
 """Structured output and tool calls on /v1/chat/completions (issue 25): ``response_format``
 (``json_object``, ``json_schema``) as a constraint of the request's SamplingParams; ``tools`` and
 ``tool_choice`` (auto, none, required, a named function; the forcing ones constrain the output
-to calls, chatkv.tools); ``role: "tool"`` messages and assistant ``tool_calls`` in the history,
+to calls, chatkv.sessions.tools); ``role: "tool"`` messages and assistant ``tool_calls`` in the history,
 rendered by the model's own chat template; the reply's calls as ``message.tool_calls``.
 
 Every refusal is an OpenAI-shaped 400 whose ``param`` is the path of the problem.
@@ -14,11 +14,11 @@ import json
 
 from chatkv.errors import InvalidRequest
 from chatkv.server.errors import APIError, bad_value, unsupported
-from chatkv.tools import ToolCall, call_format, chosen, forcing, parse_calls, tagged_calls, tools_of
+from chatkv.sessions.tools import ToolCall, call_format, chosen, forcing, parse_calls, tagged_calls, tools_of
 
 
 def path_of(e: InvalidRequest, default: str) -> str:
-    """chatkv.tools' messages start with the path ("tools[0].function.name: ..."); both faces'
+    """chatkv.sessions.tools' messages start with the path ("tools[0].function.name: ..."); both faces'
     400s name it (resp_tools.py too)."""
     head = str(e).split(":", 1)[0]
     return head if " " not in head else default
@@ -69,7 +69,7 @@ def schema_fields(schema, where: str) -> dict:
     ``where`` if it is not one chatkv can enforce (invalid, or a keyword it cannot keep)."""
     if not isinstance(schema, dict):
         raise bad_value(where, f"{where} must be a JSON schema object")
-    from chatkv.sampling import SamplingParams
+    from chatkv.engine.sampling import SamplingParams
 
     try:
         SamplingParams(json_schema=schema).validate()
@@ -80,7 +80,7 @@ def schema_fields(schema, where: str) -> dict:
 
 
 def tools(body: dict) -> tuple[list, object]:
-    """The request's tools (chatkv.tools.Tool) and its tool_choice."""
+    """The request's tools (chatkv.sessions.tools.Tool) and its tool_choice."""
     for name in ("functions", "function_call"):
         if body.get(name) not in (None, []):
             raise unsupported(name, f"{name} is the deprecated form; send tools and tool_choice")

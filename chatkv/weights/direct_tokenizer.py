@@ -252,7 +252,7 @@ def differences(direct: DirectTokenizer, tok) -> list[str]:
                 for skip in (False, True):
                     same(f"decode {ids} {skip}", direct.decode(ids, skip_special_tokens=skip),
                          tok.decode(ids, skip_special_tokens=skip))
-                    for i in range(len(ids)):  # the windows chatkv.detokenize decodes
+                    for i in range(len(ids)):  # the windows chatkv.engine.detokenize decodes
                         same(f"decode {ids[i:i + 3]}", direct.decode(ids[i:i + 3], skip_special_tokens=skip),
                              tok.decode(ids[i:i + 3], skip_special_tokens=skip))
     tools = (None, PROBE_TOOLS) if direct.chat_template and "tools" in direct.chat_template else (None,)

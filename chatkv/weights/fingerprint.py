@@ -5,7 +5,7 @@ every weights file. Hashing ~270 MB of weights takes a fraction of a second, so
 each file's digest is remembered in ``<cache_dir>/fingerprints.json`` keyed by
 (path, size, mtime, inode) and recomputed only when one of those changes. Without a
 ``cache_dir`` the user's cache directory keeps them (``CHATKV_CACHE_DIR``, else the
-platform's, as chatkv.weight_check's verdicts): an engine given no data directory
+platform's, as chatkv.model.self_check's verdicts): an engine given no data directory
 (a one-shot ``chatkv "..."``) hashed the whole model at every start.
 """
 

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from chatkv.errors import ModelNotFound, UnsupportedModel
-from chatkv.quant import Q4Weight, dequantize_gguf_blocks, from_gguf_blocks
+from chatkv.weights.quantised import Q4Weight, dequantize_gguf_blocks, from_gguf_blocks
 from chatkv.storage.files import chmod_tree_private, fsync_dir, fsync_tree, make_private_dir
 
 __all__ = ["packaged_gguf_path", "convert_gguf", "ensure_default_model", "default_model_dir", "read_q4", "read_wide",
@@ -45,20 +45,20 @@ MARKER = "chatkv-converted.json"
 # the packaged GGUF, the only one converted once and kept, has none.)
 FORMAT_VERSION = 2
 #: The GGUF's 4-bit projection weights as stored (codes, scale, minimum per group of 32; rows in
-#: Hugging Face order), for ``weights=int4`` (chatkv.quant); a subdirectory, so that the
+#: Hugging Face order), for ``weights=int4`` (chatkv.weights.quantised); a subdirectory, so that the
 #: directory's ``*.safetensors`` stay exactly the float model.
 QUANT_FILE = Path("quantized") / "gguf-q4.safetensors"
 #: GGUF types whose numbers are int4 groups of 32 as stored: kept exactly (Q4_K's sub-blocks are
-#: such groups, with scale d * sc and minimum -dmin * m: chatkv.quant.from_gguf_blocks)
+#: such groups, with scale d * sc and minimum -dmin * m: chatkv.weights.quantised.from_gguf_blocks)
 _Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 #: Wider types (a Q4_K_M keeps attn_v and ffn_down of some layers and the output in Q6_K;
 #: Q5_0/Q5_1 are llama-quantize's fallback for rows that are not whole 256-blocks): their exact
 #: float32 values are the float model, and QUANT_FILE does not hold them, because it holds only a
-#: file's own numbers (chatkv.model's bf16 prefill copy of a QUANT_FILE projection is its float
+#: file's own numbers (chatkv.model.forward's bf16 prefill copy of a QUANT_FILE projection is its float
 #: weight). The int4 mode quantises them on load, as any float weight; what that costs against
 #: int8 per channel: docs/weights.md, "GGUF K-quants".
 _WIDE_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
-#: dequantised by chatkv.quant (bit for bit as gguf's reference: tests/test_gguf_kquants.py)
+#: dequantised by chatkv.weights.quantised (bit for bit as gguf's reference: tests/weights/test_gguf_kquants.py)
 _DECODED_TYPES = _Q4_TYPES + _WIDE_TYPES
 
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
@@ -247,8 +247,8 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def _dequantize(tensor: Any) -> np.ndarray:
-    """float32 of a GGUF tensor: the mapped quantised types by chatkv.quant (bit for bit as gguf's
-    reference, tests/test_gguf_kquants.py), any other type by gguf's reference."""
+    """float32 of a GGUF tensor: the mapped quantised types by chatkv.weights.quantised (bit for bit as gguf's
+    reference, tests/weights/test_gguf_kquants.py), any other type by gguf's reference."""
     from gguf.quants import dequantize
 
     # GGUF lists dims innermost-first (ggml "ne"); torch wants them reversed.
@@ -538,7 +538,7 @@ class Q4File:
     def nibbles(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``name``'s codes as the file holds them (uint8 ``[N, K / 2]``, byte ``j`` holding code
         ``2j`` in its low nibble and ``2j + 1`` in its high one), scale and minimum
-        (chatkv.quant.repack_nibbles packs them for the kernel without unpacking them)."""
+        (chatkv.weights.quantised.repack_nibbles packs them for the kernel without unpacking them)."""
         if name not in self._names:
             raise KeyError(name)
         try:

@@ -11,7 +11,7 @@ So the first load keeps, in the user cache directory (``loads.json`` beside the 
 
 - the config transformers made of a ``config.json``, as its ``to_dict()``: a later start reads it
   back as a ``ResolvedConfig``, the same attributes with the same values (the dtype by name, as
-  ``to_dict`` writes it; chatkv.model reads either). Only configs whose RoPE chatkv computes
+  ``to_dict`` writes it; chatkv.model.forward reads either). Only configs whose RoPE chatkv computes
   itself are kept (a scaled RoPE goes to transformers' own functions, which take its object);
 - the tokenizer class ``AutoTokenizer`` chose (a transformers class): a later start calls that
   class's ``from_pretrained`` on the directory, as ``AutoTokenizer`` itself ends by doing;

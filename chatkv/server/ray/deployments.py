@@ -53,7 +53,7 @@ from chatkv.server.guards import read_body
 from chatkv.server.ray.prom_merge import merge
 from chatkv.server.ray.request_routers import AffinityRouter, RoundRobinRouter
 from chatkv.server.ray.affinity import RouteKeys, route_keys, table_for
-from chatkv.server.responses import sse
+from chatkv.server.chat_shapes import sse
 
 log = logging.getLogger("chatkv.server.ray")
 APP = "chatkv"

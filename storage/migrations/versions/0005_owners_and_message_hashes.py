@@ -11,7 +11,7 @@ becomes the local user's (the server default), so nothing already saved changes 
 
 ``messages.content_hash`` is sha256(role + "\\n" + UTF-8 text) of each message, written with
 the message. A message whose text was edited behind the store's back (the same length
-included) no longer matches it, which a resume tells (``chatkv.session_manager``): the
+included) no longer matches it, which a resume tells (``chatkv.sessions.manager``): the
 conversation's KV is then recomputed from the stored text. The upgrade computes it for every
 existing row, reading the text as bytes so that a row whose bytes are not valid UTF-8 does not
 stop the upgrade (its hash is of those bytes: it will be reported as changed). The formula is

@@ -1,0 +1,11 @@
+"""The engine: requests in, tokens out.
+
+``core`` (Engine: the SDK's entry point and ``step`` = schedule -> run -> postprocess), ``loop``
+(the one thread that drives the steps, and each request's stream), ``closing`` (the admission
+gate and ``close(timeout)``), ``scheduler`` and ``sequence`` (continuous batching and a
+request's state), ``model_runner`` (the pool's size, one flattened batch per step, the
+forward, sampling), ``sampling``, ``text_tokens`` (text is data: only the chat template makes
+special tokens), ``constraints`` (token masks for structured output),
+``speculative`` (prompt lookup), ``detokenize`` (incremental text, stop strings) and ``metrics``
+(Prometheus). Import the module you need: this package imports nothing itself.
+"""
