@@ -84,9 +84,9 @@ def test_another_users_session_is_unknown_exactly_as_an_unknown_one(shared):
     # alice's own conversation is untouched by all that, and still hers
     status, body, _ = chat(shared, "alice", history + user("still mine?"), sid)
     assert status == 200, body
-    info = shared.app.state.chatkv.engine.core.session_manager.store.get_conversation(sid)
+    info = shared.app.state.chatkv.engine.session_manager.store.get_conversation(sid)
     assert info.owner == "alice"
-    assert [m.content for m in shared.app.state.chatkv.engine.core.session_manager.store.messages(sid)][::2] == [
+    assert [m.content for m in shared.app.state.chatkv.engine.session_manager.store.messages(sid)][::2] == [
         first[0]["content"], "still mine?"]
 
 
