@@ -66,16 +66,16 @@ class KBView(Protocol):
     name: str
     embedder: Embedder
     dense: DenseIndex
-    _store: KnowledgeStore
-    _info: KBInfo
-    _revision: int
-    _rebuild_due: bool
+    store: KnowledgeStore
+    info: KBInfo
+    revision: int
+    rebuild_due: bool
 
-    def _applied(self, result: WriteResult) -> None: ...
+    def applied(self, result: WriteResult) -> None: ...
 
-    def _settle(self) -> None: ...
+    def settle(self) -> None: ...
 
-    def _write_index(self) -> None: ...
+    def write_index(self) -> None: ...
 
 CHUNK_TOKENS = 256
 OVERLAP_TOKENS = 32
@@ -211,9 +211,9 @@ def ingest(
             old = known.get(doc.source)
             if old is not None and old[0] == doc.content_hash:
                 if old[1] != doc.metadata:
-                    revision = kb._store.set_metadata(kb.id, doc.source, doc.metadata)
-                    if revision is not None and revision == kb._revision + 1:
-                        kb._revision = revision
+                    revision = kb.store.set_metadata(kb.id, doc.source, doc.metadata)
+                    if revision is not None and revision == kb.revision + 1:
+                        kb.revision = revision
                     report.updated.append(doc.source)
                 else:
                     report.unchanged.append(doc.source)
@@ -251,7 +251,7 @@ def ingest(
             bar.close()
         t = time.perf_counter()
         if report.added or report.updated or report.chunks:
-            kb._write_index()
+            kb.write_index()
         report.seconds["index"] += time.perf_counter() - t
 
 
@@ -282,15 +282,15 @@ def _flush(kb: KBView, pending: list[_Staged], report: IngestReport, bar) -> Non
             for c, v in zip(p.chunks, vecs)
         ]
         d = p.doc
-        result = kb._store.put_document(
-            kb.id, d.source, d.kind, d.content_hash, d.metadata, d.text, chunks, kb._info.embedding_dim
+        result = kb.store.put_document(
+            kb.id, d.source, d.kind, d.content_hash, d.metadata, d.text, chunks, kb.info.embedding_dim
         )
-        kb._applied(result)
-        if not kb._rebuild_due:
+        kb.applied(result)
+        if not kb.rebuild_due:
             kb.dense.add(result.added_ids, vecs)
         (report.added if result.status == "added" else report.updated).append(d.source)
         report.chunks += n
-    kb._settle()
+    kb.settle()
     report.seconds["index"] += time.perf_counter() - t
     if bar is not None:
         bar.update(len(texts))

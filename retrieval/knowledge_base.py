@@ -83,8 +83,8 @@ class KnowledgeBase:
         self, store: KnowledgeStore, info: KBInfo, embedder: Embedder, index_dir: Path,
         hnsw_threshold: int = HNSW_THRESHOLD, owns_store: bool = True,
     ) -> None:
-        self._store = store
-        self._info = info
+        self.store = store
+        self.info = info
         self.embedder = embedder
         self.name = info.name
         self.tenant = info.tenant
@@ -95,9 +95,9 @@ class KnowledgeBase:
         self._owns_store = owns_store
         self._lock = threading.RLock()
         self._closed = False
-        self._warned_no_lexical = False
-        self._revision = -1
-        self._rebuild_due = False  # a removal the index could not apply (HNSW): rebuild before use
+        self.warned_no_lexical = False
+        self.revision = -1
+        self.rebuild_due = False  # a removal the index could not apply (HNSW): rebuild before use
         # fn(chunk texts, progress) -> chunks whose KV it computed: set by Engine.knowledge_base (precompute_kv)
         self.kv_precompute: Optional[Callable[[list[str], bool], int]] = None
         self.dense: DenseIndex = DenseIndex(info.embedding_dim)
@@ -159,85 +159,85 @@ class KnowledgeBase:
 
     def _load_or_rebuild(self) -> None:
         """Take the index file if it matches the database, else rebuild it from the stored embeddings."""
-        revision = self._store.revision(self.id)
-        ids = self._store.chunk_ids(self.id)
-        loaded = DenseIndex.load(self.index_path, ids, self._info.embedding_dim, self._identity)
+        revision = self.store.revision(self.id)
+        ids = self.store.chunk_ids(self.id)
+        loaded = DenseIndex.load(self.index_path, ids, self.info.embedding_dim, self._identity)
         if loaded is not None:
             self.dense = loaded
         elif not ids:
-            self.dense = DenseIndex(self._info.embedding_dim)  # nothing to rebuild: written at the first ingest
+            self.dense = DenseIndex(self.info.embedding_dim)  # nothing to rebuild: written at the first ingest
         else:
             log.warning(
                 "knowledge base %r: rebuilding its dense index (%d chunks) from the embeddings in the database",
                 self.name, len(ids),
             )
             self._rebuild()
-            self._write_index()
-        self._revision = revision if revision is not None else -1
+            self.write_index()
+        self.revision = revision if revision is not None else -1
 
     def _rebuild(self) -> None:
         """The dense index anew from the database's embeddings (reads them all; no embedding)."""
-        self._rebuild_due = False
+        self.rebuild_due = False
         ids: list[int] = []
         parts: list[np.ndarray] = []
-        for rows in self._store.embeddings(self.id):
+        for rows in self.store.embeddings(self.id):
             ids += [i for i, _ in rows]
             parts.append(self._vectors([e for _, e in rows]))
-        vecs = np.concatenate(parts) if parts else np.zeros((0, self._info.embedding_dim), np.float32)
-        self.dense = DenseIndex.build(self._info.embedding_dim, ids, vecs, self.hnsw_threshold)
+        vecs = np.concatenate(parts) if parts else np.zeros((0, self.info.embedding_dim), np.float32)
+        self.dense = DenseIndex.build(self.info.embedding_dim, ids, vecs, self.hnsw_threshold)
 
     def _vectors(self, blobs: Sequence[bytes]) -> np.ndarray:
-        dim = self._info.embedding_dim
+        dim = self.info.embedding_dim
         bad = [len(b) for b in blobs if len(b) != 4 * dim]
         if bad:
             raise ChatKVError(f"knowledge base {self.name!r} holds an embedding of {bad[0]} bytes, not {4 * dim}")
         return np.frombuffer(b"".join(blobs), dtype="<f4").astype(np.float32, copy=False).reshape(len(blobs), dim)
 
-    def _write_index(self) -> None:
+    def write_index(self) -> None:
         try:
             self.dense.write(self.index_path, self._identity)
         except OSError as e:  # the database has everything: the next open rebuilds
             log.warning("knowledge base %r: cannot write its dense index %s (%s); it will be rebuilt on open",
                         self.name, self.index_path, e)
 
-    def _settle(self) -> None:
+    def settle(self) -> None:
         """Rebuild the dense index if a removal could not be applied, or if it outgrew flat."""
         outgrown = self.dense.kind != kind_for(self.dense.ntotal, self.hnsw_threshold) and (
             self.dense.ntotal > self.hnsw_threshold
         )
-        if self._rebuild_due or outgrown:
+        if self.rebuild_due or outgrown:
             self._rebuild()
-            self._rebuild_due = False
+            self.rebuild_due = False
 
     def _refresh(self) -> None:
         """Bring the dense index in step if another process changed the KB."""
         if self._closed:
             raise ChatKVError(f"knowledge base {self.name!r} is closed")
-        revision = self._store.revision(self.id)
+        revision = self.store.revision(self.id)
         if revision is None:
             raise ChatKVError(f"knowledge base {self.name!r} was deleted")
-        if revision == self._revision:
+        if revision == self.revision:
             return
-        db_ids = np.asarray(self._store.chunk_ids(self.id), dtype=np.int64)
+        db_ids = np.asarray(self.store.chunk_ids(self.id), dtype=np.int64)
         held = self.dense.ids()
         gone = np.setdiff1d(held, db_ids)
         new = np.setdiff1d(db_ids, held)
         if len(gone) and not self.dense.remove(gone):
-            self._rebuild_due = True
+            self.rebuild_due = True
         elif len(new):
-            rows = self._store.embeddings_of(new.tolist())
+            rows = self.store.embeddings_of(new.tolist())
             self.dense.add([i for i, _ in rows], self._vectors([e for _, e in rows]))
-        self._settle()
-        self._revision = revision
+        self.settle()
+        self.revision = revision
 
-    def _applied(self, result: WriteResult) -> None:
+    def applied(self, result: WriteResult) -> None:
         """Apply one of our own writes' removals to the dense index (the caller adds the new
         vectors unless the index is now due for a rebuild: HNSW cannot delete, so it is
-        rebuilt once at the end of the call, by ``_settle``)."""
+        rebuilt once at the end of the call, by ``settle``)."""
         if result.removed_ids and not self.dense.remove(result.removed_ids):
-            self._rebuild_due = True
-        if result.revision == self._revision + 1:
-            self._revision = result.revision  # nobody else wrote in between
+            self.rebuild_due = True
+        if result.revision == self.revision + 1:
+            self.revision = result.revision  # nobody else wrote in between
         # else: another process wrote too; the next _refresh() diffs the ids
 
     # ------------------------------------------------------------------ ingest
@@ -263,7 +263,7 @@ class KnowledgeBase:
         report = IngestReport()
         with self._lock:
             self._refresh()
-            known = self._store.document_hashes(self.id)
+            known = self.store.document_hashes(self.id)
             docs = ingest_path.file_documents(paths, include, exclude, known, report, follow_symlinks)
             self._ingest(docs, known, report, progress)
         if precompute_kv:
@@ -300,7 +300,7 @@ class KnowledgeBase:
         report = IngestReport()
         with self._lock:
             self._refresh()
-            known = self._store.document_hashes(self.id)
+            known = self.store.document_hashes(self.id)
             self._ingest(ingest_path.text_documents(texts, sources, metas, report), known, report, False)
         if precompute_kv:
             self._precompute(report, False)
@@ -315,7 +315,7 @@ class KnowledgeBase:
         """The stored source ``source`` names: itself, its resolved path, or the one
         source ending in "/<source>"; None if none. InvalidRequest if ambiguous."""
         check_text("source", source)
-        rows = self._store.document_index(self.id)
+        rows = self.store.document_index(self.id)
         stored = {src for _, src, _ in rows}
         if source in stored:
             return source
@@ -332,10 +332,10 @@ class KnowledgeBase:
         return matches[0] if matches else None
 
     def _remove_source(self, source: str) -> bool:
-        result = self._store.remove_document(self.id, source)
+        result = self.store.remove_document(self.id, source)
         if result is None:
             return False
-        self._applied(result)
+        self.applied(result)
         return True
 
     def remove(self, source: str) -> bool:
@@ -345,8 +345,8 @@ class KnowledgeBase:
             found = self._resolve(source)
             if found is None or not self._remove_source(found):
                 return False
-            self._settle()
-            self._write_index()
+            self.settle()
+            self.write_index()
             return True
 
     # ------------------------------------------------------------------ reading
@@ -371,13 +371,13 @@ class KnowledgeBase:
             found = self._resolve(source)
             if found is None:
                 return []
-            return [search_path.hit(r, 0.0) for r in self._store.chunks_of(self.id, found)]
+            return [search_path.hit(r, 0.0) for r in self.store.chunks_of(self.id, found)]
 
     def documents(self) -> list[DocumentInfo]:
         """The KB's documents (source, kind, hash, metadata, sizes), by source."""
         with self._lock:
             self._refresh()
-            return self._store.documents(self.id)
+            return self.store.documents(self.id)
 
     def stats(self) -> dict[str, Any]:
         """Counts and index facts: documents, chunks, tokens, chars, embedding_bytes,
@@ -385,14 +385,14 @@ class KnowledgeBase:
         with self._lock:
             self._refresh()
             out: dict[str, Any] = {"name": self.name}
-            out.update(self._store.stats(self.id))
+            out.update(self.store.stats(self.id))
             try:
                 index_bytes = self.index_path.stat().st_size
             except OSError:
                 index_bytes = 0
             out.update(
-                model=self._info.embedding_model, dim=self._info.embedding_dim, index=self.dense.kind,
-                vectors=self.dense.ntotal, index_bytes=index_bytes, lexical=self._store.has_lexical,
+                model=self.info.embedding_model, dim=self.info.embedding_dim, index=self.dense.kind,
+                vectors=self.dense.ntotal, index_bytes=index_bytes, lexical=self.store.has_lexical,
             )
             return out
 
@@ -403,12 +403,12 @@ class KnowledgeBase:
         with self._lock:
             self._refresh()
             problems = []
-            db_ids = np.asarray(self._store.chunk_ids(self.id), dtype=np.int64)
+            db_ids = np.asarray(self.store.chunk_ids(self.id), dtype=np.int64)
             held = np.sort(self.dense.ids())
             if not np.array_equal(held, db_ids):
                 problems.append(f"dense index holds {len(held)} ids, the database {len(db_ids)} chunks")
             try:
-                self._store.lexical_integrity_check()
+                self.store.lexical_integrity_check()
             except ChatKVError as e:
                 problems.append(f"lexical index: {e}")
             return problems
@@ -421,7 +421,7 @@ class KnowledgeBase:
             if not self._closed:
                 self._closed = True
                 if self._owns_store:
-                    self._store.close()
+                    self.store.close()
 
     def __enter__(self) -> KnowledgeBase:
         return self
@@ -430,4 +430,4 @@ class KnowledgeBase:
         self.close()
 
     def __repr__(self) -> str:
-        return f"KnowledgeBase({self.name!r}, {self.dense.ntotal} chunks, {self._info.embedding_model})"
+        return f"KnowledgeBase({self.name!r}, {self.dense.ntotal} chunks, {self.info.embedding_model})"

@@ -32,8 +32,8 @@ class KBView(Protocol):
     name: str
     embedder: Embedder
     dense: DenseIndex
-    _store: KnowledgeStore
-    _warned_no_lexical: bool
+    store: KnowledgeStore
+    warned_no_lexical: bool
 
 MODES = ("hybrid", "dense", "lexical")
 RRF_K = 60
@@ -80,22 +80,22 @@ def check_search(query: str, k: int, mode: str, filters: Optional[dict[str, Any]
 
 def search(kb: KBView, query: str, k: int, mode: str, filters: Optional[dict[str, Any]]) -> list[Hit]:
     """The ``k`` best chunks for a checked, non-blank ``query``."""
-    if mode == "lexical" and not kb._store.has_lexical:
+    if mode == "lexical" and not kb.store.has_lexical:
         raise InvalidRequest(
-            f"lexical search needs SQLite's FTS5; the database {kb._store.where} is not SQLite"
+            f"lexical search needs SQLite's FTS5; the database {kb.store.where} is not SQLite"
         )
-    if mode == "hybrid" and not kb._store.has_lexical:
-        if not kb._warned_no_lexical:
+    if mode == "hybrid" and not kb.store.has_lexical:
+        if not kb.warned_no_lexical:
             log.warning("knowledge base %r: no lexical index on %s (not SQLite): hybrid search is dense-only",
-                        kb.name, kb._store.where)
-            kb._warned_no_lexical = True
+                        kb.name, kb.store.where)
+            kb.warned_no_lexical = True
         mode = "dense"
     doc_ids = chunk_ids = None
     if filters:
-        doc_ids = filter_documents(kb._store, kb.id, filters)
+        doc_ids = filter_documents(kb.store, kb.id, filters)
         if not doc_ids:
             return []
-        chunk_ids = kb._store.chunk_ids_of_documents(doc_ids) if mode != "lexical" else None
+        chunk_ids = kb.store.chunk_ids_of_documents(doc_ids) if mode != "lexical" else None
     n = max(4 * k, 20)
     dense: list[tuple[int, float]] = []
     lexical: list[tuple[int, float]] = []
@@ -103,7 +103,7 @@ def search(kb: KBView, query: str, k: int, mode: str, filters: Optional[dict[str
         vector = kb.embedder.encode([query])[0]
         dense = kb.dense.search(vector, n, chunk_ids)
     if mode in ("lexical", "hybrid"):
-        lexical = kb._store.lexical_search(kb.id, query, n, doc_ids)
+        lexical = kb.store.lexical_search(kb.id, query, n, doc_ids)
     if mode == "dense":
         ranked = sorted(dense, key=lambda x: (-x[1], x[0]))
     elif mode == "lexical":
@@ -111,7 +111,7 @@ def search(kb: KBView, query: str, k: int, mode: str, filters: Optional[dict[str
     else:
         ranked = rrf([[i for i, _ in dense], [i for i, _ in lexical]])
     ranked = ranked[:k]
-    records = kb._store.chunks(kb.id, [i for i, _ in ranked])
+    records = kb.store.chunks(kb.id, [i for i, _ in ranked])
     return [hit(records[i], s) for i, s in ranked if i in records]
 
 

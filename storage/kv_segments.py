@@ -310,7 +310,7 @@ class SegmentStore:
     def scan(self) -> tuple[set[str], dict[str, list[str]]]:
         """(keys that have a manifest, key -> every other file of it: segments, legacy snapshots)."""
         manifests, files = set(), {}
-        for entry in self.files._scan():
+        for entry in self.files.dir_entries():
             name = entry.name
             m = _MANIFEST_RE.fullmatch(name)
             if m:

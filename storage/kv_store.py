@@ -222,7 +222,7 @@ class KVStore:
     def keys(self) -> set[str]:
         """The keys of every snapshot file (none if the directory does not exist)."""
         out = set()
-        for entry in self._scan():
+        for entry in self.dir_entries():
             if entry.name.endswith(SUFFIX) and entry.is_file():
                 stem = entry.name[: -len(SUFFIX)]
                 if _KEY_RE.fullmatch(stem):
@@ -232,7 +232,8 @@ class KVStore:
     def delete(self, key: str) -> None:
         self.path(key).unlink(missing_ok=True)
 
-    def _scan(self) -> list[os.DirEntry]:
+    def dir_entries(self) -> list[os.DirEntry]:
+        """The store directory's entries (none if it does not exist)."""
         try:
             with os.scandir(self.root) as it:
                 return list(it)
@@ -250,7 +251,7 @@ class KVStore:
         """
         removed = 0
         now = time.time()
-        for entry in self._scan():
+        for entry in self.dir_entries():
             m = _TEMP_RE.fullmatch(entry.name)
             if m is None and not _LIB_TEMP_RE.fullmatch(entry.name):
                 continue

@@ -307,6 +307,7 @@ class Leases:
         if row.machine != me.machine or row.machine.endswith("|?"):
             return None  # another machine's pid (or an unknown one) tells nothing here
         if row.pid == me.pid:
+            # the other Leases of this process (this class's own instances): whose owner is still open
             live = {x._me.owner for x in list(_LIVE) if x._me is not None and not x._closed}
             return None if row.owner in live else "its store in this process was closed"
         try:

@@ -2,7 +2,8 @@
 
 (Past ~400 lines on purpose: it is the one place a user looks for what the SDK can do -
 requests, the engine loop, sessions, knowledge bases, state - and each method is a few
-lines handing the work to its owner: scheduler, engine_loop, session_manager, kv_manager.)
+lines handing the work to its owner: the scheduler, the loop (chatkv.engine.loop), the
+closer (chatkv.engine.closing), the session manager, the KV manager.)
 
 ``Engine.from_pretrained(model=None, **config)`` loads a Hugging Face directory of the
 Llama family (None = the packaged SmolLM2-135M-Instruct). ``generate`` runs prompts to
@@ -82,6 +83,8 @@ class Engine:
         self._embedder = None  # the embedding model, loaded once for every knowledge base
         self._loop = EngineLoop(self)  # its rounds run on a thread once start()ed, else on whoever waits
         self._gate = closing.Gate()  # what close() still admits (chatkv.engine.closing)
+        self._closer = closing.Closer(self._gate, self._loop, self.scheduler, self.kv, lambda: self._sessions,
+                                      self._take_sessions, self._close_kbs)
         self._open_lock = threading.Lock()  # the store and knowledge bases open once, whichever thread asks first
 
     @classmethod
@@ -311,7 +314,7 @@ class Engine:
     def run_batch(self) -> list[Sequence]:
         """A round's step: schedule, run, postprocess (in a round: ``step``)."""
         if self._gate.cut and self.scheduler.has_work():  # close()'s grace period is over
-            closing.end_requests(self)
+            self._closer.end_requests()
             return []
         plan = self._schedule()
         if not plan:
@@ -381,7 +384,8 @@ class Engine:
 
     # -- sessions -------------------------------------------------------------
 
-    def _data_root(self) -> Path:
+    def data_root(self) -> Path:
+        """The data directory (``config.data_dir``, else the default), created if missing."""
         from chatkv.storage.paths import data_dir
 
         try:
@@ -398,7 +402,7 @@ class Engine:
                 if self._sessions is None:
                     from chatkv.sessions.manager import SessionManager
 
-                    self._sessions = SessionManager(self, self._data_root())
+                    self._sessions = SessionManager(self, self.data_root())
         return self._sessions
 
     def session(
@@ -440,7 +444,7 @@ class Engine:
             if self._embedder is None:
                 self._embedder = Embedder()
             kb = KnowledgeBase.open(
-                name, data_dir=self._data_root(), db_url=self.config.db_url, embedder=self._embedder,
+                name, data_dir=self.data_root(), db_url=self.config.db_url, embedder=self._embedder,
                 tenant=self.config.tenant,
             )
             kb.kv_precompute = self._precompute_kv  # kb.add(..., precompute_kv=True): chatkv.rag.placement
@@ -489,7 +493,28 @@ class Engine:
         and the database, and release the prefix cache. Afterwards every call raises
         ``EngineClosed``. Idempotent; never hangs (see ``chatkv.engine.closing``). A ``timeout`` that is
         not a number of seconds >= 0 (nan, negative) is refused before anything closes."""
-        closing.close(self, check_timeout(timeout))
+        self._closer.close(check_timeout(timeout))
+
+    def _take_sessions(self) -> SessionManager | None:
+        """The session manager detached from this engine, for close() to close."""
+        sm, self._sessions = self._sessions, None
+        return sm
+
+    def _close_kbs(self) -> None:
+        """Close and forget every open knowledge base (close())."""
+        for kb in self._kbs.values():
+            kb.close()
+        self._kbs.clear()
+
+    def turn_in_flight(self):
+        """Context manager around a session turn: counted in flight, so close() waits for it;
+        raises EngineClosed once close() began."""
+        return self._gate.turn()
+
+    def turn_suspended(self):
+        """Context manager around a turn's ``yield``: while its caller holds a piece, the turn is
+        not running and close() does not wait for it."""
+        return self._gate.suspended()
 
     def __enter__(self) -> "Engine":
         return self
@@ -526,7 +551,7 @@ class Engine:
                 out.sessions_open = len(sm.live)
                 out.sessions_in_memory = sum(s.kept is not None for s in sm.live.values())
                 snap = sm.snapshots
-                out.sessions_on_disk = len(snap._sizes)
+                out.sessions_on_disk = snap.on_disk()
                 out.spills, out.spill_bytes = snap.stats["jobs"], snap.stats["bytes"]
                 out.restores, out.restore_bytes = snap.stats["restores"], snap.stats["restore_bytes"]
             return out

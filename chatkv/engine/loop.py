@@ -66,8 +66,7 @@ class FairRLock:
     started loop thread, every caller waiting for its request runs rounds itself, back to back:
     with ``threading.RLock`` such a thread releases the lock and takes it again before a waiting
     thread wakes, round after round, so a command (``engine.on_loop``), a ``call`` with a
-    timeout, or ``close()`` could wait behind a whole generation (measured: 35-240 ms and up to
-    160 tokens of another request's generation behind one ``on_loop``; CI once saw all 3,000).
+    timeout, or ``close()`` could wait behind a whole generation of another request.
     Here a release hands the lock straight to the first waiter, so one waits at most for the
     rounds of those that asked before it.
     """
@@ -174,7 +173,8 @@ class RequestStream:
 
     # -- the loop's side ----------------------------------------------------------------
 
-    def _push(self, piece: str, done: bool) -> None:
+    def push(self, piece: str, done: bool) -> None:
+        """The loop's side (``EngineLoop.publish``): a settled text ``piece``; ``done``: the request ended."""
         with self._cv:
             if piece:
                 self._items.append(piece)
@@ -275,9 +275,9 @@ class RequestStream:
             pass
         return self.seq.result()
 
-    def _wake(self) -> None:
+    def wake(self) -> None:
         """The loop thread ended: whoever waits looks again (and runs the loop itself)."""
-        self._push("", False)
+        self.push("", False)
 
 
 class Steps(Protocol):
@@ -360,7 +360,7 @@ class EngineLoop:
                 return []
             finally:
                 try:
-                    self._publish()
+                    self.publish()
                 finally:
                     self._here.depth -= 1
         finally:
@@ -385,7 +385,7 @@ class EngineLoop:
             self._here.depth = getattr(self._here, "depth", 0) + 1
             try:
                 self.engine.fail_all(error)
-                self._publish()
+                self.publish()
             finally:
                 self._here.depth -= 1
 
@@ -522,17 +522,17 @@ class EngineLoop:
                 if fut.set_running_or_notify_cancel():
                     fut.set_exception(RuntimeError("the engine loop thread ended before running this"))
             for stream in list(self._streams.values()):
-                stream._wake()
+                stream.wake()
             with self._idle:
                 self._idle.notify_all()
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
         for seq, stream in list(self._streams.items()):
             piece = seq.out.take()
             if seq.finished:
                 piece += seq.out.take()
                 del self._streams[seq]
-                stream._push(piece, True)
+                stream.push(piece, True)
                 result = seq.result()
                 for fn in self.listeners:
                     try:
@@ -540,4 +540,4 @@ class EngineLoop:
                     except Exception as e:  # noqa: BLE001 - a listener never breaks the loop
                         log.warning("finish listener failed (%s: %s)", type(e).__name__, e)
             elif piece:
-                stream._push(piece, False)
+                stream.push(piece, False)

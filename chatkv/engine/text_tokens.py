@@ -43,6 +43,8 @@ _MARKER_RE = re.compile("\u2063ck" + _NONCE + r"-(\d+)\u2063")
 
 def control_ids(tokenizer) -> frozenset[int]:
     """The ids only template markup may produce: every added token flagged special."""
+    # a cache chatkv keeps on the caller's tokenizer (a library object it does not own), under
+    # a name of its own that no tokenizer attribute takes; a tokenizer without attributes recomputes
     cached = getattr(tokenizer, "_chatkv_control_ids", None)
     if cached is not None:
         return cached
@@ -50,7 +52,7 @@ def control_ids(tokenizer) -> frozenset[int]:
     ids.update(i for i in tokenizer.all_special_ids if i is not None)
     out = frozenset(ids)
     try:
-        tokenizer._chatkv_control_ids = out
+        tokenizer._chatkv_control_ids = out  # chatkv's cache on the tokenizer (above)
     except AttributeError:  # a tokenizer that takes no attributes: computed each time
         pass
     return out
@@ -88,7 +90,7 @@ _SLOW_LOCK = threading.Lock()
 
 def _splitter(tokenizer):
     """The tokenizer's backend copied, set to split special tokens (cached on the tokenizer)."""
-    cached = getattr(tokenizer, "_chatkv_splitter", None)
+    cached = getattr(tokenizer, "_chatkv_splitter", None)  # chatkv's cache on the tokenizer, as control_ids'
     if cached is not None:
         return cached
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -101,7 +103,7 @@ def _splitter(tokenizer):
     copy.no_padding()
     copy.encode_special_tokens = True
     try:
-        tokenizer._chatkv_splitter = copy
+        tokenizer._chatkv_splitter = copy  # chatkv's cache on the tokenizer (as control_ids')
     except AttributeError:
         pass
     return copy

@@ -13,18 +13,18 @@ float32: each layer's two additions and the RMSNorms read and write float32, and
 matmuls' inputs are rounded to bfloat16. A bfloat16 residual is rounded 60 times per token
 on the default model; its error against the exact float32 math of the same weights (mean
 |logit difference| 0.21, top-1 flips on 1-3% of positions) exceeds margins the default model
-answers on: "What is the capital of France?" is "The" over "L" by 0.10 logits, so which of
-the two a CPU said followed the order of its own kernels' sums (issue 19: Intel answered
-"L'Étoile", AMD "The capital of France is Paris."). float32 halves that error
-(tests/model/test_weight_paths.py) for about 7% of a decode step: each addition casts the
-projection's bf16 output (benchmarks/README.md, 2026-12-01).
+answers on: "What is the capital of France?" is "The" over "L" by 0.10 logits, so with a
+bfloat16 residual which of the two a CPU says depends on the order of its own kernels' sums
+(one CPU answers "L'Étoile", another "The capital of France is Paris."). float32 halves that
+error (tests/model/test_weight_paths.py) for about 7% of a decode step: each addition casts the
+projection's bf16 output (benchmarks/README.md).
 
 The logits are float32 where they decide (``ExactTop``): the output matrix's kernels round
 their results to bfloat16, whose spacing is 0.125 between logits 16 and 32, where the
-default model's are. So two tokens 0.01 apart in exact arithmetic came out equal, and argmax
-took the lower id: on an Intel Xeon with AMX the France prompt's "The" (25.235) and "L"
-(25.226) both rounded to 25.25 and the int4 mode answered "L'Étoile". The 16 highest of each
-row are recomputed from the same hidden state and weights in float32.
+default model's are. So two tokens 0.01 apart in exact arithmetic would come out equal, and
+argmax would take the lower id: with AMX bf16 kernels the France prompt's "The" (25.235) and
+"L" (25.226) both round to 25.25, which would make the int4 mode answer "L'Étoile". The 16
+highest of each row are recomputed from the same hidden state and weights in float32.
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def projection_mode(names: list[str], mode: str, q4: dict) -> str:
     """The mode one fused group of projections ``names`` computes in. In int4 mode on a GGUF
     (``q4``: its own 4-bit tensors), a group holding a wider tensor (Q5_0/Q5_1/Q5_K/Q6_K/Q8_0,
     decoded exactly into the float model) is int8 per channel: measured within llama.cpp's
-    gate where int4 groups are 3.3x outside it (docs/weights.md, "GGUF K-quants")."""
+    gate where int4 groups are 3.3x outside it (docs/reference/weights.md, "GGUF K-quants")."""
     if mode == "int4" and q4 and any(n not in q4 for n in names):
         return "int8"
     return mode
@@ -369,7 +369,7 @@ class LlamaModel:
         """KV bytes per token at the model's own dtype (the pool's actual figure: BlockPool.bytes_per_token)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.finfo(self.dtype).bits // 8
 
-    def _rms(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def rms(self, x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm of ``x`` scaled by ``weight``, in the compute dtype (the matmuls' input).
 
         float32 ``x`` (the fp32 model, or the quantised modes' float32 residual stream):
@@ -377,10 +377,10 @@ class LlamaModel:
         a buffer of the step's, one op instead of a cast's four). Otherwise as transformers (the
         oracle of the float modes): normalise in fp32, cast back, then scale.
 
-        Not a LayerNorm over ``[x, -x]`` (half the ops, used here before issue 19): at the
-        default model's real activations, whose outlier channels reach hundreds, its variance
-        is 1.3e-5 off in relative terms where rms_norm is 3e-7 off float64
-        (tests/model/test_weight_paths.py), and that was enough to flip the default model's answer."""
+        Not a LayerNorm over ``[x, -x]`` (half the ops): at the default model's real
+        activations, whose outlier channels reach hundreds, its variance is 1.3e-5 off in
+        relative terms where rms_norm is 3e-7 off float64 (tests/model/test_weight_paths.py),
+        enough to flip the default model's answer."""
         if x.dtype == torch.float32 and weight.dim() == 1:
             if weight.dtype != torch.float32:
                 w = self._norm_weights.get(id(weight))
@@ -403,7 +403,7 @@ class LlamaModel:
             self._fused_weights = [w.float().contiguous() for w in ws]
         return self._fused_weights
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin ``[T, 1, D]`` of ``positions``, from a table grown to the longest position seen."""
         need = int(positions.max()) + 1
         if need > self._cos_sin.shape[0]:
@@ -417,6 +417,11 @@ class LlamaModel:
             self._cos_sin = torch.stack(((emb.cos() * self.rope_scaling), sin), dim=1).to(self.dtype)
         cs = self._cos_sin.index_select(0, positions)
         return cs[:, 0:1], cs[:, 1:2]
+
+    def rope_table(self, positions: torch.Tensor) -> torch.Tensor:
+        """The whole cos/sin table ``[N, 2, D]`` (what ``rope`` selects from), grown to ``positions``."""
+        self.rope(positions)
+        return self._cos_sin
 
     @torch.inference_mode()
     def shift_key_positions(self, kv: torch.Tensor, blocks: list[int], delta: int, quant: str | None = None) -> None:
@@ -453,7 +458,7 @@ class LlamaModel:
         return kv_quant.quantize(k, quant) if quant else k.to(stored.dtype)
 
     @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         half = x.shape[-1] // 2
         swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
         return x * cos + swapped * signed_sin
@@ -489,24 +494,24 @@ class LlamaModel:
         h = F.embedding(input_ids, self.embed).to(self.residual_dtype)  # the step's own tensor
         # the norms' rounded outputs (float32 residual): each is consumed by its matmul before the next
         normed = h.new_empty(h.shape, dtype=self.dtype) if h.dtype != self.dtype else None
-        cos, sin = self._rope(positions)
+        cos, sin = self.rope(positions)
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         slot_mapping = metas[self.layers[0].window].slot_mapping
         k_caches, v_caches = kv[:, 0].unbind(0), kv[:, 1].unbind(0)
         o_pad = h.new_zeros(rows - t, nh * d) if rows > t else None
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
-            qkv = layer.qkv(self._rms(h, layer.input_norm, normed))
+            qkv = layer.qkv(self.rms(h, layer.input_norm, normed))
             qkv = (qkv[:t] if rows > t else qkv).view(t, nh + 2 * nkv, d)
             qk = qkv[:, : nh + nkv]  # q and k heads get the same normalisation and rotation
             if layer.qk_norm is not None:
-                qk = self._rms(qk, layer.qk_norm)
-            qk = self._rotate(qk, cos, sin)
+                qk = self.rms(qk, layer.qk_norm)
+            qk = self.rotate(qk, cos, sin)
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
             self.store_kv(k_cache, v_cache, slot_mapping, k, v, quant=quant)
             o = self.attention(q, k_cache, v_cache, metas[layer.window], self.scale, quant=quant).reshape(t, nh * d)
             if o_pad is not None:
                 o = torch.cat((o, o_pad))
             h.add_(layer.o(o))  # in place: h is the step's own tensor, same math
-            g, u = layer.gate_up(self._rms(h, layer.post_norm, normed)).chunk(2, dim=-1)
+            g, u = layer.gate_up(self.rms(h, layer.post_norm, normed)).chunk(2, dim=-1)
             h.add_(layer.down(F.silu(g) * u))
-        return self.lm_head(self._rms(h.index_select(0, logits_rows), self.norm)).float()
+        return self.lm_head(self.rms(h.index_select(0, logits_rows), self.norm)).float()

@@ -78,8 +78,8 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.T
     blocks, ctx, max_ctx = got
     weights = model.fused_norm_weights()
     h = F.embedding(input_ids, model.embed).to(torch.float32)
-    model._rope(positions)  # grows the table to this step's positions
-    step = cpu_decode.DecodeStep(h, model._cos_sin, positions.contiguous(), meta.slot_mapping.contiguous(),
+    table = model.rope_table(positions)  # grown to this step's positions
+    step = cpu_decode.DecodeStep(h, table, positions.contiguous(), meta.slot_mapping.contiguous(),
                                  blocks.contiguous(), ctx, max_ctx, kv, model.num_heads, model.num_kv_heads,
                                  model.head_dim, model.layers[0].gate_up.out_features // 2, model.scale, model.eps)
     normed = step.norm(None, weights[0])

@@ -50,16 +50,16 @@ def forward(engine, tokens: list[int], table: list[int], h0: int, end: int, reus
 
     batch = metas(at)
     h = F.embedding(batch.input_ids, model.embed).to(model.residual_dtype)
-    cos, sin = model._rope(batch.positions)
+    cos, sin = model.rope(batch.positions)
     for li, layer in enumerate(model.layers):
         kc, vc = pool.kv[li, 0], pool.kv[li, 1]
         meta = batch.metas[layer.window]
         t = at.shape[0]
-        qkv = layer.qkv(model._rms(h, layer.input_norm)).view(t, nh + 2 * nkv, d)
+        qkv = layer.qkv(model.rms(h, layer.input_norm)).view(t, nh + 2 * nkv, d)
         qk = qkv[:, : nh + nkv]
         if layer.qk_norm is not None:
-            qk = model._rms(qk, layer.qk_norm)
-        qk = model._rotate(qk, cos, sin)
+            qk = model.rms(qk, layer.qk_norm)
+        qk = model.rotate(qk, cos, sin)
         q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
         share = shares.get(li)
         keep = None
@@ -74,7 +74,7 @@ def forward(engine, tokens: list[int], table: list[int], h0: int, end: int, reus
             meta = batch.metas[layer.window]
         o = model.attention(q, kc, vc, meta, model.scale, quant=quant).reshape(at.shape[0], nh * d)
         h = h + layer.o(o)
-        g, u = layer.gate_up(model._rms(h, layer.post_norm)).chunk(2, dim=-1)
+        g, u = layer.gate_up(model.rms(h, layer.post_norm)).chunk(2, dim=-1)
         h = h + layer.down(F.silu(g) * u)
     return int(chunk.sum())
 

@@ -1,4 +1,4 @@
-"""Placing retrieved chunks' KV into a turn's prompt, then a selective recompute (issue 23).
+"""Placing retrieved chunks' KV into a turn's prompt, then a selective recompute.
 
 A RAG turn's user message holds its sources (chatkv.rag.context). With ``rag_kv_reuse`` on, the
 turn's KV up to its prompt's last token is built here, before the request is added:
@@ -93,7 +93,7 @@ def chunk_store(engine) -> ChunkKV:
         model, cfg = engine.model, engine.config
         root = None
         if cfg.rag_kv_disk:
-            root = engine._data_root() / "chunk_kv"
+            root = engine.data_root() / "chunk_kv"
         kv.chunks = ChunkKV(engine.fingerprint, engine.kv_dtype, frame_tokens(engine.tokenizer),
                             (model.num_layers, model.num_kv_heads, engine.runner.pool.row_dim), root,
                             budget_bytes=cfg.chunk_kv_bytes)
@@ -280,7 +280,7 @@ def for_turn(turn, kept: RetainedKV | None, context: list[int]) -> RetainedKV | 
     if not turn.engine.kv.sharing:  # placed KV reaches the request through the tree: none without caching
         return kept
     migrate = not st.private
-    old_ns = m._namespace(s.id, st) or turn.user_ns
+    old_ns = m.kv_namespace(s.id, st) or turn.user_ns
     if migrate:
         st.private, st.epoch = True, st.epoch + 1  # from now on this conversation's KV is its own
     from chatkv.rag import context as rag
@@ -289,7 +289,7 @@ def for_turn(turn, kept: RetainedKV | None, context: list[int]) -> RetainedKV | 
     if not context and s.documents and s.knowledge is not None:  # a first prompt: the system message's pinned documents
         texts = rag.pinned_texts([(d, s.knowledge.chunks_of(d)) for d in s.documents]) + texts
     prompt = context + turn.delta
-    placed = place(turn.engine, kept, prompt, len(context), texts, m._namespace(s.id, st), old_ns,
+    placed = place(turn.engine, kept, prompt, len(context), texts, m.kv_namespace(s.id, st), old_ns,
                    migrate, cfg.rag_kv_reuse, cfg.rag_edge_tokens, cfg.rag_recompute_ratio, upto=len(prompt) - 1)
     if not placed.private and migrate:
         st.private, st.epoch = False, st.epoch - 1

@@ -214,8 +214,8 @@ class SessionManager:
         for m in msgs:
             if m.role == "user":
                 first = not tokens
-                tokens += self._delta_from(tokens, s.system_content, m.content)
-                st.turns.append(self._first_turn_start(tokens, m.content) if first else len(tokens) - len(
+                tokens += self.delta_from(tokens, s.system_content, m.content)
+                st.turns.append(self.first_turn_start(tokens, m.content) if first else len(tokens) - len(
                     self.renderer.user_turn(m.content)))
                 if first:
                     st.prefix = st.turns[0]
@@ -231,7 +231,9 @@ class SessionManager:
         # backend per call, a race with every other thread tokenising (chatkv.engine.text_tokens)
         return text_tokens.encode_text(self.engine.tokenizer, text)
 
-    def _delta_from(self, tokens: list[int], system: str | None, content: str) -> list[int]:
+    def delta_from(self, tokens: list[int], system: str | None, content: str) -> list[int]:
+        """The tokens a user message ``content`` adds to a history ``tokens``: its turn, or for
+        an empty history the whole first prompt (``system`` prompt, if any, and the message)."""
         if tokens:
             return self.renderer.user_turn(content)
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
@@ -538,12 +540,12 @@ class SessionManager:
                 why: str = "another process stored turns since this one looked") -> None:
         """Make ``s`` the stored conversation ``info``; its KV in memory (the old history's) is dropped."""
         log.info("conversation %s: %s (%d -> %d tokens); reloading", s.id, why, len(s.tokens), info.token_count)
-        old_ns = self._namespace(s.id, s.window) if s.window is not None else None
+        old_ns = self.kv_namespace(s.id, s.window) if s.window is not None else None
         self.engine.on_loop(lambda: self._drop_kv(s))
         s.params, overflow = self.stored_settings(info)
         s.tokens = list(info.token_ids or ())
         s.window = self.stored_window(s, info, overflow)
-        if old_ns is not None and old_ns != self._namespace(s.id, s.window):
+        if old_ns is not None and old_ns != self.kv_namespace(s.id, s.window):
             self.engine.on_loop(lambda: self.kv.drop_namespace(old_ns))  # a moved sink window's re-rotated keys match nothing now
         s.title = info.title
         if s.knowledge is not None:
@@ -568,12 +570,12 @@ class SessionManager:
 
     # -- helpers of turns ------------------------------------------------------------------
 
-    def _namespace(self, conv_id: str, st: cw.ContextState):
+    def kv_namespace(self, conv_id: str, st: cw.ContextState):
         """The radix namespace of a conversation's KV: the shared one, or once an attention-sink
         window has moved (keys re-rotated), one of its own per window epoch."""
         return (self.kv.namespace, "window", conv_id, st.epoch) if st.private else None
 
-    def _first_turn_start(self, prompt: list[int], content: str) -> int:
+    def first_turn_start(self, prompt: list[int], content: str) -> int:
         """Where the first user turn starts in a first prompt: everything before it (the system
         prompt, pinned documents) is kept when old turns are dropped."""
         turn = self.renderer.user_turn(content)
@@ -581,8 +583,8 @@ class SessionManager:
             return len(prompt) - len(turn)
         return len(prompt)  # a template whose first turn renders differently: the first turn stays
 
-    def _pin(self, s: Session) -> None:
-        """Pin the shared system prompt's blocks while this session is open."""
+    def pin_system(self, s: Session) -> None:
+        """Pin the shared system prompt's blocks while the session is open."""
         if s.pinned is not None or not s.system_content:
             return
         sys_tokens = self.renderer.system_prefix(s.system_content)

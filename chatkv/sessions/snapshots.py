@@ -123,6 +123,10 @@ class Snapshots:
         """The conversation's manifest."""
         return self.segments.manifest_path(self.key(conv_id))
 
+    def on_disk(self) -> int:
+        """How many conversations have KV on disk."""
+        return len(self._sizes)
+
     def segment_paths(self, conv_id: str) -> list[Path]:
         """The segment files its manifest lists, in token order (none if it has no valid manifest)."""
         try:

@@ -52,7 +52,7 @@ class Manager(Protocol):
     """What a turn uses of the session manager (``chatkv.sessions.manager.SessionManager`` is
     one); this module names it, never the class, so the two modules do not import each other."""
 
-    engine: object  # add_request, drive, abort, on_loop, context_window, shift_keys, _gate
+    engine: object  # add_request, drive, abort, on_loop, context_window, shift_keys, turn_in_flight, turn_suspended
     kv: KVManager
     store: Store
     snapshots: Snapshots
@@ -69,13 +69,13 @@ class Manager(Protocol):
 
     def relieving(self) -> ContextManager[None]: ...
 
-    def _namespace(self, conv_id: str, st: cw.ContextState) -> Hashable | None: ...
+    def kv_namespace(self, conv_id: str, st: cw.ContextState) -> Hashable | None: ...
 
-    def _delta_from(self, tokens: list[int], system: str | None, content: str) -> list[int]: ...
+    def delta_from(self, tokens: list[int], system: str | None, content: str) -> list[int]: ...
 
-    def _first_turn_start(self, prompt: list[int], content: str) -> int: ...
+    def first_turn_start(self, prompt: list[int], content: str) -> int: ...
 
-    def _pin(self, s: Session) -> None: ...
+    def pin_system(self, s: Session) -> None: ...
 
     # the session's state, written by the manager alone
     def take_kv(self, s: Session) -> RetainedKV | None: ...
@@ -172,7 +172,7 @@ class Turn:
         """The turn under the conversation's lease: ConversationBusy while another process
         generates it; a session behind the stored conversation is reloaded first."""
         m, s = self.m, self.s
-        with self.engine._gate.turn():  # counted in flight for engine.close() (EngineClosed once it began)
+        with self.engine.turn_in_flight():  # counted in flight for engine.close() (EngineClosed once it began)
             held, done = None, False
             try:
                 with m.store.leases.hold(s.id) as held:
@@ -196,7 +196,7 @@ class Turn:
         self.plan()
         self.admit()
         self.commit_user()
-        suspended = self.engine._gate.suspended  # while the caller holds a piece, close() does not wait for it
+        suspended = self.engine.turn_suspended  # while the caller holds a piece, close() does not wait for it
         cut = None
         pieces = self.drive()
         try:
@@ -228,7 +228,7 @@ class Turn:
         reserve = cw.reply_room(self.params.max_tokens, self.window)
         if s.knowledge is not None and not self.regenerate and self.role == "user":  # a regenerated answer reads the same sources
             self._retrieve(reserve)
-        self.delta = [] if self.regenerate else (self.render or m._delta_from)(s.tokens, s.system_content, self.content)
+        self.delta = [] if self.regenerate else (self.render or m.delta_from)(s.tokens, s.system_content, self.content)
         self.st = copy.deepcopy(s.window)
         self.window_plan = cw.plan(self.st, len(s.tokens), len(self.delta), reserve, self.window, m.kv.block_size,
                                    m.sink_tokens)
@@ -241,9 +241,9 @@ class Turn:
         self.query = rag.standalone_query(self.text, s.last_question)
         found = s.knowledge.search(self.query, k=s.top_k)
         if s.window.policy == "error":
-            fits = lambda c: len(s.tokens) + len(m._delta_from(s.tokens, s.system_content, c)) < room  # noqa: E731
+            fits = lambda c: len(s.tokens) + len(m.delta_from(s.tokens, s.system_content, c)) < room  # noqa: E731
         else:  # the history makes way for the sources
-            fits = lambda c: (s.window.prefix or 0) + len(m._delta_from(s.tokens, s.system_content, c)) < room  # noqa: E731
+            fits = lambda c: (s.window.prefix or 0) + len(m.delta_from(s.tokens, s.system_content, c)) < room  # noqa: E731
         self.content, self.hits = rag.fit_sources(self.text, found, fits)
 
     # -- admit ---------------------------------------------------------------------------
@@ -256,7 +256,7 @@ class Turn:
         st = self.st
         if self.regenerate:  # the user message's turn is in the window already
             return
-        st.turns.append(self.m._first_turn_start(self.prompt, self.content) if self.first_turn else len(self.context))
+        st.turns.append(self.m.first_turn_start(self.prompt, self.content) if self.first_turn else len(self.context))
         if self.first_turn:
             st.prefix = st.turns[0]
 
@@ -264,7 +264,7 @@ class Turn:
         m, s, st, plan = self.m, self.s, self.st, self.window_plan
         m.spill_idle(keep=s)
         kept, restored = m.take_kv(s), 0
-        old_ns = m._namespace(s.id, st)
+        old_ns = m.kv_namespace(s.id, st)
         context = s.tokens
         with m.relieving():  # blocks short for the restore or the move: idle sessions are spilled
             if kept is None and s.tokens and plan.kind != "truncate":
@@ -273,12 +273,12 @@ class Turn:
                 context = cw.apply(st, plan, s.tokens)
                 kept, restored = self._move_window(kept, restored, old_ns, context)
                 m.window_moved(s, context, st)  # the KV in memory is the new window's now
-        if self.hits and self.engine.config.rag_kv_reuse != "off":  # the sources' chunk KV, placed (issue 23)
+        if self.hits and self.engine.config.rag_kv_reuse != "off":  # the sources' chunk KV, placed
             from chatkv.rag.placement import for_turn
             kept = for_turn(self, kept, context)
         try:
             seq = self.engine.add_request(context + self.delta, self.params, retain=True, prefix=kept,
-                                          namespace=m._namespace(s.id, st) or self.user_ns, max_context=self.window,
+                                          namespace=m.kv_namespace(s.id, st) or self.user_ns, max_context=self.window,
                                           admitted=True,  # the turn was admitted (close() waits for it)
                                           on_finish=self._handed)
         except BaseException:
@@ -300,7 +300,7 @@ class Turn:
         if kept is None:
             return None, 0
         try:
-            kept = kv.slide(kept, context, plan.sink, plan.drop, m._namespace(self.s.id, self.st),
+            kept = kv.slide(kept, context, plan.sink, plan.drop, m.kv_namespace(self.s.id, self.st),
                             self.engine.shift_keys, old_namespace=old_ns)
         except OutOfBlocks as e:  # kept is ended: the window is recomputed instead
             log.warning("conversation %s: no room to move its KV window (%s); recomputing it", self.s.id, e)
@@ -402,6 +402,6 @@ class Turn:
     def settle(self, message_id: int) -> None:
         """Pin the shared prefix; the new KV reaches the disk in the background (loop thread)."""
         s = self.s
-        self.m._pin(s)
+        self.m.pin_system(s)
         if s.kept is not None:  # else a spill (memory pressure) already queued it
             self.m.snapshots.write_behind(s.id, s.tokens, s.kept, fence=message_id)

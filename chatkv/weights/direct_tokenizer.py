@@ -1,6 +1,6 @@
 """A warm start's tokenizer without transformers: its own backend and chat template, proved equal at the cold load.
 
-``import transformers`` is about a third of a warm one-shot's CPU time (issue 19, start-up), and
+``import transformers`` is about a third of a warm one-shot's CPU time, and
 what a fast tokenizer does for chatkv is the ``tokenizers`` library's backend plus a Jinja
 template. So the first (cold) load, through transformers, keeps in the cache directory:
 
@@ -355,11 +355,13 @@ def _compiled(template: str):
             self, args = args[0], args[1:]
             attrs = dict(*args, **kwargs)
             for name in attrs:
+                # the class's own static method, through the class: jinja2's Namespace.__getattribute__
+                # serves only the stored attributes, so self._check_name would not find it
                 TemplateNamespace._check_name(name)
             jinja2.utils.Namespace.__init__(self, attrs)
 
         def __setitem__(self, name, value):
-            TemplateNamespace._check_name(name)
+            TemplateNamespace._check_name(name)  # through the class, as in __init__
             jinja2.utils.Namespace.__setitem__(self, name, value)
 
         @staticmethod

@@ -376,7 +376,7 @@ class Int4Linear:
                     bias: torch.Tensor | None = None, dense=None, dense_rows: int = 16) -> "Int4Linear":
         """From codes already in the kernel's layout (``pack_int4``/``repack_nibbles``)."""
         lin = cls.__new__(cls)
-        lin._set(packed, scale, minimum, bias, dense, dense_rows)
+        lin._set(packed, scale, minimum, bias, dense, dense_rows)  # the class's own instance, made without __init__
         return lin
 
     def _set(self, packed, scale, minimum, bias, dense, dense_rows) -> None:
@@ -417,8 +417,9 @@ def few_row_kernel(on: bool | None = None) -> bool:
 
 def _looked_up(lin, make):
     """``lin``'s few-row call, made by ``make`` (False: none) once the fused ops' library has been
-    looked for; False before that, asking again at the next step."""
-    if lin._native is None:
+    looked for; False before that, asking again at the next step.
+    ``_native`` is the slot Int4Linear and Int8Linear keep this call in: this helper is theirs."""
+    if lin._native is None:  # the slot of the linear this helper serves (see above)
         if cpu_decode.loaded() is None:
             return False
         lin._native = make()

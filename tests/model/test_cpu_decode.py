@@ -32,7 +32,7 @@ def model_dir(default_model_dir):
 
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
-    """Whole-model steps on one thread: on a busy machine two threads wait on each other (issue 19)."""
+    """Whole-model steps on one thread: on a busy machine two threads wait on each other."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -56,18 +56,18 @@ def france(model_dir):
 def activations(model, france):
     """Every RMSNorm's float32 input on the default model's real residual stream (torch path)."""
     seen = []
-    real = model._rms
+    real = model.rms
 
     def record(x, weight, out=None):
         if x.dtype == torch.float32 and weight.dim() == 1:
             seen.append((x.clone(), weight.float().contiguous()))
         return real(x, weight, out)
 
-    model._rms = record
+    model.rms = record
     try:
         weight_check.path_logits(model, france, batched=True)
     finally:
-        del model._rms
+        del model.rms
     return seen
 
 
@@ -150,14 +150,14 @@ def test_decode_attention_is_the_torch_path(model, ctx):
     qkv = (torch.randn(rows, (nh + 2 * nkv) * d, generator=g) * 3).to(torch.bfloat16)
     qkv[:, 5] = 300.0  # an outlier channel
     k_pool, v_pool = _pool(per * rows, bs, nkv, d, 1), _pool(per * rows, bs, nkv, d, 2)
-    model._rope(positions)
+    model.rope(positions)
     table = model._cos_sin
 
-    # the torch path: model._rotate, store_kv, paged_attention (decode rows, padded)
+    # the torch path: model.rotate, store_kv, paged_attention (decode rows, padded)
     meta = build_metadata(tables, [1] * rows, ctx, bs)
     x = qkv.view(rows, nh + 2 * nkv, d)
     cos, sin = table.index_select(0, positions)[:, 0:1], table.index_select(0, positions)[:, 1:2]
-    qk = model._rotate(x[:, : nh + nkv], cos, sin)
+    qk = model.rotate(x[:, : nh + nkv], cos, sin)
     k_ref, v_ref = k_pool.clone(), v_pool.clone()
     store_kv(k_ref, v_ref, meta.slot_mapping, qk[:, nh:], x[:, nh + nkv:])
     o_ref = paged_attention(qk[:, :nh].contiguous(), k_ref, v_ref, meta, model.scale).reshape(rows, nh * d)
@@ -211,7 +211,7 @@ def test_a_verifications_rows_are_their_lone_decodes_bits(model, blocked, start)
     qkv = (torch.randn(rows, (nh + 2 * nkv) * d, generator=g) * 3).to(torch.bfloat16)
     positions = torch.tensor([c - 1 for c in ctx])
     slots = torch.tensor([table[(c - 1) // bs] * bs + (c - 1) % bs for c in ctx])
-    model._rope(positions)
+    model.rope(positions)
     k0, v0 = _pool(len(table), bs, nkv, d, 3), _pool(len(table), bs, nkv, d, 4)
 
     def call(r0: int, r1: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -244,7 +244,7 @@ def test_a_verifications_rows_are_their_lone_decodes_bits(model, blocked, start)
         torch.set_num_threads(before_threads)
     tol = 2 * BF16_REL * results[0].double().abs().max()
     assert float((results[0].double() - other.double()).abs().max()) <= tol
-    q = torch.stack([model._rotate(qkv[r].view(1, nh + 2 * nkv, d)[:, :nh], model._cos_sin[positions[r], 0:1].unsqueeze(0),
+    q = torch.stack([model.rotate(qkv[r].view(1, nh + 2 * nkv, d)[:, :nh], model._cos_sin[positions[r], 0:1].unsqueeze(0),
                                    model._cos_sin[positions[r], 1:2].unsqueeze(0))[0] for r in range(rows)]).double()
     for r in range(rows):
         sl = torch.tensor([table[j // bs] * bs + j % bs for j in range(ctx[r])])
@@ -314,7 +314,7 @@ def test_without_the_library_the_model_takes_its_torch_ops(model, monkeypatch):
 
 def test_a_block_outside_the_pool_is_an_error_not_a_stray_write(model):
     kv = torch.zeros(model.num_layers, 2, 4, 16, model.num_kv_heads, model.head_dim, dtype=torch.bfloat16)
-    model._rope(torch.tensor([40]))
+    model.rope(torch.tensor([40]))
     h = torch.zeros(1, model.config.hidden_size)
     args = dict(h=h, table=model._cos_sin, positions=torch.tensor([20]), slots=torch.tensor([20]), ctx=torch.tensor([21]),
                 max_ctx=21, kv=kv, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,

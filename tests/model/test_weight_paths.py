@@ -1,20 +1,20 @@
-"""Every weight mode, on both of its paths, against transformers on the same weights (issue 19).
+"""Every weight mode, on both of its paths, against transformers on the same weights.
 
-The default model answered "What is the capital of France?" with "L'Étoile, la Marseillaise,
-..." on an Intel Xeon in int4 mode and right on an AMD EPYC. The cause is a margin, not a
-single wrong kernel: in exact float32 arithmetic of the int4 weights the first token is "The"
-by 0.10 logits over "L", while the quantised modes' bfloat16 residual stream (with the
-RMSNorm computed as a LayerNorm over [x, -x]) left the logits 0.21 off on average, so the
-order of each CPU's own kernel sums decided the answer. The quantised modes now keep the
-residual in float32 (chatkv/model/forward.py, "Precision").
+The default model's answer to "What is the capital of France?" in int4 mode rests on a margin,
+not on any single kernel: in exact float32 arithmetic of the int4 weights the first token is
+"The" by 0.10 logits over "L", while a bfloat16 residual stream (with the RMSNorm computed as a
+LayerNorm over [x, -x]) leaves the logits 0.21 off on average, so the order of each CPU's own
+kernel sums would decide between "The capital of France is Paris." and "L'Étoile, la
+Marseillaise, ...". The quantised modes therefore keep the residual in float32
+(chatkv/model/forward.py, "Precision").
 
-So the test that catches it on any machine measures the error itself, per mode and path,
+So the test that catches such an error on any machine measures the error itself, per mode and path,
 against transformers' float32 forward over the numbers the mode computes with (the
 quantisation dequantised: quantisation error is not what is tested here):
 
-- mean |logit error| <= 0.045 of the reference logits' std. Measured on the AMD EPYC (which
-  answered right): the old bf16 residual 0.046-0.063 on chat prompts of the default
-  template, the float32 residual 0.026-0.038 (0.017-0.021 on a plain-text prompt);
+- mean |logit error| <= 0.045 of the reference logits' std: between the two residuals' errors
+  on chat prompts of the default template (a bf16 residual 0.046-0.063, the float32 residual
+  0.026-0.038, 0.017-0.021 on a plain-text prompt; AMD EPYC);
 - top-1 agreement over the prompt >= 85%, and the France prompt's answer token equal;
 - both paths: ``batched`` (the whole prompt in one step: bf16 weights when
   ``quant_dense_rows`` is 16, dequantised into a scratch buffer or, with ``quant_dense="copy"``,
@@ -129,7 +129,7 @@ def fresh_cache(tmp_path, monkeypatch):
 
 def broken(path: str):
     """An Int4Linear whose ``path`` (decode: the int4 kernel; batched: the bf16 weights) is wrong by
-    a permutation of its outputs, at the model's own sizes only: as the fault of issue 19, it
+    a permutation of its outputs, at the model's own sizes only: like a kernel fault that shows at real sizes, it
     passes the load-time kernel probe of chatkv.weights.quantised (64 x 64 random weights), and has the
     scale of a real kernel fault, not of rounding."""
     real = Int4Linear.__call__
@@ -201,7 +201,7 @@ def test_a_damaged_verdict_cache_is_checked_again(model_dir, tmp_path, fresh_cac
 
 
 def test_the_norm_is_exact_to_float32_at_the_models_real_activations(model_dir, prompts):
-    """The quantised modes' RMSNorm (chatkv.model.forward._rms: torch's rms_norm on the float32 residual)
+    """The quantised modes' RMSNorm (chatkv.model.forward.rms: torch's rms_norm on the float32 residual)
     at every norm of the default model, on the real residual stream of both prompts (outlier
     channels of hundreds), is float64's RMSNorm to float32 rounding. The LayerNorm over
     [x, -x] it replaced is held to what it measured, to show why it went: its variance is
@@ -210,14 +210,14 @@ def test_the_norm_is_exact_to_float32_at_the_models_real_activations(model_dir, 
 
     model = LlamaModel.from_pretrained(model_dir, dtype=torch.bfloat16, weights_mode="int4", head_mode="int8")
     seen = []
-    real = model._rms
+    real = model.rms
 
     def record(x, weight, out=None):
         if x.dtype == torch.float32 and weight.dim() == 1:
             seen.append((x.clone(), weight))
         return real(x, weight, out)
 
-    model._rms = record
+    model.rms = record
     for ids in prompts.values():
         weight_check.path_logits(model, ids, batched=True)
     assert len(seen) == 2 * (2 * model.num_layers + 1)

@@ -1,6 +1,6 @@
 """Knowledge bases (chatkv.retrieval) against the real MiniLM embedder, FAISS and SQLite FTS5.
 
-Persistence and recovery (issue 7, "must show"): a reopened KB gives identical results; a
+Persistence and recovery: a reopened KB gives identical results; a
 changed file replaces its chunks; removing a document removes its vectors and lexical entries;
 a killed ingest and a deleted or damaged index file are recovered on open with the database
 and both indexes consistent; bad documents are skipped one FileError each; hostile queries
@@ -71,7 +71,7 @@ def results(kb: KnowledgeBase) -> list[list[Hit]]:
 def consistency(kb: KnowledgeBase) -> None:
     """The database, the FAISS index and the FTS5 index agree exactly."""
     assert kb.check() == []
-    store = kb._store
+    store = kb.store
     ids = store.chunk_ids(kb.id)
     assert kb.dense.ntotal == len(ids) == kb.stats()["chunks"]
     assert sorted(kb.dense.ids().tolist()) == ids
@@ -196,14 +196,14 @@ def test_remove_deletes_vectors_and_lexical_entries(tmp_path, embedder):
                  sources=["notes/quokka.txt", "notes/kettle.txt"])
     quokka = kb.chunks_of("notes/quokka.txt")
     assert quokka and kb.search("quokka", mode="lexical")[0].source == "notes/quokka.txt"
-    entries = kb._store.lexical_entries()
+    entries = kb.store.lexical_entries()
 
     assert kb.remove("quokka.txt")  # a unique trailing part of the source is enough
     assert [d.source for d in kb.documents()] == ["notes/kettle.txt"]
     assert kb.search("quokka", mode="lexical") == []
     assert all(h.source != "notes/quokka.txt" for h in kb.search("marsupials on an island", k=5, mode="dense"))
     assert not set(kb.dense.ids().tolist()) & {h.chunk_id for h in quokka}
-    assert kb._store.lexical_entries() == entries - len(quokka)
+    assert kb.store.lexical_entries() == entries - len(quokka)
     assert kb.chunks_of("notes/quokka.txt") == []
     assert kb.remove("notes/quokka.txt") is False and kb.remove("nothing-here") is False
     consistency(kb)
@@ -530,7 +530,7 @@ def test_tenants_keep_separate_kbs_of_the_same_name(tmp_path, embedder):
 def test_without_fts5_hybrid_is_dense_only_with_one_warning(tmp_path, embedder, caplog):
     kb = fresh_kb(tmp_path, embedder)
     kb.add_texts(["Kettles boil water.", "Telescopes show planets."], sources=["k", "t"])
-    kb._store.has_lexical = False  # as on PostgreSQL
+    kb.store.has_lexical = False  # as on PostgreSQL
     with caplog.at_level(logging.WARNING, logger="chatkv.retrieval"):
         hybrid = [kb.search(q) for q in ["kettle", "planets"]]
     assert hybrid == [kb.search(q, mode="dense") for q in ["kettle", "planets"]]
@@ -538,7 +538,7 @@ def test_without_fts5_hybrid_is_dense_only_with_one_warning(tmp_path, embedder, 
     with pytest.raises(InvalidRequest, match="FTS5"):
         kb.search("kettle", mode="lexical")
     with pytest.raises(StorageError):
-        kb._store.lexical_search(kb.id, "kettle", 3)
+        kb.store.lexical_search(kb.id, "kettle", 3)
     kb.close()
 
 
@@ -587,7 +587,7 @@ def test_a_database_from_before_knowledge_bases_is_migrated_keeping_its_conversa
     conv = store.create_conversation("kept", "m", "", {})
     store.add_message(conv.id, "user", "hello")
     with store.engine.begin() as conn:
-        command.downgrade(migrations.config(connection=conn), "0001")  # as a chatkv of before issue 7 left it
+        command.downgrade(migrations.config(connection=conn), "0001")  # a database from before knowledge bases (schema 0001)
     store.close()
     kb = fresh_kb(tmp_path, embedder)  # migrates to 0002
     kb.add_texts(["Kettles boil water."], sources=["k"])
