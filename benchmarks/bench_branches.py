@@ -1,4 +1,4 @@
-"""Conversations as trees (issue 22's goals): regenerate, edit and switch-after-restart costs.
+"""Conversations as trees: regenerate, edit and switch-after-restart costs.
 
 bench_session_restore.py's workload: a 10-turn chat of long user paragraphs (~2k tokens of
 history, replies cut to 4 tokens) on the default model (SmolLM2 via Engine.from_pretrained),

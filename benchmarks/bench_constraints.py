@@ -1,4 +1,4 @@
-"""Constrained decoding: xgrammar against llguidance on the default model's tokenizer (issue 25).
+"""Constrained decoding: xgrammar against llguidance on the default model's tokenizer.
 
 Measured on this CPU, for the 49,152-token vocabulary of the packaged SmolLM2:
 

@@ -14,7 +14,7 @@ Q4_1 weights, ``h8``/``h4`` = the output matrix in int8/int4 too):
 - peak resident memory (VmHWM) of a process that loads the mode, prefills the 1k-token prompt
   and decodes, with a KV pool of 2,048 tokens and no host tier, as llama.cpp's context of
   2,048 (a child process each).
-- the same peak memory as its own table beside llama.cpp's, against issue 19's goal (at most
+- the same peak memory as its own table beside llama.cpp's, against the goal (at most
   llama.cpp's peak + 150 MB). ``--memory-only`` measures only that (``--modes int4,int4/copy``:
   the default, which dequantises each projection into a scratch buffer for steps of 64 rows or
   more, beside the resident bf16 copy it replaced).
@@ -40,7 +40,7 @@ import torch
 from common import CHAT, BusyLoad, OtherLoad, common_prefix, cpu_line, goal, hf_generate, load_average, load_hf, llama_decode, load_llama_cpp, median, parser, print_table, setup
 
 GOAL_HF, GOAL_LLAMA = 3.0, 1.0
-GOAL_MEMORY_MB = 150  # peak after the long prompt: at most llama.cpp's + this (issue 19)
+GOAL_MEMORY_MB = 150  # peak after the long prompt: at most llama.cpp's + this
 PROMPTS = ["Explain in a few paragraphs why the sky is blue.", "Write a short story about a lighthouse keeper.",
            "What are the main causes of the French Revolution?", "Describe how a bicycle works.",
            "Give me a recipe for pancakes.", "Why do cats purr?", "Explain how vaccines train the immune system.",

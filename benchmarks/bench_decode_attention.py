@@ -5,7 +5,7 @@ paged_attention over the same block tables; RoPE excluded from the torch side), 
 and contexts of 160 to 2,000 keys, on 1 and 2 threads; and a verification's rows (``6 rows, one
 sequence``: the last token and 5 proposals, one block table, contexts n .. n + 5, as speculative
 decoding computes them). The fused op has two paths, timed in the same run: ``per row`` (each row
-its own work items, the path before 2026-12-04) and ``blocked`` (the default: rows that share a
+its own work items) and ``blocked`` (the default: rows that share a
 block table convert each key and value once, scores 16 keys at a time, the value sum in
 registers). Microseconds per call, best of 5 runs of 200 calls, the Python wrapper's checks
 included on the C side (in a decode step they are made once a step, not once a layer).

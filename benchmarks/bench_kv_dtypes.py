@@ -1,4 +1,4 @@
-"""KV dtypes (issue 12): memory, decode speed and snapshots per kv dtype, bf16 KV the baseline in the same run.
+"""KV dtypes: memory, decode speed and snapshots per kv dtype, bf16 KV the baseline in the same run.
 
 All on the default model as ``Engine`` loads it (int4 weights, int8 output matrix, bf16
 activations); only ``kv_dtype`` changes.

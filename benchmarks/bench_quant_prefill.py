@@ -1,4 +1,4 @@
-"""int4 prefill without the resident bf16 copy (issue 19 item 5): quant_dense="scratch" against "copy".
+"""int4 prefill without the resident bf16 copy: quant_dense="scratch" against "copy".
 
 Two engines on the default model in one process, int4 weights, taking turns (interleaved), each
 repeat a fresh first token so nothing comes from the prefix cache except the history:
@@ -66,7 +66,7 @@ def main() -> None:
           f"load average {load_average()}, {other}")
     print_table("int4 prefill: resident bf16 copy vs scratch (no copy), ms",
                 ["step", "copy CPU", "scratch CPU", "ratio", "copy wall", "scratch wall", "ratio"], rows)
-    print("goal (issue 19 item 5): 1,024-token TTFT <= 1.2x the copy's")
+    print("goal: 1,024-token TTFT <= 1.2x the copy's")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""What blend's recompute share and check layers cost (issue 23), the configurations taking turns.
+"""What blend's recompute share and check layers cost, the configurations taking turns.
 
 1. **Placement alone** on the RAG evaluation's prompts (rag_eval.py: pydoc topics, top-3 hybrid
    sources, the citation instruction, the question; ``--questions`` of the tune split): per

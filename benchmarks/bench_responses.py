@@ -1,4 +1,4 @@
-"""The Responses API's chain across a restart of ``chatkv serve`` (issue 22's goal: turn 4
+"""The Responses API's chain across a restart of ``chatkv serve`` (the goal: turn 4
 reports at least 80% of its input as cached, restored, tokens).
 
 Three chained responses (``previous_response_id``), ``chatkv serve`` stopped (SIGTERM: the

@@ -1,4 +1,4 @@
-"""Speculative decoding by prompt lookup (issue 24): decode tok/s with ``speculative`` auto
+"""Speculative decoding by prompt lookup: decode tok/s with ``speculative`` auto
 (the default) and lookup against ``off``, the same engine and process, on the default model.
 
 Workloads (chat-templated, greedy, EOS honoured, ``--tokens`` at most). Greedy speculation

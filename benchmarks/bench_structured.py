@@ -1,4 +1,4 @@
-"""Structured output on the default model, end to end (issue 25's goals; the library choice is
+"""Structured output on the default model, end to end (the library choice is
 ``bench_constraints.py``'s).
 
 1. Validity: the 50 JSON schemas of ``benchmarks/data/structured_schemas.json`` (nested objects,

@@ -1,5 +1,5 @@
-"""What a change of the compute thread count costs a step (issue 21's leftover: "a governor drop
-from 2 to 1 threads mid-turn costs 270-710 ms", seen once under load and never traced).
+"""What a change of the compute thread count costs a step: whether a governor drop
+from 2 to 1 threads mid-turn has a price of its own (one observation under load put it at 270-710 ms).
 
 The thread governor (chatkv.model.cpu_threads) moves torch's intra-op threads between 2 and 1 as
 another process takes and frees a core. If a change had a price of its own (OpenMP re-forming

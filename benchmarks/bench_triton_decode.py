@@ -155,7 +155,7 @@ def main() -> None:
                     continue
                 print(measure(rows, tokens, quant, stored, dense, args, dtype, peak, spec, bench, g), flush=True)
                 torch.cuda.empty_cache()
-    print("goal (issue 12): triton >= 70% of the memory bandwidth for long contexts")
+    print("goal: triton >= 70% of the memory bandwidth for long contexts")
 
 
 if __name__ == "__main__":

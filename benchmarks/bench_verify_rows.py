@@ -1,4 +1,4 @@
-"""What each verified row costs a batch-1 decode step, and where that cost is (issue 24).
+"""What each verified row costs a batch-1 decode step, and where that cost is.
 
 Speculation pays by how little a step of ``1 + k`` rows (the last token and ``k`` proposals)
 costs against a one-row step: on a memory-bound CPU decode the weights are streamed once for

@@ -102,7 +102,7 @@ class Run:
         self.snaps.flush()
         out = dict(rows=self.rows, turn_s=self.turn_s, engine_s=self.engine_s, export_s=self.export_s,
                    written=list(self.snaps.written))
-        if self.mode == "on":  # for scale: one whole-snapshot rewrite of the final KV, the way spill used to write
+        if self.mode == "on":  # for scale: one whole-snapshot rewrite of the final KV, as a writer without segments would write
             k, v = self.real_export(self.s.kept)
             t0 = time.perf_counter()
             meta = self.snaps.files.save("whole-rewrite", self.s.tokens[: self.s.kept.kv_len], k, v,

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check of issue 12, in one go (budget: under 5 minutes on an H100-class machine).
+# The GPU check of the Triton kernels and quantised KV dtypes, in one go (budget: under 5 minutes on an H100-class machine).
 # NOT YET RUN ON A GPU: written and checked by reading only; the first run may need fixes.
 #
 #   benchmarks/gpu_check.sh            # from anywhere; PYTHON=/path/to/python to pick the interpreter

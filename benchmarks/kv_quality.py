@@ -1,4 +1,4 @@
-"""KV dtype quality gate (issue 12): quantised KV (int8, fp8) against bf16 KV on the default model.
+"""KV dtype quality gate: quantised KV (int8, fp8) against bf16 KV on the default model.
 
 One model (the default SmolLM2-135M-Instruct as ``Engine.from_pretrained`` loads it: the
 GGUF's int4 weights, int8 output matrix, bf16 activations), one ``ModelRunner`` per kv dtype

@@ -1,4 +1,4 @@
-"""RAG evaluation over the Python reference manual's topics (issue 23, item 5): retrieval and answers.
+"""RAG evaluation over the Python reference manual's topics: retrieval and answers.
 
 The corpus is ``pydoc_data.topics`` (79 topic texts that ship with Python), one document per topic
 (source = the topic's name), ingested into a real chatkv knowledge base with the packaged MiniLM

@@ -1,4 +1,4 @@
-"""The quality gate of chunk KV reuse (issue 23, item 4): rag_eval.py's questions answered with each
+"""The quality gate of chunk KV reuse: rag_eval.py's questions answered with each
 ``rag_kv_reuse`` mode and recompute ratio against full prefill, on the same engine and prompts.
 
 For every question the prompt is exactly a RAG turn's (system prompt, then the numbered top-3
@@ -12,9 +12,9 @@ store, re-rotated, the selected rows recomputed) and
   rag_eval's answers: EM, token F1, citation precision.
 
 Each question's chunk KV is computed before any row is timed, so ``place ms/q`` is placement
-alone (until 2026-12-03 the first row also paid for computing it).
+alone (the first row does not pay for computing it).
 
-The gate (issue 23): F1 and citation precision within 2 points of full prefill, agreement >= 95%.
+The gate: F1 and citation precision within 2 points of full prefill, agreement >= 95%.
 The control row recomputes every chunk token: placement then places nothing and the scheduler
 computes the prompt in full prefill's own forwards, so its answers must be full prefill's token
 for token ("same tokens" counts them; anything short of n/n is a bug). Its agreement is the

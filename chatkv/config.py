@@ -30,9 +30,10 @@ class EngineConfig:
     quant_dense_rows: int = 16  # int4/int8: steps of this many rows or more compute in bf16 (faster prefill; 0: the quantised kernels only)
     # how those steps get bf16 weights: "scratch" (the default: no copy resident; int4 steps of 64+
     # rows dequantise into one reused buffer, shorter ones run the int4 kernel; chatkv.model.prefill)
-    # | "copy" (a resident bf16 copy of every projection, 2 bytes a parameter more). Quiet AMD EPYC,
-    # 2026-12-02: peak 516 vs 705 MiB after a 1k prompt (llama.cpp 450); the 1k prompt's TTFT 1.08x
-    # the copy's; turns of 1/23/40/63 tokens after a 2k history 0.95/1.01/1.03/1.24x; docs/weights.md
+    # | "copy" (a resident bf16 copy of every projection, 2 bytes a parameter more). "scratch" is the
+    # default because it keeps the peak near llama.cpp's (no second copy of the weights: on the
+    # default model 516 vs 705 MiB after a 1k prompt, llama.cpp 450) for a prefill time close to the
+    # copy's (1k prompt's TTFT 1.08x); benchmarks/bench_quant_prefill.py measures it, docs/reference/weights.md
     quant_dense: str = "scratch"
     threads: int | None = None  # compute threads at most; None: torch's (the cores)
     adaptive_threads: bool = True  # fewer threads while other processes keep cores busy (chatkv.model.cpu_threads)
@@ -53,9 +54,9 @@ class EngineConfig:
     host_cache_bytes: int = 256 * 2**20  # host-memory tier between the KV pool and disk (pinned on CUDA); 0: off
     # retrieved sources' KV reused wherever they land (chatkv.rag.placement): "off" | "edge" | "blend".
     # The default is what benchmarks/rag_eval.py --reuse passes on the default model (SmolLM2-135M,
-    # 128 questions, docs/rag.md): blend at 45% with 4 check layers keeps top-1 agreement with full
-    # prefill at 96.9% / 96.2% (tune / held back, Intel Xeon, 2026-12-06) and F1 within 2 points;
-    # with one check layer (LMCache's) it fell to 94.7-94.8% on the held-back split there.
+    # 128 questions, docs/how-to/rag.md): blend at 45% with 4 check layers, the fewest that keep top-1
+    # agreement with full prefill at or above 95% on both splits (tune / held back) with F1 within
+    # 2 points; one check layer (LMCache's) falls below 95% on the held-back split.
     # "off" computes every source.
     rag_kv_reuse: str = "blend"
     rag_edge_tokens: int = 4  # edge: the first tokens of each chunk recomputed

@@ -106,9 +106,9 @@ def check_text(what: str, value: object) -> str:
 def check_timeout(value: object, what: str = "timeout") -> float | None:
     """A wait's limit in seconds: ``None`` (and infinity, or more than the platform can wait,
     ``threading.TIMEOUT_MAX``) waits for ever, ``0`` not at all. nan, negative numbers, bools and
-    anything not a real number are refused with InvalidRequest naming ``what``: nan used to time
-    out at once in one call and wait in another, and infinity raised OverflowError from deep in
-    ``threading``."""
+    anything not a real number are refused with InvalidRequest naming ``what``: nan would time
+    out at once in one call and wait in another, and infinity would raise OverflowError from deep
+    in ``threading``."""
     import numbers
     import threading
 

@@ -11,9 +11,9 @@ work in one call each: ``add_rms`` (the residual addition and the next RMSNorm),
 ``decode_attention`` splits its work over the step's threads (OpenMP, in torch's own libgomp):
 one item per (row, kv head, ``ATTN_SEGMENT`` keys), for the query heads that share the kv head,
 merged in a fixed order (the same bits on any thread count); its softmax and ``silu_mul`` take
-exp 16 at a time (AVX-512). On the default model at a 31-160-token context, attention was 1.7 ms
-of a 7.6 ms step single-threaded with glibc's scalar expf; silu_mul 0.30 -> 0.07 ms (AMD EPYC,
-2026-12-02); benchmarks/bench_decode_attention.py compares it with the torch ops.
+exp 16 at a time (AVX-512): on the default model at a 31-160-token context, single-threaded on an
+AMD EPYC, glibc's scalar expf makes attention 1.7 ms of a 7.6 ms step, and silu_mul takes 0.30 ms
+scalar against 0.07 ms vectorised; benchmarks/bench_decode_attention.py compares it with the torch ops.
 
 The step's quantised products of a few rows (``int4_mm``, ``int8_mm``, in cpu_matmul.c, taken by
 chatkv.weights.quantised for up to ``INT4_MM_ROWS`` rows): torch's weight-only kernels decode each weight

@@ -1,4 +1,4 @@
-"""Search across conversations (issue 22): the messages whose text holds a user's words.
+"""Search across conversations: the messages whose text holds a user's words.
 
 On SQLite it reads the FTS5 index ``messages_fts`` (migration 0006, kept in step with the
 messages by triggers) and ranks by BM25, then recency. Elsewhere (PostgreSQL), or on a SQLite

@@ -15,7 +15,7 @@ from chatkv.storage.files import make_private_dir
 
 # the owner of the app's and the SDK's conversations (and of the prefix cache they share). Here,
 # not in chatkv.storage.models (which re-exports it), so that the engine has it without importing
-# SQLAlchemy: a one-shot chatkv "..." stores nothing and never imports it (issue 19, start-up)
+# SQLAlchemy: a one-shot chatkv "..." stores nothing and never imports it (start-up time)
 LOCAL_USER = "local"
 
 

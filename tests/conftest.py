@@ -104,7 +104,7 @@ def anyio_backend():
 def default_model_dir(tmp_path_factory):
     """The packaged default model (SmolLM2-135M GGUF) converted once for the whole run
     (``ensure_default_model`` into a home of the run's own), as a Path. The conversion costs
-    ~25 s of CPU, and every module that reads the model used to convert its own; none writes
+    ~25 s of CPU, so no module converts its own; none writes
     into it (the tests that damage its files damage a copy). The conversion itself is tested
     in test_gguf_convert and, as a new user meets it, in test_cli_tmux."""
     from chatkv.weights import ensure_default_model

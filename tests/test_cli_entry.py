@@ -1,7 +1,7 @@
 """The ``chatkv`` console script (``chatkv/cli.py``): it hands each subcommand to its face, and
 loads a face's heavy dependencies only for the subcommand that needs them: ``chatkv --help`` and
 a one-shot never import Textual or the server stack, ``chatkv serve`` never imports the app, and
-a one-shot, which stores nothing, never imports the conversation store (SQLAlchemy: start-up, issue 19).
+a one-shot, which stores nothing, never imports the conversation store (SQLAlchemy: start-up time).
 
 Each case runs in a fresh interpreter and reads that process's ``sys.modules`` after ``main``.
 """

@@ -30,7 +30,7 @@ PUBLIC_MODULES = {
     "chatkv.engine.sampling",  # SamplingParams
     "chatkv.engine.metrics",  # EngineMetrics: one engine's Prometheus collectors
     "chatkv.retrieval",  # KnowledgeBase, Embedder (the package's exports, not its modules)
-    "chatkv.sessions.tools",  # tool specs from callables or JSON, tool_choice, the parsing of calls (issue 25)
+    "chatkv.sessions.tools",  # tool specs from callables or JSON, tool_choice, the parsing of calls
 }
 # names that hold an SDK object in the faces' code (Engine, Session, EngineMetrics, KnowledgeBase...)
 SDK_HANDLES = {"engine", "session", "sessions", "metrics", "kb", "knowledge", "knowledge_base", "store", "seq",

@@ -1,4 +1,4 @@
-"""Fault injection (issue 6, 'must show'): a write error at each point of spill, restore and
+"""Fault injection: a write error at each point of spill, restore and
 snapshot open, and an exception inside ``on_pressure``, admission, the forward and postprocess.
 
 Two kinds of fault, two promises:
@@ -208,7 +208,7 @@ WRITE_POINTS = ["tmp_create", "safetensors_write", "file_fsync", "rename", "dir_
 
 
 def pressure_scenario(e: Engine, arm, after_arm=lambda: None):
-    """The issue's scenario: three long conversations in a pool that holds two, so admitting
+    """Memory pressure: three long conversations in a pool that holds two, so admitting
     one spills another (inside admission); then close them all (spill), reopen one, start a new
     one. ``arm`` is called before the first turn. Returns the replies' token ids, in order."""
     out = []
@@ -257,9 +257,9 @@ def pressure_reference(model_dir, tmp_path_factory):
 @pytest.mark.parametrize("code", list(ERRNOS.values()), ids=list(ERRNOS))
 @pytest.mark.parametrize("point", WRITE_POINTS)
 def test_spill_write_fault_never_fails_a_turn(model_dir, tmp_path, monkeypatch, caplog, oracle, pressure_reference, point, code):
-    """The issue's scenario: snapshots on a full (or read-only) disk, spills forced by memory
-    pressure during admission. Previously a raw SafetensorError escaped admission and then every
-    turn failed with OutOfBlocks; now every turn, spill and close completes, with a warning."""
+    """Snapshots on a full (or read-only) disk, spills forced by memory pressure during
+    admission: no raw SafetensorError escapes admission and no turn fails with OutOfBlocks;
+    every turn, spill and close completes, with a warning."""
     caplog.set_level(logging.WARNING)
     e = make_engine(model_dir, tmp_path / "data")
     fault = Fault()
@@ -351,7 +351,7 @@ def test_idle_spill_write_fault_never_fails_a_turn(model_dir, tmp_path, monkeypa
 
 
 def test_full_disk_pressure_spill_then_every_session_keeps_going(model_dir, tmp_path, monkeypatch, caplog, oracle):
-    """The issue's report, as a user would meet it: four chats on a full disk in a pool that holds
+    """A full disk as a user would meet it: four chats on a full disk in a pool that holds
     two; every turn of every chat completes (none fails with OutOfBlocks), the pool is consistent
     after each, and each reply is the oracle's."""
     caplog.set_level(logging.WARNING)

@@ -1,40 +1,24 @@
-"""How many chatkv source files one plain turn runs through (issue 21's measure).
+"""How many chatkv source files one plain turn runs through, and why each is there.
 
 A second turn of a session on an engine running its loop (the way the app and the server drive
 it), traced with ``sys.setprofile`` / ``threading.setprofile`` on every thread: the set of
-chatkv source files whose code ran. Issue 21 counted 30 and set a goal of at most 24; 33 before
-its redesign (closing, cpu_threads and text_tokens joined the path with issues 19 and 20).
+chatkv source files whose code ran. The test loads the tokenizer once first, so the turn it
+traces is a warm start's, as every start after a model's first is: its tokenizer is chatkv's
+own (chatkv/weights/direct_tokenizer.py: tokenizers and jinja2 without transformers).
 
-The turn as an object (chatkv/sessions/turn.py) took two files off the path and added one: rag.py (no
-knowledge base: nothing of it runs) and session_leases.py (gone: the lease is storage-side,
-``store.leases.hold``), so 32. Also off it: the spill functions when nothing spills, and the
-KV manager's pressure relief. What is left of the 24 goal lies in storage (ten files: the
-database row writes of both messages, the lease, and the write-behind's segment, manifest and
-safetensors file on the writer thread) and in the engine's own core.
+The bound is 36 because each file on the path does one job of a plain turn under the default
+configuration, and ``ON_PATH`` names the job of each of its 36 files. The path must stay inside
+``ON_PATH`` (a file that joins the path must name its job there) and within ``BOUND``, so it
+cannot grow unnoticed. No file of it leaves without turning a default feature off or merging two
+jobs: the host tier, speculation (``speculative="auto"``) and the thread governor are on by
+default and do their work in every turn (a residency check per match and insert; a prompt
+lookup at every decode step, its proposals verified; a look at the load every 0.5 s); the
+writer thread's four files are the KV snapshot written behind every turn. A shorter path takes
+a design choice, not a removal: e.g. writing the snapshot when the conversation goes idle rather
+than after each turn would take kv_writer, kv_store, kv_segments and files off the path.
 
-Two files joined the path in other commits of the same day: chatkv/kvcache/hiradix.py (the
-host tier layered on the radix tree, issue 21 item 3: the tree of an engine with a host tier is
-a HiRadixCache) and storage/message_tree.py (conversations as trees, issue 22: every stored
-message records its branch's history). Then chatkv/engine/speculative.py (issue 24: the speculation
-policy looks at every decode step for a prompt-lookup match). Every file counts: the whole
-path is 35 today, the bound, so it cannot grow unnoticed; the goal of 24 is not met.
-
-Each of the 35 does a job of a plain turn under the default configuration; ``ON_PATH`` says
-which, and the path must stay inside it (a file that joins the path must name its job here).
-Audited file by file for work a plain turn need not do (issue 21): none of the 35 leaves
-without turning a default feature off or merging two jobs. The host tier, speculation
-(``speculative="auto"``) and the thread governor are on by default and do their work in
-every turn (a residency check per match and insert; a lookup that found a match and was
-verified; a look at the load every 0.5 s); the writer thread's four files are the KV
-snapshot written behind every turn. Reaching 24 takes a design choice, not a removal: e.g.
-writing the snapshot when the conversation goes idle rather than after each turn would take
-kv_writer, kv_store, kv_segments and files off the path (31).
-
-Then 36: a warm start's tokenizer is chatkv's own (chatkv/weights/direct_tokenizer.py, issue
-19's start-up: tokenizers and jinja2 without transformers), so the encoding a turn always did
-is now counted where transformers' tokenizer was not. The test loads the tokenizer once first,
-so the turn it traces is a warm start's, as every start after a model's first is (the clean
-clone's run counted 36 where a lone run, whose load was cold, counted 35)."""
+``OFF_PATH`` lists what a plain turn must not run: retrieval without a knowledge base (nothing of
+chatkv/rag runs), and the spill, restore and pressure-relief functions when nothing spills."""
 
 from __future__ import annotations
 
@@ -51,7 +35,7 @@ from chatkv.weights import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = tuple(str(ROOT / p) + os.sep for p in ("chatkv", "kernels", "retrieval", "storage", "tui"))
-TODAY, GOAL = 36, 24
+BOUND = 36  # the files of ON_PATH: one job each
 # functions a plain turn must not run: retrieval without a knowledge base, spilling when nothing spills
 OFF_PATH = {("chatkv/sessions/snapshots.py", "spill"), ("chatkv/sessions/snapshots.py", "relieve"), ("chatkv/sessions/snapshots.py", "restore"),
             ("chatkv/sessions/manager.py", "relieve"), ("chatkv/sessions/manager.py", "_spill_now"),
@@ -102,7 +86,7 @@ ON_PATH = {
 pytestmark = pytest.mark.tiny_model("llama", seed=1)
 
 
-def test_one_plain_turn_runs_through_at_most_todays_files(model_dir, tmp_path):
+def test_one_plain_turn_runs_through_at_most_bound_files(model_dir, tmp_path):
     files: set[str] = set()
     ran: set[tuple[str, str]] = set()
     recording = threading.Event()
@@ -131,7 +115,7 @@ def test_one_plain_turn_runs_through_at_most_todays_files(model_dir, tmp_path):
         threading.setprofile(None)
     engine.close()
     assert "chatkv/sessions/manager.py" in files and "chatkv/model/forward.py" in files, sorted(files)  # it saw both threads
-    assert len(files) <= TODAY, sorted(files)
+    assert len(files) <= BOUND, sorted(files)
     assert files <= set(ON_PATH), f"on the turn's path with no job named in ON_PATH: {sorted(files - set(ON_PATH))}"
     assert not ran & OFF_PATH, sorted(ran & OFF_PATH)
     assert "chatkv/rag/context.py" not in files and "chatkv/sessions/turn.py" in files, sorted(files)

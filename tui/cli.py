@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="the output matrix: auto (default: int8 with a GGUF's int4, else float), float, int8 or int4")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                    help="how the KV cache is stored: auto (default: the model's dtype), bf16, fp16, fp32, int8 or fp8 "
-                        "(int8/fp8: about half the memory and snapshot bytes of bf16; see docs/kv-dtypes.md for their quality)")
+                        "(int8/fp8: about half the memory and snapshot bytes of bf16; see docs/reference/kv-dtypes.md for their quality)")
     p.epilog = ("other commands: chatkv serve (an OpenAI-compatible HTTP server), chatkv ingest PATH... --kb NAME, "
                 "chatkv kb list|info|search|remove; each takes --help")
     return p

@@ -1,5 +1,5 @@
 """Constrained decoding: token masks that keep a request's output inside a JSON schema, a regex,
-a list of choices or a grammar (issue 25), built on llguidance.
+a list of choices or a grammar, built on llguidance.
 
 A request's constraint (``SamplingParams.json_schema`` / ``regex`` / ``choice`` / ``grammar`` /
 ``json_object``) is checked without a tokenizer when the params are validated (``check``), then
@@ -13,47 +13,15 @@ request has no matcher and costs nothing: no mask is computed, no row touched.
 JSON is generated compact (", " and ": ", no free whitespace), so a model cannot run away in
 whitespace; a schema may override that with llguidance's ``x-guidance`` options.
 
-Why llguidance, not xgrammar: measured by benchmarks/bench_constraints.py (2026-12-01, AMD EPYC,
-2 cores shared with other builds and test runs: load average 12 during the runs, so
-every time is inflated and varies 2-3x between runs; the ranges are over three runs), on the
-default model's tokenizer (49,152 tokens), xgrammar 0.2.9 against llguidance 1.9.1, 5 biased
-random walks per constraint, every walk that ended checked (jsonschema, re.fullmatch, membership):
-
-==========================================  ===================  ===================
-                                            xgrammar 0.2.9       llguidance 1.9.1
-==========================================  ===================  ===================
-compile, 19 JSON schemas                    0.4-58 ms            0.8-13 ms
-compile regex / choice / grammar            0.2 / 0.3 / 0.3 ms   1.5-15 / 2-11 / 2 ms
-mask fill per token, median                 4-9 us               30-63 us
-mask fill per token, mean / p99             21-45 / 42-59 us     95-250 us / 0.5-8 ms
-apply a step's mask to a 49,152-float row   106-227 us (its      47-130 us (its own,
-                                            own)                 torch.compile)
-the same with chatkv's apply_bitmask        60-134 us; 20 us at a quieter moment (numpy copyto)
-nested objects, arrays, enums, number       all valid            all valid
-bounds, optional fields, pattern, string
-lengths, anyOf, $ref, const, multipleOf,
-prefixItems, json_object, regex, choice,
-grammar
-allOf                                       0/5 valid (ignored)  5/5 valid
-oneOf with overlapping branches             0/5 valid            refused, named
-not                                         0/5 valid (ignored)  refused, named
-if/then                                     4/5 valid (ignored)  refused, named
-uniqueItems, propertyNames                  ignored (5/5 valid   refused, named
-                                            by chance)
-==========================================  ===================  ===================
-
-Through chatkv's path (llguidance): ``Matcher.mask_into`` (fill + apply) median 75-110 us, mean
-230-440 us per constrained token, ``advance`` 15-46 us; a batch of 8 unconstrained rows costs
-``mask_rows`` 0.4-0.65 us a step (one look at each row's None). A batch-1 decode step of the
-default model is about 14 ms here (70 tok/s, README), so a constrained token costs 2-3% more.
-
-xgrammar's masks are 5-10x cheaper, and that was the first criterion; what decides is the
-guarantee the issue asks for, "valid when it ends by stop". xgrammar compiles schemas whose
-keywords it does not enforce and then emits output that fails them (allOf and not ignored; an
-overlapping oneOf treated as anyOf; uniqueItems, propertyNames, if/then dropped), so chatkv would
-need its own keyword allowlist and could still be wrong where the converter is partial.
-llguidance enforces a keyword or refuses the schema with a message naming it ("Unimplemented
-keys: ["uniqueItems"]"), which becomes the request's InvalidRequest. Its API is also the
+Why llguidance, not xgrammar (benchmarks/bench_constraints.py compares them on the default
+model's tokenizer): xgrammar's masks are cheaper to compute, but the guarantee that matters is
+"valid when it ends by stop". xgrammar compiles schemas whose keywords it does not enforce and
+then emits output that fails them (allOf and not ignored; an overlapping oneOf treated as anyOf;
+uniqueItems, propertyNames, if/then dropped), so chatkv would need its own keyword allowlist and
+could still be wrong where the converter is partial. llguidance enforces a keyword or refuses
+the schema with a message naming it ("Unimplemented keys: ["uniqueItems"]"), which becomes the
+request's InvalidRequest. A constrained token costs a few percent of a decode step; an
+unconstrained row in a batch costs one look at its matcher (None). llguidance's API is also the
 cleaner one for this engine: the matcher never raises (an error state to query), a grammar is
 validated without a tokenizer (so SamplingParams.validate checks a schema before any model is
 involved), ``validate_tokens`` and ``rollback`` serve speculative proposals, lark and GBNF are

@@ -289,9 +289,8 @@ class Speculator:
             raise ValueError(f"speculative must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode, self.max_k, self.max_rows = mode, max_k, max_rows
         # auto's batch bound (None: none). The cost model prices a row as measured in steps of the
-        # same batch, which at batch 8 on CPU said speculation pays where it measured 0.87x of
-        # off (bench_speculative, Intel Xeon, 2026-12-01: several sequences' verified rows in one
-        # step cost more than it priced; why is not found yet); so on CPU, batches of <= 4 only
+        # same batch, and at large batches on CPU several sequences' verified rows in one step
+        # cost more than it prices (benchmarks/bench_speculative.py); so on CPU, batches of <= 4 only
         self.max_batch = max_batch
         self.proposer = proposer  # a factory: one Proposer per request
         self.shared = SharedAcceptance()

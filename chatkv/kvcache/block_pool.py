@@ -115,7 +115,7 @@ class BlockPool:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 # reused first (LIFO): a long-running engine keeps resident only the most blocks
-                # ever in use at once; the pool's never-touched pages stay unallocated (issue 19)
+                # ever in use at once; the pool's never-touched pages stay unallocated
                 self._free.appendleft(b)
                 freed += 1
         return freed

@@ -1,4 +1,4 @@
-"""How many CPU threads a step computes with: the cores that are free now (issue 19).
+"""How many CPU threads a step computes with: the cores that are free now.
 
 torch splits each op of a step over its intra-op threads (OpenMP) and waits for the last of
 them. When another process keeps one of two cores busy, the thread that shares that core
@@ -20,8 +20,8 @@ The count a governor sets stays on the thread that stepped after its engine is g
 keeps it per thread), and an engine that steps on its caller's thread (not ``start()``ed) sets
 it on the caller's. A new governor on that thread takes torch's count as it was before a
 governor changed it (``torch_threads``), not what an earlier engine left there: else an engine
-made after one whose last look saw a busy core was allowed one thread for its whole life
-(bench_session_restore's restart case, issue 21).
+made after one whose last look saw a busy core would be allowed one thread for its whole life
+(bench_session_restore's restart case).
 
 ``one_thread()`` runs a model's load on one thread (see there).
 """

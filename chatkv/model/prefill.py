@@ -33,7 +33,7 @@ the bf16 matmul next to nothing with AMX (512 rows: 150 ms for all 30 layers). S
 fewer than ``SCRATCH_ROWS`` (64) rows run the int4 kernel, with no dequantising: the two cost
 the same at about 75 rows there (CPU time, one thread: 64 rows 193 vs 213 ms, 96 rows 273 vs
 223). On the 2-core AMD EPYC of the earlier figures the kernel's rows cost less against its
-bf16 matmul (docs/weights.md), so there the crossing is higher, ~130 rows by those figures;
+bf16 matmul (docs/reference/weights.md), so there the crossing is higher, ~130 rows by those figures;
 64 leaves it slower between there and 64 rows, never by more than the dequantising.
 """
 

@@ -1,4 +1,4 @@
-"""Quantised weight modes prove themselves on the CPU they run on (issue 19).
+"""Quantised weight modes prove themselves on the CPU they run on.
 
 The int4 and int8 modes, and the bf16 weights their prefill uses, run on kernels this project
 did not write and that differ between CPUs: torch's int4/int8 packing, oneDNN's prepacked

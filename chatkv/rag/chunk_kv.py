@@ -1,4 +1,4 @@
-"""Retrieved chunks' KV in a canonical frame: the KV manager's chunk owner (issue 23).
+"""Retrieved chunks' KV in a canonical frame: the KV manager's chunk owner.
 
 A chunk's KV is computed once, in a **canonical frame**: a fixed short prefix (``frame``
 tokens: the model's start tokens, the same for every chunk), then the chunk's tokens at

@@ -1,6 +1,6 @@
 """RAG context for a session's turns: pinned documents, retrieved sources, citations.
 
-Where the text goes (chosen so that KV is shared, see docs/rag.md, "RAG and the KV cache"):
+Where the text goes (chosen so that KV is shared, see docs/how-to/rag.md, "RAG and the KV cache"):
 
 - **Pinned documents** are part of the system message, right after the system prompt,
   in the order given (their chunks in ordinal order). Every session with the same system

@@ -64,7 +64,7 @@ class HistoryTokens:
     def prompt(self, messages: list[dict], user: str | None = None, tools: list[dict] | None = None) -> tuple[list[int], int]:
         """The prompt's token ids for ``messages`` (ending with a user message), and how many
         leading messages came from the map (0: the whole conversation was tokenised). With
-        ``tools`` (specs the template renders, issue 25) it is rendered whole: the map is not used."""
+        ``tools`` (specs the template renders) it is rendered whole: the map is not used."""
         for i, m in enumerate(messages):
             check_text(f"messages[{i}].content", m["content"])
         if tools:

@@ -1,4 +1,4 @@
-"""Structured output and tool calls on /v1/chat/completions (issue 25): ``response_format``
+"""Structured output and tool calls on /v1/chat/completions: ``response_format``
 (``json_object``, ``json_schema``) as a constraint of the request's SamplingParams; ``tools`` and
 ``tool_choice`` (auto, none, required, a named function; the forcing ones constrain the output
 to calls, chatkv.sessions.tools); ``role: "tool"`` messages and assistant ``tool_calls`` in the history,

@@ -45,7 +45,7 @@ class TurnRenderer:
     def _render(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None) -> str:
         if tools:
             self._check_tools(tools)
-        extra = {"tools": tools} if tools else {}  # the template's own tool rendering (issue 25)
+        extra = {"tools": tools} if tools else {}  # the template's own tool rendering
         try:
             return self.tokenizer.apply_chat_template(
                 messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
@@ -56,7 +56,7 @@ class TurnRenderer:
     def _check_tools(self, tools: list[dict]) -> None:
         """Tool specs are rendered inside the template's markup and tokenised with it, so a
         control token's text in a name, a description or a schema would become that control
-        token (a forged turn, as issue 20 found for messages): such a spec is refused."""
+        token (a forged turn, as a message's text would be without chatkv.engine.text_tokens): such a spec is refused."""
         controls = text_tokens.control_strings(self.tokenizer)
         if not controls:
             return

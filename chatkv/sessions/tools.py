@@ -1,4 +1,4 @@
-"""Tools a model can call (issue 25): specs from Python callables or OpenAI-style JSON specs,
+"""Tools a model can call: specs from Python callables or OpenAI-style JSON specs,
 the constraint that forces a call (``tool_choice="required"`` or a named function), the parsing
 of a reply's tool calls, the tool results as messages, and the loop that runs callables.
 

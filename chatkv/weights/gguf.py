@@ -56,7 +56,7 @@ _Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 #: float32 values are the float model, and QUANT_FILE does not hold them, because it holds only a
 #: file's own numbers (chatkv.model.forward's bf16 prefill copy of a QUANT_FILE projection is its float
 #: weight). The int4 mode quantises them on load, as any float weight; what that costs against
-#: int8 per channel: docs/weights.md, "GGUF K-quants".
+#: int8 per channel: docs/reference/weights.md, "GGUF K-quants".
 _WIDE_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
 #: dequantised by chatkv.weights.quantised (bit for bit as gguf's reference: tests/weights/test_gguf_kquants.py)
 _DECODED_TYPES = _Q4_TYPES + _WIDE_TYPES
@@ -474,7 +474,7 @@ def _marker_version(out_dir: Path) -> int | None:
 def read_wide(model_dir: str | Path) -> dict[str, str]:
     """The projections of a converted GGUF that are not in its 4-bit file, with their GGUF types
     ({"layers.1.mlp.down_proj.weight": "Q6_K", ...}): empty when there is no 4-bit file or all its
-    projections are 4-bit. Measured (docs/weights.md, "GGUF K-quants"): int8 per channel keeps
+    projections are 4-bit. Measured (docs/reference/weights.md, "GGUF K-quants"): int8 per channel keeps
     them within llama.cpp's gate, int4 groups do not."""
     path = Path(model_dir) / QUANT_FILE
     if not path.is_file():

@@ -3,8 +3,8 @@
 ``AutoConfig.from_pretrained`` of a llama-family directory imports transformers' config module
 for the family, which imports its activations, and through them its hub-kernels and
 model-loading code, ``torch.distributed.tensor`` and sympy; ``AutoTokenizer.from_pretrained``
-loads that config too, only to choose the tokenizer's class. That import was about a fifth of a
-warm one-shot ``chatkv "..."`` (issue 19, start-up), for a dozen numbers and a class name.
+loads that config too, only to choose the tokenizer's class. That import is about a fifth of a
+warm one-shot ``chatkv "..."``, for a dozen numbers and a class name.
 
 So the first load keeps, in the user cache directory (``loads.json`` beside the weight check's
 ``weight-checks.json``; ``CHATKV_CACHE_DIR`` moves both):

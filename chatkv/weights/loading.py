@@ -100,8 +100,8 @@ def read_weights(model_dir: str | Path) -> MutableMapping[str, torch.Tensor]:
 
     Each tensor is read when first asked for, copied out of the file's mapping, which is closed
     again (``_FileWeights``): a tensor of safetensors' own is a view of the mapped file, so one
-    kept as it is (the embeddings, every norm) held the whole file resident (256 MiB of the
-    default model's one-shot peak, issue 19) after everything else was converted and dropped.
+    kept as it is (the embeddings, every norm) would hold the whole file resident (256 MiB of the
+    default model's one-shot peak) after everything else was converted and dropped.
 
     Raises ModelNotFound when there is no such file or one cannot be read (its header at once,
     a tensor's bytes when it is read).

@@ -1,4 +1,4 @@
-"""engine.close(timeout) has a contract (issue 20, Found 4 / Build 4).
+"""engine.close(timeout) has a contract.
 
 - It stops admitting at once; requests and turns in flight finish within the grace period
   or are cut: their callers get EngineClosed (carrying what was produced) and a turn's

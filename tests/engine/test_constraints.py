@@ -1,4 +1,4 @@
-"""Constrained decoding (chatkv.engine.constraints, issue 25): every constraint kind walked with random
+"""Constrained decoding (chatkv.engine.constraints): every constraint kind walked with random
 logits through the real sampler on the default model's real tokenizer, each output that ends
 by stop checked (jsonschema, re.fullmatch, membership); validation errors; the compile cache;
 the matcher's refusals, rollback and stop tokens; unconstrained rows untouched."""

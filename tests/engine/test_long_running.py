@@ -1,7 +1,7 @@
-"""A long-running check (issue 6, 'must show'): with prefix caching off nothing accumulates.
+"""A long-running check: with prefix caching off nothing accumulates.
 
-Before the refactor, caching off gave each request a fresh namespace whose root stayed in the
-radix cache for ever: a leak in a long-running process. Here 2,000 short requests (each prompt
+Caching off must not leave a namespace root per request in the radix cache for ever (a leak
+in a long-running process). Here 2,000 short requests (each prompt
 spans a full block, which a caching cache would insert) leave the tree no bigger than before,
 every block free, and the pool and cache consistent. Sessions with caching off recompute their
 history each turn, and give exactly the replies they give with caching on.

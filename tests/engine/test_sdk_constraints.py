@@ -1,4 +1,4 @@
-"""Constrained output through sessions (issue 25, SDK): ``session.send(json_schema=...)`` returns
+"""Constrained output through sessions (the SDK): ``session.send(json_schema=...)`` returns
 ``reply.parsed``, every reply that ends by stop validates (jsonschema), one that ends by length
 is ``parsed=None``; constrained and free session turns share the engine's batches (asend
 together), the free ones unchanged; the history and its KV go on as for any turn; the errors."""

@@ -1,4 +1,4 @@
-"""A property test over the public SDK surface (issue 6, 'must show').
+"""A property test over the public SDK surface.
 
 Hypothesis drives ``engine.generate``, ``engine.session``, ``session.send``, ``engine.resume``,
 ``session.rename``, ``session.export``, ``engine.encode_chat`` and the branch calls
@@ -183,7 +183,7 @@ ops = st.one_of(
     st.tuples(st.just("rename"), maybe_texts),
     st.tuples(st.just("export"), formats),
     st.tuples(st.just("encode_chat"), messages, st.one_of(st.booleans(), wrong)),
-    # conversations as trees (issue 22): branch calls with hostile ids, text and params
+    # conversations as trees: branch calls with hostile ids, text and params
     st.tuples(st.just("regenerate"), st.sampled_from(["main", "system", "new"]), sampling_params()),
     st.tuples(st.just("edit"), st.one_of(st.just("FIRST"), st.just("REPLY"), message_ids := st.one_of(
         st.integers(), st.none(), st.floats(), st.booleans(), texts)), st.one_of(valid_texts, maybe_texts), sampling_params()),

@@ -328,7 +328,7 @@ ROWS = {"type": "array", "minItems": 3, "maxItems": 5, "items": {
 
 
 def test_constrained_requests_speculate_against_the_mask(model_dir):
-    """Issue 25: proposals of a constrained request are cut to what its constraint accepts and
+    """Proposals of a constrained request are cut to what its constraint accepts and
     each verified position is masked as plain decoding masks it: greedy and seeded outputs are
     speculative='off''s token for token, valid when they stop, with proposals accepted."""
     pytest.importorskip("llguidance")

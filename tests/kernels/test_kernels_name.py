@@ -1,9 +1,9 @@
 """The folder ``kernels/`` never shadows another distribution's ``kernels`` from the repository's root.
 
 chatkv imports the folder as ``chatkv.kernels`` (pyproject's package-dir). From the root, where pytest,
-``python -c`` and the benchmarks put the folder on ``sys.path`` ahead of site-packages, ``import
-kernels`` used to find it instead of Hugging Face's ``kernels``, which transformers 5.25 requires and
-imports at ``import transformers``; CI failed on ``cannot import name 'CUDAProperties' from 'kernels'``.
+``python -c`` and the benchmarks put the folder on ``sys.path`` ahead of site-packages, an importable
+top-level ``kernels`` would be found instead of Hugging Face's ``kernels``, which transformers 5.25
+requires and imports at ``import transformers`` (``cannot import name 'CUDAProperties' from 'kernels'``).
 """
 
 from __future__ import annotations

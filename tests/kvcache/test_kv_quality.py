@@ -1,8 +1,8 @@
-"""Quality gate of the quantised KV dtypes (issue 12) on the default model: the CI-sized run of
+"""Quality gate of the quantised KV dtypes on the default model: the CI-sized run of
 benchmarks/kv_quality.py (its functions, its goals), int8 and fp8 against bf16 KV.
 
 The full gate (20 chat prompts x 256 tokens, perplexity over 4,096 tokens, 5 needles in
-~4k-token prompts) takes minutes on 2 cores, and its figures are in docs/kv-dtypes.md; here the
+~4k-token prompts) takes minutes on 2 cores, and its figures are in docs/reference/kv-dtypes.md; here the
 same measurements run smaller (``CI`` below):
 
 - teacher-forced top-1 agreement with bf16 KV's greedy tokens (int8 >= 98%), through the
@@ -15,7 +15,7 @@ same measurements run smaller (``CI`` below):
 
 At this size (4 prompts x 48 tokens, perplexity over 1,024 tokens, 1 needle in ~1.5k tokens)
 fp8 must pass its goals, and int8 its perplexity and needle goals with agreement >= 97%, a
-regression floor: int8 misses the 98% agreement goal, here (97.92%) as in the full gate: its agreement over 256 tokens was 97.58% (< 98%; docs/kv-dtypes.md, "KV cache dtypes: int8 and
+regression floor: int8 misses the 98% agreement goal, here (97.92%) as in the full gate: its agreement over 256 tokens was 97.58% (< 98%; docs/reference/kv-dtypes.md, "KV cache dtypes: int8 and
 fp8"). Runtime: 68 s on the 2-core machine with another CPU-bound process running.
 """
 
@@ -62,7 +62,7 @@ def test_fp8_meets_its_goals(gate):
 
 
 def test_int8_meets_its_perplexity_and_needle_goals_and_stays_near_its_agreement_goal(gate):
-    """int8 misses the issue's 98% agreement goal (the full gate: 97.58%; docs/kv-dtypes.md); here its
+    """int8 misses its 98% agreement goal (the full gate: 97.58%; docs/reference/kv-dtypes.md); here its
     perplexity and needle goals hold, and agreement may not fall below 97% (a regression floor,
     not the goal: this size measured 97.92%, 188 of 192)."""
     misses = [m for m in kv_quality.verdicts(gate)["int8"] if not m.startswith("agreement")]

@@ -1,4 +1,4 @@
-"""The compute threads follow the cores that are free (chatkv.model.cpu_threads, issue 19).
+"""The compute threads follow the cores that are free (chatkv.model.cpu_threads).
 
 The decision rule on given figures, then the real thing: busy processes started beside a
 governor reading the real /proc, which must step down to one thread while they run and come

@@ -1,9 +1,9 @@
-"""The output matrix's top logits in float32 (chatkv.model.forward.ExactTop, issue 19).
+"""The output matrix's top logits in float32 (chatkv.model.forward.ExactTop).
 
 The default model's logits lie between 16 and 32, where bfloat16 values are 0.125 apart; its
-int8/bf16 head kernels round their outputs to bfloat16. On an Intel Xeon with AMX the France
-prompt's "The" and "L" were 0.009 apart in exact arithmetic over the same hidden state and
-both rounded to 25.25, so argmax took "L" (the lower id) and the answer was "L'Étoile".
+int8/bf16 head kernels round their outputs to bfloat16. With AMX bf16 kernels the France
+prompt's "The" and "L", 0.009 apart in exact arithmetic over the same hidden state, both
+round to 25.25, so argmax without ExactTop takes "L" (the lower id) and answers "L'Étoile".
 These tests build that situation on purpose, on any CPU: two output rows whose exact logits
 differ by less than bfloat16's spacing, the higher one with the higher id."""
 

@@ -1,7 +1,7 @@
-"""The converted GGUF's 4-bit file read one weight at a time (chatkv.weights.gguf.Q4File; issue 19 item 5).
+"""The converted GGUF's 4-bit file read one weight at a time (chatkv.weights.gguf.Q4File).
 
-Loading the int4 model used to unpack every 4-bit weight of the file at once (1 byte a code, on top
-of what was being packed for the kernel): the load's peak held them all. ``read_q4`` now returns a
+Unpacking every 4-bit weight of the file at once (1 byte a code, on top of what is being packed
+for the kernel) would make the load's peak hold them all, so ``read_q4`` returns a
 mapping that reads a weight when it is asked for, and a loader that forgets a name (``del``) never
 reads it. Each weight read is the file's numbers exactly.
 """

@@ -1,7 +1,7 @@
-"""Prefill in the quantised modes without a resident bf16 copy (issue 19, item 5): chatkv.model.prefill.
+"""Prefill in the quantised modes without a resident bf16 copy: chatkv.model.prefill.
 
 - torch's int4 packing is read back exactly, and chatkv's vectorised packing (chatkv.weights.quantised.pack_int4,
-  most of a model's load time before) makes the same bytes;
+  which keeps the packing out of most of a model's load time) makes the same bytes;
 - the scratch path computes with the decode kernel's own numbers, ``(code - 8) * s + z`` with its
   bfloat16 s and z, rounded once to bfloat16 (int4), and with the resident copy's numbers bit for
   bit (int8);

@@ -1,4 +1,4 @@
-"""Quantised weights (issue 11): the GGUF mapping bit for bit, the kernels' packing, the
+"""Quantised weights: the GGUF mapping bit for bit, the kernels' packing, the
 engine's weight modes, and quality gates against references no one here wrote.
 
 - Mapping: Q4_0, Q4_1 and Q8_0 blocks made by gguf-py's own quantiser, and tensors of the

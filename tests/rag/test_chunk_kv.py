@@ -1,4 +1,4 @@
-"""Position-independent chunk KV (issue 23: chatkv.rag.chunk_kv, chatkv.rag.placement,
+"""Position-independent chunk KV (chatkv.rag.chunk_kv, chatkv.rag.placement,
 storage.chunk_segments) on a seeded tiny fp32 model, against transformers' own forward:
 re-rotated chunk KV equals the KV computed at that position, full recompute equals full
 prefill, chunk KV survives a restart on disk, changed text gets new KV, damage is recomputed,

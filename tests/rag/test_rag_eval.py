@@ -1,4 +1,4 @@
-"""The RAG evaluation (issue 23, item 5): its question set is sound and its metrics compute what
+"""The RAG evaluation: its question set is sound and its metrics compute what
 benchmarks/rag_metrics.py says they do. The evaluation itself is benchmarks/rag_eval.py (it needs
 the models and minutes); nothing here loads a model."""
 

@@ -1,4 +1,4 @@
-"""Ingest stays inside what it was given (issue 20, Found 2).
+"""Ingest stays inside what it was given.
 
 A tree holding ``passwd.txt -> /etc/passwd`` (here a tmp file outside the tree stands in
 for it) and a link to a directory elsewhere: by default no link is followed; with
@@ -33,7 +33,7 @@ def tree(tmp_path) -> Path:
     (docs / "sub").mkdir(parents=True)
     (docs / "readme.md").write_text("# Readme\n\nThe kettle boils water.\n")
     (docs / "sub" / "inner.md").write_text("# Inner\n\nSourdough needs a starter.\n")
-    os.symlink(outside / "passwd", docs / "passwd.txt")  # the issue's /etc/passwd
+    os.symlink(outside / "passwd", docs / "passwd.txt")  # standing in for /etc/passwd
     os.symlink(outside / "private", docs / "elsewhere")  # a directory outside
     os.symlink(docs / "sub" / "inner.md", docs / "inner-link.md")  # a file inside
     os.symlink("sub", docs / "sub-link")  # a directory inside (relative)

@@ -1,8 +1,8 @@
 """Retrieval quality on a labelled corpus written for the purpose (tests/support/rag_corpus.py).
 
-Issue 7, "must show": hybrid search finds the right document in the top 3 for >= 90% of the
+The gate: hybrid search finds the right document in the top 3 for >= 90% of the
 questions and beats dense-only. The figures for every mode are printed (run with -s or read
-the "retrieval quality" block in the output) so that the docs can quote them (docs/rag.md).
+the "retrieval quality" block in the output) so that the docs can quote them (docs/how-to/rag.md).
 
 A question counts as found at rank r when its document is the r-th distinct document among
 the search's chunk hits (k=10 chunks).

@@ -1,4 +1,4 @@
-"""Structured output and function tools on ``/v1/responses`` (issue 25), driven by the official
+"""Structured output and function tools on ``/v1/responses``, driven by the official
 ``openai`` client's ``client.responses`` against a real ``chatkv serve`` process: ``text.format``
 json_schema (every output that ends by stop validates with jsonschema, stored and store=false,
 streamed too) and json_object; function tools with each ``tool_choice``, ``function_call``

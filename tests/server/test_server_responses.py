@@ -1,4 +1,4 @@
-"""Issue 22, item 5: OpenAI's Responses API on ``chatkv serve``, driven by the official
+"""OpenAI's Responses API on ``chatkv serve``, driven by the official
 ``openai`` client's ``client.responses`` methods over loopback.
 
 A stored response is a node of a conversation tree: chaining with ``previous_response_id``

@@ -1,4 +1,4 @@
-"""chatkv serve's structured output and tool calls (issue 25), driven by the official ``openai``
+"""chatkv serve's structured output and tool calls, driven by the official ``openai``
 client over loopback: ``response_format`` json_object and json_schema (every reply that stops
 validates with jsonschema), ``tools`` with each ``tool_choice``, ``message.tool_calls`` with ids,
 streamed delta tool calls, ``role: "tool"`` results continuing the conversation from the cache,

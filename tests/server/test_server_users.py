@@ -1,4 +1,4 @@
-"""Issue 20, Found 3 and 6 / Build 3 and 7: users of one ``chatkv serve``.
+"""Users of one ``chatkv serve``.
 
 Each API key is a user who owns their conversations, their stateless history-map entries and
 their prefix-cache namespace. Another user's session id is a 404 in the very words of an id
@@ -69,8 +69,9 @@ def _unknown_body(server, who: str, sid: str, messages) -> dict:
 
 
 def test_another_users_session_is_unknown_exactly_as_an_unknown_one(shared):
-    """Found 3: B using A's session id got A's history in its context and appended to A's
-    conversation; a wrong history gave 409 and a right one 200 (an oracle)."""
+    """B using A's session id must not get A's history in its context or append to A's
+    conversation, and must not learn from the status whether a history matched (409 against 200
+    would be an oracle)."""
     first = [{"role": "user", "content": SECRET["alice"] + " my PIN is 4411"}]
     status, body, headers = chat(shared, "alice", first, "new", max_tokens=4)
     assert status == 200, body
@@ -91,7 +92,7 @@ def test_another_users_session_is_unknown_exactly_as_an_unknown_one(shared):
 
 
 def test_prefix_cache_and_history_map_are_per_user(shared):
-    """Found 3: the stateless prefix map and the radix cache were shared, so a cache hit told B
+    """The stateless prefix map and the radix cache are per user: shared, a cache hit would tell B
     what A had sent. A's repeat hits its own cache; B's identical request hits nothing of A's."""
     state = shared.app.state.chatkv
     msgs = [{"role": "user", "content": SECRET["alice"] + " " + "the quarterly numbers are bad " * 6}]
@@ -119,7 +120,7 @@ def test_metrics_stay_aggregate(shared):
 
 
 def test_a_disagreeing_header_and_body_session_id_is_a_400_naming_both(shared):
-    """Found 6: the header silently won over a different body session_id."""
+    """A header session id that differs from the body's is refused, not silently preferred."""
     status, body, _ = raw(shared.url, CHAT, {"model": MODEL, "messages": user("hi"), "session_id": "abc"},
                           {**auth("alice"), "X-Session-Id": "new"})
     assert status == 400 and body["error"]["param"] == "session_id", body
@@ -128,7 +129,7 @@ def test_a_disagreeing_header_and_body_session_id_is_a_400_naming_both(shared):
 
 
 def test_an_oversized_session_id_is_not_echoed_back(shared):
-    """Found 6: a 10 KB invalid session id came back whole in the error."""
+    """A 10 KB invalid session id does not come back whole in the error."""
     long_id = "x" * 10_000 + "!"
     status, body, _ = chat(shared, "alice", user("hi"), long_id, where="body")
     assert status == 400 and body["error"]["param"] == "session_id"
@@ -188,7 +189,8 @@ def test_key_file_is_read_checked_and_reloaded(tmp_path):
 
 
 def test_serve_refuses_bad_ports_and_key_files_clearly(tmp_path, capsys):
-    """Found 6: --port 99999 listened on a random port and announced :99999."""
+    """Bad ports are refused with their reason (not, e.g., --port 99999 listening on a random port
+    and announcing :99999), and so are unsafe key files."""
     for port in ("99999", "-1", "65536"):
         assert serve_main(["--port", port]) == 2
         assert f"--port must be in 0-65535 (0: any free port), got {port}" in capsys.readouterr().err
@@ -201,7 +203,7 @@ def test_serve_refuses_bad_ports_and_key_files_clearly(tmp_path, capsys):
 def test_chatkv_serve_users_sighup_and_a_cut_stream(tmp_path_factory):
     """``chatkv serve --api-keys FILE --graceful-timeout 3`` in its own process: the file's users
     are served; SIGHUP re-reads the file; SIGTERM with a long stream in flight ends that stream
-    with an error event (Found 6: no event, and CancelledError logged from the ASGI app), the
+    with an error event (not silently, nor with CancelledError logged from the ASGI app), the
     reply so far stored, and the process exits 0 without a traceback."""
     model_dir, data = tmp_path_factory.mktemp("m"), tmp_path_factory.mktemp("served")
     make_model(model_dir, "llama", max_position_embeddings=65536)

@@ -1,4 +1,4 @@
-"""Branches of a conversation on disk (issue 22, item 3): their write-behind segments share the
+"""Branches of a conversation on disk: their write-behind segments share the
 common prefix's files.
 
 SegmentStore: a branch keeps the prefix segments of any branch holding its tokens and appends

@@ -1,4 +1,4 @@
-"""Conversations as trees through the SDK (issue 22): regenerate, edit, switch, branches, tree.
+"""Conversations as trees through the SDK: regenerate, edit, switch, branches, tree.
 
 The oracle for every reply is transformers' greedy generate on the branch's own prompt tokens
 (the session's history after the turn). A real engine on a small random llama, a real SQLite

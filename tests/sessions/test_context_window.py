@@ -34,7 +34,7 @@ def engine_at(model_dir, data_dir, **kw) -> Engine:
 
 
 def message_with_delta(session, n: int) -> str:
-    """A user message whose turn adds exactly ``n`` tokens to this session's context."""
+    """A user message whose turn adds exactly ``n`` tokens to the session's context."""
     r = session._m.renderer
     delta = (lambda m: r.user_turn(m)) if session.tokens else (lambda m: session._m._delta(session, m))
     words = "quick brown fox jumps over the lazy dog what is the capital of France".split()

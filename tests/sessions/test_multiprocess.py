@@ -238,7 +238,7 @@ def test_a_live_turn_elsewhere_is_left_alone_and_the_loser_retries(model, worker
     manifest = SegmentStore(data / "kv").manifest_path(kv_key)
     worker_snapshot = manifest.read_bytes()
 
-    # this session is behind now; spilling it must not write its older history's KV over the
+    # the session here is behind now; spilling it must not write its older history's KV over the
     # worker's, even when its record of what the disk holds is gone (as after a failed write)
     e1.session_manager.snapshots._tracks.pop(conv, None)
     assert s.spill()

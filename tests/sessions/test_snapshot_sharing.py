@@ -1,4 +1,4 @@
-"""One snapshot directory, several processes (issue 10, part 5): the segment store's directory
+"""One snapshot directory, several processes: the segment store's directory
 lock and its fence.
 
 - A write-behind that lands after another process stored a newer history of the same

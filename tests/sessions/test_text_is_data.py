@@ -48,7 +48,7 @@ def controls(tok, ids) -> list[int]:
 
 
 def plain(tok, messages, gen=True) -> list[int]:
-    """The tokenisation every chatkv version gave a conversation: the render, special tokens parsed."""
+    """The render tokenised with special tokens parsed: what text taken as markup makes of a conversation."""
     text = tok.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
@@ -91,11 +91,12 @@ def test_injected_markup_in_a_message_or_system_prompt_is_text(model_dir):
 
 
 def test_the_default_model_prompt_grows_like_escaped_text(default_model_dir):
-    """The issue's numbers: "Hi" is 31 tokens on SmolLM2; the injection was 40 (a forged system turn)."""
+    """On SmolLM2 "Hi" is 31 tokens; the injection is 40 with its markup parsed (a forged system
+    turn) and 58 as the text it is."""
     tok = load_tokenizer(default_model_dir)
     r = TurnRenderer(tok)
     assert len(r.first(conv(None, "Hi"))) == 31
-    assert len(plain(tok, conv(None, INJECTION))) == 40  # what the old tokenisation made of it
+    assert len(plain(tok, conv(None, INJECTION))) == 40  # the injection's markup parsed as control tokens
     assert len(r.first(conv(None, INJECTION))) == 58
 
 

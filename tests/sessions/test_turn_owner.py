@@ -1,4 +1,4 @@
-"""One turn, one owner (issue 21): who holds a turn's KV at every moment, and who frees memory.
+"""One turn, one owner: who holds a turn's KV at every moment, and who frees memory.
 
 - a finishing request hands its retained KV to its session on the thread that steps, through
   the callback the scheduler calls at finish: by the time anything else on the loop thread

@@ -148,7 +148,7 @@ def test_text_that_is_not_unicode_is_an_invalid_request(tok):
 
 def test_template_without_system_role(tok_dir):
     tok = load(tok_dir, NO_SYSTEM)
-    r = TurnRenderer(tok)  # used to raise jinja's TemplateError
+    r = TurnRenderer(tok)  # must not raise jinja's TemplateError
     conv = [{"role": "user", "content": "Hello"}]
     tokens = r.first(conv)
     assert tokens == rendered(tok, conv)
@@ -164,7 +164,7 @@ def test_template_without_system_role(tok_dir):
 def test_template_that_needs_a_user_message(tok_dir):
     tok = load(tok_dir, NEEDS_USER)
     r = TurnRenderer(tok)
-    prefix = r.system_prefix(SYSTEMS[0])  # a system-only render raises here: used to escape as TemplateError
+    prefix = r.system_prefix(SYSTEMS[0])  # a system-only render raises here: must not escape as TemplateError
     first = r.first([{"role": "system", "content": SYSTEMS[0]}, {"role": "user", "content": "Hello"}])
     assert prefix and first[: len(prefix)] == prefix
     assert len(prefix) >= len(encode(tok, f"<|im_start|>system\n{SYSTEMS[0]}<|im_end|>\n"))

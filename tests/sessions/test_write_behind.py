@@ -1,4 +1,4 @@
-"""Write-behind snapshots (issue 9, part 1): every turn's new KV reaches the disk on its own.
+"""Write-behind snapshots: every turn's new KV reaches the disk on its own.
 
 - A conversation whose process exits without ``engine.close()``, or is SIGKILLed one second
   after its third reply, resumes in a new process with its whole history's KV restored from

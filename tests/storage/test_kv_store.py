@@ -440,7 +440,7 @@ def test_file_and_dir_modes(tmp_path, umask):
 
 
 def test_existing_dir_is_left_alone(tmp_path):
-    """Only a directory the store creates is made 0700 (issue 6: an existing, possibly
+    """Only a directory the store creates is made 0700 (an existing, possibly
     shared, directory is never chmod-ed); the snapshot files are 0600 either way."""
     d = tmp_path / "kv"
     d.mkdir(mode=0o755)

@@ -1,4 +1,4 @@
-"""Found 6 / Build 6: a stored message whose text no longer matches the conversation's token
+"""A stored message whose text no longer matches the conversation's token
 history (edited in the SQLite file behind chatkv's back, at the same length) is told at
 resume: a warning names the conversation, the history is recomputed from the stored text and
 its KV computed afresh, so the next reply is the one an uncached run of that text gives.

@@ -1,4 +1,4 @@
-"""Conversations as trees in the store (issue 22, item 1; migration 0006).
+"""Conversations as trees in the store (migration 0006).
 
 Messages name their parent, a conversation its current leaf. A message added under an earlier
 one starts a branch; switching brings a branch back with the token history its messages

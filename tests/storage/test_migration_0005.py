@@ -93,7 +93,7 @@ def test_owner_names_are_checked(tmp_path):
 
 
 def test_invalid_id_is_not_echoed_whole(tmp_path):
-    """Found 6: a 10 KB session id came back whole in the error."""
+    """A 10 KB session id does not come back whole in the error."""
     with Store.open(data_dir=tmp_path) as s:
         with pytest.raises(SessionError) as e:
             s.get_conversation("A" * 10_000 + "!")

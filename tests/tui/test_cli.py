@@ -53,7 +53,7 @@ def test_a_bad_line_is_reported_and_the_chat_goes_on(model_dir, tmp_path, monkey
     assert "Traceback" not in err and "generated" in err  # the third line got a reply with its stats
 
 
-# -- issue 8: the app only on a terminal, pipe mode, --resume [ID], empty prompts, safe text --------------
+# -- the app only on a terminal, pipe mode, --resume [ID], empty prompts, safe text --------------
 
 
 class _Stream(io.StringIO):
@@ -301,7 +301,7 @@ def test_kv_dtype_option_stores_the_conversation_quantised(model_dir, tmp_path, 
 
 
 def test_search_prints_one_line_a_hit_on_every_branch_and_exits_1_on_none(model_dir, tmp_path, monkeypatch, capsys):
-    """chatkv --search TEXT (issue 22): conversation id, title, role and snippet of each hit, one a
+    """chatkv --search TEXT: conversation id, title, role and snippet of each hit, one a
     line on stdout, exit 0; no hit is one line on stderr and exit 1; the app never opens."""
     from chatkv.engine.core import Engine
 

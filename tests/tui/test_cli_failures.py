@@ -1,4 +1,4 @@
-"""No raw traceback reaches a person (issue 20, Found 5 and the CLI's part of Found 6).
+"""No raw traceback reaches a person.
 
 Each case runs the real ``chatkv`` command as a subprocess, on a tiny model, with the real
 failure: a closed stdin, a data directory that is a file or cannot be written, a reader that

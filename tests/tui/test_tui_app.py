@@ -224,7 +224,7 @@ async def test_slash_commands(engine, model_dir, tmp_path):
         assert app.session.system == "You are terse."
         await say(pilot, app, "/regenerate")
         users = [m.text for m in messages(app) if m.role == "user"]
-        assert users == ["Name a prime."]  # answered again in place (issue 22), not asked again as a new turn
+        assert users == ["Name a prime."]  # answered again in place, not asked again as a new turn
         await say(pilot, app, "And another?")
         await say(pilot, app, "/stats")
         assert "| 2 |" in messages(app)[-1].text and "KV pool" in messages(app)[-1].text
@@ -329,9 +329,8 @@ async def test_quitting_mid_reply_saves_what_was_produced(engine):
 
 
 async def test_a_message_typed_while_the_model_loads_is_answered_once_it_is_ready(model_dir, tmp_path, monkeypatch):
-    """Found on a first run (issue 22): while the model converted, focus sat in the sidebar's
-    filter box and a question typed at once landed there, never asked. The input box has the
-    focus from the first frame; what is sent before the model is ready waits, then is answered.
+    """While the model converts, a question typed at once must not land in the sidebar's filter
+    box and go unasked: the input box has the focus from the first frame; what is sent before the model is ready waits, then is answered.
     The load is a real one; it is only held until the question has been typed."""
     import threading
 
@@ -366,7 +365,7 @@ async def test_a_message_typed_while_the_model_loads_is_answered_once_it_is_read
     app.engine.close()
 
 
-# -- conversations as trees (issue 22): regenerate in place, edit, the branch switcher, search --
+# -- conversations as trees: regenerate in place, edit, the branch switcher, search --
 
 
 def switcher(w: ChatMessage) -> str:

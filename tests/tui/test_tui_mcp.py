@@ -1,4 +1,4 @@
-"""MCP tools in the chat app (issue 25, item 4), driven by Pilot: a real MCP server process
+"""MCP tools in the chat app, driven by Pilot: a real MCP server process
 (tests/support/mcp_test_server.py, on the mcp package's server API, over stdio and streamable HTTP)
 started from ``<data dir>/mcp.json``, the real app, and the SDK's tools path on the tiny
 Qwen2-style model with a tool template (tests.support.tiny.make_tool_model). The model's call is made

@@ -87,7 +87,7 @@ def test_delete_confirmation(snap_compare, engine):
 
 
 def test_a_regenerated_reply_and_its_branch_switcher(snap_compare, engine):
-    """/regenerate in place: the reply's ◀ 2/2 ▶ (issue 22)."""
+    """/regenerate in place: the reply's ◀ 2/2 ▶."""
     conv = saved_chats(engine)
     app = ChatApp(engine=engine, resume=conv, sampling=FAST, mask_volatile=True)
 

@@ -1,4 +1,4 @@
-"""GGUF K-quants computed natively (issue 19, item 4).
+"""GGUF K-quants computed natively.
 
 - Decoding: chatkv.weights.quantised's decoders of Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 blocks equal gguf-py's
   reference dequantisation bit for bit, on blocks of random bytes (every code and 6-bit scale
@@ -292,7 +292,7 @@ def test_the_exact_dequantisation_computes_what_llama_cpp_computes(kind, float32
 
 
 def test_q4_k_m_wide_tensors_pass_the_llama_cpp_gate_as_int8_and_fail_it_as_int4(q4_k_m_dir):
-    """The measured choice for Q6_K projections (docs/weights.md, "GGUF K-quants"): the Q4_K_M
+    """The measured choice for Q6_K projections (docs/reference/weights.md, "GGUF K-quants"): the Q4_K_M
     fixture's Q4_K tensors exact, its two Q6_K projections requantised, float32 compute, against
     llama.cpp's logits. The gate is tests/model/test_quant_weights.py's: within 1.5x the exact
     dequantisation's distance to llama.cpp (mean and max). int8 per channel passes it (measured

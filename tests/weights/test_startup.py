@@ -1,4 +1,4 @@
-"""Start-up (issue 19): what a warm start no longer does, and that it gives the same objects.
+"""Start-up: what a warm start does not do, and that it gives the same objects.
 
 - ``load_config``/``load_tokenizer`` remember what transformers decided about a directory
   (chatkv.weights.load_cache): the second load gives a config with the same attributes and a
@@ -316,7 +316,7 @@ def test_a_spec_proved_with_other_library_versions_is_proved_again(tmp_path, cac
     (k,) = [k for k in data if k.startswith("direct:")]
     data[k]["meta"]["versions"]["tokenizers"] = "0.0.1"
     cache.write_text(json.dumps(data))
-    assert type(load_tokenizer(d)).__name__ == "TokenizersBackend"  # and kept again, with today's versions
+    assert type(load_tokenizer(d)).__name__ == "TokenizersBackend"  # and kept again, with the installed versions
     assert type(load_tokenizer(d)).__name__ == "DirectTokenizer"
 
 

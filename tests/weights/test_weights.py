@@ -177,7 +177,8 @@ def test_fingerprint_follows_every_file(good, model):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
 def test_every_family_without_tokenizer_files_is_refused_at_load(family, tmp_path):
-    """qwen2 used to load a tokenizer of one token from config.json alone (every prompt "empty")."""
+    """A directory without tokenizer files is refused, not loaded as a tokenizer of one token from
+    config.json alone (which would make every prompt "empty")."""
     d = tmp_path / family
     make_model(d, family, seed=2)
     for name in (*TOKENIZER_FILES, "vocab.json", "merges.txt", "tokenizer.model"):

@@ -178,7 +178,7 @@ class Ingress:
         except APIError as e:
             return e.response()
         raw = dict(head.headers)
-        if head.status < 400:  # who answered now holds this session and these prefixes
+        if head.status < 400:  # the replica that answered holds the request's session and these prefixes
             session = raw.get(b"x-session-id")
             self.table.learn(keys, head.replica, session.decode() if session else None)
         headers = [*head.headers, (b"x-chatkv-replica", head.replica.encode())]

@@ -1,4 +1,4 @@
-"""Structured output and function tools on ``/v1/responses`` (issue 25), in the Responses API's
+"""Structured output and function tools on ``/v1/responses``, in the Responses API's
 own shapes (the chat completions forms are ``tool_calls.py``):
 
 - ``text.format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",

@@ -4,7 +4,7 @@ Revision ID: 0006
 Revises: 0005
 Create Date: 2026-12-01 15:00:00
 
-A conversation's messages form a tree (issue 22): each message names its ``parent_id`` (None for
+A conversation's messages form a tree: each message names its ``parent_id`` (None for
 a first message), and ``conversations.current_leaf_id`` is the message whose branch is the
 conversation now. Editing or regenerating adds a sibling; nothing is ever deleted by branching.
 
@@ -63,7 +63,7 @@ def upgrade() -> None:
     op.add_column("messages", sa.Column("token_base", sa.Integer(), nullable=True))
     op.add_column("messages", sa.Column("token_tail", sa.LargeBinary(), nullable=True))
     op.add_column("messages", sa.Column("context", sa.JSON(), nullable=True))
-    # speculative decoding's counts of a reply (issue 24): tokens drafted, and of those generated
+    # speculative decoding's counts of a reply: tokens drafted, and of those generated
     op.add_column("messages", sa.Column("proposed_tokens", sa.Integer(), nullable=True))
     op.add_column("messages", sa.Column("accepted_tokens", sa.Integer(), nullable=True))
     op.create_index(op.f("ix_messages_parent_id"), "messages", ["parent_id"])

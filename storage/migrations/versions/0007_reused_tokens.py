@@ -4,7 +4,7 @@ Revision ID: 0007
 Revises: 0006
 Create Date: 2026-12-01 22:00:00
 
-A RAG reply records what chunk KV reuse did to its prompt (issue 23, ``rag_kv_reuse``):
+A RAG reply records what chunk KV reuse did to its prompt (``rag_kv_reuse``):
 ``reused_tokens`` source (and pinned-document) tokens placed from their chunk KV, not computed,
 and ``recomputed_tokens`` of them recomputed over it (counted in ``computed_tokens`` too). NULL
 for every message from before this revision; 0 for a reply that reused nothing. Both columns
