@@ -34,7 +34,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_session_restore import (  # noqa: E402
-    SYSTEM, hf_ttft_full, make_engine, timed_turn, turn10_message, user_messages,
+    SYSTEM,
+    hf_ttft_full,
+    make_engine,
+    timed_turn,
+    turn10_message,
+    user_messages,
 )
 from benchmarks.common import OtherLoad, cpu_line, load_average, median, print_table  # noqa: E402
 
@@ -97,7 +102,11 @@ def main() -> None:
         block = eng.kv.block_size
         eng.generate(tok("Warm up the kernels, please.")["input_ids"], SamplingParams(max_tokens=2, temperature=0.0))
         hf_ttft_full(hf, tok("Warm up the kernels, please.")["input_ids"])
-        sys_tokens = len(eng.session_manager.renderer.first([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}]))
+        sys_tokens = len(
+            eng.session_manager.renderer.first(
+                [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}]
+            )
+        )
         per_message = max(32, (args.history - sys_tokens) // 9 - (8 + args.reply_tokens))
         messages = user_messages(tok, per_message)
 
@@ -169,33 +178,72 @@ def main() -> None:
 
     rows = []
     a_ratio = median(regen_w) / median(turn_w)
-    rows.append(["(a) regenerate turn 10 vs a normal turn 10 (cached)", f"{median(regen_w) * 1e3:.1f} ms",
-                 f"{median(turn_w) * 1e3:.1f} ms", f"{a_ratio:.2f}x", f"<= 1.1x  {'MET' if a_ratio <= 1.1 else 'not met'}"])
-    rows.append(["(a) regenerate vs transformers re-prefilling the prompt", f"{median(regen_w) * 1e3:.1f} ms",
-                 f"{median(hf_w) * 1e3:.1f} ms", f"{median(hf_w) / median(regen_w):.1f}x faster", "(baseline)"])
+    rows.append(
+        [
+            "(a) regenerate turn 10 vs a normal turn 10 (cached)",
+            f"{median(regen_w) * 1e3:.1f} ms",
+            f"{median(turn_w) * 1e3:.1f} ms",
+            f"{a_ratio:.2f}x",
+            f"<= 1.1x  {'MET' if a_ratio <= 1.1 else 'not met'}",
+        ]
+    )
+    rows.append(
+        [
+            "(a) regenerate vs transformers re-prefilling the prompt",
+            f"{median(regen_w) * 1e3:.1f} ms",
+            f"{median(hf_w) * 1e3:.1f} ms",
+            f"{median(hf_w) / median(regen_w):.1f}x faster",
+            "(baseline)",
+        ]
+    )
     comp = median([c for c, _, _ in edit_rows])
     bound = median([t for _, t, _ in edit_rows])
-    rows.append(["(b) edit message 5 of 10: tokens computed vs from message 5 on", f"{comp:.0f} tokens",
-                 f"{bound:.0f} (+{block})", f"{comp / bound:.2f}x", f"<= +1 block  {'MET' if comp <= bound + block else 'not met'}"])
+    rows.append(
+        [
+            "(b) edit message 5 of 10: tokens computed vs from message 5 on",
+            f"{comp:.0f} tokens",
+            f"{bound:.0f} (+{block})",
+            f"{comp / bound:.2f}x",
+            f"<= +1 block  {'MET' if comp <= bound + block else 'not met'}",
+        ]
+    )
     rs, rw = median([x[1] for x in restored]), median([x[0] for x in restored])
     cw = median([x[0] for x in recomputed])
     came_back = all(x[2].restored_tokens > 0 for x in restored)  # else the restore timed found nothing to read
     c_ok = came_back and cw / rs >= 10
-    rows.append(["(c) switch back after a restart: restore vs recomputing the turn", f"{rs * 1e3:.1f} ms",
-                 f"{cw * 1e3:.1f} ms", f"{cw / rs:.1f}x",
-                 f">= 10x  {'MET' if c_ok else 'not met' if came_back else 'not met: nothing restored'}"])
-    rows.append(["(c) the turn's TTFT: restored vs recomputed", f"{rw * 1e3:.1f} ms", f"{cw * 1e3:.1f} ms",
-                 f"{cw / rw:.1f}x", ""])
-    print_table(f"Branches, SmolLM2 ({args.dtype}), ~{len(prompts[0])}-token turn-10 prompt, medians of {R}",
-                ["case", "chatkv", "baseline", "ratio", "goal"], rows)
+    rows.append(
+        [
+            "(c) switch back after a restart: restore vs recomputing the turn",
+            f"{rs * 1e3:.1f} ms",
+            f"{cw * 1e3:.1f} ms",
+            f"{cw / rs:.1f}x",
+            f">= 10x  {'MET' if c_ok else 'not met' if came_back else 'not met: nothing restored'}",
+        ]
+    )
+    rows.append(
+        [
+            "(c) the turn's TTFT: restored vs recomputed",
+            f"{rw * 1e3:.1f} ms",
+            f"{cw * 1e3:.1f} ms",
+            f"{cw / rw:.1f}x",
+            "",
+        ]
+    )
+    print_table(
+        f"Branches, SmolLM2 ({args.dtype}), ~{len(prompts[0])}-token turn-10 prompt, medians of {R}",
+        ["case", "chatkv", "baseline", "ratio", "goal"],
+        rows,
+    )
     u = regen_u[0]
     print(f"\n(a) regenerate usage: prompt {u.prompt_tokens}, cached {u.cached_tokens}, computed {u.computed_tokens}")
     print(f"(b) edit usage: {edit_rows[0][2]}")
     print(f"(c) restored usage: {restored[0][2]}")
     print(f"(c) recomputed usage: {recomputed[0][2]}")
-    print(f"samples ms: turn {[round(x * 1e3, 1) for x in turn_w]} regen {[round(x * 1e3, 1) for x in regen_w]} "
-          f"hf {[round(x * 1e3, 1) for x in hf_w]} restore {[round(x[1] * 1e3, 1) for x in restored]} "
-          f"recompute {[round(x[0] * 1e3, 1) for x in recomputed]}")
+    print(
+        f"samples ms: turn {[round(x * 1e3, 1) for x in turn_w]} regen {[round(x * 1e3, 1) for x in regen_w]} "
+        f"hf {[round(x * 1e3, 1) for x in hf_w]} restore {[round(x[1] * 1e3, 1) for x in restored]} "
+        f"recompute {[round(x[0] * 1e3, 1) for x in recomputed]}"
+    )
     print(f"\nload average at end: {load_average()}; {load}")
 
 

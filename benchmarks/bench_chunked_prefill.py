@@ -34,7 +34,9 @@ from chatkv.engine.sampling import SamplingParams  # noqa: E402
 
 def run(model_dir, budget: int, prompt_tokens: int) -> dict:
     with tempfile.TemporaryDirectory() as home:
-        eng = Engine(model_dir, EngineConfig(data_dir=home, max_batch_tokens=budget, kv_cache_bytes=256 * 2**20)).start()
+        eng = Engine(
+            model_dir, EngineConfig(data_dir=home, max_batch_tokens=budget, kv_cache_bytes=256 * 2**20)
+        ).start()
         eng.generate("warm up", SamplingParams(max_tokens=4, temperature=0.0))
         params = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
         stamps: list[list[float]] = [[] for _ in range(4)]
@@ -89,11 +91,15 @@ def main() -> None:
     rows = {name: run(model_dir, budget, args.prompt) for name, budget in (("chunked", 256), ("whole", 4096))}
     print(f"model {model_dir.name}; 4 chats decoding while a {args.prompt}-token prompt arrives")
     for name, r in rows.items():
-        print(f"  {name:8s} long-prompt TTFT {r['ttft_long_ms']:7.0f} ms | decode gap before {r['gap_before_p50_ms']:5.1f} ms, "
-              f"during: max {r['gap_during_max_ms']:7.1f} ms, p90 {r['gap_during_p90_ms']:7.1f} ms ({r['gaps_during']} gaps)")
+        print(
+            f"  {name:8s} long-prompt TTFT {r['ttft_long_ms']:7.0f} ms | decode gap before {r['gap_before_p50_ms']:5.1f} ms, "
+            f"during: max {r['gap_during_max_ms']:7.1f} ms, p90 {r['gap_during_p90_ms']:7.1f} ms ({r['gaps_during']} gaps)"
+        )
     c, w = rows["chunked"], rows["whole"]
-    print(f"  worst decode stall: whole {w['gap_during_max_ms'] / c['gap_during_max_ms']:.1f}x chunked's; "
-          f"long prompt's TTFT: chunked {c['ttft_long_ms'] / w['ttft_long_ms']:.2f}x whole's")
+    print(
+        f"  worst decode stall: whole {w['gap_during_max_ms'] / c['gap_during_max_ms']:.1f}x chunked's; "
+        f"long prompt's TTFT: chunked {c['ttft_long_ms'] / w['ttft_long_ms']:.2f}x whole's"
+    )
 
 
 if __name__ == "__main__":

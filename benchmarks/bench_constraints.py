@@ -41,93 +41,163 @@ SCHEMAS = {
     "nested objects": {
         "type": "object",
         "properties": {
-            "user": {"type": "object", "properties": {
-                "name": {"type": "string", "maxLength": 12},
-                "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
-                                                             "zip": {"type": "integer"}},
-                            "required": ["city", "zip"], "additionalProperties": False}},
-                "required": ["name", "address"], "additionalProperties": False},
+            "user": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 12},
+                    "address": {
+                        "type": "object",
+                        "properties": {"city": {"type": "string", "maxLength": 12}, "zip": {"type": "integer"}},
+                        "required": ["city", "zip"],
+                        "additionalProperties": False,
+                    },
+                },
+                "required": ["name", "address"],
+                "additionalProperties": False,
+            },
         },
-        "required": ["user"], "additionalProperties": False,
+        "required": ["user"],
+        "additionalProperties": False,
     },
     "arrays": {
         "type": "object",
-        "properties": {"tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 1, "maxItems": 3},
-                       "scores": {"type": "array", "items": {"type": "integer"}, "maxItems": 4}},
-        "required": ["tags", "scores"], "additionalProperties": False,
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 1, "maxItems": 3},
+            "scores": {"type": "array", "items": {"type": "integer"}, "maxItems": 4},
+        },
+        "required": ["tags", "scores"],
+        "additionalProperties": False,
     },
     "enums": {
         "type": "object",
         "properties": {"colour": {"enum": ["red", "green", "blue"]}, "size": {"enum": [1, 2, 3, None]}},
-        "required": ["colour", "size"], "additionalProperties": False,
+        "required": ["colour", "size"],
+        "additionalProperties": False,
     },
     "number bounds": {
         "type": "object",
-        "properties": {"age": {"type": "integer", "minimum": 18, "maximum": 99},
-                       "ratio": {"type": "number", "minimum": 0, "maximum": 1},
-                       "temp": {"type": "number", "exclusiveMinimum": -10, "exclusiveMaximum": 40}},
-        "required": ["age", "ratio", "temp"], "additionalProperties": False,
+        "properties": {
+            "age": {"type": "integer", "minimum": 18, "maximum": 99},
+            "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+            "temp": {"type": "number", "exclusiveMinimum": -10, "exclusiveMaximum": 40},
+        },
+        "required": ["age", "ratio", "temp"],
+        "additionalProperties": False,
     },
     "optional fields": {
         "type": "object",
-        "properties": {"id": {"type": "integer"}, "note": {"type": "string", "maxLength": 10},
-                       "done": {"type": "boolean"}},
-        "required": ["id"], "additionalProperties": False,
+        "properties": {
+            "id": {"type": "integer"},
+            "note": {"type": "string", "maxLength": 10},
+            "done": {"type": "boolean"},
+        },
+        "required": ["id"],
+        "additionalProperties": False,
     },
     "string pattern": {
         "type": "object",
         "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}},
-        "required": ["code"], "additionalProperties": False,
+        "required": ["code"],
+        "additionalProperties": False,
     },
     "string lengths": {
         "type": "object",
         "properties": {"word": {"type": "string", "minLength": 2, "maxLength": 5}},
-        "required": ["word"], "additionalProperties": False,
+        "required": ["word"],
+        "additionalProperties": False,
     },
     "anyOf": {
         "type": "object",
         "properties": {"value": {"anyOf": [{"type": "integer"}, {"type": "string", "maxLength": 6}, {"type": "null"}]}},
-        "required": ["value"], "additionalProperties": False,
+        "required": ["value"],
+        "additionalProperties": False,
     },
     "$ref / $defs": {
-        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
-                            "required": ["x", "y"], "additionalProperties": False}},
+        "$defs": {
+            "point": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            }
+        },
         "type": "object",
         "properties": {"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}},
-        "required": ["a", "b"], "additionalProperties": False,
+        "required": ["a", "b"],
+        "additionalProperties": False,
     },
     "const": {
-        "type": "object", "properties": {"kind": {"const": "answer"}, "n": {"type": "integer"}},
-        "required": ["kind", "n"], "additionalProperties": False,
+        "type": "object",
+        "properties": {"kind": {"const": "answer"}, "n": {"type": "integer"}},
+        "required": ["kind", "n"],
+        "additionalProperties": False,
     },
     "rag answer": {
         "type": "object",
-        "properties": {"answer": {"type": "string", "maxLength": 20},
-                       "sources": {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 3}},
-        "required": ["answer", "sources"], "additionalProperties": False,
+        "properties": {
+            "answer": {"type": "string", "maxLength": 20},
+            "sources": {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 3},
+        },
+        "required": ["answer", "sources"],
+        "additionalProperties": False,
     },
 }
-SCHEMAS.update({
-    "multipleOf": {"type": "object", "properties": {"n": {"type": "integer", "multipleOf": 5},
-                                                    "h": {"type": "number", "multipleOf": 0.5}},
-                   "required": ["n", "h"], "additionalProperties": False},
-    "prefixItems": {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "string", "maxLength": 3}], "items": False},
-})
+SCHEMAS.update(
+    {
+        "multipleOf": {
+            "type": "object",
+            "properties": {"n": {"type": "integer", "multipleOf": 5}, "h": {"type": "number", "multipleOf": 0.5}},
+            "required": ["n", "h"],
+            "additionalProperties": False,
+        },
+        "prefixItems": {
+            "type": "array",
+            "prefixItems": [{"type": "integer"}, {"type": "string", "maxLength": 3}],
+            "items": False,
+        },
+    }
+)
 # keywords a library may compile without enforcing: a walk that ends shows whether it does
-SCHEMAS.update({
-    "allOf": {"type": "object", "properties": {"v": {"allOf": [{"type": "integer"}, {"minimum": 3, "maximum": 7}]}},
-              "required": ["v"], "additionalProperties": False},
-    "oneOf overlapping": {"type": "object", "properties": {"v": {"oneOf": [{"type": "integer"}, {"type": "number"}]}},
-                          "required": ["v"], "additionalProperties": False},
-    "propertyNames": {"type": "object", "propertyNames": {"pattern": "^[a-c]+$", "maxLength": 3},
-                      "additionalProperties": {"type": "integer"}, "maxProperties": 2},
-    "uniqueItems": {"type": "object", "properties": {"v": {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True,
-                                                           "maxItems": 3}}, "required": ["v"], "additionalProperties": False},
-    "not": {"type": "object", "properties": {"v": {"not": {"type": "string"}}}, "required": ["v"],
-            "additionalProperties": False},
-    "if/then": {"type": "object", "properties": {"v": {"type": "integer", "if": {"minimum": 0}, "then": {"maximum": 5}}},
-                "required": ["v"], "additionalProperties": False},
-})
+SCHEMAS.update(
+    {
+        "allOf": {
+            "type": "object",
+            "properties": {"v": {"allOf": [{"type": "integer"}, {"minimum": 3, "maximum": 7}]}},
+            "required": ["v"],
+            "additionalProperties": False,
+        },
+        "oneOf overlapping": {
+            "type": "object",
+            "properties": {"v": {"oneOf": [{"type": "integer"}, {"type": "number"}]}},
+            "required": ["v"],
+            "additionalProperties": False,
+        },
+        "propertyNames": {
+            "type": "object",
+            "propertyNames": {"pattern": "^[a-c]+$", "maxLength": 3},
+            "additionalProperties": {"type": "integer"},
+            "maxProperties": 2,
+        },
+        "uniqueItems": {
+            "type": "object",
+            "properties": {"v": {"type": "array", "items": {"enum": [1, 2]}, "uniqueItems": True, "maxItems": 3}},
+            "required": ["v"],
+            "additionalProperties": False,
+        },
+        "not": {
+            "type": "object",
+            "properties": {"v": {"not": {"type": "string"}}},
+            "required": ["v"],
+            "additionalProperties": False,
+        },
+        "if/then": {
+            "type": "object",
+            "properties": {"v": {"type": "integer", "if": {"minimum": 0}, "then": {"maximum": 5}}},
+            "required": ["v"],
+            "additionalProperties": False,
+        },
+    }
+)
 REGEX = r"[0-9]{3}-[0-9]{4}"
 CHOICE = ["yes", "no", "maybe so"]
 GRAMMAR_GBNF = 'root ::= "(" expr ")"\nexpr ::= [0-9]+ | [0-9]+ " + " expr'
@@ -263,8 +333,16 @@ def closing_bonus(tok, vocab: int, eos: int) -> torch.Tensor:
     return bonus
 
 
-def walk(lib, compiled, vocab: int, eos: int, bonus: torch.Tensor, gen: torch.Generator, us: dict[str, list[float]],
-         max_steps: int = 200) -> list[int] | None:
+def walk(
+    lib,
+    compiled,
+    vocab: int,
+    eos: int,
+    bonus: torch.Tensor,
+    gen: torch.Generator,
+    us: dict[str, list[float]],
+    max_steps: int = 200,
+) -> list[int] | None:
     """One biased random walk; the tokens before EOS, or None if it did not end in max_steps.
     Records, per step, the microseconds of the fill and of both applies of that real mask."""
     from chatkv.engine.constraints import apply_bitmask
@@ -321,8 +399,12 @@ def check(kind: str, spec, text: str) -> bool:
 def run(lib_cls, tok, vocab: int, eos: int, threads: int, walks: int, bonus: torch.Tensor) -> dict:
     lib = lib_cls(tok, vocab, eos, threads)
     cases = [("json_schema", name, s) for name, s in SCHEMAS.items()]
-    cases += [("json_object", "json_object", None), ("regex", "regex", REGEX), ("choice", "choice", CHOICE),
-              ("grammar", "grammar", GRAMMAR_GBNF if lib.name == "xgrammar" else GRAMMAR_LARK)]
+    cases += [
+        ("json_object", "json_object", None),
+        ("regex", "regex", REGEX),
+        ("choice", "choice", CHOICE),
+        ("grammar", "grammar", GRAMMAR_GBNF if lib.name == "xgrammar" else GRAMMAR_LARK),
+    ]
     gen = torch.Generator().manual_seed(0)
     us: dict[str, list[float]] = {"fill": [], "apply_lib": [], "apply_own": []}
     rows = []
@@ -343,9 +425,15 @@ def run(lib_cls, tok, vocab: int, eos: int, threads: int, walks: int, bonus: tor
             valid += check(kind, spec, tok.decode(ids))
         rows.append((name, compile_s, f"{valid}/{ended} ended walks valid ({walks - ended} hit the step limit)"))
     ordered = sorted(us["fill"])
-    return dict(rows=rows, fill_median=statistics.median(ordered), fill_p99=ordered[int(0.99 * (len(ordered) - 1))],
-                fill_mean=statistics.mean(ordered), steps=len(ordered),
-                apply_lib=statistics.median(us["apply_lib"]), apply_own=statistics.median(us["apply_own"]))
+    return dict(
+        rows=rows,
+        fill_median=statistics.median(ordered),
+        fill_p99=ordered[int(0.99 * (len(ordered) - 1))],
+        fill_mean=statistics.mean(ordered),
+        steps=len(ordered),
+        apply_lib=statistics.median(us["apply_lib"]),
+        apply_own=statistics.median(us["apply_own"]),
+    )
 
 
 def chatkv_cost(tok, bonus: torch.Tensor, walks: int) -> dict:
@@ -382,8 +470,13 @@ def chatkv_cost(tok, bonus: torch.Tensor, walks: int) -> dict:
     for _ in range(1000):
         mask_rows(free, [None] * 8)
     free_us = (time.perf_counter() - t0) * 1e3  # per call, in us
-    return dict(mask_mean=statistics.mean(mask_us), mask_median=statistics.median(mask_us),
-                advance_mean=statistics.mean(advance_us), steps=len(mask_us), free_us=free_us)
+    return dict(
+        mask_mean=statistics.mean(mask_us),
+        mask_median=statistics.median(mask_us),
+        advance_mean=statistics.mean(advance_us),
+        steps=len(mask_us),
+        free_us=free_us,
+    )
 
 
 def main() -> None:
@@ -409,14 +502,22 @@ def main() -> None:
         for name, secs, cov in r["rows"]:
             shown = f"{secs * 1000:7.1f}ms" if secs is not None else "      -  "
             print(f"  {name:<18} {shown:>9}  {cov}")
-        print(f"  mask fill per token: median {r['fill_median']:.0f} us, mean {r['fill_mean']:.0f} us, "
-              f"p99 {r['fill_p99']:.0f} us ({r['steps']} steps)")
-        print(f"  apply each step's mask to a {vocab}-float row, median: the library's {r['apply_lib']:.0f} us, "
-              f"chatkv's {r['apply_own']:.0f} us")
+        print(
+            f"  mask fill per token: median {r['fill_median']:.0f} us, mean {r['fill_mean']:.0f} us, "
+            f"p99 {r['fill_p99']:.0f} us ({r['steps']} steps)"
+        )
+        print(
+            f"  apply each step's mask to a {vocab}-float row, median: the library's {r['apply_lib']:.0f} us, "
+            f"chatkv's {r['apply_own']:.0f} us"
+        )
     c = chatkv_cost(tok, bonus, a.walks)
-    print(f"\nchatkv (llguidance) per constrained token: Matcher.mask_into median {c['mask_median']:.0f} us, "
-          f"mean {c['mask_mean']:.0f} us; advance mean {c['advance_mean']:.0f} us ({c['steps']} steps)")
-    print(f"a batch of 8 unconstrained rows: mask_rows {c['free_us']:.2f} us per step (no mask computed, no row touched)")
+    print(
+        f"\nchatkv (llguidance) per constrained token: Matcher.mask_into median {c['mask_median']:.0f} us, "
+        f"mean {c['mask_mean']:.0f} us; advance mean {c['advance_mean']:.0f} us ({c['steps']} steps)"
+    )
+    print(
+        f"a batch of 8 unconstrained rows: mask_rows {c['free_us']:.2f} us per step (no mask computed, no row touched)"
+    )
     print(f"\nload average at end: {load_average()}")
 
 

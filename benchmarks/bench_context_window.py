@@ -33,11 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from chatkv.sessions.context_window import ContextState, apply, plan  # noqa: E402
 from chatkv.engine.detokenize import TextStream  # noqa: E402
 from chatkv.engine.model_runner import BatchItem  # noqa: E402
 from chatkv.engine.sampling import SamplingParams  # noqa: E402
 from chatkv.engine.sequence import Sequence  # noqa: E402
+from chatkv.sessions.context_window import ContextState, apply, plan  # noqa: E402
 
 
 def long_text() -> str:
@@ -65,11 +65,22 @@ def stream_nll(engine, ids: list[int], window: int | None, sink_tokens: int, chu
             if p.kind == "sink":
                 old_ns = ("bench", tag, st.epoch) if st.private else None
                 context = apply(st, p, context)
-                kept = kv.slide(kept, context, p.sink, p.drop, ("bench", tag, st.epoch), engine.shift_keys,
-                                old_namespace=old_ns)
+                kept = kv.slide(
+                    kept, context, p.sink, p.drop, ("bench", tag, st.epoch), engine.shift_keys, old_namespace=old_ns
+                )
         ns = ("bench", tag, st.epoch)
-        seq = Sequence(0, context + new, len(context) + len(new), SamplingParams(), None, frozenset(), 10**9,
-                       TextStream(engine.tokenizer, []), retain=True, prefix=kept)
+        seq = Sequence(
+            0,
+            context + new,
+            len(context) + len(new),
+            SamplingParams(),
+            None,
+            frozenset(),
+            10**9,
+            TextStream(engine.tokenizer, []),
+            retain=True,
+            prefix=kept,
+        )
         seq.namespace = ns
         kv.attach(seq)
         assert seq.num_computed == len(context), (seq.num_computed, len(context))
@@ -102,8 +113,10 @@ def perplexity(engine, window: int, n_tokens: int) -> None:
     late = slice(math.ceil(window / 512), None)  # spans after the window first moved
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     f, s, w = mean(rows["full"][late]), mean(rows["sink"][late]), mean(rows["window"][late])
-    print(f"  after the first move: full {f:.2f}, sink {s:.2f} ({s / f:.2f}x full), "
-          f"window without sinks {w:.2f} ({w / f:.2f}x full, {w / s:.2f}x sink)")
+    print(
+        f"  after the first move: full {f:.2f}, sink {s:.2f} ({s / f:.2f}x full), "
+        f"window without sinks {w:.2f} ({w / f:.2f}x full, {w / s:.2f}x sink)"
+    )
 
 
 def eng_tokenizer(model_dir):
@@ -132,7 +145,9 @@ def memory(model_dir, window: int, max_tokens: int, tiny: bool) -> None:
             try:
                 while total < max_tokens:
                     r = s.send(text, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True))
-                    total += r.usage.prompt_tokens - r.usage.cached_tokens - r.usage.restored_tokens - r.usage.host_tokens
+                    total += (
+                        r.usage.prompt_tokens - r.usage.cached_tokens - r.usage.restored_tokens - r.usage.host_tokens
+                    )
                     total += r.usage.generated_tokens
                     st = eng.kv_stats()
                     held = (st["blocks_total"] - st["blocks_free"] - st["blocks_evictable"]) * per_block / 2**20

@@ -37,14 +37,36 @@ import time
 from pathlib import Path
 
 import torch
-from common import CHAT, BusyLoad, OtherLoad, common_prefix, cpu_line, goal, hf_generate, load_average, load_hf, llama_decode, load_llama_cpp, median, parser, print_table, setup
+from common import (
+    CHAT,
+    BusyLoad,
+    OtherLoad,
+    common_prefix,
+    cpu_line,
+    goal,
+    hf_generate,
+    llama_decode,
+    load_average,
+    load_hf,
+    load_llama_cpp,
+    median,
+    parser,
+    print_table,
+    setup,
+)
 
 GOAL_HF, GOAL_LLAMA = 3.0, 1.0
 GOAL_MEMORY_MB = 150  # peak after the long prompt: at most llama.cpp's + this
-PROMPTS = ["Explain in a few paragraphs why the sky is blue.", "Write a short story about a lighthouse keeper.",
-           "What are the main causes of the French Revolution?", "Describe how a bicycle works.",
-           "Give me a recipe for pancakes.", "Why do cats purr?", "Explain how vaccines train the immune system.",
-           "What is the difference between weather and climate?"]
+PROMPTS = [
+    "Explain in a few paragraphs why the sky is blue.",
+    "Write a short story about a lighthouse keeper.",
+    "What are the main causes of the French Revolution?",
+    "Describe how a bicycle works.",
+    "Give me a recipe for pancakes.",
+    "Why do cats purr?",
+    "Explain how vaccines train the immune system.",
+    "What is the difference between weather and climate?",
+]
 
 
 def spec(mode: str) -> dict:
@@ -111,8 +133,16 @@ def hf_batch(model, prompts, n):
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
     with torch.inference_mode():
-        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
-                       pad_token_id=0, stopping_criteria=StoppingCriteriaList([Stamp()]))
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            stopping_criteria=StoppingCriteriaList([Stamp()]),
+        )
     return len(prompts) * (n - 1) / (stamps[-1] - stamps[0])
 
 
@@ -133,8 +163,18 @@ def long_prompt(tokenizer, n: int) -> list[int]:
 def peak_rss(mode: str, args, model_dir: Path) -> dict | None:
     """``{"peak_mib", "rss_mib"}``: a child process loads ``mode`` (or llama.cpp), prefills a
     ``--prefill-tokens`` prompt and decodes 32 tokens; None if it failed."""
-    cmd = [sys.executable, __file__, "--child", mode, "--threads", str(args.threads), "--model", str(model_dir),
-           "--prefill-tokens", str(args.prefill_tokens)] + (["--gguf", args.gguf] if args.gguf else [])
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        mode,
+        "--threads",
+        str(args.threads),
+        "--model",
+        str(model_dir),
+        "--prefill-tokens",
+        str(args.prefill_tokens),
+    ] + (["--gguf", args.gguf] if args.gguf else [])
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if out.returncode != 0:
         print(f"memory child {mode} failed: {out.stderr.strip()[-400:]}", file=sys.stderr)
@@ -154,14 +194,20 @@ def memory_table(mem: dict, prefill: int, gguf: str | None) -> None:
         row = [m, mib_pair(got)]
         if got is not None and lc is not None and m != "llama.cpp":
             over_mb = (got["peak_mib"] - lc["peak_mib"]) * 2**20 / 1e6
-            row += [f"{over_mb:+.0f} MB", f"<= +{GOAL_MEMORY_MB} MB  {'MET' if over_mb <= GOAL_MEMORY_MB else 'not met'}"]
+            row += [
+                f"{over_mb:+.0f} MB",
+                f"<= +{GOAL_MEMORY_MB} MB  {'MET' if over_mb <= GOAL_MEMORY_MB else 'not met'}",
+            ]
         else:
             row += ["", ""]
         rows.append(row)
-    print_table(f"peak memory after a {prefill}-token prompt and 32 decoded tokens, MiB peak / after "
-                f"(VmHWM / VmRSS of a child process; KV pool 2,048 tokens, no host tier; "
-                f"{Path(gguf).name if gguf else 'the packaged GGUF, Q4_1'})",
-                ["weights", "MiB peak / after", "peak vs llama.cpp", "goal"], rows)
+    print_table(
+        f"peak memory after a {prefill}-token prompt and 32 decoded tokens, MiB peak / after "
+        f"(VmHWM / VmRSS of a child process; KV pool 2,048 tokens, no host tier; "
+        f"{Path(gguf).name if gguf else 'the packaged GGUF, Q4_1'})",
+        ["weights", "MiB peak / after", "peak vs llama.cpp", "goal"],
+        rows,
+    )
 
 
 def child(mode: str, args) -> None:
@@ -201,7 +247,9 @@ def main() -> None:
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory child processes")
     p.add_argument("--memory-only", action="store_true", help="only the peak-memory child processes (and their table)")
     p.add_argument("--busy", type=int, default=0, help="also decode beside N busy processes (one core each)")
-    p.add_argument("--gguf", default=None, help="a GGUF file (e.g. a Q4_K_M): converted once, and llama.cpp runs the same file")
+    p.add_argument(
+        "--gguf", default=None, help="a GGUF file (e.g. a Q4_K_M): converted once, and llama.cpp runs the same file"
+    )
     p.add_argument("--child", default=None, help=argparse_hidden())
     args = p.parse_args()
     if args.child:
@@ -265,7 +313,11 @@ def main() -> None:
                     busy_rate[m].append(chatkv_decode(e, ids, n)[0])
                 if llm is not None:
                     busy_lc.append(llama_decode(llm, ids, n)[0])
-    mem = {} if args.no_memory else {m: peak_rss(m, args, model_dir) for m in modes + (["llama.cpp"] if llm is not None else [])}
+    mem = (
+        {}
+        if args.no_memory
+        else {m: peak_rss(m, args, model_dir) for m in modes + (["llama.cpp"] if llm is not None else [])}
+    )
 
     hf_rate, hf_b = median(ref), median(ref_b)
     lc_rate = median(lc) if lc else None
@@ -281,17 +333,43 @@ def main() -> None:
         t = median(ttft[m])
         rows_t.append([m, f"{t * 1000:.0f}", f"{t / median(lc_ttft):.2f}x" if lc_ttft else "-"])
     print(f"\n{cpu_line()}")
-    print(f"{len(ids)}-token chat prompt, {n} greedy tokens (EOS ignored), threads={args.threads}, "
-          f"median of {args.repeats}, load average {load_average()}, {other}")
-    print(f"transformers bf16: {hf_rate:.1f} tok/s batch 1, {hf_b:.1f} batch 8" + (
-        f"; llama.cpp ({Path(args.gguf).name if args.gguf else 'the packaged GGUF, Q4_1'}): {lc_rate:.1f} tok/s batch 1, memory peak / after {mib_pair(mem['llama.cpp']) if 'llama.cpp' in mem else '-'} MiB" if lc_rate else
-        "; llama.cpp: llama_cpp not importable, skipped (pip install llama-cpp-python==0.3.36)"))
-    print_table("batch-1 decode tokens/s (prefill excluded)",
-                ["weights", "chatkv tok/s", "vs transformers bf16", "goal", "vs llama.cpp", "goal", "MiB peak / after",
-                 "greedy = transformers bf16"], rows)
-    print_table(f"batch-8 decode, aggregate tokens/s ({n // 2} tokens each)", ["weights", "chatkv tok/s", "vs transformers bf16"], rows_b)
-    print_table(f"TTFT of a {len(longp)}-token prompt, ms" + (f" (llama.cpp {median(lc_ttft) * 1000:.0f} ms)" if lc_ttft else ""),
-                ["weights", "chatkv ms", "vs llama.cpp"], rows_t)
+    print(
+        f"{len(ids)}-token chat prompt, {n} greedy tokens (EOS ignored), threads={args.threads}, "
+        f"median of {args.repeats}, load average {load_average()}, {other}"
+    )
+    print(
+        f"transformers bf16: {hf_rate:.1f} tok/s batch 1, {hf_b:.1f} batch 8"
+        + (
+            f"; llama.cpp ({Path(args.gguf).name if args.gguf else 'the packaged GGUF, Q4_1'}): {lc_rate:.1f} tok/s batch 1, memory peak / after {mib_pair(mem['llama.cpp']) if 'llama.cpp' in mem else '-'} MiB"
+            if lc_rate
+            else "; llama.cpp: llama_cpp not importable, skipped (pip install llama-cpp-python==0.3.36)"
+        )
+    )
+    print_table(
+        "batch-1 decode tokens/s (prefill excluded)",
+        [
+            "weights",
+            "chatkv tok/s",
+            "vs transformers bf16",
+            "goal",
+            "vs llama.cpp",
+            "goal",
+            "MiB peak / after",
+            "greedy = transformers bf16",
+        ],
+        rows,
+    )
+    print_table(
+        f"batch-8 decode, aggregate tokens/s ({n // 2} tokens each)",
+        ["weights", "chatkv tok/s", "vs transformers bf16"],
+        rows_b,
+    )
+    print_table(
+        f"TTFT of a {len(longp)}-token prompt, ms"
+        + (f" (llama.cpp {median(lc_ttft) * 1000:.0f} ms)" if lc_ttft else ""),
+        ["weights", "chatkv ms", "vs llama.cpp"],
+        rows_t,
+    )
     if mem:
         memory_table(mem, args.prefill_tokens, args.gguf)
     if args.busy:
@@ -304,8 +382,11 @@ def main() -> None:
             rows_busy.append(row)
         if lc_busy:
             rows_busy.append(["llama.cpp", f"{lc_rate:.1f}", f"{lc_busy:.1f}", f"{lc_busy / lc_rate:.2f}x", "", "", ""])
-        print_table(f"batch-1 decode beside {args.busy} busy process(es), tokens/s (median of {args.repeats})",
-                    ["weights", "quiet", "busy", "busy / quiet", "goal", "vs llama.cpp busy", "goal"], rows_busy)
+        print_table(
+            f"batch-1 decode beside {args.busy} busy process(es), tokens/s (median of {args.repeats})",
+            ["weights", "quiet", "busy", "busy / quiet", "goal", "vs llama.cpp busy", "goal"],
+            rows_busy,
+        )
 
 
 def argparse_hidden():

@@ -21,7 +21,7 @@ the load are printed.
 from __future__ import annotations
 
 import torch
-from common import best_of, cpu_line, load_average, median, OtherLoad, print_table
+from common import OtherLoad, best_of, cpu_line, load_average, median, print_table
 
 NH, NKV, D, BS = 9, 3, 64, 16
 CASES = [(1, 160, False), (1, 600, False), (1, 2000, False), (8, 300, False), (6, 300, True), (6, 2000, True)]
@@ -47,32 +47,46 @@ def setup_case(rows: int, ctx: int, one_sequence: bool):
     out = torch.empty(rows, NH * D, dtype=torch.bfloat16)
     scratch = (torch.empty(rows, NH * D, dtype=torch.bfloat16), cpu_decode.attention_scratch(rows, NH, NKV, D, ctx))
     meta = build_metadata(tables, [1] * rows, ctxs, BS)
-    return dict(tables=tables, ctx=torch.tensor(ctxs), positions=positions, slots=slots, qkv=qkv, k=k_pool, v=v_pool,
-                table=table, out=out, scratch=scratch, meta=meta, blocks=torch.tensor(tables))
+    return dict(
+        tables=tables,
+        ctx=torch.tensor(ctxs),
+        positions=positions,
+        slots=slots,
+        qkv=qkv,
+        k=k_pool,
+        v=v_pool,
+        table=table,
+        out=out,
+        scratch=scratch,
+        meta=meta,
+        blocks=torch.tensor(tables),
+    )
 
 
 STEP_CONTEXTS = (300, 2000, 6000)
-FILLER = ("The committee met on Tuesday to review the budget, the hiring plan and the schedule for the new "
-          "library wing; each item was discussed at length and the minutes were circulated afterwards. ")
+FILLER = (
+    "The committee met on Tuesday to review the budget, the hiring plan and the schedule for the new "
+    "library wing; each item was discussed at length and the minutes were circulated afterwards. "
+)
 
 
 def decode_steps(repeats: int, tokens: int, contexts=STEP_CONTEXTS) -> list[list[str]]:
     """[context, per-row tok/s, blocked tok/s, ratio] of the default model's batch-1 decode."""
     from chatkv.engine.core import Engine
-    from chatkv.kernels import cpu_decode
     from chatkv.engine.sampling import SamplingParams
+    from chatkv.kernels import cpu_decode
 
     eng = Engine.from_pretrained(speculative="off", adaptive_threads=False)
     out = []
     try:
         for ctx in contexts:
             text = FILLER * (ctx // 30 + 1)
-            ids = eng.encode_chat([{"role": "user", "content": text}])[: ctx]
+            ids = eng.encode_chat([{"role": "user", "content": text}])[:ctx]
             params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
             eng.generate(ids, SamplingParams(max_tokens=4, temperature=0))  # the prompt's KV, cached for both
             rates = {False: [], True: []}
             for rep in range(repeats):
-                for blocked in ((False, True) if rep % 2 == 0 else (True, False)):
+                for blocked in (False, True) if rep % 2 == 0 else (True, False):
                     cpu_decode.attention_blocked(blocked)
                     try:
                         rates[blocked].append(eng.generate(ids, params).usage.tokens_per_s)
@@ -92,11 +106,13 @@ def main() -> None:
     ap.add_argument("--no-steps", action="store_true", help="only the per-call table")
     ap.add_argument("--repeats", type=int, default=3, help="whole-step runs per path and context (median)")
     ap.add_argument("--tokens", type=int, default=64, help="tokens decoded per whole-step run")
-    ap.add_argument("--contexts", default=",".join(map(str, STEP_CONTEXTS)), help="prompt tokens of the whole-step runs")
+    ap.add_argument(
+        "--contexts", default=",".join(map(str, STEP_CONTEXTS)), help="prompt tokens of the whole-step runs"
+    )
     args = ap.parse_args()
-    from chatkv.model import fused_decode
     from chatkv.kernels import cpu_decode
     from chatkv.kernels.attention import paged_attention, store_kv
+    from chatkv.model import fused_decode
 
     if not fused_decode.kernels_available():
         raise SystemExit("the fused decode ops are not built here (no compiler?): nothing to compare")
@@ -111,13 +127,26 @@ def main() -> None:
             torch.set_num_threads(threads)
 
             def fused():
-                cpu_decode.decode_attention(c["qkv"], c["table"], c["positions"], c["k"], c["v"], c["slots"], c["blocks"],
-                                            c["ctx"], NH, NKV, 0.125, c["out"], c["scratch"])
+                cpu_decode.decode_attention(
+                    c["qkv"],
+                    c["table"],
+                    c["positions"],
+                    c["k"],
+                    c["v"],
+                    c["slots"],
+                    c["blocks"],
+                    c["ctx"],
+                    NH,
+                    NKV,
+                    0.125,
+                    c["out"],
+                    c["scratch"],
+                )
 
             x = c["qkv"].view(rows, NH + 2 * NKV, D)
 
             def torch_ops():
-                store_kv(c["k"], c["v"], c["meta"].slot_mapping, x[:, NH:NH + NKV], x[:, NH + NKV:])
+                store_kv(c["k"], c["v"], c["meta"].slot_mapping, x[:, NH : NH + NKV], x[:, NH + NKV :])
                 paged_attention(x[:, :NH].contiguous(), c["k"], c["v"], c["meta"], 0.125)
 
             a = best_of(torch_ops, 200, warm=20)
@@ -128,17 +157,31 @@ def main() -> None:
                 cpu_decode.attention_blocked(True)
             f = best_of(fused, 200, warm=20)
             what = f"{rows} rows, one sequence" if one else str(rows)
-            rows_out.append([what, str(ctx), str(threads), f"{a:.1f}", f"{b:.1f}", f"{f:.1f}", f"{b / f:.2f}x",
-                             f"{a / f:.2f}x"])
+            rows_out.append(
+                [what, str(ctx), str(threads), f"{a:.1f}", f"{b:.1f}", f"{f:.1f}", f"{b / f:.2f}x", f"{a / f:.2f}x"]
+            )
     torch.set_num_threads(before)
-    print_table("one layer's decode attention, us per call",
-                ["batch", "context", "threads", "torch ops us", "fused per row us", "fused blocked us",
-                 "blocked vs per row", "blocked vs torch"], rows_out)
+    print_table(
+        "one layer's decode attention, us per call",
+        [
+            "batch",
+            "context",
+            "threads",
+            "torch ops us",
+            "fused per row us",
+            "fused blocked us",
+            "blocked vs per row",
+            "blocked vs torch",
+        ],
+        rows_out,
+    )
     if not args.no_steps:
-        print_table(f"the default model's decode, batch 1, {args.tokens} tokens, threads {torch.get_num_threads()}, "
-                    f"tok/s (median of {args.repeats}, the paths in turn)",
-                    ["prompt tokens", "fused per row", "fused blocked", "blocked vs per row"],
-                    decode_steps(args.repeats, args.tokens, [int(c) for c in args.contexts.split(",")]))
+        print_table(
+            f"the default model's decode, batch 1, {args.tokens} tokens, threads {torch.get_num_threads()}, "
+            f"tok/s (median of {args.repeats}, the paths in turn)",
+            ["prompt tokens", "fused per row", "fused blocked", "blocked vs per row"],
+            decode_steps(args.repeats, args.tokens, [int(c) for c in args.contexts.split(",")]),
+        )
     print(f"load average at the end {load_average()}; {other}")
 
 

@@ -15,7 +15,20 @@ from __future__ import annotations
 import time
 
 import torch
-from common import CHAT, OtherLoad, best_of, common_prefix, cpu_line, llama_decode, load_average, load_llama_cpp, median, parser, print_table, setup
+from common import (
+    CHAT,
+    OtherLoad,
+    best_of,
+    common_prefix,
+    cpu_line,
+    llama_decode,
+    load_average,
+    load_llama_cpp,
+    median,
+    parser,
+    print_table,
+    setup,
+)
 
 VARIANTS = ("fused", "torch ops")
 
@@ -45,6 +58,7 @@ def step_cpu_us(engine) -> float:
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+
         def step():
             return runner.forward(runner.build_batch([BatchItem([42], 200, table, "last")]))
 
@@ -101,18 +115,47 @@ def main() -> None:
     rows = []
     for v in VARIANTS:
         r = median(rate[v])
-        rows.append([v, f"{r:.1f}", f"{r / base:.2f}x", f"{r / lc_rate:.2f}x" if lc_rate else "-",
-                     f"{ops[v]:.0f}", f"{cpu[v] / 1000:.2f}", f"{cpu['torch ops'] / cpu[v]:.2f}x"])
+        rows.append(
+            [
+                v,
+                f"{r:.1f}",
+                f"{r / base:.2f}x",
+                f"{r / lc_rate:.2f}x" if lc_rate else "-",
+                f"{ops[v]:.0f}",
+                f"{cpu[v] / 1000:.2f}",
+                f"{cpu['torch ops'] / cpu[v]:.2f}x",
+            ]
+        )
     print(f"\n{cpu_line()}")
-    print(f"{len(ids)}-token chat prompt, {args.tokens} greedy tokens, threads={args.threads}, median of "
-          f"{args.repeats} interleaved, load average {load_average()}, {other}")
-    print("llama.cpp (the packaged GGUF, Q4_1): " + (f"{lc_rate:.1f} tok/s" if lc_rate else
-          "llama_cpp not importable, skipped (pip install llama-cpp-python==0.3.36)"))
-    print_table("batch-1 decode, default int4 model: fused decode ops vs the torch ops",
-                ["decode step", "tok/s", "vs torch ops", "vs llama.cpp", "torch ops / token",
-                 "step CPU ms (1 thread)", "CPU vs torch ops"], rows)
-    print(f"greedy tokens equal between the two: {same}/{args.tokens} from the start "
-          f"(both round to bf16; the order of float32 sums differs)")
+    print(
+        f"{len(ids)}-token chat prompt, {args.tokens} greedy tokens, threads={args.threads}, median of "
+        f"{args.repeats} interleaved, load average {load_average()}, {other}"
+    )
+    print(
+        "llama.cpp (the packaged GGUF, Q4_1): "
+        + (
+            f"{lc_rate:.1f} tok/s"
+            if lc_rate
+            else "llama_cpp not importable, skipped (pip install llama-cpp-python==0.3.36)"
+        )
+    )
+    print_table(
+        "batch-1 decode, default int4 model: fused decode ops vs the torch ops",
+        [
+            "decode step",
+            "tok/s",
+            "vs torch ops",
+            "vs llama.cpp",
+            "torch ops / token",
+            "step CPU ms (1 thread)",
+            "CPU vs torch ops",
+        ],
+        rows,
+    )
+    print(
+        f"greedy tokens equal between the two: {same}/{args.tokens} from the start "
+        f"(both round to bf16; the order of float32 sums differs)"
+    )
 
 
 if __name__ == "__main__":

@@ -55,8 +55,17 @@ def tiny_model(root: Path) -> Path:
     from tests.support.tiny import make_model
 
     d = root / "tiny-model"
-    make_model(d, "llama", seed=0, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-               num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)
+    make_model(
+        d,
+        "llama",
+        seed=0,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=4096,
+    )
     return d
 
 
@@ -127,14 +136,20 @@ def main() -> None:
         # the engine of (c) builds the conversation, then spills it: its snapshot is what (c) restores
         disk = Engine.from_pretrained(model_dir, data_dir=str(root / "disk"), host_cache_bytes=0, **common)
         tok = disk.tokenizer
-        sys_tokens = len(disk.session_manager.renderer.first([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}]))
+        sys_tokens = len(
+            disk.session_manager.renderer.first(
+                [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}]
+            )
+        )
         messages = user_messages(tok, max(32, (args.history - sys_tokens) // 9 - 12))
         s = build_session(disk, messages, 4)
         history = list(s.tokens)
         renderer = disk.session_manager.renderer
         # one turn-10 message per case and repeat: no case finds another's new tokens cached
-        prompts = [{c: history + renderer.user_turn(turn10_message(i * 4 + j)) for j, c in enumerate(CASES)}
-                   for i in range(args.repeats)]
+        prompts = [
+            {c: history + renderer.user_turn(turn10_message(i * 4 + j)) for j, c in enumerate(CASES)}
+            for i in range(args.repeats)
+        ]
         s.spill()
         snaps = disk.session_manager.snapshots
 
@@ -186,10 +201,14 @@ def main() -> None:
 
     A, B, C, D = (med(rows[k]) for k in CASES)
     others = meter.others_share()
-    print(f"\nHost tier: turn-10 TTFT of a {len(history)}-token chat (model {model_dir.name}, {args.dtype}, "
-          f"{args.device}, {args.threads} threads, {args.repeats} repeats, medians)")
-    print(f"other processes used {others * 100:.0f}% of the machine's CPU time during this run"
-          + ("  WARNING: contended, timings inflated" if others > 0.1 else ""))
+    print(
+        f"\nHost tier: turn-10 TTFT of a {len(history)}-token chat (model {model_dir.name}, {args.dtype}, "
+        f"{args.device}, {args.threads} threads, {args.repeats} repeats, medians)"
+    )
+    print(
+        f"other processes used {others * 100:.0f}% of the machine's CPU time during this run"
+        + ("  WARNING: contended, timings inflated" if others > 0.1 else "")
+    )
     print(f"turn-10 prompt {len(prompts[0]['a'])} tokens, history {len(history)} tokens, KV {kv_bpt} bytes/token")
     names = {
         "a": "(a) device hit (radix cache)",
@@ -201,16 +220,22 @@ def main() -> None:
     print(f"\n{'case'.ljust(w)}  {'TTFT ms':>9}  {'x (b)':>7}  usage: cached / host / restored / computed")
     for k, t in zip(CASES, (A, B, C, D)):
         u = usage[k]
-        print(f"{names[k].ljust(w)}  {t * 1000:>9.1f}  {t / B:>7.2f}  "
-              f"{u.cached_tokens} / {u.host_tokens} / {u.restored_tokens} / {u.computed_tokens}")
+        print(
+            f"{names[k].ljust(w)}  {t * 1000:>9.1f}  {t / B:>7.2f}  "
+            f"{u.cached_tokens} / {u.host_tokens} / {u.restored_tokens} / {u.computed_tokens}"
+        )
     ms = lambda xs: "[" + " ".join(f"{x * 1000:.1f}" for x in xs) + "]"  # noqa: E731
     print("\nsamples ms: " + " ".join(f"({k}) {ms(rows[k])}" for k in CASES))
     cb = med(copy_blocks)
     mb = cb * 16 * kv_bpt / 1e6
-    print(f"host -> device copy in (b): {med(copy_s) * 1000:.2f} ms for {cb} blocks ({mb:.1f} MB, "
-          f"{mb / max(med(copy_s), 1e-9):.0f} MB/s)")
-    print(f"disk -> device in (c): Snapshots.restore {med(restore_s) * 1000:.2f} ms (manifest, segments read from the "
-          f"OS page cache, checks, import_kv), then the same prefill")
+    print(
+        f"host -> device copy in (b): {med(copy_s) * 1000:.2f} ms for {cb} blocks ({mb:.1f} MB, "
+        f"{mb / max(med(copy_s), 1e-9):.0f} MB/s)"
+    )
+    print(
+        f"disk -> device in (c): Snapshots.restore {med(restore_s) * 1000:.2f} ms (manifest, segments read from the "
+        f"OS page cache, checks, import_kv), then the same prefill"
+    )
     print(f"host tier stats: {', '.join(f'{k}={v}' for k, v in stats.items() if k.startswith(('host', 'evicted')))}")
     print("first token of each case: " + ", ".join(f"{k} {toks[k]}" for k in CASES))
     print("\nratios")

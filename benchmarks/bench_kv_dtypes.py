@@ -54,8 +54,17 @@ def memory_rows(model, kv_dtypes: list[str]) -> list[list[str]]:
         assert per * pool.num_blocks * pool.block_size == pool.kv.numel() * pool.kv.element_size(), kv
         sessions = runner(model, kv, kv_cache_bytes=GIB).pool.num_blocks // (SESSION // BLOCK)
         base = base or (per, sessions)
-        rows.append([kv, str(pool.kv.dtype).removeprefix("torch."), f"{per:,}", f"{per * SESSION / 1e6:.1f} MB",
-                     str(sessions), f"{per / base[0]:.2f}x", f"{sessions / base[1]:.2f}x"])
+        rows.append(
+            [
+                kv,
+                str(pool.kv.dtype).removeprefix("torch."),
+                f"{per:,}",
+                f"{per * SESSION / 1e6:.1f} MB",
+                str(sessions),
+                f"{per / base[0]:.2f}x",
+                f"{sessions / base[1]:.2f}x",
+            ]
+        )
     return rows
 
 
@@ -117,8 +126,9 @@ def decode_rows(model, tokenizer, kv_dtypes, contexts, batches, steps, warmup, r
             base = b / median(times[kv_dtypes[0], c, b])
             for k in kv_dtypes:
                 rate = b / median(times[k, c, b])
-                rows.append([f"{c:,}", str(b), k, f"{rate:.1f}", f"{median(times[k, c, b]) * 1000:.2f}",
-                             f"{rate / base:.2f}x"])
+                rows.append(
+                    [f"{c:,}", str(b), k, f"{rate:.1f}", f"{median(times[k, c, b]) * 1000:.2f}", f"{rate / base:.2f}x"]
+                )
     return rows
 
 
@@ -172,8 +182,17 @@ def snapshot_rows(model_dir: Path, tokenizer, kv_dtypes, repeats: int) -> list[l
                 e.close()
             rst = median(restores)
             base = base or (size, rst)
-            rows.append([kv, str(tokens), f"{size:,}", f"{size / base[0]:.2f}x", f"{write_s * 1000:.0f}",
-                         f"{rst * 1000:.1f}", f"{rst / base[1]:.2f}x"])
+            rows.append(
+                [
+                    kv,
+                    str(tokens),
+                    f"{size:,}",
+                    f"{size / base[0]:.2f}x",
+                    f"{write_s * 1000:.0f}",
+                    f"{rst * 1000:.1f}",
+                    f"{rst / base[1]:.2f}x",
+                ]
+            )
             print(f"  snapshot {kv}: {rows[-1]}", flush=True)
         finally:
             shutil.rmtree(root, ignore_errors=True)
@@ -199,22 +218,38 @@ def main() -> None:
     engine = Engine(model_dir, EngineConfig(num_blocks=8, host_cache_bytes=0))
     model, tok = engine.model, engine.tokenizer
     print(f"model: {model_dir.name}, weights {engine.weights.label}; threads={args.threads}", flush=True)
-    print_table(f"KV memory per kv dtype, measured from the pool (a session = {SESSION:,} tokens = {SESSION // BLOCK} blocks)",
-                ["kv dtype", "pool tensor", "KV bytes / token", f"{SESSION:,}-token conversation", "sessions per GiB",
-                 f"bytes vs {kv_dtypes[0]}", f"sessions vs {kv_dtypes[0]}"], memory_rows(model, kv_dtypes))
+    print_table(
+        f"KV memory per kv dtype, measured from the pool (a session = {SESSION:,} tokens = {SESSION // BLOCK} blocks)",
+        [
+            "kv dtype",
+            "pool tensor",
+            "KV bytes / token",
+            f"{SESSION:,}-token conversation",
+            "sessions per GiB",
+            f"bytes vs {kv_dtypes[0]}",
+            f"sessions vs {kv_dtypes[0]}",
+        ],
+        memory_rows(model, kv_dtypes),
+    )
     if not args.no_decode:
         contexts = [int(x) for x in args.contexts.split(",")]
         batches = [int(x) for x in args.batches.split(",")]
         with torch.inference_mode():
             rows = decode_rows(model, tok, kv_dtypes, contexts, batches, args.steps, args.warmup, args.repeats)
-        print_table(f"decode tok/s (model runner steps, prefill not timed; median of {args.repeats} x {args.steps} steps)",
-                    ["context", "batch", "kv dtype", "tok/s", "ms / step", f"vs {kv_dtypes[0]}"], rows)
+        print_table(
+            f"decode tok/s (model runner steps, prefill not timed; median of {args.repeats} x {args.steps} steps)",
+            ["context", "batch", "kv dtype", "tok/s", "ms / step", f"vs {kv_dtypes[0]}"],
+            rows,
+        )
         print(f"load average {load_average()}, {other}", flush=True)
     if not args.no_snapshot:
         rows = snapshot_rows(model_dir, tok, kv_dtypes, args.snapshot_repeats)
-        print_table(f"snapshot of a ~{SESSION:,}-token conversation: size, write (spill), restore on a new engine "
-                    f"(median of {args.snapshot_repeats})",
-                    ["kv dtype", "tokens", "bytes", f"vs {kv_dtypes[0]}", "write ms", "restore ms", f"vs {kv_dtypes[0]}"], rows)
+        print_table(
+            f"snapshot of a ~{SESSION:,}-token conversation: size, write (spill), restore on a new engine "
+            f"(median of {args.snapshot_repeats})",
+            ["kv dtype", "tokens", "bytes", f"vs {kv_dtypes[0]}", "write ms", "restore ms", f"vs {kv_dtypes[0]}"],
+            rows,
+        )
     print(f"\nload average {load_average()}, {other}")
 
 

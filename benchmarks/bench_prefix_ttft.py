@@ -84,11 +84,25 @@ def main() -> None:
             assert r.usage.cached_tokens == 0
             cold.append(r.usage.ttft_s)
         w, c = median(warm), median(cold)
-        rows.append([dtype, f"{len(ids)}", f"{min(cached)}", f"{c * 1e3:.0f}", f"{w * 1e3:.1f}", f"{c / w:.1f}x", goal(c / w, GOAL)])
-        notes.append(f"{dtype}: priming request {primed.usage.prompt_tokens} tokens, TTFT {primed.usage.ttft_s * 1e3:.0f} ms")
+        rows.append(
+            [
+                dtype,
+                f"{len(ids)}",
+                f"{min(cached)}",
+                f"{c * 1e3:.0f}",
+                f"{w * 1e3:.1f}",
+                f"{c / w:.1f}x",
+                goal(c / w, GOAL),
+            ]
+        )
+        notes.append(
+            f"{dtype}: priming request {primed.usage.prompt_tokens} tokens, TTFT {primed.usage.ttft_s * 1e3:.0f} ms"
+        )
         del warm_engine, cold_engine
-    print(f"\nTTFT of a {PREFIX_TOKENS}-token-prefix request + a new question, threads={args.threads}, "
-          f"median of {args.repeats}, load average {load_average()}, {other}")
+    print(
+        f"\nTTFT of a {PREFIX_TOKENS}-token-prefix request + a new question, threads={args.threads}, "
+        f"median of {args.repeats}, load average {load_average()}, {other}"
+    )
     print_table(
         "time to first token",
         ["dtype", "prompt tokens", "cached tokens", "cold TTFT ms", "cached-prefix TTFT ms", "cold / cached", "goal"],

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 
-from common import cpu_line, load_average, OtherLoad, parser, print_table, setup
+from common import OtherLoad, cpu_line, load_average, parser, print_table, setup
 
 TURNS = (1, 23, 40, 63)
 
@@ -30,8 +30,8 @@ def main() -> None:
     args = p.parse_args()
     model_dir = setup(args)
     from chatkv.engine.core import Engine
-    from chatkv.model.prefill import SCRATCH_ROWS
     from chatkv.engine.sampling import SamplingParams
+    from chatkv.model.prefill import SCRATCH_ROWS
     from tests.support.llama_cpp_reference import ppl_text  # Python's own pydoc topics
 
     other = OtherLoad()
@@ -56,16 +56,32 @@ def main() -> None:
             for n in TURNS:
                 got.setdefault((kind, str(n)), []).append(timed(e, hist + [100 + r] + extra[: n - 1]))
     rows = []
-    for what, label in [("1k", "1,024-token prompt (TTFT)")] + [(str(n), f"{n}-token turn after a 2k history") for n in TURNS]:
+    for what, label in [("1k", "1,024-token prompt (TTFT)")] + [
+        (str(n), f"{n}-token turn after a 2k history") for n in TURNS
+    ]:
         c = min(x for x, _ in got[("copy", what)]), min(w for _, w in got[("copy", what)])
         s = min(x for x, _ in got[("scratch", what)]), min(w for _, w in got[("scratch", what)])
-        rows.append([label, f"{c[0] * 1000:.0f}", f"{s[0] * 1000:.0f}", f"{s[0] / c[0]:.2f}x",
-                     f"{c[1] * 1000:.0f}", f"{s[1] * 1000:.0f}", f"{s[1] / c[1]:.2f}x"])
+        rows.append(
+            [
+                label,
+                f"{c[0] * 1000:.0f}",
+                f"{s[0] * 1000:.0f}",
+                f"{s[0] / c[0]:.2f}x",
+                f"{c[1] * 1000:.0f}",
+                f"{s[1] * 1000:.0f}",
+                f"{s[1] / c[1]:.2f}x",
+            ]
+        )
     print(f"\n{cpu_line()}")
-    print(f"threads={args.threads}, min of {args.repeats} interleaved, scratch from {SCRATCH_ROWS} rows, "
-          f"load average {load_average()}, {other}")
-    print_table("int4 prefill: resident bf16 copy vs scratch (no copy), ms",
-                ["step", "copy CPU", "scratch CPU", "ratio", "copy wall", "scratch wall", "ratio"], rows)
+    print(
+        f"threads={args.threads}, min of {args.repeats} interleaved, scratch from {SCRATCH_ROWS} rows, "
+        f"load average {load_average()}, {other}"
+    )
+    print_table(
+        "int4 prefill: resident bf16 copy vs scratch (no copy), ms",
+        ["step", "copy CPU", "scratch CPU", "ratio", "copy wall", "scratch wall", "ratio"],
+        rows,
+    )
     print("goal: 1,024-token TTFT <= 1.2x the copy's")
 
 

@@ -38,7 +38,9 @@ SYSTEM = "You answer questions about household products and hobbies. Be brief."
 PINNED = ["zephyr-kettle", "aurora-grinder"]
 
 
-def doc_spans(renderer, s, content: str, question: str, before: int, first_turn: bool, pinned_len: int) -> list[tuple[int, int]]:
+def doc_spans(
+    renderer, s, content: str, question: str, before: int, first_turn: bool, pinned_len: int
+) -> list[tuple[int, int]]:
     """Token spans of document text in this turn's prompt: the pinned documents (first turn:
     inside the system message) and this turn's sources block (at the start of the user message)."""
     spans = []
@@ -91,8 +93,12 @@ def main() -> None:
     p.add_argument("--sessions", type=int, default=5)
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--reuse", default="", help="rag_kv_reuse modes to run as well, e.g. edge,blend")
-    p.add_argument("--recompute-ratio", type=float, default=None,
-                   help="blend's rag_recompute_ratio (default: the engine's); rag_eval.py --reuse gates it")
+    p.add_argument(
+        "--recompute-ratio",
+        type=float,
+        default=None,
+        help="blend's rag_recompute_ratio (default: the engine's); rag_eval.py --reuse gates it",
+    )
     p.add_argument("--check-layers", type=int, default=None, help="blend's rag_check_layers (default: the engine's)")
     args = p.parse_args()
     model_dir = setup(args)
@@ -101,9 +107,8 @@ def main() -> None:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from tests.support.rag_corpus import QUESTIONS, write_corpus
-
     from chatkv.engine.sampling import SamplingParams
+    from tests.support.rag_corpus import QUESTIONS, write_corpus
 
     home = Path(tempfile.mkdtemp(prefix="chatkv-rag-"))
     files = write_corpus(home / "corpus")
@@ -114,9 +119,11 @@ def main() -> None:
     report = kb.add([str(home / "corpus")])
     ingest_s = time.perf_counter() - t0
     sec = report.seconds
-    print(f"\ningest: {len(report.added)} documents, {report.chunks} chunks in {ingest_s:.2f} s = "
-          f"{report.chunks / ingest_s:.1f} chunks/s (parse {sec.get('parse', 0):.2f} s, embed {sec.get('embed', 0):.2f} s, "
-          f"index {sec.get('index', 0):.2f} s); {len(report.skipped)} skipped")
+    print(
+        f"\ningest: {len(report.added)} documents, {report.chunks} chunks in {ingest_s:.2f} s = "
+        f"{report.chunks / ingest_s:.1f} chunks/s (parse {sec.get('parse', 0):.2f} s, embed {sec.get('embed', 0):.2f} s, "
+        f"index {sec.get('index', 0):.2f} s); {len(report.skipped)} skipped"
+    )
 
     renderer = engine.session_manager.renderer
     pinned = [str(files[d]) for d in PINNED]
@@ -134,7 +141,9 @@ def main() -> None:
         kbm = e.knowledge_base("bench")
         t1 = time.perf_counter()
         n = kbm.add([str(home / "corpus")], precompute_kv=True).kv_chunks  # as chatkv ingest --kv: chunks + documents
-        print(f"{mode}: chunk KV of every chunk and document ahead of time ({n} computed) in {time.perf_counter() - t1:.1f} s")
+        print(
+            f"{mode}: chunk KV of every chunk and document ahead of time ({n} computed) in {time.perf_counter() - t1:.1f} s"
+        )
         by_mode[mode] = run_sessions(e, kbm, e.session_manager.renderer, pinned, questions, args)[1]
         kbm.close()
         e.close()
@@ -159,12 +168,18 @@ def main() -> None:
         ck_ttft.append(ck)
     mode_rows = {}
     for mode, turns in by_mode.items():
-        mode_rows[mode] = [(len(prompt), ck, reused, baseline(prompt, with_hf=False)[0]) for prompt, ck, reused in turns]
+        mode_rows[mode] = [
+            (len(prompt), ck, reused, baseline(prompt, with_hf=False)[0]) for prompt, ck, reused in turns
+        ]
 
-    print(f"\n{args.sessions} sessions x {args.turns} questions, 2 pinned documents + 3 sources a turn, "
-          f"threads={args.threads}, load average {load_average()}, {load}")
-    print(f"document tokens in prompts served from cache (memory or disk): {share:.1%}  "
-          f"(goal >= 80%: {'MET' if share >= 0.8 else 'not met'})")
+    print(
+        f"\n{args.sessions} sessions x {args.turns} questions, 2 pinned documents + 3 sources a turn, "
+        f"threads={args.threads}, load average {load_average()}, {load}"
+    )
+    print(
+        f"document tokens in prompts served from cache (memory or disk): {share:.1%}  "
+        f"(goal >= 80%: {'MET' if share >= 0.8 else 'not met'})"
+    )
     m_ck, m_off, m_hf = median(ck_ttft) * 1e3, median(off_ttft) * 1e3, median(hf_ttft) * 1e3
     rows = [
         ["chatkv rag_kv_reuse=off (pinned documents + history cached)", f"{m_ck:.0f}", "-"],
@@ -173,18 +188,28 @@ def main() -> None:
     ]
     for mode, mr in mode_rows.items():
         m = median([ck for _, ck, _, _ in mr]) * 1e3
-        rows.append([f"chatkv rag_kv_reuse={mode} (chunk KV ahead of time)", f"{m:.0f}",
-                     f"caching off {median([o for *_, o in mr]) * 1e3 / m:.1f}x, reuse off {m_ck / m:.1f}x"])
+        rows.append(
+            [
+                f"chatkv rag_kv_reuse={mode} (chunk KV ahead of time)",
+                f"{m:.0f}",
+                f"caching off {median([o for *_, o in mr]) * 1e3 / m:.1f}x, reuse off {m_ck / m:.1f}x",
+            ]
+        )
     print_table(
         f"TTFT on {len(measured)} turns (1, {args.turns // 2}, {args.turns} of sessions 1 and {args.sessions}), median ms",
-        ["case", "TTFT ms", "chatkv is faster by"], rows,
+        ["case", "TTFT ms", "chatkv is faster by"],
+        rows,
     )
     print("per turn (prompt tokens: chatkv / caching off / transformers ms):")
     for (prompt, *_), ck, of, hf_t in zip(measured, ck_ttft, off_ttft, hf_ttft):
-        print(f"  {len(prompt):5d}: {ck * 1e3:6.0f} / {of * 1e3:6.0f} / {hf_t * 1e3:6.0f}  ({of / ck:.1f}x, {hf_t / ck:.1f}x)")
+        print(
+            f"  {len(prompt):5d}: {ck * 1e3:6.0f} / {of * 1e3:6.0f} / {hf_t * 1e3:6.0f}  ({of / ck:.1f}x, {hf_t / ck:.1f}x)"
+        )
     for mode, mr in mode_rows.items():
-        print(f"rag_kv_reuse={mode}, per turn (prompt tokens, chunk tokens reused: TTFT / caching off ms; "
-              "against caching off (goal >= 4x) and reuse off at the same turn (goal >= 3x on new sources)):")
+        print(
+            f"rag_kv_reuse={mode}, per turn (prompt tokens, chunk tokens reused: TTFT / caching off ms; "
+            "against caching off (goal >= 4x) and reuse off at the same turn (goal >= 3x on new sources)):"
+        )
         for (n, ck, reused, of), reuse_off in zip(mr, ck_ttft):
             print(f"  {n:5d}, {reused:4d}: {ck * 1e3:6.0f} / {of * 1e3:6.0f}  ({of / ck:.1f}x, {reuse_off / ck:.1f}x)")
     engine.close()

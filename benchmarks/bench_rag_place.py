@@ -45,9 +45,9 @@ def placement(configs, n_questions: int, repeats: int) -> list[list[str]]:
     from rag_metrics import load_questions
 
     from chatkv import Engine
+    from chatkv.engine.sampling import SamplingParams
     from chatkv.rag import placement as cp
     from chatkv.rag.context import canonical, source_texts, user_message
-    from chatkv.engine.sampling import SamplingParams
 
     kb = open_kb(Path(tempfile.mkdtemp(prefix="chatkv-place-")))
     e = Engine.from_pretrained(rag_kv_disk=False)
@@ -57,16 +57,32 @@ def placement(configs, n_questions: int, repeats: int) -> list[list[str]]:
         for qi, q in enumerate(load_questions("tune")[:n_questions]):
             hits = canonical(kb.search(q["question"], k=3, mode="hybrid"))
             texts = source_texts(hits)
-            prompt = e.encode_chat([{"role": "system", "content": SYSTEM},
-                                    {"role": "user", "content": user_message(q["question"], hits)}])
+            prompt = e.encode_chat(
+                [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user_message(q["question"], hits)}]
+            )
             sizes.append(len(prompt))
             e.on_loop(lambda: cp.entries(e, cp.chunk_store(e), texts, [cp.chunk_ids(e.tokenizer, t) for t in texts]))
             for rep in range(repeats):
                 for c in configs if rep % 2 == 0 else configs[::-1]:
                     ns = ("place", qi, rep, c)
                     t = time.perf_counter()
-                    placed = e.on_loop(lambda: cp.place(e, None, list(prompt), 0, texts, ns, None, False, "blend", 0,
-                                                        c[0], upto=len(prompt) - 1, check_layers=c[1]))
+                    placed = e.on_loop(
+                        lambda: cp.place(
+                            e,
+                            None,
+                            list(prompt),
+                            0,
+                            texts,
+                            ns,
+                            None,
+                            False,
+                            "blend",
+                            0,
+                            c[0],
+                            upto=len(prompt) - 1,
+                            check_layers=c[1],
+                        )
+                    )
                     spent[c].append(time.perf_counter() - t)
                     e.on_loop(lambda: e.kv.drop(placed.kept))
                     e.on_loop(lambda: e.kv.drop_namespace(ns))
@@ -81,8 +97,10 @@ def placement(configs, n_questions: int, repeats: int) -> list[list[str]]:
         e.close()
         kb.close()
     base = median(full)
-    rows = [[f"{r:.0%} @{n}", f"{median(spent[(r, n)]) * 1e3:.0f}", f"{base / median(spent[(r, n)]):.2f}x"]
-            for r, n in configs]
+    rows = [
+        [f"{r:.0%} @{n}", f"{median(spent[(r, n)]) * 1e3:.0f}", f"{base / median(spent[(r, n)]):.2f}x"]
+        for r, n in configs
+    ]
     rows.append(["full prefill (the baseline: prefill + first token)", f"{base * 1e3:.0f}", "-"])
     print(f"\n{n_questions} prompts of {min(sizes)}-{max(sizes)} tokens, {repeats} repeats each")
     return rows
@@ -93,21 +111,36 @@ def turns(configs, n_turns: int, model_dir, dtype: str) -> list[list[str]]:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from bench_rag import PINNED, SYSTEM
+
     from tests.support.rag_corpus import QUESTIONS, write_corpus
 
     home = Path(tempfile.mkdtemp(prefix="chatkv-turns-"))
     files = write_corpus(home / "corpus")
     engines = []
     for i, (r, n) in enumerate(configs):
-        e = load_engine(model_dir, dtype, data_dir=str(home / f"data{i}"), rag_kv_reuse="blend",
-                        rag_recompute_ratio=r, rag_check_layers=n)
+        e = load_engine(
+            model_dir,
+            dtype,
+            data_dir=str(home / f"data{i}"),
+            rag_kv_reuse="blend",
+            rag_recompute_ratio=r,
+            rag_check_layers=n,
+        )
         kb = e.knowledge_base("bench")
         kb.add([str(home / "corpus")], precompute_kv=True)
         engines.append((e, kb))
     ttft = {c: [] for c in configs}
     try:
-        sessions = [e.session(system=SYSTEM, knowledge=kb, top_k=3, documents=[str(files[d]) for d in PINNED],
-                              params=dict(max_tokens=8, temperature=0.0)) for e, kb in engines]
+        sessions = [
+            e.session(
+                system=SYSTEM,
+                knowledge=kb,
+                top_k=3,
+                documents=[str(files[d]) for d in PINNED],
+                params=dict(max_tokens=8, temperature=0.0),
+            )
+            for e, kb in engines
+        ]
         for t in range(n_turns):
             order = range(len(configs)) if t % 2 == 0 else reversed(range(len(configs)))
             for i in order:
@@ -117,8 +150,15 @@ def turns(configs, n_turns: int, model_dir, dtype: str) -> list[list[str]]:
             kb.close()
             e.close()
     first = median(ttft[configs[0]])
-    return [[f"{r:.0%} @{n}", f"{median(ttft[(r, n)]) * 1e3:.0f}", f"{median(ttft[(r, n)]) / first:.2f}x",
-             " ".join(f"{x * 1e3:.0f}" for x in ttft[(r, n)])] for r, n in configs]
+    return [
+        [
+            f"{r:.0%} @{n}",
+            f"{median(ttft[(r, n)]) * 1e3:.0f}",
+            f"{median(ttft[(r, n)]) / first:.2f}x",
+            " ".join(f"{x * 1e3:.0f}" for x in ttft[(r, n)]),
+        ]
+        for r, n in configs
+    ]
 
 
 def main() -> None:
@@ -135,12 +175,17 @@ def main() -> None:
     print(f"load average at start: {load_average()}; threads {args.threads}")
     load = OtherLoad()
     if args.questions:
-        print_table("placement through the prompt's last token but one, median ms (the configurations in turn)",
-                    ["blend", "place ms", "full prefill / place"], placement(configs, args.questions, args.repeats))
+        print_table(
+            "placement through the prompt's last token but one, median ms (the configurations in turn)",
+            ["blend", "place ms", "full prefill / place"],
+            placement(configs, args.questions, args.repeats),
+        )
     if args.turns:
-        print_table(f"bench_rag's workload, {args.turns} turns of one session per configuration, taking turns: TTFT",
-                    ["blend", "median ms", f"TTFT / {args.configs.split(',')[0]}'s", "per turn ms"],
-                    turns(configs, args.turns, model_dir, args.dtype))
+        print_table(
+            f"bench_rag's workload, {args.turns} turns of one session per configuration, taking turns: TTFT",
+            ["blend", "median ms", f"TTFT / {args.configs.split(',')[0]}'s", "per turn ms"],
+            turns(configs, args.turns, model_dir, args.dtype),
+        )
     print(f"\nload average at end: {load_average()}; {load}")
 
 

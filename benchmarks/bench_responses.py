@@ -23,8 +23,10 @@ import openai
 from bench_serve import start_server, stop
 from common import OtherLoad, cpu_line, dtypes, load_average, parser, print_table, setup
 
-SYSTEM = ("You are a helpful assistant. Answer in a few sentences, plainly, and say so when you are not sure. "
-          "Prefer short words and concrete examples.")
+SYSTEM = (
+    "You are a helpful assistant. Answer in a few sentences, plainly, and say so when you are not sure. "
+    "Prefer short words and concrete examples."
+)
 QUESTIONS = ["Why is the sky blue?", "And at sunset?", "What about on Mars?", "Summarise what we said."]
 
 
@@ -50,8 +52,15 @@ def warm(c: openai.OpenAI, model: str) -> None:
 def row(name: str, r) -> list[str]:
     u, split = r.usage, r.usage.model_extra["chatkv"]
     cached = u.input_tokens_details.cached_tokens
-    return [name, str(u.input_tokens), str(cached), str(split["restored_tokens"]), str(split["computed_tokens"]),
-            f"{cached / u.input_tokens:.0%}", f"{split['ttft_s'] * 1000:.0f}"]
+    return [
+        name,
+        str(u.input_tokens),
+        str(cached),
+        str(split["restored_tokens"]),
+        str(split["computed_tokens"]),
+        f"{cached / u.input_tokens:.0%}",
+        f"{split['ttft_s'] * 1000:.0f}",
+    ]
 
 
 def main() -> None:
@@ -77,19 +86,25 @@ def main() -> None:
             history.append({"role": "user", "content": QUESTIONS[3]})
             with served(model_dir, dtype, data) as c:  # restarted again: nothing of the chain in memory
                 warm(c, model_dir.name)
-                whole = c.responses.create(model=model_dir.name, input=history, max_output_tokens=args.new_tokens,
-                                           temperature=0, store=False)
+                whole = c.responses.create(
+                    model=model_dir.name, input=history, max_output_tokens=args.new_tokens, temperature=0, store=False
+                )
         rows = [row(f"turn {i + 1}", r) for i, r in enumerate(chain)]
         rows += [row("turn 4, after the restart", four), row("baseline: turn 4 sent whole, store=false", whole)]
-        print_table(f"{model_dir.name} {dtype}, a 4-turn Responses chain across a restart of chatkv serve, "
-                    f"{args.new_tokens} tokens per reply, threads={args.threads}",
-                    ["request", "input", "cached", "restored", "computed", "cached/input", "TTFT ms"], rows)
+        print_table(
+            f"{model_dir.name} {dtype}, a 4-turn Responses chain across a restart of chatkv serve, "
+            f"{args.new_tokens} tokens per reply, threads={args.threads}",
+            ["request", "input", "cached", "restored", "computed", "cached/input", "TTFT ms"],
+            rows,
+        )
         ratio = four.usage.input_tokens_details.cached_tokens / four.usage.input_tokens
         ttft = four.usage.model_extra["chatkv"]["ttft_s"]
         base = whole.usage.model_extra["chatkv"]["ttft_s"]
-        print(f"turn 4: {four.usage.input_tokens} input tokens, {ratio:.1%} cached (restored from disk): "
-              f"goal >= 80% {'MET' if ratio >= 0.8 else 'not met'}; TTFT {ttft * 1000:.0f} ms vs {base * 1000:.0f} ms recomputed "
-              f"({base / ttft:.2f}x)")
+        print(
+            f"turn 4: {four.usage.input_tokens} input tokens, {ratio:.1%} cached (restored from disk): "
+            f"goal >= 80% {'MET' if ratio >= 0.8 else 'not met'}; TTFT {ttft * 1000:.0f} ms vs {base * 1000:.0f} ms recomputed "
+            f"({base / ttft:.2f}x)"
+        )
     print(f"\n{cpu_line()}\nload average {load_average()}; {load}")
 
 

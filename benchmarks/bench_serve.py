@@ -43,13 +43,22 @@ import time
 import urllib.request
 from pathlib import Path
 
-from common import OtherLoad, ENGINE_DTYPES, hf_generate, load_average, load_hf, parser, print_table, setup
+from common import ENGINE_DTYPES, OtherLoad, hf_generate, load_average, load_hf, parser, print_table, setup
 
 NEW_TOKENS = 32
 SYSTEM = "You are a helpful assistant. Answer in a few sentences."
-QUESTIONS = ["Why is the sky blue?", "And at sunset?", "What about on Mars?", "Why are clouds white?",
-             "What makes a rainbow?", "Why do stars twinkle?", "What colour is the ocean, and why?",
-             "Why is snow white?", "How do polarised sunglasses work?", "Summarise what we said."]
+QUESTIONS = [
+    "Why is the sky blue?",
+    "And at sunset?",
+    "What about on Mars?",
+    "Why are clouds white?",
+    "What makes a rainbow?",
+    "Why do stars twinkle?",
+    "What colour is the ocean, and why?",
+    "Why is snow white?",
+    "How do polarised sunglasses work?",
+    "Summarise what we said.",
+]
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -57,10 +66,12 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(len(xs) - 1, int(round(p / 100 * (len(xs) - 1))))]
 
 
-LLAMA_BUILD = ("pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36, unpack, then in "
-               "vendor/llama.cpp: cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF "
-               "-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF && "
-               "cmake --build build --target llama-server -j2 (about 7 minutes on 2 cores)")
+LLAMA_BUILD = (
+    "pip download --no-deps --no-binary :all: llama-cpp-python==0.3.36, unpack, then in "
+    "vendor/llama.cpp: cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF "
+    "-DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF && "
+    "cmake --build build --target llama-server -j2 (about 7 minutes on 2 cores)"
+)
 
 
 def free_port() -> int:
@@ -117,9 +128,22 @@ def stop(proc: subprocess.Popen) -> None:
 
 def start_server(model_dir: Path, dtype: str, data_dir: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-c", "import sys; from chatkv.cli import main; sys.exit(main())", "serve",
-           "--model", str(model_dir), "--port", str(port), "--data-dir", str(data_dir), "--dtype", ENGINE_DTYPES[dtype],
-           "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from chatkv.cli import main; sys.exit(main())",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data_dir),
+        "--dtype",
+        ENGINE_DTYPES[dtype],
+        "--log-level",
+        "warning",
+    ]
     proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
     return proc, started(proc, f"http://127.0.0.1:{port}", "chatkv serve")
 
@@ -141,11 +165,26 @@ def slot_context(turns: int) -> int:
     return 512 * math.ceil((128 + turns * 2 * (NEW_TOKENS + 16)) / 512)
 
 
-def start_llama_server(binary: Path, gguf: Path, threads: int, slots: int, turns: int,
-                       log: Path) -> tuple[subprocess.Popen, str]:
+def start_llama_server(
+    binary: Path, gguf: Path, threads: int, slots: int, turns: int, log: Path
+) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-np", str(slots), "-c", str(slots * slot_context(turns)),
-           "--port", str(port), "--host", "127.0.0.1", "--no-webui"]
+    cmd = [
+        str(binary),
+        "-m",
+        str(gguf),
+        "-t",
+        str(threads),
+        "-np",
+        str(slots),
+        "-c",
+        str(slots * slot_context(turns)),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--no-webui",
+    ]
     with log.open("ab") as f:  # the child keeps its own descriptor
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
     return proc, started(proc, f"http://127.0.0.1:{port}", "llama-server", log)
@@ -159,8 +198,14 @@ async def one_chat(client, model: str, turns: int, salt: int, out: list, extra: 
         first = last = None
         pieces, usage = [], None
         stream = await client.chat.completions.create(
-            model=model, messages=msgs, max_tokens=NEW_TOKENS, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True, **extra})
+            model=model,
+            messages=msgs,
+            max_tokens=NEW_TOKENS,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True, **extra},
+        )
         async for ch in stream:
             if ch.choices and ch.choices[0].delta.content:
                 last = time.perf_counter()
@@ -169,19 +214,28 @@ async def one_chat(client, model: str, turns: int, salt: int, out: list, extra: 
             if ch.usage is not None:
                 usage = ch.usage
         n = usage.completion_tokens
-        out.append({"ttft": first - sent, "itl": (last - first) / (n - 1) if n > 1 else None, "tokens": n,
-                    "cached": usage.prompt_tokens_details.cached_tokens / usage.prompt_tokens, "turn": t})
+        out.append(
+            {
+                "ttft": first - sent,
+                "itl": (last - first) / (n - 1) if n > 1 else None,
+                "tokens": n,
+                "cached": usage.prompt_tokens_details.cached_tokens / usage.prompt_tokens,
+                "turn": t,
+            }
+        )
         msgs.append({"role": "assistant", "content": "".join(pieces)})
 
 
-async def run_clients(url: str, model: str, clients: int, turns: int, salt: int,
-                      extra: dict | None = None) -> tuple[float, list]:
+async def run_clients(
+    url: str, model: str, clients: int, turns: int, salt: int, extra: dict | None = None
+) -> tuple[float, list]:
     import openai
 
     # a new connection per request, for both servers: llama-server (cpp-httplib) now and then drops a
     # kept-alive connection the client reuses ("Server disconnected without sending a response")
-    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600,
-                                default_headers={"Connection": "close"})
+    client = openai.AsyncOpenAI(
+        base_url=url + "/v1", api_key="bench", max_retries=0, timeout=600, default_headers={"Connection": "close"}
+    )
     out: list = []
     start = time.perf_counter()
     await asyncio.gather(*(one_chat(client, model, turns, salt + i, out, extra or {}) for i in range(clients)))
@@ -208,8 +262,15 @@ def run_hf(model_dir: Path, dtype: str, turns: int, chats: int) -> tuple[float, 
         for t in range(turns):
             msgs.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
             new, began, stamps = hf_generate(model, encode(msgs), NEW_TOKENS)
-            out.append({"ttft": stamps[0] - began, "itl": (stamps[-1] - stamps[0]) / (len(stamps) - 1),
-                        "tokens": len(new), "cached": 0.0, "turn": t})
+            out.append(
+                {
+                    "ttft": stamps[0] - began,
+                    "itl": (stamps[-1] - stamps[0]) / (len(stamps) - 1),
+                    "tokens": len(new),
+                    "cached": 0.0,
+                    "turn": t,
+                }
+            )
             msgs.append({"role": "assistant", "content": tok.decode(new, skip_special_tokens=True)})
     return time.perf_counter() - start, out
 
@@ -227,8 +288,16 @@ def rate(wall: float, out: list) -> float:
 def row(name: str, wall: float, out: list) -> list[str]:
     q = pcts(out)
     later = [o["cached"] for o in out if o["turn"] > 0]
-    return [name, str(len(out)), f"{rate(wall, out):.1f}", f"{q['TTFT p50']:.0f}", f"{q['TTFT p99']:.0f}",
-            f"{q['ITL p50']:.1f}", f"{q['ITL p99']:.1f}", f"{statistics.mean(later) * 100:.1f}%" if later else "-"]
+    return [
+        name,
+        str(len(out)),
+        f"{rate(wall, out):.1f}",
+        f"{q['TTFT p50']:.0f}",
+        f"{q['TTFT p99']:.0f}",
+        f"{q['ITL p50']:.1f}",
+        f"{q['ITL p99']:.1f}",
+        f"{statistics.mean(later) * 100:.1f}%" if later else "-",
+    ]
 
 
 LLAMA_EXTRA = {"cache_prompt": True}  # reuse the KV the slot kept from this chat's previous turn
@@ -252,8 +321,12 @@ def main() -> None:
     p.add_argument("--clients", default="1,8,32", help="comma-separated numbers of concurrent chats")
     p.add_argument("--turns", type=int, default=10)
     p.add_argument("--baseline-chats", type=int, default=2, help="chats transformers serves (one request at a time)")
-    p.add_argument("--llama-server", metavar="PATH", default=None,
-                   help="llama.cpp's llama-server binary (default: $LLAMA_SERVER); without one its rows are skipped")
+    p.add_argument(
+        "--llama-server",
+        metavar="PATH",
+        default=None,
+        help="llama.cpp's llama-server binary (default: $LLAMA_SERVER); without one its rows are skipped",
+    )
     args = p.parse_args()
     model_dir = setup(args)
     dtype = args.dtype if args.dtype != "both" else "bf16"
@@ -286,22 +359,30 @@ def main() -> None:
     wall, out = run_hf(model_dir, dtype, args.turns, args.baseline_chats)
     rows.append(row("transformers, one at a time", wall, out))
     hf_rate = rate(wall, out)
-    print_table(f"{model_dir.name} {dtype}, {args.turns} turns x {NEW_TOKENS} tokens per chat, threads={args.threads}",
-                ["server", "requests", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-                 "cached (turns 2+)"], rows)
-    print("\nchatkv / transformers one at a time, tok/s: "
-          + ", ".join(f"{rate(*chatkv[n]) / hf_rate:.2f}x ({n} chat{'s' * (n != 1)})" for n in clients))
+    print_table(
+        f"{model_dir.name} {dtype}, {args.turns} turns x {NEW_TOKENS} tokens per chat, threads={args.threads}",
+        ["server", "requests", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms", "cached (turns 2+)"],
+        rows,
+    )
+    print(
+        "\nchatkv / transformers one at a time, tok/s: "
+        + ", ".join(f"{rate(*chatkv[n]) / hf_rate:.2f}x ({n} chat{'s' * (n != 1)})" for n in clients)
+    )
     if peer:
         print("chatkv / llama-server (latency ratios below 1: chatkv faster):")
         for n in clients:
             a, b = pcts(chatkv[n][1]), pcts(peer[n][1])
-            print(f"  {n} chat{'s' * (n != 1)}: tok/s {rate(*chatkv[n]) / rate(*peer[n]):.2f}x; "
-                  + "; ".join(f"{k} {a[k] / b[k]:.2f}x" for k in a))
+            print(
+                f"  {n} chat{'s' * (n != 1)}: tok/s {rate(*chatkv[n]) / rate(*peer[n]):.2f}x; "
+                + "; ".join(f"{k} {a[k] / b[k]:.2f}x" for k in a)
+            )
         same = "the same, int4 with bf16 activations" if dtype == "bf16" else "dequantised to fp32"
-        print(f"llama-server: {llama}, the GGUF's Q4_1 weights (chatkv: {same}), -t {args.threads}, -np = chats, "
-              f"-c = chats x {slot_context(args.turns)}, restarted per row and warmed up like chatkv; "
-              "cache_prompt on (its prefix cache: a request goes to the idle slot whose kept prompt matches best "
-              f"and reuses that KV); both over HTTP with the same client; log {llama_log}")
+        print(
+            f"llama-server: {llama}, the GGUF's Q4_1 weights (chatkv: {same}), -t {args.threads}, -np = chats, "
+            f"-c = chats x {slot_context(args.turns)}, restarted per row and warmed up like chatkv; "
+            "cache_prompt on (its prefix cache: a request goes to the idle slot whose kept prompt matches best "
+            f"and reuses that KV); both over HTTP with the same client; log {llama_log}"
+        )
     else:
         print(f"llama.cpp row skipped: {why}; build llama-server with: {LLAMA_BUILD}")
     print(f"\nload average {load_average()}; {load}")

@@ -195,7 +195,11 @@ class Timers:
 
     def __init__(self, mgr):
         self.t: dict[str, float] = {}
-        for obj, name, label in ((mgr.snapshots, "restore", "restore"), (mgr.snapshots.files, "load", "kv.load"), (mgr.kv, "import_kv", "import_kv")):
+        for obj, name, label in (
+            (mgr.snapshots, "restore", "restore"),
+            (mgr.snapshots.files, "load", "kv.load"),
+            (mgr.kv, "import_kv", "import_kv"),
+        ):
             self._wrap(obj, name, label)
 
     def _wrap(self, obj, name, label):
@@ -336,9 +340,15 @@ def library_version() -> str:
 
     repo = Path(__file__).resolve().parent.parent
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "chatkv", "kernels", "storage"], cwd=repo,
-                               capture_output=True, text=True).stdout.split("\n")
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=repo, capture_output=True, text=True
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "chatkv", "kernels", "storage"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+        ).stdout.split("\n")
         dirty = [line[3:] for line in dirty if line.strip()]
     except OSError:
         return "unknown"
@@ -362,8 +372,15 @@ def snapshot_layout(snapshots, conv_id: str) -> dict:
         seg_bytes += path.stat().st_size
         header_bytes += 8 + hlen
     manifest = snapshots.segments.manifest_path(key)
-    return dict(tokens=man.end, files=len(files), seg_bytes=seg_bytes, header_bytes=header_bytes,
-                manifest=manifest.name, manifest_bytes=manifest.stat().st_size, listed_bytes=man.nbytes)
+    return dict(
+        tokens=man.end,
+        files=len(files),
+        seg_bytes=seg_bytes,
+        header_bytes=header_bytes,
+        manifest=manifest.name,
+        manifest_bytes=manifest.stat().st_size,
+        listed_bytes=man.nbytes,
+    )
 
 
 def report_snapshot_size(lay: dict, kv_bpt: int, geometry) -> int:
@@ -373,12 +390,16 @@ def report_snapshot_size(lay: dict, kv_bpt: int, geometry) -> int:
     layers, kvh, hd, kvdt = geometry
     ids_bytes = T * 8
     files = f"{lay['files']} segment file{'s' if lay['files'] != 1 else ''}"
-    print(f"\n(g) snapshot ({files} + manifest {lay['manifest']}): {S} bytes of segments "
-          f"+ {lay['manifest_bytes']} of manifest = {S + lay['manifest_bytes']} bytes on disk for {T} tokens; "
-          f"tokens x KV bytes = {T} x {kv_bpt} (2 x {layers} layers x {kvh} kv heads x {hd} x {kvdt}) = {kv_bytes}")
-    print(f"    segments' overhead {S - kv_bytes} bytes ({(S - kv_bytes) / kv_bytes * 100:.3f}%) = "
-          f"headers {H} + token_ids tensors {ids_bytes} (int64) + {S - kv_bytes - H - ids_bytes} other"
-          + ("" if lay["listed_bytes"] == S else f"; the manifest lists {lay['listed_bytes']} bytes"))
+    print(
+        f"\n(g) snapshot ({files} + manifest {lay['manifest']}): {S} bytes of segments "
+        f"+ {lay['manifest_bytes']} of manifest = {S + lay['manifest_bytes']} bytes on disk for {T} tokens; "
+        f"tokens x KV bytes = {T} x {kv_bpt} (2 x {layers} layers x {kvh} kv heads x {hd} x {kvdt}) = {kv_bytes}"
+    )
+    print(
+        f"    segments' overhead {S - kv_bytes} bytes ({(S - kv_bytes) / kv_bytes * 100:.3f}%) = "
+        f"headers {H} + token_ids tensors {ids_bytes} (int64) + {S - kv_bytes - H - ids_bytes} other"
+        + ("" if lay["listed_bytes"] == S else f"; the manifest lists {lay['listed_bytes']} bytes")
+    )
     return S - kv_bytes - H
 
 
@@ -392,8 +413,11 @@ def main() -> None:
     p.add_argument("--model", default=None, help="Hugging Face model dir (default: packaged SmolLM2-135M-Instruct)")
     p.add_argument("--no-llama-cpp", action="store_true")
     p.add_argument("--profile", action="store_true", help="cProfile one extra restored turn and print the top entries")
-    p.add_argument("--snapshot-only", action="store_true",
-                   help="build the history, spill it and print (g), the snapshot's size on disk, alone (no timings)")
+    p.add_argument(
+        "--snapshot-only",
+        action="store_true",
+        help="build the history, spill it and print (g), the snapshot's size on disk, alone (no timings)",
+    )
     args = p.parse_args()
     R = args.repeats
     RC = max(R, 5)  # cheap cases (a forward over the new tokens only) get more repeats
@@ -402,8 +426,8 @@ def main() -> None:
     load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
     meter = CpuMeter()
 
-    from chatkv.weights import ensure_default_model
     from chatkv.engine.sampling import SamplingParams
+    from chatkv.weights import ensure_default_model
 
     model_dir = Path(args.model) if args.model else ensure_default_model()
     prof_text = None
@@ -425,7 +449,11 @@ def main() -> None:
         geometry = (eng.model.num_layers, eng.model.num_kv_heads, eng.model.head_dim, eng.kv_dtype)
         eng.generate(tok("Warm up the kernels, please.")["input_ids"], SamplingParams(max_tokens=2, temperature=0.0))
 
-        sys_tokens = len(eng.session_manager.renderer.first([{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}]))
+        sys_tokens = len(
+            eng.session_manager.renderer.first(
+                [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "x"}]
+            )
+        )
         per_turn_overhead = 8 + args.reply_tokens  # template tokens around a user message + the reply
         per_message = max(32, (args.history - sys_tokens) // 9 - per_turn_overhead)
         messages = user_messages(tok, per_message)
@@ -435,10 +463,14 @@ def main() -> None:
             s.spill()
             lay = snapshot_layout(eng.session_manager.snapshots, s.id)
             eng.close()
-            print(f"\nSession snapshot size of a {len(s.tokens)}-token chat  (model {model_dir.name}, {args.dtype}); "
-                  f"library: {library_version()}")
+            print(
+                f"\nSession snapshot size of a {len(s.tokens)}-token chat  (model {model_dir.name}, {args.dtype}); "
+                f"library: {library_version()}"
+            )
             extra = report_snapshot_size(lay, kv_bpt, geometry)
-            print(f"  snapshot = tokens x KV bytes + headers + int64 token ids: {extra - lay['tokens'] * 8} bytes beyond that")
+            print(
+                f"  snapshot = tokens x KV bytes + headers + int64 token ids: {extra - lay['tokens'] * 8} bytes beyond that"
+            )
             return
         t0 = time.perf_counter()
         first = build_session(eng, messages, args.reply_tokens)
@@ -585,8 +617,17 @@ def main() -> None:
                     f_load.append(load)
                     f_tok.append(t)
                     del llm2
-                f = dict(same_ids=same_ids, prefill=f_prefill, save=f_save, bytes=f_bytes, mem=f_mem,
-                         mem_tok=f_mem_tok, rest=f_rest, load=f_load, tok=f_tok)
+                f = dict(
+                    same_ids=same_ids,
+                    prefill=f_prefill,
+                    save=f_save,
+                    bytes=f_bytes,
+                    mem=f_mem,
+                    mem_tok=f_mem_tok,
+                    rest=f_rest,
+                    load=f_load,
+                    tok=f_tok,
+                )
 
     finally:
         shutil.rmtree(root, ignore_errors=True)
@@ -596,16 +637,28 @@ def main() -> None:
     B, C = med(b_t), med(c_t)
     du = d_usage[0]
     load_avg = " ".join(f"{x:.2f}" for x in os.getloadavg()) + f" (at start {load_start})"
-    print(f"\nSession restore: turn-10 TTFT of a {history}-token chat  (model {model_dir.name}, {args.dtype}, "
-          f"{args.threads} threads, {R} repeats ({RC} for the cheap ones), medians; load average {load_avg})")
+    print(
+        f"\nSession restore: turn-10 TTFT of a {history}-token chat  (model {model_dir.name}, {args.dtype}, "
+        f"{args.threads} threads, {R} repeats ({RC} for the cheap ones), medians; load average {load_avg})"
+    )
     print(f"library: {library_version()}")
     others = meter.others_share()
-    print(f"other processes used {others * 100:.0f}% of the machine's CPU time during this run"
-          + ("  WARNING: CPUs were contended, timings are inflated and noisy; rerun on a quiet machine" if others > 0.1 else ""))
-    print(f"history before turn 10: {history} tokens ({cached} with KV, built in {build_s:.1f} s); "
-          f"turn 10 prompt {u0.prompt_tokens} tokens, of which new {len(new_ids)}")
-    print(f"chatkv usage (a): cached {u0.cached_tokens} restored {u0.restored_tokens} computed {u0.computed_tokens}; "
-          f"(d): cached {du.cached_tokens} restored {du.restored_tokens} computed {du.computed_tokens}")
+    print(
+        f"other processes used {others * 100:.0f}% of the machine's CPU time during this run"
+        + (
+            "  WARNING: CPUs were contended, timings are inflated and noisy; rerun on a quiet machine"
+            if others > 0.1
+            else ""
+        )
+    )
+    print(
+        f"history before turn 10: {history} tokens ({cached} with KV, built in {build_s:.1f} s); "
+        f"turn 10 prompt {u0.prompt_tokens} tokens, of which new {len(new_ids)}"
+    )
+    print(
+        f"chatkv usage (a): cached {u0.cached_tokens} restored {u0.restored_tokens} computed {u0.computed_tokens}; "
+        f"(d): cached {du.cached_tokens} restored {du.restored_tokens} computed {du.computed_tokens}"
+    )
 
     rows = [
         ("(a) chatkv, history in memory", A, med(a_ttft), A),
@@ -627,21 +680,31 @@ def main() -> None:
         print(f"{name.ljust(w)}  {fmt_ms(t):>9}  {fmt_ms(ut):>13}  {t / ref:>7.2f}")
 
     ms = lambda xs: "[" + " ".join(f"{x * 1000:.0f}" for x in xs) + "]"  # noqa: E731
-    print(f"\nsamples ms: (a) {ms(a_wall)} (b) {ms(b_t)} (c) {ms(c_t)} (d) {ms(d_wall)} (e) {ms(e_wall)}"
-          + (f" (f) mem {ms(f['mem'])} restore {ms(f['rest'])}" if f else ""))
-    print(f"            (d) restore {ms([t.get('restore', 0) for t in d_timers])} "
-          f"kv.load {ms([t.get('kv.load', 0) for t in d_timers])} import_kv {ms([t.get('import_kv', 0) for t in d_timers])}")
+    print(
+        f"\nsamples ms: (a) {ms(a_wall)} (b) {ms(b_t)} (c) {ms(c_t)} (d) {ms(d_wall)} (e) {ms(e_wall)}"
+        + (f" (f) mem {ms(f['mem'])} restore {ms(f['rest'])}" if f else "")
+    )
+    print(
+        f"            (d) restore {ms([t.get('restore', 0) for t in d_timers])} "
+        f"kv.load {ms([t.get('kv.load', 0) for t in d_timers])} import_kv {ms([t.get('import_kv', 0) for t in d_timers])}"
+    )
     rt = {k: med([t.get(k) for t in d_timers]) for k in ("restore", "kv.load", "import_kv")}
-    print("\nrestart breakdown (medians): "
-          f"new Engine {med(d_open) * 1000:.0f} ms (not in TTFT); resume() {fmt_ms(med(d_resume))} ms; "
-          f"restore {fmt_ms(rt['restore'])} ms = kv.load {fmt_ms(rt['kv.load'])} + import_kv {fmt_ms(rt['import_kv'])} "
-          f"+ rest; then prefill of {du.computed_tokens} tokens (usage.ttft) {fmt_ms(med(d_ttft))} ms")
-    print(f"(d) compute threads after the turn, per repeat (* = the governor changed them during it, "
-          f"chatkv.model.cpu_threads): {' '.join(d_threads)}")
+    print(
+        "\nrestart breakdown (medians): "
+        f"new Engine {med(d_open) * 1000:.0f} ms (not in TTFT); resume() {fmt_ms(med(d_resume))} ms; "
+        f"restore {fmt_ms(rt['restore'])} ms = kv.load {fmt_ms(rt['kv.load'])} + import_kv {fmt_ms(rt['import_kv'])} "
+        f"+ rest; then prefill of {du.computed_tokens} tokens (usage.ttft) {fmt_ms(med(d_ttft))} ms"
+    )
+    print(
+        f"(d) compute threads after the turn, per repeat (* = the governor changed them during it, "
+        f"chatkv.model.cpu_threads): {' '.join(d_threads)}"
+    )
     print(f"spill (snapshot write + fsync) {fmt_ms(spill_s)} ms; engine close {close_s * 1000:.0f} ms")
     if f:
-        print(f"llama.cpp: seq file {f['bytes'] / 1e6:.2f} MB, save {f['save'] * 1000:.1f} ms, "
-              f"load alone {fmt_ms(med(f['load']))} ms; GGUF tokenizer gives the same ids as chatkv: {f['same_ids']}")
+        print(
+            f"llama.cpp: seq file {f['bytes'] / 1e6:.2f} MB, save {f['save'] * 1000:.1f} ms, "
+            f"load alone {fmt_ms(med(f['load']))} ms; GGUF tokenizer gives the same ids as chatkv: {f['same_ids']}"
+        )
 
     # (g) snapshot size
     extra = report_snapshot_size(lay, kv_bpt, geometry)
@@ -662,11 +725,20 @@ def main() -> None:
         F = med(f["rest"])
         print(f"  chatkv restored vs llama.cpp restore: {F / D:.2f}x (goal >= 1x, no slower)  {verdict(D <= F)}")
     print(f"  chatkv restored / in memory: {D / A:.2f}x (goal <= 1.3x)  {verdict(D / A <= 1.3)}")
-    print(f"  restored_tokens == history with KV: {du.restored_tokens} vs {cached}  {verdict(du.restored_tokens == cached)}")
+    print(
+        f"  restored_tokens == history with KV: {du.restored_tokens} vs {cached}  {verdict(du.restored_tokens == cached)}"
+    )
     ids_bytes, kv_bytes = lay["tokens"] * 8, lay["tokens"] * kv_bpt
     other = extra - ids_bytes
-    note = "" if extra == 0 else (
-        f" (the int64 token_ids tensors the format stores, {ids_bytes / kv_bytes * 100:.3f}%; nothing else)" if other == 0 else "")
+    note = (
+        ""
+        if extra == 0
+        else (
+            f" (the int64 token_ids tensors the format stores, {ids_bytes / kv_bytes * 100:.3f}%; nothing else)"
+            if other == 0
+            else ""
+        )
+    )
     print(f"  snapshot = tokens x KV bytes + header only: {extra} bytes beyond that{note}  {verdict(extra == 0)}")
     print(f"\ntotal bench time {time.perf_counter() - t_start:.0f} s")
     if prof_text:

@@ -50,7 +50,19 @@ from __future__ import annotations
 
 import time
 
-from common import llama_decode, prepare_llama_cpp, OtherLoad, common_prefix, cpu_line, goal, load_average, median, parser, print_table, setup
+from common import (
+    OtherLoad,
+    common_prefix,
+    cpu_line,
+    goal,
+    llama_decode,
+    load_average,
+    median,
+    parser,
+    prepare_llama_cpp,
+    print_table,
+    setup,
+)
 
 SOURCE = (
     "The Great Barrier Reef is the world's largest coral reef system, composed of over 2,900 individual reefs "
@@ -59,7 +71,7 @@ SOURCE = (
     "from outer space and is the world's biggest single structure made by living organisms. This reef structure "
     "is composed of and built by billions of tiny organisms, known as coral polyps."
 )
-CODE = '''def moving_average(values, window):
+CODE = """def moving_average(values, window):
     if window <= 0:
         raise ValueError("window must be positive")
     result = []
@@ -71,7 +83,7 @@ CODE = '''def moving_average(values, window):
         if i >= window - 1:
             result.append(total / window)
     return result
-'''
+"""
 DOCUMENT = (
     "Return policy. Items may be returned within 30 days of delivery for a full refund, provided they are "
     "unused and in their original packaging. To start a return, sign in to your account, open the order, and "
@@ -156,10 +168,16 @@ def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--no-llama-cpp", action="store_true")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of: " + ", ".join(WORKLOADS))
+    p.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help="comma-separated subset of: " + ", ".join(WORKLOADS)
+    )
     p.add_argument("--no-batch8", action="store_true", help="skip the batch-8 table (a shorter A/B)")
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="proposals per sequence and step at most (default: the engine's)")
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="proposals per sequence and step at most (default: the engine's)",
+    )
     args = p.parse_args()
     chosen = [w.strip() for w in args.workloads.split(",") if w.strip()]
     unknown = [w for w in chosen if w not in WORKLOADS]
@@ -172,9 +190,9 @@ def main() -> None:
     print(cpu_line())
     print(f"load average at start: {load_average()}")
     load = OtherLoad()
+    from chatkv.config import EngineConfig
     from chatkv.engine.core import Engine
     from chatkv.engine.speculative import Speculator
-    from chatkv.config import EngineConfig
 
     engine = Engine.from_pretrained(model_dir)
     print(f"weights: {engine.weights.label}; threads {args.threads}")
@@ -219,38 +237,101 @@ def main() -> None:
         ul = got[w, "lookup"].usage
         target = 1.6 if w in GROUNDED else 0.97
         out = got[w, "off"].token_ids
-        rows.append([w, len(out), same[w], f"{copied(ids[w], out, False)} / {copied(ids[w], out, True)}", f"{off:.1f}",
-                     f"{auto:.1f}", f"{auto / off:.2f}x", goal(auto / off, target), f"{look:.1f} ({look / off:.2f}x)",
-                     f"{u.accepted_tokens}/{u.proposed_tokens} ({u.accepted_tokens / max(u.proposed_tokens, 1):.0%})",
-                     f"{ul.accepted_tokens}/{ul.proposed_tokens}",
-                     f"{lookup_bound(ids[w], out, r_cost, spec.max_k):.2f}x"])
+        rows.append(
+            [
+                w,
+                len(out),
+                same[w],
+                f"{copied(ids[w], out, False)} / {copied(ids[w], out, True)}",
+                f"{off:.1f}",
+                f"{auto:.1f}",
+                f"{auto / off:.2f}x",
+                goal(auto / off, target),
+                f"{look:.1f} ({look / off:.2f}x)",
+                f"{u.accepted_tokens}/{u.proposed_tokens} ({u.accepted_tokens / max(u.proposed_tokens, 1):.0%})",
+                f"{ul.accepted_tokens}/{ul.proposed_tokens}",
+                f"{lookup_bound(ids[w], out, r_cost, spec.max_k):.2f}x",
+            ]
+        )
         if w in lc:
             plain, lookup, lsame = lc[w]
-            peer_rows.append([w, f"{auto:.1f}", f"{plain:.1f}", f"{lookup:.1f}", lsame, f"{lookup / plain:.2f}x",
-                              f"{auto / lookup:.2f}x", goal(auto / lookup, 1.0) if w in GROUNDED else "-"])
-    print_table(f"batch 1, decode tok/s (median of {args.repeats}), greedy, up to {n} tokens",
-                ["workload", "tokens", "auto's = off's", "copied: prompt / +own", "off", "auto", "auto/off", "goal",
-                 "lookup (vs off)", "accepted/proposed auto", "lookup", "bound"], rows)
-    print("copied: how many of off's tokens lie in a 4-token run that occurs in the prompt / in the prompt or "
-          "earlier in the reply (what prompt lookup can find at best)")
-    print(f"bound: the speed-up of a proposer with perfect foresight over those copied tokens (all its proposals "
-          f"accepted, up to {spec.max_k} a step) at the row cost measured below (lookup_bound)")
+            peer_rows.append(
+                [
+                    w,
+                    f"{auto:.1f}",
+                    f"{plain:.1f}",
+                    f"{lookup:.1f}",
+                    lsame,
+                    f"{lookup / plain:.2f}x",
+                    f"{auto / lookup:.2f}x",
+                    goal(auto / lookup, 1.0) if w in GROUNDED else "-",
+                ]
+            )
+    print_table(
+        f"batch 1, decode tok/s (median of {args.repeats}), greedy, up to {n} tokens",
+        [
+            "workload",
+            "tokens",
+            "auto's = off's",
+            "copied: prompt / +own",
+            "off",
+            "auto",
+            "auto/off",
+            "goal",
+            "lookup (vs off)",
+            "accepted/proposed auto",
+            "lookup",
+            "bound",
+        ],
+        rows,
+    )
+    print(
+        "copied: how many of off's tokens lie in a 4-token run that occurs in the prompt / in the prompt or "
+        "earlier in the reply (what prompt lookup can find at best)"
+    )
+    print(
+        f"bound: the speed-up of a proposer with perfect foresight over those copied tokens (all its proposals "
+        f"accepted, up to {spec.max_k} a step) at the row cost measured below (lookup_bound)"
+    )
     if peer_rows:
-        print_table("the peer: llama.cpp (llama-cpp-python, the packaged GGUF), same prompt tokens and token counts, "
-                    "decode tok/s (median)",
-                    ["workload", "chatkv auto", "llama plain", "llama lookup", "lookup's = plain's", "llama-lookup / llama-plain",
-                     "chatkv-auto / llama-lookup", "goal"], peer_rows)
+        print_table(
+            "the peer: llama.cpp (llama-cpp-python, the packaged GGUF), same prompt tokens and token counts, "
+            "decode tok/s (median)",
+            [
+                "workload",
+                "chatkv auto",
+                "llama plain",
+                "llama lookup",
+                "lookup's = plain's",
+                "llama-lookup / llama-plain",
+                "chatkv-auto / llama-lookup",
+                "goal",
+            ],
+            peer_rows,
+        )
     if not args.no_batch8:
         off8, auto8, look8 = (median(rate8[m]) for m in MODES)
         acc = sum(o.usage.accepted_tokens for o in got["batch8", "auto"])
         prop = sum(o.usage.proposed_tokens for o in got["batch8", "auto"])
-        print_table(f"batch 8 (the {len(WORKLOADS)} prompts twice, one generate), generated tok/s over wall time",
-                    ["off", "auto", "auto/off", "goal", "lookup (vs off)", "accepted/proposed auto"],
-                    [[f"{off8:.1f}", f"{auto8:.1f}", f"{auto8 / off8:.2f}x", goal(auto8 / off8, 1.0),
-                      f"{look8:.1f} ({look8 / off8:.2f}x)", f"{acc}/{prop}"]])
+        print_table(
+            f"batch 8 (the {len(WORKLOADS)} prompts twice, one generate), generated tok/s over wall time",
+            ["off", "auto", "auto/off", "goal", "lookup (vs off)", "accepted/proposed auto"],
+            [
+                [
+                    f"{off8:.1f}",
+                    f"{auto8:.1f}",
+                    f"{auto8 / off8:.2f}x",
+                    goal(auto8 / off8, 1.0),
+                    f"{look8:.1f} ({look8 / off8:.2f}x)",
+                    f"{acc}/{prop}",
+                ]
+            ],
+        )
     cost = spec.cost
-    print(f"\nauto's verified-row cost, measured in this run: {cost.row_cost:.3f} of a one-row step "
-          f"(median of {cost.samples} estimates; 0: the prior, {cost.prior})")
+    print(
+        f"\nauto's verified-row cost, measured in this run: {cost.row_cost:.3f} of a one-row step "
+        f"(median of {cost.samples} estimates; 0: the prior, {cost.prior})"
+    )
     print(f"\nload average at end: {load_average()}; {load}")
     engine.close()
 
@@ -268,8 +349,13 @@ def llama_peer(args, ids, counts) -> dict:
 
     path = str(packaged_gguf_path())
     plain = llama_cpp.Llama(model_path=path, n_threads=args.threads, n_ctx=2048, verbose=False)
-    look = llama_cpp.Llama(model_path=path, n_threads=args.threads, n_ctx=2048, verbose=False,
-                           draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
+    look = llama_cpp.Llama(
+        model_path=path,
+        n_threads=args.threads,
+        n_ctx=2048,
+        verbose=False,
+        draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10),
+    )
     out = {}
     for w, toks in ids.items():
         n = counts[w]

@@ -69,17 +69,21 @@ def main() -> None:
         "one-shot, hf tokenizer": (["env", "CHATKV_DIRECT_TOKENIZER=0", CHATKV, "--max-tokens", "8", PROMPT]),
     }
     if args.before:
-        code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
-                f"sys.path.insert(0, {args.before!r}); from chatkv.tui.cli import main; "
-                "sys.argv = ['chatkv'] + sys.argv[1:]; sys.exit(main())")
+        code = (
+            "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f).lower()]; "
+            f"sys.path.insert(0, {args.before!r}); from chatkv.tui.cli import main; "
+            "sys.argv = ['chatkv'] + sys.argv[1:]; sys.exit(main())"
+        )
         commands["chatkv one-shot, --before"] = [PY, "-c", code, "--max-tokens", "8", PROMPT]
     try:
         import importlib.util
 
         if importlib.util.find_spec("llama_cpp") is not None:
-            code = ("from llama_cpp import Llama; import sys; m = Llama(model_path=sys.argv[1], n_ctx=2048, n_threads=2, "
-                    "verbose=False); print(m.create_chat_completion([{'role': 'user', 'content': sys.argv[2]}], "
-                    "max_tokens=8, temperature=0)['choices'][0]['message']['content'])")
+            code = (
+                "from llama_cpp import Llama; import sys; m = Llama(model_path=sys.argv[1], n_ctx=2048, n_threads=2, "
+                "verbose=False); print(m.create_chat_completion([{'role': 'user', 'content': sys.argv[2]}], "
+                "max_tokens=8, temperature=0)['choices'][0]['message']['content'])"
+            )
             commands["llama.cpp one-shot"] = [PY, "-c", code, str(packaged_gguf_path()), PROMPT]
     except ImportError:
         pass
@@ -96,8 +100,9 @@ def main() -> None:
     for _ in range(args.repeats):  # interleaved
         for name, cmd in commands.items():
             runs[name].append(run(cmd, env))
-    results = {name: tuple(statistics.median(r[i] for r in rs) for i in range(3)) + (rs[-1][3],)
-               for name, rs in runs.items()}
+    results = {
+        name: tuple(statistics.median(r[i] for r in rs) for i in range(3)) + (rs[-1][3],) for name, rs in runs.items()
+    }
     print(cpu_line())
     print(f"median of {args.repeats} warm runs, interleaved, load average {load_average()}")
     for name, why in failed.items():
@@ -108,11 +113,15 @@ def main() -> None:
         ratio = f"{wall / base[0]:.2f}x / {mib / base[2]:.2f}x" if base else "-"
         print(f"{name:28} {wall:7.2f} {cpu:6.2f} {mib:9.0f} {ratio:>23}  {out[:60]!r}")
     one, hf = results["chatkv one-shot"], results["one-shot, hf tokenizer"]
-    print(f"direct tokenizer vs transformers': wall {one[0] / hf[0]:.2f}x, cpu {one[1] / hf[1]:.2f}x, "
-          f"peak {one[2] / hf[2]:.2f}x")
+    print(
+        f"direct tokenizer vs transformers': wall {one[0] / hf[0]:.2f}x, cpu {one[1] / hf[1]:.2f}x, "
+        f"peak {one[2] / hf[2]:.2f}x"
+    )
     wall, _, mib, _ = one
-    print(f"goals: wall <= {GOAL_WALL} s: {'MET' if wall <= GOAL_WALL else 'not met'}; "
-          f"peak <= {GOAL_MIB} MiB: {'MET' if mib <= GOAL_MIB else 'not met'}")
+    print(
+        f"goals: wall <= {GOAL_WALL} s: {'MET' if wall <= GOAL_WALL else 'not met'}; "
+        f"peak <= {GOAL_MIB} MiB: {'MET' if mib <= GOAL_MIB else 'not met'}"
+    )
 
 
 if __name__ == "__main__":

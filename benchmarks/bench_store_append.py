@@ -82,15 +82,31 @@ def main() -> None:
         assert shipped(chain)[0] == copying_history(chain)[0] == tokens, "the two replays disagree"
         r_new, r_old = [], []
         for _ in range(args.repeats):
-            t0 = time.perf_counter(); shipped(chain); r_new.append(time.perf_counter() - t0)  # noqa: E702
-            t0 = time.perf_counter(); copying_history(chain); r_old.append(time.perf_counter() - t0)  # noqa: E702
+            t0 = time.perf_counter()
+            shipped(chain)
+            r_new.append(time.perf_counter() - t0)  # noqa: E702
+            t0 = time.perf_counter()
+            copying_history(chain)
+            r_old.append(time.perf_counter() - t0)  # noqa: E702
         a, b, c, d = median(new), median(old), median(r_new), median(r_old)
-        rows.append([str(count), str(len(tokens)), f"{a * 1e3:.2f}", f"{b * 1e3:.2f}", f"{b / a:.2f}x",
-                     f"{c * 1e3:.3f}", f"{d * 1e3:.3f}", f"{d / c:.1f}x"])
+        rows.append(
+            [
+                str(count),
+                str(len(tokens)),
+                f"{a * 1e3:.2f}",
+                f"{b * 1e3:.2f}",
+                f"{b / a:.2f}x",
+                f"{c * 1e3:.3f}",
+                f"{d * 1e3:.3f}",
+                f"{d / c:.1f}x",
+            ]
+        )
     store.close()
-    print_table("add_message on an append (ms, medians), shipped replay vs the copying one",
-                ["messages", "history tokens", "add_message", "copying", "ratio", "replay alone", "copying", "ratio"],
-                rows)
+    print_table(
+        "add_message on an append (ms, medians), shipped replay vs the copying one",
+        ["messages", "history tokens", "add_message", "copying", "ratio", "replay alone", "copying", "ratio"],
+        rows,
+    )
     print(f"\nload average {load_average()}; {other}")
 
 

@@ -42,9 +42,8 @@ import time
 from pathlib import Path
 
 import jsonschema
-
-from common import OtherLoad, cpu_line, goal, load_average, load_engine, parser, print_table, setup
 from bench_serve import ENGINE_DTYPES, _die_with_parent, free_port, started, stop
+from common import OtherLoad, cpu_line, goal, load_average, load_engine, parser, print_table, setup
 
 DATA = Path(__file__).resolve().parent / "data" / "structured_schemas.json"
 SYSTEM = "You are a helpful assistant. You answer with JSON only."
@@ -52,9 +51,13 @@ MAX_TOKENS = 256
 
 
 def messages(case: dict) -> list[dict]:
-    return [{"role": "system", "content": SYSTEM},
-            {"role": "user", "content": f"Give {case['ask']}. Reply with JSON matching this schema: "
-                                        f"{json.dumps(case['schema'])}"}]
+    return [
+        {"role": "system", "content": SYSTEM},
+        {
+            "role": "user",
+            "content": f"Give {case['ask']}. Reply with JSON matching this schema: {json.dumps(case['schema'])}",
+        },
+    ]
 
 
 def valid(text: str, schema: dict) -> bool:
@@ -67,6 +70,7 @@ def valid(text: str, schema: dict) -> bool:
 
 # -- 1. validity through chatkv serve -----------------------------------------------------------
 
+
 async def _ask_all(url: str, cases: list[dict], sampled: int, concurrency: int) -> list[dict]:
     import openai
 
@@ -78,13 +82,24 @@ async def _ask_all(url: str, cases: list[dict], sampled: int, concurrency: int) 
         extra = {"temperature": 0.0} if seed is None else {"temperature": 1.0, "seed": seed}
         async with gate:
             r = await client.chat.completions.create(
-                model=model, messages=messages(case), max_tokens=MAX_TOKENS, **extra,
-                response_format={"type": "json_schema",
-                                 "json_schema": {"name": case["name"], "schema": case["schema"], "strict": True}})
+                model=model,
+                messages=messages(case),
+                max_tokens=MAX_TOKENS,
+                **extra,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": case["name"], "schema": case["schema"], "strict": True},
+                },
+            )
         c = r.choices[0]
-        return {"name": case["name"], "seed": seed, "finish": c.finish_reason, "text": c.message.content,
-                "valid": c.finish_reason == "stop" and valid(c.message.content, case["schema"]),
-                "tokens": r.usage.completion_tokens}
+        return {
+            "name": case["name"],
+            "seed": seed,
+            "finish": c.finish_reason,
+            "text": c.message.content,
+            "valid": c.finish_reason == "stop" and valid(c.message.content, case["schema"]),
+            "tokens": r.usage.completion_tokens,
+        }
 
     jobs = [one(c, None) for c in cases] + [one(c, s) for s in range(1, sampled + 1) for c in cases]
     try:
@@ -95,9 +110,22 @@ async def _ask_all(url: str, cases: list[dict], sampled: int, concurrency: int) 
 
 def validity(model_dir: Path, dtype: str, cases: list[dict], sampled: int, concurrency: int) -> dict:
     data = Path(tempfile.mkdtemp(prefix="bench-structured-"))
-    cmd = [sys.executable, "-c", "import sys; from chatkv.cli import main; sys.exit(main())", "serve",
-           "--model", str(model_dir), "--port", str(port := free_port()), "--data-dir", str(data),
-           "--dtype", ENGINE_DTYPES[dtype], "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from chatkv.cli import main; sys.exit(main())",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--port",
+        str(port := free_port()),
+        "--data-dir",
+        str(data),
+        "--dtype",
+        ENGINE_DTYPES[dtype],
+        "--log-level",
+        "warning",
+    ]
     proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
     url = started(proc, f"http://127.0.0.1:{port}", "chatkv serve")
     try:
@@ -107,11 +135,18 @@ def validity(model_dir: Path, dtype: str, cases: list[dict], sampled: int, concu
     finally:
         stop(proc)
     stopped = [o for o in out if o["finish"] == "stop"]
-    return {"runs": out, "stopped": len(stopped), "valid": sum(o["valid"] for o in stopped), "wall": wall,
-            "load": str(load), "tokens": sum(o["tokens"] for o in out)}
+    return {
+        "runs": out,
+        "stopped": len(stopped),
+        "valid": sum(o["valid"] for o in stopped),
+        "wall": wall,
+        "load": str(load),
+        "tokens": sum(o["tokens"] for o in out),
+    }
 
 
 # -- 2 and 3. cost, in-process -------------------------------------------------------------------
+
 
 def _decode_rate(results) -> float:
     """Summed decode tokens over summed decode time of ``results`` (GenerationResults)."""
@@ -139,8 +174,13 @@ def batch1_cost(engine, prompts: list[list[int]], cases: list[dict], repeats: in
             free.append(f)
             lengths.append(n)
     rc, rf = _decode_rate(con), _decode_rate(free)
-    return {"constrained": rc, "free": rf, "ratio": rc / rf if rf else 0.0, "n": len(con),
-            "tokens": statistics.median(lengths) if lengths else 0}
+    return {
+        "constrained": rc,
+        "free": rf,
+        "ratio": rc / rf if rf else 0.0,
+        "n": len(con),
+        "tokens": statistics.median(lengths) if lengths else 0,
+    }
 
 
 def batch_cost(engine, prompts: list[list[int]], cases: list[dict], tokens: int, repeats: int) -> dict:
@@ -160,11 +200,16 @@ def batch_cost(engine, prompts: list[list[int]], cases: list[dict], tokens: int,
         con.append(_decode_rate(b[4:]))
         assert all(r.finish_reason == "length" for r in b), [r.finish_reason for r in b]
     ratios = [b / a for a, b in zip(alone, beside)]
-    return {"alone": statistics.median(alone), "beside": statistics.median(beside), "constrained": statistics.median(con),
-            "ratio": statistics.median(ratios)}
+    return {
+        "alone": statistics.median(alone),
+        "beside": statistics.median(beside),
+        "constrained": statistics.median(con),
+        "ratio": statistics.median(ratios),
+    }
 
 
 # -- 4. llama.cpp ------------------------------------------------------------------------------
+
 
 def _llama_stream(llm, msgs: list[dict], **kw) -> tuple[str, str, int, float]:
     """(text, finish reason, tokens, decode tok/s from the stream's token times)."""
@@ -194,13 +239,25 @@ def llama_cpp(threads: int, cases: list[dict], cost_cases: int) -> dict | None:
     llm.create_chat_completion(messages(cases[0]), max_tokens=8, temperature=0.0)  # warm-up
     for i, case in enumerate(cases):
         try:
-            text, finish, n, rate = _llama_stream(llm, messages(case), max_tokens=MAX_TOKENS,
-                                                  response_format={"type": "json_object", "schema": case["schema"]})
+            text, finish, n, rate = _llama_stream(
+                llm,
+                messages(case),
+                max_tokens=MAX_TOKENS,
+                response_format={"type": "json_object", "schema": case["schema"]},
+            )
         except Exception as e:  # noqa: BLE001 - its schema converter refuses some keywords
-            runs.append({"name": case["name"], "finish": "refused", "valid": False, "why": f"{type(e).__name__}: {e}"[:120]})
+            runs.append(
+                {"name": case["name"], "finish": "refused", "valid": False, "why": f"{type(e).__name__}: {e}"[:120]}
+            )
             continue
-        runs.append({"name": case["name"], "finish": finish, "valid": finish == "stop" and valid(text, case["schema"]),
-                     "text": text})
+        runs.append(
+            {
+                "name": case["name"],
+                "finish": finish,
+                "valid": finish == "stop" and valid(text, case["schema"]),
+                "text": text,
+            }
+        )
         if i < cost_cases and n >= 8 and rate > 0:
             _, _, m, free_rate = _llama_stream(llm, messages(case), max_tokens=n, logit_bias={eos: -1e9})
             if free_rate > 0:
@@ -208,9 +265,16 @@ def llama_cpp(threads: int, cases: list[dict], cost_cases: int) -> dict | None:
                 free_t, free_s = free_t + m - 1, free_s + (m - 1) / free_rate
     stopped = [r for r in runs if r["finish"] == "stop"]
     rc, rf = (con_t / con_s if con_s else 0.0), (free_t / free_s if free_s else 0.0)
-    return {"runs": runs, "stopped": len(stopped), "valid": sum(r["valid"] for r in stopped),
-            "refused": sum(r["finish"] == "refused" for r in runs), "constrained": rc, "free": rf,
-            "ratio": rc / rf if rf else 0.0, "load": str(load)}
+    return {
+        "runs": runs,
+        "stopped": len(stopped),
+        "valid": sum(r["valid"] for r in stopped),
+        "refused": sum(r["finish"] == "refused" for r in runs),
+        "constrained": rc,
+        "free": rf,
+        "ratio": rc / rf if rf else 0.0,
+        "load": str(load),
+    }
 
 
 def main() -> None:
@@ -219,23 +283,38 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight against chatkv serve")
     p.add_argument("--cost-schemas", type=int, default=10, help="schemas timed at batch 1")
     p.add_argument("--batch-tokens", type=int, default=96, help="tokens each request of the batch-8 rows decodes")
-    p.add_argument("--llama-schemas", type=int, default=10,
-                   help="schemas asked of llama.cpp (its grammar decodes slowly here: ~20 s a schema; 50 = all)")
+    p.add_argument(
+        "--llama-schemas",
+        type=int,
+        default=10,
+        help="schemas asked of llama.cpp (its grammar decodes slowly here: ~20 s a schema; 50 = all)",
+    )
     p.add_argument("--no-llama", action="store_true", help="skip llama.cpp")
     args = p.parse_args()
     model_dir = setup(args)
     dtype = args.dtype if args.dtype != "both" else "bf16"
     cases = json.loads(DATA.read_text())
     print(cpu_line())
-    print(f"load average at start: {load_average()}; model {model_dir.name}, {dtype}, {args.threads} threads", flush=True)
+    print(
+        f"load average at start: {load_average()}; model {model_dir.name}, {dtype}, {args.threads} threads", flush=True
+    )
     t_all = time.perf_counter()
 
     v = validity(model_dir, dtype, cases, args.sampled, args.concurrency)
-    print_table(f"Validity through chatkv serve (openai client): {len(cases)} JSON schemas, greedy + {args.sampled} "
-                f"sampled each (max_tokens {MAX_TOKENS}; {v['tokens']} tokens in {v['wall']:.0f} s; {v['load']})",
-                ["requests", "finished by stop", "valid (jsonschema)", "valid of stopped", "by length"],
-                [[len(v["runs"]), v["stopped"], v["valid"], f"{100 * v['valid'] / max(v['stopped'], 1):.1f}%",
-                  len(v["runs"]) - v["stopped"]]])
+    print_table(
+        f"Validity through chatkv serve (openai client): {len(cases)} JSON schemas, greedy + {args.sampled} "
+        f"sampled each (max_tokens {MAX_TOKENS}; {v['tokens']} tokens in {v['wall']:.0f} s; {v['load']})",
+        ["requests", "finished by stop", "valid (jsonschema)", "valid of stopped", "by length"],
+        [
+            [
+                len(v["runs"]),
+                v["stopped"],
+                v["valid"],
+                f"{100 * v['valid'] / max(v['stopped'], 1):.1f}%",
+                len(v["runs"]) - v["stopped"],
+            ]
+        ],
+    )
     print(f"goal 100% valid of those finished by stop: {'MET' if v['valid'] == v['stopped'] else 'not met'}")
     for r in v["runs"]:
         if r["finish"] == "stop" and not r["valid"]:
@@ -247,8 +326,10 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as d:
             engine = load_engine(model_dir, dtype, data_dir=d, speculative=mode)
             try:
-                prompts = [engine.tokenizer.apply_chat_template(messages(c), add_generation_prompt=True, tokenize=True)
-                           for c in cases]
+                prompts = [
+                    engine.tokenizer.apply_chat_template(messages(c), add_generation_prompt=True, tokenize=True)
+                    for c in cases
+                ]
                 prompts = [list(x["input_ids"] if hasattr(x, "keys") else x) for x in prompts]
                 load = OtherLoad()
                 b1 = batch1_cost(engine, prompts[: args.cost_schemas], cases[: args.cost_schemas], args.repeats)
@@ -260,30 +341,76 @@ def main() -> None:
 
     peer = None if args.no_llama else llama_cpp(args.threads, cases[: args.llama_schemas], args.cost_schemas)
     if peer is not None:
-        print_table(f"llama.cpp (llama-cpp-python, packaged GGUF) with its JSON-schema grammar, greedy, the first "
-                    f"{len(peer['runs'])} schemas ({peer['load']})",
-                    ["requests", "finished by stop", "valid (jsonschema)", "valid of stopped", "by length", "refused"],
-                    [[len(peer["runs"]), peer["stopped"], peer["valid"], f"{100 * peer['valid'] / max(peer['stopped'], 1):.1f}%",
-                      len(peer["runs"]) - peer["stopped"] - peer["refused"], peer["refused"]]])
+        print_table(
+            f"llama.cpp (llama-cpp-python, packaged GGUF) with its JSON-schema grammar, greedy, the first "
+            f"{len(peer['runs'])} schemas ({peer['load']})",
+            ["requests", "finished by stop", "valid (jsonschema)", "valid of stopped", "by length", "refused"],
+            [
+                [
+                    len(peer["runs"]),
+                    peer["stopped"],
+                    peer["valid"],
+                    f"{100 * peer['valid'] / max(peer['stopped'], 1):.1f}%",
+                    len(peer["runs"]) - peer["stopped"] - peer["refused"],
+                    peer["refused"],
+                ]
+            ],
+        )
         for r in peer["runs"]:
             if r["finish"] == "refused" or (r["finish"] == "stop" and not r["valid"]):
                 print(f"  llama.cpp {r['name']}: {r.get('why') or 'invalid: ' + repr(r['text'][:120])}")
 
     crow = []
     for mode, (b1, b8, load) in cost.items():
-        crow.append([f"chatkv, speculative={mode}", f"{b1['constrained']:.1f}", f"{b1['free']:.1f}", f"{b1['ratio']:.3f}",
-                     goal(b1["ratio"], 0.9), f"{b8['beside']:.1f} / {b8['alone']:.1f}", f"{b8['ratio']:.3f}",
-                     goal(b8["ratio"], 0.98), load])
+        crow.append(
+            [
+                f"chatkv, speculative={mode}",
+                f"{b1['constrained']:.1f}",
+                f"{b1['free']:.1f}",
+                f"{b1['ratio']:.3f}",
+                goal(b1["ratio"], 0.9),
+                f"{b8['beside']:.1f} / {b8['alone']:.1f}",
+                f"{b8['ratio']:.3f}",
+                goal(b8["ratio"], 0.98),
+                load,
+            ]
+        )
     if peer is not None:
-        crow.append(["llama.cpp (its grammar)", f"{peer['constrained']:.1f}", f"{peer['free']:.1f}",
-                     f"{peer['ratio']:.3f}", "", "", "", "", peer["load"]])
+        crow.append(
+            [
+                "llama.cpp (its grammar)",
+                f"{peer['constrained']:.1f}",
+                f"{peer['free']:.1f}",
+                f"{peer['ratio']:.3f}",
+                "",
+                "",
+                "",
+                "",
+                peer["load"],
+            ]
+        )
     b1 = cost["off"][0]
-    print_table(f"Cost: decode tok/s at batch 1 on {b1['n']} replies to the first {args.cost_schemas} schemas "
-                f"(median {b1['tokens']:.0f} tokens; free: the same prompt, as many tokens, EOS ignored), and "
-                f"batch 8 x {args.batch_tokens} tokens: 4 free requests beside 4 constrained vs beside 4 free",
-                ["", "constrained", "free", "ratio", "goal", "batch 8: free tok/s beside constrained / beside free",
-                 "ratio", "goal", "load"], crow)
-    print("\nconstrained rows' own tok/s in the batch: " + ", ".join(f"{m} {c[1]['constrained']:.1f}" for m, c in cost.items()))
+    print_table(
+        f"Cost: decode tok/s at batch 1 on {b1['n']} replies to the first {args.cost_schemas} schemas "
+        f"(median {b1['tokens']:.0f} tokens; free: the same prompt, as many tokens, EOS ignored), and "
+        f"batch 8 x {args.batch_tokens} tokens: 4 free requests beside 4 constrained vs beside 4 free",
+        [
+            "",
+            "constrained",
+            "free",
+            "ratio",
+            "goal",
+            "batch 8: free tok/s beside constrained / beside free",
+            "ratio",
+            "goal",
+            "load",
+        ],
+        crow,
+    )
+    print(
+        "\nconstrained rows' own tok/s in the batch: "
+        + ", ".join(f"{m} {c[1]['constrained']:.1f}" for m, c in cost.items())
+    )
     print(f"total {time.perf_counter() - t_all:.0f} s; load average at end: {load_average()}")
 
 

@@ -34,16 +34,18 @@ def main() -> None:
     eng = Engine.from_pretrained(adaptive_threads=False)
     decode_rows, prefill_rows = [], []
     try:
-        seq = eng.add_request("Write a long story about a cat.", SamplingParams(max_tokens=2000, temperature=0,
-                                                                                ignore_eos=True))
+        seq = eng.add_request(
+            "Write a long story about a cat.", SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+        )
         for _ in range(30):  # warm: the prompt and the first steps at 2 threads
             eng.step()
         for i, n in enumerate(COUNTS):
             torch.set_num_threads(n)
             ts = each_ms(eng.step, 20)
             m = median(ts)
-            decode_rows.append([f"{i}: -> {n}", " ".join(f"{x:.1f}" for x in ts[:3]), f"{m:.1f}",
-                                f"{max(ts[:3]) / m:.2f}x"])
+            decode_rows.append(
+                [f"{i}: -> {n}", " ".join(f"{x:.1f}" for x in ts[:3]), f"{m:.1f}", f"{max(ts[:3]) / m:.2f}x"]
+            )
         eng.abort(seq)
         one = SamplingParams(max_tokens=1, temperature=0)
         torch.set_num_threads(2)
@@ -52,14 +54,21 @@ def main() -> None:
             torch.set_num_threads(n)
             prompts = iter(f"Story {i}.{j}: " + "the quick brown fox jumps over the lazy dog " * 20 for j in range(3))
             ts = each_ms(lambda: eng.generate(next(prompts), one), 3)
-            prefill_rows.append([f"{i}: -> {n}", f"{ts[0]:.0f}", f"{median(ts[1:]):.0f}",
-                                 f"{ts[0] / median(ts[1:]):.2f}x"])
+            prefill_rows.append(
+                [f"{i}: -> {n}", f"{ts[0]:.0f}", f"{median(ts[1:]):.0f}", f"{ts[0] / median(ts[1:]):.2f}x"]
+            )
     finally:
         eng.close()
-    print_table("decode steps after each change of the thread count, ms",
-                ["change", "first 3 steps", "median of 20", "slowest first / median"], decode_rows)
-    print_table("a ~200-token prefill (TTFT of 1 token) after each change, ms",
-                ["change", "first", "next two (median)", "first / next"], prefill_rows)
+    print_table(
+        "decode steps after each change of the thread count, ms",
+        ["change", "first 3 steps", "median of 20", "slowest first / median"],
+        decode_rows,
+    )
+    print_table(
+        "a ~200-token prefill (TTFT of 1 token) after each change, ms",
+        ["change", "first", "next two (median)", "first / next"],
+        prefill_rows,
+    )
     print(f"load average at end: {load_average()}; {other}")
 
 

@@ -13,7 +13,19 @@ from __future__ import annotations
 
 import time
 
-from common import OtherLoad, dtypes, goal, hf_generate, load_average, load_engine, load_hf, median, parser, print_table, setup
+from common import (
+    OtherLoad,
+    dtypes,
+    goal,
+    hf_generate,
+    load_average,
+    load_engine,
+    load_hf,
+    median,
+    parser,
+    print_table,
+    setup,
+)
 
 GOAL = 5.0
 NEW_TOKENS = 64
@@ -69,11 +81,15 @@ def main() -> None:
             wall, n = run_hf(hf, batch)
             ref.append(n / wall)
         ck_rate, hf_rate = median(ck), median(ref)
-        rows.append([dtype, f"{hf_rate:.1f}", f"{ck_rate:.1f}", f"{ck_rate / hf_rate:.2f}x", goal(ck_rate / hf_rate, GOAL)])
+        rows.append(
+            [dtype, f"{hf_rate:.1f}", f"{ck_rate:.1f}", f"{ck_rate / hf_rate:.2f}x", goal(ck_rate / hf_rate, GOAL)]
+        )
         del engine, hf
     lens = [len(p) for p in batch]
-    print(f"\n{len(QUESTIONS)} prompts ({min(lens)}-{max(lens)} tokens) x {NEW_TOKENS} greedy tokens (EOS ignored), "
-          f"threads={args.threads}, median of {args.repeats}, load average {load_average()}, {other}")
+    print(
+        f"\n{len(QUESTIONS)} prompts ({min(lens)}-{max(lens)} tokens) x {NEW_TOKENS} greedy tokens (EOS ignored), "
+        f"threads={args.threads}, median of {args.repeats}, load average {load_average()}, {other}"
+    )
     print_table(
         "generated tokens per second of wall time (prefill included)",
         ["dtype", "transformers, one at a time", "chatkv, all 8 batched", "ratio", "goal"],

@@ -30,8 +30,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SPEC_GBS = {"H200": 4800, "H100 SXM": 3350, "H100 PCIe": 2000, "H100": 3350, "A100-SXM4-80GB": 2039,
-            "A100-SXM4-40GB": 1555, "A100": 1555, "L40S": 864, "L4": 300, "RTX 4090": 1008, "A10": 600}
+SPEC_GBS = {
+    "H200": 4800,
+    "H100 SXM": 3350,
+    "H100 PCIe": 2000,
+    "H100": 3350,
+    "A100-SXM4-80GB": 2039,
+    "A100-SXM4-40GB": 1555,
+    "A100": 1555,
+    "L40S": 864,
+    "L4": 300,
+    "RTX 4090": 1008,
+    "A10": 600,
+}
 
 
 def spec_bandwidth(name: str) -> float | None:
@@ -94,14 +105,17 @@ def measure(rows, tokens, quant, stored_bytes, dense_bytes, args, dtype, peak, s
         return x.transpose(1, 2).contiguous()
 
     kd, vd = dense(k_cache), dense(v_cache)
-    del pool, k_cache, v_cache
+    del pool
+    k_cache = v_cache = None  # the timed lambdas hold them as cells: dropped here, before the dense copies are timed
     qd = q.view(rows, h, 1, d)
     t_sdpa = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, scale=scale, enable_gqa=True))
     gbs = [stored_bytes / t_tri / 1e6, stored_bytes / t_ref / 1e6, dense_bytes / t_sdpa / 1e6]
-    return (f"{quant or args.dtype:>8} {rows:>4} {tokens:>6} {stored_bytes / 1e6:>8.0f} | {t_tri * 1e3:>9.1f} {gbs[0]:>6.0f} "
-            f"{100 * gbs[0] / peak:>5.0f} {(100 * gbs[0] / spec) if spec else float('nan'):>5.0f} | "
-            f"{t_ref * 1e3:>9.1f} {gbs[1]:>6.0f} | {t_sdpa * 1e3:>8.1f} {gbs[2]:>6.0f} | "
-            f"{t_ref / t_tri:>7.2f} {t_sdpa / t_tri:>6.2f} | {err:.1e}")
+    return (
+        f"{quant or args.dtype:>8} {rows:>4} {tokens:>6} {stored_bytes / 1e6:>8.0f} | {t_tri * 1e3:>9.1f} {gbs[0]:>6.0f} "
+        f"{100 * gbs[0] / peak:>5.0f} {(100 * gbs[0] / spec) if spec else float('nan'):>5.0f} | "
+        f"{t_ref * 1e3:>9.1f} {gbs[1]:>6.0f} | {t_sdpa * 1e3:>8.1f} {gbs[2]:>6.0f} | "
+        f"{t_ref / t_tri:>7.2f} {t_sdpa / t_tri:>6.2f} | {err:.1e}"
+    )
 
 
 def main() -> None:
@@ -114,8 +128,12 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16", help="queries, outputs and the float cache")
     ap.add_argument("--kv", default="float,int8,fp8_e4m3", help="kv dtypes: float (--dtype), int8, fp8_e4m3")
-    ap.add_argument("--max-gib", type=float, default=0.0,
-                    help="skip shapes whose memory need exceeds this (default: 1/2 of free memory)")
+    ap.add_argument(
+        "--max-gib",
+        type=float,
+        default=0.0,
+        help="skip shapes whose memory need exceeds this (default: 1/2 of free memory)",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_triton_decode: needs a CUDA device (and a CUDA build of torch)")
@@ -132,12 +150,18 @@ def main() -> None:
     free = torch.cuda.mem_get_info()[0]
     limit = args.max_gib * 2**30 if args.max_gib else free / 2
     h, kvh, d, bs = args.heads, args.kv_heads, args.head_dim, args.block_size
-    print(f"{props.name}, {props.multi_processor_count} SMs; copy {peak:.0f} GB/s; spec {spec or '?'} GB/s; "
-          f"{args.dtype}, {h} heads / {kvh} kv heads x {d}, block size {bs}")
-    print("KV MB: the stored K/V the rows read (triton's and torch's GB/s count these bytes; sdpa's, the dense "
-          f"{args.dtype} K/V)")
-    print(f"{'kv':>8} {'rows':>4} {'tokens':>6} {'KV MB':>8} | {'triton us':>9} {'GB/s':>6} {'%copy':>5} {'%spec':>5} | "
-          f"{'torch us':>9} {'GB/s':>6} | {'sdpa us':>8} {'GB/s':>6} | {'x torch':>7} {'x sdpa':>6} | max err")
+    print(
+        f"{props.name}, {props.multi_processor_count} SMs; copy {peak:.0f} GB/s; spec {spec or '?'} GB/s; "
+        f"{args.dtype}, {h} heads / {kvh} kv heads x {d}, block size {bs}"
+    )
+    print(
+        "KV MB: the stored K/V the rows read (triton's and torch's GB/s count these bytes; sdpa's, the dense "
+        f"{args.dtype} K/V)"
+    )
+    print(
+        f"{'kv':>8} {'rows':>4} {'tokens':>6} {'KV MB':>8} | {'triton us':>9} {'GB/s':>6} {'%copy':>5} {'%spec':>5} | "
+        f"{'torch us':>9} {'GB/s':>6} | {'sdpa us':>8} {'GB/s':>6} | {'x torch':>7} {'x sdpa':>6} | max err"
+    )
     g = torch.Generator(device="cpu").manual_seed(0)
     elem = torch.tensor([], dtype=dtype).element_size()
     for kv in args.kv.split(","):

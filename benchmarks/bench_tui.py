@@ -32,8 +32,16 @@ sys.path.insert(0, str(ROOT))
 
 SUITE_FILES = ["tests/model/test_weight_paths.py", "tests/model/test_cpu_decode.py", "tests/engine/test_scheduler.py"]
 
-QUESTIONS = ["What is the capital of France?", "And of Italy?", "Name a river in Paris.", "How long is it?",
-             "Which sea does it reach?", "Thanks! One more: Spain?", "And Portugal?", "Summarise."]
+QUESTIONS = [
+    "What is the capital of France?",
+    "And of Italy?",
+    "Name a river in Paris.",
+    "How long is it?",
+    "Which sea does it reach?",
+    "Thanks! One more: Spain?",
+    "And Portugal?",
+    "Summarise.",
+]
 
 
 async def launch(model: str | None, data_dir: str, turns: int, max_tokens: int) -> dict:
@@ -94,21 +102,31 @@ def main() -> None:
         warm = asyncio.run(launch(a.model, home, a.turns, a.max_tokens))
         print(f"launch to ready input, warm: {warm['ready_s']:.2f} s")
         sdk, app_t, added = warm["sdk_ttft"][1:], warm["app_ttft"][1:], warm["app_added"][1:]  # turn 1 opens the chat
-        print(f"turns 2..{a.turns} (median): SDK TTFT {ms(sdk)}, app TTFT (Enter to first piece shown) {ms(app_t)}, "
-              f"ratio {statistics.median(app_t) / max(statistics.median(sdk), 1e-9):.2f}x")
+        print(
+            f"turns 2..{a.turns} (median): SDK TTFT {ms(sdk)}, app TTFT (Enter to first piece shown) {ms(app_t)}, "
+            f"ratio {statistics.median(app_t) / max(statistics.median(sdk), 1e-9):.2f}x"
+        )
         extra = statistics.median(app_t) - statistics.median(sdk)
-        print(f"the app adds {extra * 1000:.1f} ms over the SDK's TTFT (of which SDK yield -> on screen "
-              f"{ms(added)}; max {max(added) * 1000:.1f} ms); goal < 50 ms: {'met' if extra < 0.050 else 'NOT met'}")
+        print(
+            f"the app adds {extra * 1000:.1f} ms over the SDK's TTFT (of which SDK yield -> on screen "
+            f"{ms(added)}; max {max(added) * 1000:.1f} ms); goal < 50 ms: {'met' if extra < 0.050 else 'NOT met'}"
+        )
         if warm["tok_s"][1:]:
-            print(f"decode while streaming, turns 2..{a.turns} (median): the app shows {statistics.median(warm['tok_s'][1:]):.1f} "
-                  f"tok/s, the SDK reports {statistics.median(warm['sdk_tok_s'][1:]):.1f} tok/s for the same turns")
+            print(
+                f"decode while streaming, turns 2..{a.turns} (median): the app shows {statistics.median(warm['tok_s'][1:]):.1f} "
+                f"tok/s, the SDK reports {statistics.median(warm['sdk_tok_s'][1:]):.1f} tok/s for the same turns"
+            )
         if a.beside_suite:
             busy = beside_suite(lambda: asyncio.run(launch(a.model, home, a.turns, a.max_tokens)))
             q, b = statistics.median(warm["tok_s"][1:]), statistics.median(busy["tok_s"][1:])
             sq, sb = statistics.median(warm["sdk_tok_s"][1:]), statistics.median(busy["sdk_tok_s"][1:])
-            print(f"app decode, turns 2..{a.turns} (median): quiet {q:.1f} tok/s, beside the running suite {b:.1f} tok/s "
-                  f"({b / q:.2f}x of quiet); TTFT quiet {ms(app_t)}, beside the suite {ms(busy['app_ttft'][1:])}")
-            print(f"the SDK's own decode tok/s in the same turns: quiet {sq:.1f}, beside the suite {sb:.1f} ({sb / sq:.2f}x)")
+            print(
+                f"app decode, turns 2..{a.turns} (median): quiet {q:.1f} tok/s, beside the running suite {b:.1f} tok/s "
+                f"({b / q:.2f}x of quiet); TTFT quiet {ms(app_t)}, beside the suite {ms(busy['app_ttft'][1:])}"
+            )
+            print(
+                f"the SDK's own decode tok/s in the same turns: quiet {sq:.1f}, beside the suite {sb:.1f} ({sb / sq:.2f}x)"
+            )
 
 
 def beside_suite(run):
@@ -122,8 +140,12 @@ def beside_suite(run):
 
     def suite():
         while not stop.is_set():
-            p = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUITE_FILES],
-                                 cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            p = subprocess.Popen(
+                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *SUITE_FILES],
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
             procs.append(p)
             while p.poll() is None and not stop.is_set():
                 time.sleep(0.2)

@@ -26,9 +26,18 @@ OPS = ("aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=30, help="timed steps of each kind per row count and round (the median is reported)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=30,
+        help="timed steps of each kind per row count and round (the median is reported)",
+    )
     ap.add_argument("--rounds", type=int, default=2, help="rounds over the row counts")
-    ap.add_argument("--rows", default="1,2,3,4,6,8", help="rows per step to measure, in order (1: no proposals; the repeats show the drift)")
+    ap.add_argument(
+        "--rows",
+        default="1,2,3,4,6,8",
+        help="rows per step to measure, in order (1: no proposals; the repeats show the drift)",
+    )
     args = ap.parse_args()
     try:
         counts = [int(x) for x in args.rows.split(",")]
@@ -63,9 +72,8 @@ def main() -> None:
                     out[s] = [ids[3]] * self.k
             return out
 
-    from chatkv.weights import quantised as quant
-
     from chatkv.kernels import cpu_decode
+    from chatkv.weights import quantised as quant
 
     kernels_before, amx_before = quant.few_row_kernel(), cpu_decode.amx()
     # (name, chatkv's few-row kernels, on AMX tiles): torch's kernels are the baseline
@@ -83,8 +91,12 @@ def main() -> None:
     ops_out = []
     try:
         for rnd in range(args.rounds):
-            seq = eng.add_request(ids, SamplingParams(max_tokens=args.steps * len(counts) * 2 * max(counts) + 64,
-                                                      temperature=0, ignore_eos=True))
+            seq = eng.add_request(
+                ids,
+                SamplingParams(
+                    max_tokens=args.steps * len(counts) * 2 * max(counts) + 64, temperature=0, ignore_eos=True
+                ),
+            )
             for _ in range(10):  # the prompt and warm steps
                 eng.step()
             # every row count with each variant, step by step in turn on one sequence: all see
@@ -103,10 +115,16 @@ def main() -> None:
                     with profile() as prof:
                         for _ in range(10):
                             eng.step()
-                    per = {e.key: (e.self_cpu_time_total / max(e.count, 1), e.self_cpu_time_total) for e in prof.key_averages()}
+                    per = {
+                        e.key: (e.self_cpu_time_total / max(e.count, 1), e.self_cpu_time_total)
+                        for e in prof.key_averages()
+                    }
                     total = sum(e.self_cpu_time_total for e in prof.key_averages())
-                    ops_out.append([str(rows)] + [f"{per.get(op, (0, 0))[0]:.1f}" for op in OPS]
-                                   + [f"{sum(per.get(op, (0, 0))[1] for op in OPS) / max(total, 1):.0%}"])
+                    ops_out.append(
+                        [str(rows)]
+                        + [f"{per.get(op, (0, 0))[0]:.1f}" for op in OPS]
+                        + [f"{sum(per.get(op, (0, 0))[1] for op in OPS) / max(total, 1):.0%}"]
+                    )
             eng.abort(seq)
     finally:
         use(kernels_before, amx_before)
@@ -123,11 +141,18 @@ def main() -> None:
         rows_out.append(line)
     head = ["rows"] + [h for name, _, _ in variants for h in (name, "per extra row")]
     head += [f"{name} vs torch" for name, _, _ in variants[1:]]
-    print_table(f"one sequence, step time by rows, ms (median of {args.steps * args.rounds} steps each, in turn); "
-                f"chatkv's kernels {'built' if native else 'NOT built here (no AVX512-BF16): the chatkv columns are torch'}"
-                f"{'' if amx_before else '; no AMX here (or not granted): no AMX column'}", head, rows_out)
-    print_table("torch's weight-only kernels, self CPU us per call (torch profiler, 10 steps)",
-                ["rows", "int4 projections", "int8 output matrix", "their share of the step"], ops_out)
+    print_table(
+        f"one sequence, step time by rows, ms (median of {args.steps * args.rounds} steps each, in turn); "
+        f"chatkv's kernels {'built' if native else 'NOT built here (no AVX512-BF16): the chatkv columns are torch'}"
+        f"{'' if amx_before else '; no AMX here (or not granted): no AMX column'}",
+        head,
+        rows_out,
+    )
+    print_table(
+        "torch's weight-only kernels, self CPU us per call (torch profiler, 10 steps)",
+        ["rows", "int4 projections", "int8 output matrix", "their share of the step"],
+        ops_out,
+    )
     print(f"load average at end: {load_average()}; {other}")
 
 

@@ -87,7 +87,9 @@ class Run:
 
         self.snaps.write_behind = (lambda *a, **kw: None) if mode == "off" else timed_write_behind
         self.e.kv.export_kv = timed_export
-        self.s = self.e.session(system="You are a concise assistant.", params=dict(max_tokens=max_tokens, temperature=0.0))
+        self.s = self.e.session(
+            system="You are a concise assistant.", params=dict(max_tokens=max_tokens, temperature=0.0)
+        )
 
     def turn(self, text: str) -> None:
         t0 = time.perf_counter()
@@ -100,13 +102,26 @@ class Run:
 
     def finish(self) -> dict:
         self.snaps.flush()
-        out = dict(rows=self.rows, turn_s=self.turn_s, engine_s=self.engine_s, export_s=self.export_s,
-                   written=list(self.snaps.written))
-        if self.mode == "on":  # for scale: one whole-snapshot rewrite of the final KV, as a writer without segments would write
+        out = dict(
+            rows=self.rows,
+            turn_s=self.turn_s,
+            engine_s=self.engine_s,
+            export_s=self.export_s,
+            written=list(self.snaps.written),
+        )
+        if (
+            self.mode == "on"
+        ):  # for scale: one whole-snapshot rewrite of the final KV, as a writer without segments would write
             k, v = self.real_export(self.s.kept)
             t0 = time.perf_counter()
-            meta = self.snaps.files.save("whole-rewrite", self.s.tokens[: self.s.kept.kv_len], k, v,
-                                         model_fingerprint=self.snaps.fingerprint, kv_dtype=self.snaps.kv_dtype)
+            meta = self.snaps.files.save(
+                "whole-rewrite",
+                self.s.tokens[: self.s.kept.kv_len],
+                k,
+                v,
+                model_fingerprint=self.snaps.fingerprint,
+                kv_dtype=self.snaps.kv_dtype,
+            )
             out["whole_s"], out["whole_bytes"] = time.perf_counter() - t0, meta.nbytes
             self.snaps.files.delete("whole-rewrite")
         self.e.close()
@@ -151,12 +166,40 @@ def main() -> None:
         if not merged and i:
             per_new.append(nbytes / row["new"])
         turn_ratio.append(on_ms / off_ms)
-        table.append([i + 1, row["history"], row["new"], f"{off_ms:.0f}", f"{on_ms:.0f}", f"{b2b_ms:.0f}", f"{eng_ms:.2f}",
-                      f"{exp_ms:.2f}", f"{wr_ms:.1f}", f"{nbytes:,}", f"{nbytes / row['new']:,.0f}",
-                      "merge" if merged else ""])
-    print_table(f"write-behind, {args.turns} turns, {dtype}, {args.threads} thread(s) (medians of {args.repeats})",
-                ["turn", "history", "new tok", "turn ms off", "on", "b2b", "engine ms", "of it: KV copy",
-                 "writer ms", "bytes", "bytes/new tok", ""], table)
+        table.append(
+            [
+                i + 1,
+                row["history"],
+                row["new"],
+                f"{off_ms:.0f}",
+                f"{on_ms:.0f}",
+                f"{b2b_ms:.0f}",
+                f"{eng_ms:.2f}",
+                f"{exp_ms:.2f}",
+                f"{wr_ms:.1f}",
+                f"{nbytes:,}",
+                f"{nbytes / row['new']:,.0f}",
+                "merge" if merged else "",
+            ]
+        )
+    print_table(
+        f"write-behind, {args.turns} turns, {dtype}, {args.threads} thread(s) (medians of {args.repeats})",
+        [
+            "turn",
+            "history",
+            "new tok",
+            "turn ms off",
+            "on",
+            "b2b",
+            "engine ms",
+            "of it: KV copy",
+            "writer ms",
+            "bytes",
+            "bytes/new tok",
+            "",
+        ],
+        table,
+    )
     total = lambda runs: sum(1000 * med([o["turn_s"][i] for o in runs]) for i in range(args.turns))  # noqa: E731
     turns_off = total(offs)
     eng_total = sum(1000 * med([o["engine_s"][i] for o in ons]) for i in range(args.turns))
@@ -166,19 +209,31 @@ def main() -> None:
     whole_bytes, whole_ms = ons[0]["whole_bytes"], 1000 * med([o["whole_s"] for o in ons])
     rewrite_all = sum(r["history"] for r in ons[0]["rows"]) * whole_bytes / final
     early, late = statistics.mean(per_new[:3]), statistics.mean(per_new[-3:])
-    print(f"\nengine thread, all turns: {eng_total:.1f} ms = {100 * eng_total / turns_off:.2f}% of the turns' own "
-          f"{turns_off:.0f} ms")
-    print(f"writer thread, all turns: {wr_total:.0f} ms = {100 * wr_total / turns_off:.1f}% of the turns' time "
-          f"(in the background)")
-    print(f"turn time with write-behind / without: {total(ons) / turns_off:.3f}x (median per turn "
-          f"{med(turn_ratio):.3f}x); back to back, the writer overlapping the next turn: {total(b2bs) / turns_off:.3f}x")
-    print(f"bytes per new token: {early:,.0f} early, {late:,.0f} late ({late / early:.3f}x) while the history grew "
-          f"{ons[0]['rows'][-1]['history'] / ons[0]['rows'][0]['history']:.1f}x")
-    print(f"bytes written in all: {written:,.0f} = {written / whole_bytes:.2f}x the final KV snapshot "
-          f"({whole_bytes:,} B); rewriting it whole every turn: {rewrite_all:,.0f} B "
-          f"({written / rewrite_all:.3f}x of that)")
-    print(f"one whole rewrite at {final} tokens: {whole_ms:.0f} ms vs the last turn's write-behind "
-          f"{1000 * med([o['written'][-1].seconds for o in ons]):.1f} ms")
+    print(
+        f"\nengine thread, all turns: {eng_total:.1f} ms = {100 * eng_total / turns_off:.2f}% of the turns' own "
+        f"{turns_off:.0f} ms"
+    )
+    print(
+        f"writer thread, all turns: {wr_total:.0f} ms = {100 * wr_total / turns_off:.1f}% of the turns' time "
+        f"(in the background)"
+    )
+    print(
+        f"turn time with write-behind / without: {total(ons) / turns_off:.3f}x (median per turn "
+        f"{med(turn_ratio):.3f}x); back to back, the writer overlapping the next turn: {total(b2bs) / turns_off:.3f}x"
+    )
+    print(
+        f"bytes per new token: {early:,.0f} early, {late:,.0f} late ({late / early:.3f}x) while the history grew "
+        f"{ons[0]['rows'][-1]['history'] / ons[0]['rows'][0]['history']:.1f}x"
+    )
+    print(
+        f"bytes written in all: {written:,.0f} = {written / whole_bytes:.2f}x the final KV snapshot "
+        f"({whole_bytes:,} B); rewriting it whole every turn: {rewrite_all:,.0f} B "
+        f"({written / rewrite_all:.3f}x of that)"
+    )
+    print(
+        f"one whole rewrite at {final} tokens: {whole_ms:.0f} ms vs the last turn's write-behind "
+        f"{1000 * med([o['written'][-1].seconds for o in ons]):.1f} ms"
+    )
     print(f"load average {load_average()}; {load}")
 
 

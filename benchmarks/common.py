@@ -31,11 +31,19 @@ CHAT = [
 def parser(description: str, default_dtype: str = "bf16") -> argparse.ArgumentParser:
     """Common flags; ``--dtype both`` runs bf16 then fp32 (see ``dtypes``)."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--dtype", choices=[*sorted(DTYPES), "both"], default=default_dtype,
-                   help="weights/activations dtype for chatkv and transformers (both: bf16, then fp32)")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads (and llama.cpp n_threads)")
+    p.add_argument(
+        "--dtype",
+        choices=[*sorted(DTYPES), "both"],
+        default=default_dtype,
+        help="weights/activations dtype for chatkv and transformers (both: bf16, then fp32)",
+    )
+    p.add_argument(
+        "--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads (and llama.cpp n_threads)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions; the median is reported")
-    p.add_argument("--model", default=None, help="Hugging Face model directory (default: the packaged SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", default=None, help="Hugging Face model directory (default: the packaged SmolLM2-135M-Instruct)"
+    )
     return p
 
 
@@ -99,11 +107,17 @@ def prepare_llama_cpp():
     if not _llama_cpp_checked:
         from chatkv.weights import packaged_gguf_path
 
-        code = ("import sys, llama_cpp; m = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, "
-                "verbose=False); m.eval([100, 101, 102])")
+        code = (
+            "import sys, llama_cpp; m = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, "
+            "verbose=False); m.eval([100, 101, 102])"
+        )
         try:
-            ok = subprocess.run([sys.executable, "-c", code, str(packaged_gguf_path())], capture_output=True,
-                                timeout=300).returncode == 0
+            ok = (
+                subprocess.run(
+                    [sys.executable, "-c", code, str(packaged_gguf_path())], capture_output=True, timeout=300
+                ).returncode
+                == 0
+            )
         except subprocess.TimeoutExpired:
             ok = False
         _llama_cpp_checked.append(ok)
@@ -118,9 +132,11 @@ def prepare_llama_cpp():
                 return p
 
             low.llama_model_default_params = params
-            print("llama.cpp: its weight repacking (AMX / AVX-512 repacked kernels) crashes a multi-token batch in "
-                  "this build on this CPU (a segfault, probed in a child process); it runs WITHOUT repacking "
-                  "(use_extra_bufts=False), so its figures are a lower bound")
+            print(
+                "llama.cpp: its weight repacking (AMX / AVX-512 repacked kernels) crashes a multi-token batch in "
+                "this build on this CPU (a segfault, probed in a child process); it runs WITHOUT repacking "
+                "(use_extra_bufts=False), so its figures are a lower bound"
+            )
     return llama_cpp
 
 
@@ -195,9 +211,15 @@ def cpu_line() -> str:
                 break
     except OSError:
         pass
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_int8") if f in flags]
-    return (f"CPU: {cpu_model()} ({os.cpu_count()} cores; {' '.join(isa) or 'no AVX-512'}; "
-            f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()})")
+    isa = [
+        f
+        for f in ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_int8")
+        if f in flags
+    ]
+    return (
+        f"CPU: {cpu_model()} ({os.cpu_count()} cores; {' '.join(isa) or 'no AVX-512'}; "
+        f"torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()})"
+    )
 
 
 class BusyLoad:

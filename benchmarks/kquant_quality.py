@@ -37,12 +37,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from chatkv.config import EngineConfig  # noqa: E402
-from chatkv.model.forward import Linear, LlamaModel  # noqa: E402
 from chatkv.engine.model_runner import BatchItem, ModelRunner  # noqa: E402
-from chatkv.weights.quantised import quantize_int4, quantize_int8  # noqa: E402
+from chatkv.model.forward import Linear, LlamaModel  # noqa: E402
 from chatkv.weights import convert_gguf, load_tokenizer  # noqa: E402
 from chatkv.weights.gguf import _hf_name, read_q4  # noqa: E402
 from chatkv.weights.loading import load_config, read_weights  # noqa: E402
+from chatkv.weights.quantised import quantize_int4, quantize_int8  # noqa: E402
 
 
 def cpu() -> str:
@@ -56,8 +56,12 @@ def cpu() -> str:
 def logits_all(model: LlamaModel, ids: list[int], chunk: int = 512) -> torch.Tensor:
     runner = ModelRunner(model, EngineConfig(block_size=16, num_blocks=-(-len(ids) // 16) + 1))
     table = runner.pool.allocate(-(-len(ids) // 16))
-    return torch.cat([runner.forward(runner.build_batch([BatchItem(ids[s : s + chunk], s, table, logits="all")]))
-                      for s in range(0, len(ids), chunk)]).float()
+    return torch.cat(
+        [
+            runner.forward(runner.build_batch([BatchItem(ids[s : s + chunk], s, table, logits="all")]))
+            for s in range(0, len(ids), chunk)
+        ]
+    ).float()
 
 
 def main() -> None:
@@ -80,8 +84,11 @@ def main() -> None:
         text = tok(ppl_text())["input_ids"][: args.tokens]
         config, exact_w = load_config(exact_dir), read_weights(exact_dir)
         q4 = read_q4(bf16_dir)
-        wide = sorted(n for n, k in types.items() if n.startswith("layers.") and exact_w[n].dim() == 2
-                      and k not in ("Q4_0", "Q4_1", "Q4_K"))
+        wide = sorted(
+            n
+            for n, k in types.items()
+            if n.startswith("layers.") and exact_w[n].dim() == 2 and k not in ("Q4_0", "Q4_1", "Q4_K")
+        )
         head = "lm_head.weight" if "lm_head.weight" in exact_w else "embed_tokens.weight"
 
         def swapped(names, how):
@@ -106,10 +113,12 @@ def main() -> None:
             "wide->int8": lambda: LlamaModel(config, swapped(wide, "int8"), torch.float32),
             "fused->int8": lambda: LlamaModel(config, swapped(sorted(fused), "int8"), torch.float32),
             "head int8": lambda: head_int8(LlamaModel(config, exact_w, torch.float32)),
-            "engine int4": lambda: LlamaModel.from_pretrained(bf16_dir, dtype=torch.bfloat16, weights_mode="int4",
-                                                              head_mode="int8"),
-            "engine int8": lambda: LlamaModel.from_pretrained(bf16_dir, dtype=torch.bfloat16, weights_mode="int8",
-                                                              head_mode="int8"),
+            "engine int4": lambda: LlamaModel.from_pretrained(
+                bf16_dir, dtype=torch.bfloat16, weights_mode="int4", head_mode="int8"
+            ),
+            "engine int8": lambda: LlamaModel.from_pretrained(
+                bf16_dir, dtype=torch.bfloat16, weights_mode="int8", head_mode="int8"
+            ),
         }
         llama = None
         try:
@@ -139,9 +148,12 @@ def main() -> None:
                 ref_last, ref_text = last, full
             d = [(a - b).abs().max().item() for a, b in zip(last, ref_last)]
             logp = torch.log_softmax(full[:-1], -1).gather(1, torch.tensor(text[1:])[:, None])
-            row = {"vs exact mean": round(sum(d) / len(d), 4), "vs exact max": round(max(d), 4),
-                   "top1 vs exact": round((full.argmax(-1) == ref_text.argmax(-1)).float().mean().item(), 4),
-                   "ppl": round(math.exp(-logp.mean().item()), 4)}
+            row = {
+                "vs exact mean": round(sum(d) / len(d), 4),
+                "vs exact max": round(max(d), 4),
+                "top1 vs exact": round((full.argmax(-1) == ref_text.argmax(-1)).float().mean().item(), 4),
+                "ppl": round(math.exp(-logp.mean().item()), 4),
+            }
             if llama is not None:
                 dl = [(a - b).abs().max().item() for a, b in zip(last, llama)]
                 row["vs llama.cpp mean"], row["vs llama.cpp max"] = round(sum(dl) / len(dl), 4), round(max(dl), 4)
@@ -152,9 +164,20 @@ def main() -> None:
     counts: dict[str, int] = {}
     for n, k in types.items():
         counts[k] = counts.get(k, 0) + 1
-    print(json.dumps({"gguf": Path(args.gguf).name, "cpu": cpu(), "torch": torch.__version__, "types": counts,
-                      "wide projections": len(wide), "in the 4-bit file": len(q4), "prompts": len(PROMPTS),
-                      "ppl tokens": len(text)}))
+    print(
+        json.dumps(
+            {
+                "gguf": Path(args.gguf).name,
+                "cpu": cpu(),
+                "torch": torch.__version__,
+                "types": counts,
+                "wide projections": len(wide),
+                "in the 4-bit file": len(q4),
+                "prompts": len(PROMPTS),
+                "ppl tokens": len(text),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

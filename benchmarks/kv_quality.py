@@ -44,9 +44,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common import common_prefix  # noqa: E402 (benchmarks/common.py)
+
 from chatkv.config import EngineConfig  # noqa: E402
 from chatkv.engine.model_runner import BatchItem, ModelRunner  # noqa: E402
-from common import common_prefix  # noqa: E402 (benchmarks/common.py)
 
 CHUNK = 512
 BLOCK = 16
@@ -56,8 +57,11 @@ GOALS: dict[str, dict] = {
     "fp8": {"ppl": 0.03, "needle": True},
 }
 NEEDLES = [  # (passphrase, where in the filler: fraction of its characters)
-    ("blue pelican 42", 0.10), ("silver otter 17", 0.20), ("amber falcon 93", 0.30),
-    ("green walrus 58", 0.45), ("violet heron 26", 0.60),
+    ("blue pelican 42", 0.10),
+    ("silver otter 17", 0.20),
+    ("amber falcon 93", 0.30),
+    ("green walrus 58", 0.45),
+    ("violet heron 26", 0.60),
 ]
 QUESTION = "What is the secret passphrase?"
 ANSWER = 'The secret passphrase is "'  # the reply starts with it: the model has to copy the phrase
@@ -72,8 +76,9 @@ def load_engine(model_dir=None):
 
 def kv_runner(model, kv_dtype: str, tokens: int) -> ModelRunner:
     """The engine's model runner with a pool of ``kv_dtype`` for ``tokens`` tokens (no host tier)."""
-    return ModelRunner(model, EngineConfig(kv_dtype=kv_dtype, block_size=BLOCK, num_blocks=-(-tokens // BLOCK) + 1,
-                                           host_cache_bytes=0))
+    return ModelRunner(
+        model, EngineConfig(kv_dtype=kv_dtype, block_size=BLOCK, num_blocks=-(-tokens // BLOCK) + 1, host_cache_bytes=0)
+    )
 
 
 def _prefill(runner: ModelRunner, ids: list[int], table: list[int], logits: str):
@@ -95,7 +100,9 @@ def _blocks(runner, n_tokens):
     return runner.pool.allocate(-(-n_tokens // runner.pool.block_size))
 
 
-def greedy(runner: ModelRunner, prompts: list[list[int]], n: int, force: list[list[int]] | None = None) -> list[list[int]]:
+def greedy(
+    runner: ModelRunner, prompts: list[list[int]], n: int, force: list[list[int]] | None = None
+) -> list[list[int]]:
     """Greedy ``n`` tokens for each prompt, EOS ignored: each prompt prefilled, then decode steps of all together.
 
     The argmax after every step. With ``force`` (teacher forcing), step i feeds ``force[.][i - 1]``
@@ -104,7 +111,7 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], n: int, force: list[li
     try:
         outs = []
         for p, t in zip(prompts, tables):
-            (_, out), = _prefill(runner, p, t, "last")
+            ((_, out),) = _prefill(runner, p, t, "last")
             outs.append([int(out[-1].argmax())])
         feed = force or outs
         for i in range(1, n):
@@ -160,9 +167,13 @@ def needle_prompts(tokenizer, n_tokens: int, needles=NEEDLES) -> list[list[int]]
     out = []
     for phrase, where in needles:
         cut = filler.rfind("\n", 0, int(len(filler) * where))  # at a line break
-        doc = f"{filler[:cut]}\n\nThe secret passphrase is \"{phrase}\". Remember it.\n{filler[cut:]}"
-        text = tokenizer.apply_chat_template([{"role": "user", "content": f"{doc}\n\n{QUESTION}"}],
-                                             add_generation_prompt=True, tokenize=False) + ANSWER
+        doc = f'{filler[:cut]}\n\nThe secret passphrase is "{phrase}". Remember it.\n{filler[cut:]}'
+        text = (
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": f"{doc}\n\n{QUESTION}"}], add_generation_prompt=True, tokenize=False
+            )
+            + ANSWER
+        )
         out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return out
 
@@ -182,8 +193,17 @@ class Result:
         return self.agree[0] / max(self.agree[1], 1)
 
 
-def run_gate(model, tokenizer, kv_dtypes: list[str], prompts: int = 20, tokens: int = 256, ppl_tokens: int = 4096,
-             needles: int = 5, needle_tokens: int = 4096, log=print) -> dict[str, Result]:
+def run_gate(
+    model,
+    tokenizer,
+    kv_dtypes: list[str],
+    prompts: int = 20,
+    tokens: int = 256,
+    ppl_tokens: int = 4096,
+    needles: int = 5,
+    needle_tokens: int = 4096,
+    log=print,
+) -> dict[str, Result]:
     """Measure every kv dtype against bf16 (always measured first). Returns {kv dtype: Result}."""
     kv_dtypes = ["bf16", *[k for k in kv_dtypes if k != "bf16"]]
     chats = chat_prompts(tokenizer, prompts)
@@ -209,8 +229,10 @@ def run_gate(model, tokenizer, kv_dtypes: list[str], prompts: int = 20, tokens: 
         runner.pool.check_integrity()
         del runner
         r.seconds = time.perf_counter() - t0
-        log(f"  {kv}: agreement {r.agreement:.2%}, free-run {r.free_run:.1f}, ppl {r.ppl:.4f}, "
-            f"needles {sum(r.needles)}/{len(r.needles)} {r.needles} ({r.seconds:.0f} s)")
+        log(
+            f"  {kv}: agreement {r.agreement:.2%}, free-run {r.free_run:.1f}, ppl {r.ppl:.4f}, "
+            f"needles {sum(r.needles)}/{len(r.needles)} {r.needles} ({r.seconds:.0f} s)"
+        )
     return results
 
 
@@ -233,18 +255,41 @@ def verdicts(results: dict[str, Result]) -> dict[str, list[str]]:
 def table(results: dict[str, Result], n_tokens: int) -> tuple[list[str], list[list[str]]]:
     base = results["bf16"]
     fail = verdicts(results)
-    header = ["kv dtype", "agreement (teacher forced)", f"free-run (of {n_tokens})", "perplexity", "vs bf16",
-              "needles", "goal", "verdict"]
+    header = [
+        "kv dtype",
+        "agreement (teacher forced)",
+        f"free-run (of {n_tokens})",
+        "perplexity",
+        "vs bf16",
+        "needles",
+        "goal",
+        "verdict",
+    ]
     rows = []
     for kv, r in results.items():
         g = GOALS.get(kv)
-        goal = "baseline" if kv == "bf16" else ", ".join(
-            ([f"agree >= {g['agree']:.0%}"] if "agree" in g else []) + [f"ppl within {g['ppl']:.0%}", "needles"]
-        ) if g else "(none)"
+        goal = (
+            "baseline"
+            if kv == "bf16"
+            else ", ".join(
+                ([f"agree >= {g['agree']:.0%}"] if "agree" in g else []) + [f"ppl within {g['ppl']:.0%}", "needles"]
+            )
+            if g
+            else "(none)"
+        )
         verdict = "-" if not g else ("PASS" if not fail[kv] else "FAIL: " + "; ".join(fail[kv]))
-        rows.append([kv, f"{r.agreement:.2%} ({r.agree[0]}/{r.agree[1]})", f"{r.free_run:.1f}", f"{r.ppl:.4f}",
-                     f"{r.ppl / base.ppl:.4f}x ({r.ppl / base.ppl - 1:+.2%})", f"{sum(r.needles)}/{len(r.needles)}",
-                     goal, verdict])
+        rows.append(
+            [
+                kv,
+                f"{r.agreement:.2%} ({r.agree[0]}/{r.agree[1]})",
+                f"{r.free_run:.1f}",
+                f"{r.ppl:.4f}",
+                f"{r.ppl / base.ppl:.4f}x ({r.ppl / base.ppl - 1:+.2%})",
+                f"{sum(r.needles)}/{len(r.needles)}",
+                goal,
+                verdict,
+            ]
+        )
     return header, rows
 
 
@@ -257,7 +302,9 @@ def main() -> int:
     p.add_argument("--needles", type=int, default=5)
     p.add_argument("--needle-tokens", type=int, default=4096)
     p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--model", default=None, help="Hugging Face model directory (default: the packaged SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model", default=None, help="Hugging Face model directory (default: the packaged SmolLM2-135M-Instruct)"
+    )
     p.add_argument("--show-replies", action="store_true", help="print each dtype's needle replies")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -268,16 +315,27 @@ def main() -> int:
     engine = load_engine(args.model)
     print(f"model: {engine.model_dir.name}, weights {engine.weights.label}, KV dtype under auto: {engine.kv_dtype}")
     with torch.inference_mode():
-        results = run_gate(engine.model, engine.tokenizer, args.kv_dtypes.split(","), args.prompts, args.tokens,
-                           args.ppl_tokens, args.needles, args.needle_tokens)
+        results = run_gate(
+            engine.model,
+            engine.tokenizer,
+            args.kv_dtypes.split(","),
+            args.prompts,
+            args.tokens,
+            args.ppl_tokens,
+            args.needles,
+            args.needle_tokens,
+        )
     if args.show_replies:
         for kv, r in results.items():
             for reply in r.replies:
                 print(f"  {kv}: {reply!r}")
     header, rows = table(results, args.tokens)
-    print_table(f"KV dtype quality, {args.prompts} chat prompts x {args.tokens} tokens, perplexity over "
-                f"{args.ppl_tokens} tokens of pydoc topics, {args.needles} needles in ~{args.needle_tokens}-token prompts",
-                header, rows)
+    print_table(
+        f"KV dtype quality, {args.prompts} chat prompts x {args.tokens} tokens, perplexity over "
+        f"{args.ppl_tokens} tokens of pydoc topics, {args.needles} needles in ~{args.needle_tokens}-token prompts",
+        header,
+        rows,
+    )
     fail = {k: v for k, v in verdicts(results).items() if v}
     print(f"\npassing: {', '.join(k for k in results if k not in fail)}; failing: {', '.join(fail) or 'none'}")
     print(f"{time.perf_counter() - t0:.0f} s, threads={args.threads}, load average {load_average()}, {other}")

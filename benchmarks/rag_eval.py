@@ -38,7 +38,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import OtherLoad, cpu_line, load_average, print_table  # noqa: E402
 from rag_metrics import (  # noqa: E402
-    SPLITS, answer_in, answer_row, document_rank, load_questions, retrieval_row,
+    SPLITS,
+    answer_in,
+    answer_row,
+    document_rank,
+    load_questions,
+    retrieval_row,
 )
 
 K = 10  # chunks retrieved per question for the retrieval figures
@@ -64,8 +69,10 @@ def open_kb(data_dir: Path):
     if report.skipped:
         raise SystemExit(f"topics skipped at ingest: {report.skipped}")
     stats = kb.stats()
-    print(f"knowledge base: {stats['documents']} topics, {stats['chunks']} chunks "
-          f"({len(report.added) + len(report.updated)} ingested now, {time.perf_counter() - t:.1f} s)")
+    print(
+        f"knowledge base: {stats['documents']} topics, {stats['chunks']} chunks "
+        f"({len(report.added) + len(report.updated)} ingested now, {time.perf_counter() - t:.1f} s)"
+    )
     return kb
 
 
@@ -91,17 +98,26 @@ def retrieval_rows(retrievers: dict, splits: list[str], questions: dict[str, lis
         for split in splits:
             r = score_retrieval(retrieve, questions[split])
             n = r["n"]
-            rows.append([name, split, str(n), f"{round(r['hit@1'] * n)} ({r['hit@1']:.1%})",
-                         f"{round(r['hit@3'] * n)} ({r['hit@3']:.1%})", f"{r['hit@10']:.1%}",
-                         f"{r['mrr@10']:.3f}", f"{r['answer@3']:.1%}"])
+            rows.append(
+                [
+                    name,
+                    split,
+                    str(n),
+                    f"{round(r['hit@1'] * n)} ({r['hit@1']:.1%})",
+                    f"{round(r['hit@3'] * n)} ({r['hit@3']:.1%})",
+                    f"{r['hit@10']:.1%}",
+                    f"{r['mrr@10']:.3f}",
+                    f"{r['answer@3']:.1%}",
+                ]
+            )
     return rows
 
 
 def answer_questions(kb, questions: list[dict], max_tokens: int) -> tuple[list[str], list[list[str]]]:
     """The default model's greedy replies to each question over its top-3 hybrid sources, batched."""
     from chatkv import Engine
-    from chatkv.rag.context import canonical, user_message
     from chatkv.engine.sampling import SamplingParams
+    from chatkv.rag.context import canonical, user_message
 
     engine = Engine.from_pretrained()
     try:
@@ -109,8 +125,10 @@ def answer_questions(kb, questions: list[dict], max_tokens: int) -> tuple[list[s
         for q in questions:
             hits = canonical(kb.search(q["question"], k=SOURCES, mode="hybrid"))
             shown.append([h.text for h in hits])
-            messages = [{"role": "system", "content": SYSTEM},
-                        {"role": "user", "content": user_message(q["question"], hits)}]
+            messages = [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": user_message(q["question"], hits)},
+            ]
             prompts.append(engine.encode_chat(messages))
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
         t = time.perf_counter()
@@ -123,15 +141,20 @@ def answer_questions(kb, questions: list[dict], max_tokens: int) -> tuple[list[s
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--split", choices=SPLITS, default="all",
-                   help="questions to score (all: tune and held-back, each reported)")
+    p.add_argument(
+        "--split", choices=SPLITS, default="all", help="questions to score (all: tune and held-back, each reported)"
+    )
     p.add_argument("--limit", type=int, default=None, help="answer at most N questions of each split")
     p.add_argument("--no-answers", action="store_true", help="retrieval only (no chat model)")
     p.add_argument("--no-peer", action="store_true", help="skip LlamaIndex")
     p.add_argument("--max-tokens", type=int, default=48, help="reply length limit")
     p.add_argument("--reuse", action="store_true", help="chunk KV reuse's modes and ratios against full prefill")
-    p.add_argument("--reuse-configs", default=None, metavar="LIST",
-                   help="with --reuse, only these, e.g. blend:0.3,edge:4 (default: every row of the table)")
+    p.add_argument(
+        "--reuse-configs",
+        default=None,
+        metavar="LIST",
+        help="with --reuse, only these, e.g. blend:0.3,edge:4 (default: every row of the table)",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     p.add_argument("--data-dir", default=None, help="where the knowledge base lives (default: a temporary dir)")
     args = p.parse_args()
@@ -157,8 +180,11 @@ def main() -> None:
                     print(f"LlamaIndex: {peer.chunks} chunks")
                     retrievers["LlamaIndex fusion"] = peer
             rows = retrieval_rows(retrievers, splits, questions)
-            print_table(f"Retrieval (k={K} chunks; hit/MRR by document, answer@3 by chunk text)",
-                        ["retriever", "split", "n", "hit@1", "hit@3", "hit@10", "MRR@10", "answer@3"], rows)
+            print_table(
+                f"Retrieval (k={K} chunks; hit/MRR by document, answer@3 by chunk text)",
+                ["retriever", "split", "n", "hit@1", "hit@3", "hit@10", "MRR@10", "answer@3"],
+                rows,
+            )
             if not args.no_answers:
                 arows = []
                 for split in splits:
@@ -166,12 +192,25 @@ def main() -> None:
                     replies, shown = answer_questions(kb, qs, args.max_tokens)
                     a = answer_row(replies, [q["answer"] for q in qs], shown)
                     cp = "n/a" if a["citation_precision"] is None else f"{a['citation_precision']:.1%}"
-                    arows.append(["chatkv hybrid + SmolLM2-135M", split, str(a["n"]), f"{a['em']:.1%}",
-                                  f"{a['f1']:.1%}", f"{a['contains']:.1%}", cp, f"{a['cite_rate']:.1%}"])
+                    arows.append(
+                        [
+                            "chatkv hybrid + SmolLM2-135M",
+                            split,
+                            str(a["n"]),
+                            f"{a['em']:.1%}",
+                            f"{a['f1']:.1%}",
+                            f"{a['contains']:.1%}",
+                            cp,
+                            f"{a['cite_rate']:.1%}",
+                        ]
+                    )
                     for q, r in list(zip(qs, replies))[:3]:
                         print(f"  e.g. {q['question']!r} -> {r.strip()[:160]!r} (gold {q['answer']!r})")
-                print_table(f"Answers (top {SOURCES} hybrid sources, greedy, at most {args.max_tokens} tokens)",
-                            ["pipeline", "split", "n", "EM", "F1", "contains", "citation precision", "cites"], arows)
+                print_table(
+                    f"Answers (top {SOURCES} hybrid sources, greedy, at most {args.max_tokens} tokens)",
+                    ["pipeline", "split", "n", "EM", "F1", "contains", "citation precision", "cites"],
+                    arows,
+                )
             if args.reuse:
                 from rag_reuse_eval import CONFIGS, HEADERS, parse_configs, reuse_rows
 
@@ -179,10 +218,13 @@ def main() -> None:
 
                 for split in splits:
                     qs = questions[split][: args.limit] if args.limit else questions[split]
-                    print_table(f"Chunk KV reuse against full prefill ({split}; SmolLM2-135M, greedy, at most "
-                                f"{args.max_tokens} tokens; gate: F1 and citation precision within 2 points, "
-                                "agreement >= 95%)", HEADERS,
-                                reuse_rows(kb, qs, args.max_tokens, SOURCES, SYSTEM, configs))
+                    print_table(
+                        f"Chunk KV reuse against full prefill ({split}; SmolLM2-135M, greedy, at most "
+                        f"{args.max_tokens} tokens; gate: F1 and citation precision within 2 points, "
+                        "agreement >= 95%)",
+                        HEADERS,
+                        reuse_rows(kb, qs, args.max_tokens, SOURCES, SYSTEM, configs),
+                    )
         finally:
             kb.close()
     print(f"\nload average at end: {load_average()}; {load}")

@@ -28,8 +28,10 @@ def llamaindex_retriever(texts: dict[str, str]) -> Union[Retriever, str]:
         from llama_index.embeddings.huggingface import HuggingFaceEmbedding
         from llama_index.retrievers.bm25 import BM25Retriever
     except ImportError as e:
-        return (f"LlamaIndex is not installed ({e}); pip install llama-index-core "
-                "llama-index-embeddings-huggingface llama-index-retrievers-bm25")
+        return (
+            f"LlamaIndex is not installed ({e}); pip install llama-index-core "
+            "llama-index-embeddings-huggingface llama-index-retrievers-bm25"
+        )
     from chatkv.retrieval.embedding import default_model_dir
 
     Settings.llm = None
@@ -44,7 +46,10 @@ def llamaindex_retriever(texts: dict[str, str]) -> Union[Retriever, str]:
         if k not in cache:
             cache[k] = QueryFusionRetriever(
                 [index.as_retriever(similarity_top_k=k), BM25Retriever.from_defaults(nodes=nodes, similarity_top_k=k)],
-                similarity_top_k=k, num_queries=1, mode="reciprocal_rerank", use_async=False,
+                similarity_top_k=k,
+                num_queries=1,
+                mode="reciprocal_rerank",
+                use_async=False,
             )
         return cache[k]
 

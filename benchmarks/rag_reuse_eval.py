@@ -112,17 +112,19 @@ def parse_configs(spec: str) -> tuple:
                 continue
         except ValueError:
             pass
-        raise SystemExit(f"--reuse-configs: {part!r} is not blend:RATIO[@LAYERS] (0 <= RATIO < 1, LAYERS >= 1) "
-                         "or edge:TOKENS (> 0)")
+        raise SystemExit(
+            f"--reuse-configs: {part!r} is not blend:RATIO[@LAYERS] (0 <= RATIO < 1, LAYERS >= 1) or edge:TOKENS (> 0)"
+        )
     return tuple(out) + CONFIGS[-1:]
 
 
-def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system: str,
-               configs: tuple = CONFIGS) -> list[list[str]]:
+def reuse_rows(
+    kb, questions: list[dict], max_tokens: int, sources: int, system: str, configs: tuple = CONFIGS
+) -> list[list[str]]:
     from chatkv import Engine
+    from chatkv.engine.sampling import SamplingParams
     from chatkv.rag import placement as cp
     from chatkv.rag.context import canonical, source_texts, user_message
-    from chatkv.engine.sampling import SamplingParams
 
     engine = Engine.from_pretrained(rag_kv_disk=False)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
@@ -139,8 +141,9 @@ def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system:
             hits = canonical(kb.search(q["question"], k=sources, mode="hybrid"))
             texts = source_texts(hits)  # as a turn's placement quotes them, labels included
             shown.append([h.text for h in hits])
-            prompt = engine.encode_chat([{"role": "system", "content": system},
-                                         {"role": "user", "content": user_message(q["question"], hits)}])
+            prompt = engine.encode_chat(
+                [{"role": "system", "content": system}, {"role": "user", "content": user_message(q["question"], hits)}]
+            )
             full = _answer(engine, prompt, params, None, ("rag-eval", qi, "full prefill"))
             replies["full prefill"].append(full.text)
             answer = list(prompt) + list(full.token_ids)
@@ -148,8 +151,11 @@ def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system:
             for label, mode, edge, ratio, checks in configs:
                 ns = ("rag-eval", qi, label)
                 t = time.perf_counter()
-                placed = engine.on_loop(lambda: cp.place(engine, None, answer, 0, texts, ns, None, False, mode, edge, ratio,
-                                                         check_layers=checks))
+                placed = engine.on_loop(
+                    lambda: cp.place(
+                        engine, None, answer, 0, texts, ns, None, False, mode, edge, ratio, check_layers=checks
+                    )
+                )
                 spent[label] += time.perf_counter() - t
                 reused[label][0] += placed.reused
                 reused[label][1] += placed.reused + placed.recomputed
@@ -162,8 +168,23 @@ def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system:
                         engine.on_loop(lambda: engine.kv.drop(placed.kept))
                 # free-running from the placed KV (the teacher-forced rows left it in the namespace's tree)
                 # as a turn places them: through the prompt's last token but one
-                placed = engine.on_loop(lambda: cp.place(engine, None, prompt, 0, texts, ns, None, False, mode, edge, ratio,
-                                                         upto=len(prompt) - 1, check_layers=checks))
+                placed = engine.on_loop(
+                    lambda: cp.place(
+                        engine,
+                        None,
+                        prompt,
+                        0,
+                        texts,
+                        ns,
+                        None,
+                        False,
+                        mode,
+                        edge,
+                        ratio,
+                        upto=len(prompt) - 1,
+                        check_layers=checks,
+                    )
+                )
                 got = _answer(engine, prompt, params, placed.kept, ns)
                 replies.setdefault(label, []).append(got.text)
                 same[label] += int(list(got.token_ids) == list(full.token_ids))
@@ -179,15 +200,38 @@ def reuse_rows(kb, questions: list[dict], max_tokens: int, sources: int, system:
         tf = agree.get(label)
         agreement = 1.0 if tf is None else (tf[0] / tf[1] if tf[1] else float("nan"))
         ok = (label == "full prefill") or (
-            base["f1"] - a["f1"] <= 0.02 and agreement >= 0.95
-            and (cp_ is None or base["citation_precision"] is None or base["citation_precision"] - cp_ <= 0.02))
+            base["f1"] - a["f1"] <= 0.02
+            and agreement >= 0.95
+            and (cp_ is None or base["citation_precision"] is None or base["citation_precision"] - cp_ <= 0.02)
+        )
         share = "-" if label not in reused else f"{reused[label][0] / max(reused[label][1], 1):.0%}"
         place_ms = "-" if label not in spent else f"{spent[label] / len(questions) * 1000:.0f}"
-        rows.append([label, str(a["n"]), share, "-" if label not in same else f"{same[label]}/{a['n']}", f"{a['em']:.1%}", f"{a['f1']:.1%}",
-                     "n/a" if cp_ is None else f"{cp_:.1%}", f"{agreement:.1%}", place_ms,
-                     "-" if label == "full prefill" else ("pass" if ok else "fail")])
+        rows.append(
+            [
+                label,
+                str(a["n"]),
+                share,
+                "-" if label not in same else f"{same[label]}/{a['n']}",
+                f"{a['em']:.1%}",
+                f"{a['f1']:.1%}",
+                "n/a" if cp_ is None else f"{cp_:.1%}",
+                f"{agreement:.1%}",
+                place_ms,
+                "-" if label == "full prefill" else ("pass" if ok else "fail"),
+            ]
+        )
     return rows
 
 
-HEADERS = ["KV", "n", "chunk tokens reused", "same tokens", "EM", "F1", "citation precision", "top-1 agreement",
-           "place ms/q", "gate"]
+HEADERS = [
+    "KV",
+    "n",
+    "chunk tokens reused",
+    "same tokens",
+    "EM",
+    "F1",
+    "citation precision",
+    "top-1 agreement",
+    "place ms/q",
+    "gate",
+]

@@ -22,12 +22,20 @@ class EngineConfig:
     kv_cache_bytes: int = 512 * 2**20
     max_batch_tokens: int = 512  # token budget of one step (chunked prefill)
     max_running: int = 32
-    dtype: str = "auto"  # "auto" = the model's own dtype (bfloat16 for the packaged default), or float32/bfloat16/float16
+    dtype: str = (
+        "auto"  # "auto" = the model's own dtype (bfloat16 for the packaged default), or float32/bfloat16/float16
+    )
     device: str = "cpu"
-    weights: str = "auto"  # auto | bf16 | fp32 | int4 | int8 (chatkv.model.modes: auto = a GGUF's own int4, else the float model)
+    weights: str = (
+        "auto"  # auto | bf16 | fp32 | int4 | int8 (chatkv.model.modes: auto = a GGUF's own int4, else the float model)
+    )
     head_weights: str = "auto"  # the output matrix: auto (= float) | float | int8 | int4
-    kv_dtype: str = "auto"  # the KV cache: auto (= the model's dtype) | bf16 | fp16 | fp32 | int8 | fp8 (e4m3, per-token scales)
-    quant_dense_rows: int = 16  # int4/int8: steps of this many rows or more compute in bf16 (faster prefill; 0: the quantised kernels only)
+    kv_dtype: str = (
+        "auto"  # the KV cache: auto (= the model's dtype) | bf16 | fp16 | fp32 | int8 | fp8 (e4m3, per-token scales)
+    )
+    quant_dense_rows: int = (
+        16  # int4/int8: steps of this many rows or more compute in bf16 (faster prefill; 0: the quantised kernels only)
+    )
     # how those steps get bf16 weights: "scratch" (the default: no copy resident; int4 steps of 64+
     # rows dequantise into one reused buffer, shorter ones run the int4 kernel; chatkv.model.prefill)
     # | "copy" (a resident bf16 copy of every projection, 2 bytes a parameter more). "scratch" is the
@@ -40,12 +48,18 @@ class EngineConfig:
     tenant: str = ""  # salt of the prefix-cache namespace: tenants never share KV
     enable_prefix_caching: bool = True
     # speculative decoding by prompt lookup (chatkv.engine.speculative): exact, greedy or sampled
-    speculative: str = "auto"  # "auto" (as many proposals as pay, per sequence) | "lookup" (always, when a match exists) | "off"
+    speculative: str = (
+        "auto"  # "auto" (as many proposals as pay, per sequence) | "lookup" (always, when a match exists) | "off"
+    )
     num_speculative_tokens: int = 5  # proposals per sequence and step at most (0: off)
     # conversations longer than the context (chatkv.sessions.context_window)
     context_window: int | None = None  # tokens a conversation's KV may hold; None: the model's context (and the pool)
-    overflow: str = "sink"  # beyond it: "sink" (keep the first tokens + a recent window), "truncate" (drop oldest turns), "error"
-    sink_tokens: int = 4  # attention-sink tokens kept in "sink" mode (rounded up to a block; the system prompt is always kept)
+    overflow: str = (
+        "sink"  # beyond it: "sink" (keep the first tokens + a recent window), "truncate" (drop oldest turns), "error"
+    )
+    sink_tokens: int = (
+        4  # attention-sink tokens kept in "sink" mode (rounded up to a block; the system prompt is always kept)
+    )
     # sessions
     data_dir: str | None = None  # None: CHATKV_HOME, else the platform's user data dir
     db_url: str | None = None  # any SQLAlchemy URL; None: SQLite file in data_dir
@@ -81,17 +95,29 @@ class EngineConfig:
             raise InvalidRequest(f"num_blocks must be >= 1, got {cfg.num_blocks}")
         if cfg.overflow not in OVERFLOW_POLICIES:
             raise InvalidRequest(f"overflow must be one of {', '.join(OVERFLOW_POLICIES)}, got {cfg.overflow!r}")
-        if cfg.context_window is not None and (isinstance(cfg.context_window, bool) or not isinstance(cfg.context_window, int) or cfg.context_window < 2):
+        if cfg.context_window is not None and (
+            isinstance(cfg.context_window, bool) or not isinstance(cfg.context_window, int) or cfg.context_window < 2
+        ):
             raise InvalidRequest(f"context_window must be an int >= 2 or None, got {cfg.context_window!r}")
         if isinstance(cfg.sink_tokens, bool) or not isinstance(cfg.sink_tokens, int) or cfg.sink_tokens < 0:
             raise InvalidRequest(f"sink_tokens must be an int >= 0, got {cfg.sink_tokens!r}")
-        if isinstance(cfg.host_cache_bytes, bool) or not isinstance(cfg.host_cache_bytes, int) or cfg.host_cache_bytes < 0:
+        if (
+            isinstance(cfg.host_cache_bytes, bool)
+            or not isinstance(cfg.host_cache_bytes, int)
+            or cfg.host_cache_bytes < 0
+        ):
             raise InvalidRequest(f"host_cache_bytes must be an int >= 0, got {cfg.host_cache_bytes!r}")
-        if isinstance(cfg.quant_dense_rows, bool) or not isinstance(cfg.quant_dense_rows, int) or cfg.quant_dense_rows < 0:
+        if (
+            isinstance(cfg.quant_dense_rows, bool)
+            or not isinstance(cfg.quant_dense_rows, int)
+            or cfg.quant_dense_rows < 0
+        ):
             raise InvalidRequest(f"quant_dense_rows must be an int >= 0, got {cfg.quant_dense_rows!r}")
         if cfg.quant_dense not in QUANT_DENSE:
             raise InvalidRequest(f"quant_dense must be one of {', '.join(QUANT_DENSE)}, got {cfg.quant_dense!r}")
-        if cfg.threads is not None and (isinstance(cfg.threads, bool) or not isinstance(cfg.threads, int) or cfg.threads < 1):
+        if cfg.threads is not None and (
+            isinstance(cfg.threads, bool) or not isinstance(cfg.threads, int) or cfg.threads < 1
+        ):
             raise InvalidRequest(f"threads must be an int >= 1 or None, got {cfg.threads!r}")
         if cfg.kv_dtype not in KV_DTYPES:
             raise InvalidRequest(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {cfg.kv_dtype!r}")

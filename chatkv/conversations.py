@@ -24,8 +24,14 @@ from chatkv.errors import StorageError
 
 
 class Conversations:
-    def __init__(self, data_dir: str | Path | None = None, *, db_url: str | None = None, tenant: str = "",
-                 user: str | None = None):
+    def __init__(
+        self,
+        data_dir: str | Path | None = None,
+        *,
+        db_url: str | None = None,
+        tenant: str = "",
+        user: str | None = None,
+    ):
         from chatkv.storage.models import LOCAL_USER
         from chatkv.storage.paths import data_dir as resolve
         from chatkv.storage.repository import Store

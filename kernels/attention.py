@@ -64,7 +64,9 @@ class AttentionMetadata:
     # the same masks as bounds, for kernels that compute them (kernels/triton_attention.py):
     sliding_window: int | None = None  # a query at position p sees keys (p - window, p]
     decode_bounds: list[tuple[int, int]] | None = None  # per decode row: its keys are [lo, hi) of its gathered blocks
-    scratch: dict = field(default_factory=dict, repr=False, compare=False)  # a backend's per-step packing, shared by layers
+    scratch: dict = field(
+        default_factory=dict, repr=False, compare=False
+    )  # a backend's per-step packing, shared by layers
 
 
 def _window_mask(q_len: int, kv_len: int, window: int | None, q_pos: torch.Tensor | None = None) -> torch.Tensor:
@@ -113,7 +115,9 @@ def build_metadata(
         assert 0 < q_len <= ctx <= len(table) * block_size, (q_len, ctx, len(table), block_size)
         n_blocks = -(-ctx // block_size)
         if at is not None:
-            assert len(at) == q_len and at[-1] < ctx and all(a < b for a, b in zip(at, at[1:])), "positions: ascending, in the context"
+            assert len(at) == q_len and at[-1] < ctx and all(a < b for a, b in zip(at, at[1:])), (
+                "positions: ascending, in the context"
+            )
             slots.extend(table[t // block_size] * block_size + t % block_size for t in at)
             blocks = torch.tensor(table[:n_blocks], dtype=torch.long, device=device)
             mask = _window_mask(q_len, ctx, sliding_window, torch.tensor(at)).to(device)
@@ -122,7 +126,9 @@ def build_metadata(
             continue
         slots.extend(table[t // block_size] * block_size + t % block_size for t in range(ctx - q_len, ctx))
         if q_len == 1 and alone and sliding_window is None:  # its own call over its own keys, unmasked
-            prefills.append(Prefill(start, 1, torch.tensor(table[:n_blocks], dtype=torch.long, device=device), ctx, None))
+            prefills.append(
+                Prefill(start, 1, torch.tensor(table[:n_blocks], dtype=torch.long, device=device), ctx, None)
+            )
         elif q_len == 1:
             # only the blocks inside the window: the first one may hold a few keys before it
             first = 0 if sliding_window is None else max(0, ctx - sliding_window) // block_size
@@ -162,7 +168,11 @@ def build_metadata(
 
 
 def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     quant: str | None = None,
 ) -> None:
     """Write new keys/values ``[tokens, kv_heads, head_dim]`` into their slots; with ``quant``
@@ -175,8 +185,9 @@ def store_kv(
     v_cache.view(-1, kv_heads, row).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, rows: int, kv_len: int, dtype: torch.dtype,
-            quant: str | None = None) -> torch.Tensor:
+def _gather(
+    cache: torch.Tensor, blocks: torch.Tensor, rows: int, kv_len: int, dtype: torch.dtype, quant: str | None = None
+) -> torch.Tensor:
     """Keys (or values) of ``blocks`` as ``[rows, kv_heads, kv_len, head_dim]`` in ``dtype`` (one
     gather copy; quantised rows are dequantised after the gather, so only what is read is)."""
     num_blocks, block_size, kv_heads, row = cache.shape
@@ -233,8 +244,8 @@ def paged_attention(
         # 4-D inputs: with 3-D ones CPU SDPA takes its slow generic path (~3x slower for long prefixes)
         mask = None if p.mask is None else p.mask.repeat(group, 1)
         o = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], attn_mask=mask, scale=scale)[0]
-        out[p.start : p.start + p.q_len] = o.view(kv_heads, group, p.q_len, head_dim).permute(2, 0, 1, 3).reshape(
-            p.q_len, heads, head_dim
+        out[p.start : p.start + p.q_len] = (
+            o.view(kv_heads, group, p.q_len, head_dim).permute(2, 0, 1, 3).reshape(p.q_len, heads, head_dim)
         )
     if meta.decode_rows is not None:
         b = meta.decode_rows.shape[0]
@@ -245,7 +256,9 @@ def paged_attention(
         else:
             ks = _gather(k_cache, meta.decode_blocks, b, meta.decode_kv_len, q.dtype)
             vs = _gather(v_cache, meta.decode_blocks, b, meta.decode_kv_len, q.dtype)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.decode_mask, scale=scale).view(b, heads, head_dim)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=meta.decode_mask, scale=scale).view(
+                b, heads, head_dim
+            )
         if out is None:
             return o
         out.index_copy_(0, meta.decode_rows, o)

@@ -56,8 +56,12 @@ ATTN_SEGMENT = 64  # keys per work item of decode_attention (ATTN_SEGMENT in the
 
 def heads_supported(num_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """Whether decode_attention takes these heads (its per-head buffers in the C are fixed)."""
-    return (head_dim <= MAX_HEAD_DIM and num_kv_heads > 0 and num_heads % num_kv_heads == 0
-            and num_heads // num_kv_heads <= MAX_GROUP)
+    return (
+        head_dim <= MAX_HEAD_DIM
+        and num_kv_heads > 0
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= MAX_GROUP
+    )
 
 
 def attention_scratch(rows: int, num_heads: int, num_kv_heads: int, head_dim: int, max_ctx: int) -> torch.Tensor:
@@ -65,6 +69,7 @@ def attention_scratch(rows: int, num_heads: int, num_kv_heads: int, head_dim: in
     item's max, sum and unnormalised output per query head, ``[segments, floats]``."""
     segs = max(1, -(-max_ctx // ATTN_SEGMENT))
     return torch.empty(segs, rows * num_heads * (head_dim + 2), dtype=torch.float32)
+
 
 _P, _I, _D, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_float
 _SIGNATURES = {
@@ -121,8 +126,19 @@ def build(directory: Path) -> Path | None:
         os.close(fd)
         # -fopenmp: decode_attention's threads; the libgomp.so.1 it needs is the one torch has
         # already loaded (same soname), so both share one runtime and one pool of threads
-        cmd = ["gcc", "-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC",
-               "-o", tmp, *(str(p) for p in SOURCES if p.suffix == ".c"), "-lm"]
+        cmd = [
+            "gcc",
+            "-O3",
+            "-march=native",
+            "-fopenmp",
+            "-fno-math-errno",
+            "-shared",
+            "-fPIC",
+            "-o",
+            tmp,
+            *(str(p) for p in SOURCES if p.suffix == ".c"),
+            "-lm",
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if out.returncode != 0:
             log.warning("fused decode ops not built (%s): %s; the torch ops are used", " ".join(cmd), out.stderr[-500:])
@@ -184,8 +200,15 @@ def add_rms(h: torch.Tensor, y: torch.Tensor | None, weight: torch.Tensor, out: 
     if weight.shape != (n,) or out.shape != (rows, n) or (y is not None and y.shape != (rows, n)):
         raise ValueError(f"add_rms: shapes h {tuple(h.shape)}, weight {tuple(weight.shape)}, out {tuple(out.shape)}")
     yp = None if y is None else _check(y, torch.bfloat16, "y")
-    library().add_rms(_check(h, torch.float32, "h"), yp, _check(weight, torch.float32, "weight"),
-                      _check(out, torch.bfloat16, "out"), rows, n, eps)
+    library().add_rms(
+        _check(h, torch.float32, "h"),
+        yp,
+        _check(weight, torch.float32, "weight"),
+        _check(out, torch.bfloat16, "out"),
+        rows,
+        n,
+        eps,
+    )
 
 
 def silu_mul(gu: torch.Tensor, out: torch.Tensor) -> None:
@@ -204,10 +227,21 @@ def attention_blocked(on: bool) -> bool:
     return bool(library().set_attention_blocked(int(on)))
 
 
-def decode_attention(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor, ctx: torch.Tensor,
-                     num_heads: int, num_kv_heads: int, scale: float, out: torch.Tensor,
-                     scratch: tuple[torch.Tensor, torch.Tensor]) -> None:
+def decode_attention(
+    qkv: torch.Tensor,
+    table: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    blocks: torch.Tensor,
+    ctx: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    scale: float,
+    out: torch.Tensor,
+    scratch: tuple[torch.Tensor, torch.Tensor],
+) -> None:
     """One layer's attention of ``rows`` one-token queries (see cpu_decode.c): qkv bf16
     ``[rows, (H + 2 KVH) D]``; table bf16 ``[positions, 2, D]`` (cos, sign-folded sin); k/v_cache
     bf16 ``[blocks, block_size, KVH, D]``; slots, positions, ctx int64 ``[rows]``; blocks int64
@@ -216,20 +250,46 @@ def decode_attention(qkv: torch.Tensor, table: torch.Tensor, positions: torch.Te
     model's metadata); only shapes and dtypes are checked here."""
     rows = qkv.shape[0]
     nb, bs, kvh, d = k_cache.shape
-    if (qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d or kvh != num_kv_heads
-            or not heads_supported(num_heads, num_kv_heads, d) or v_cache.shape != k_cache.shape or table.shape[1:] != (2, d) or out.shape != (rows, num_heads * d)
-            or blocks.dim() != 2 or blocks.shape[0] != rows or slots.shape != (rows,) or ctx.shape != (rows,)
-            or positions.shape != (rows,) or scratch[0].numel() < rows * num_heads * d
-            or scratch[1].dim() != 2 or scratch[1].shape[1] != rows * num_heads * (d + 2)
-            or (rows and scratch[1].shape[0] * ATTN_SEGMENT < int(ctx.max()))):
+    if (
+        qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d
+        or kvh != num_kv_heads
+        or not heads_supported(num_heads, num_kv_heads, d)
+        or v_cache.shape != k_cache.shape
+        or table.shape[1:] != (2, d)
+        or out.shape != (rows, num_heads * d)
+        or blocks.dim() != 2
+        or blocks.shape[0] != rows
+        or slots.shape != (rows,)
+        or ctx.shape != (rows,)
+        or positions.shape != (rows,)
+        or scratch[0].numel() < rows * num_heads * d
+        or scratch[1].dim() != 2
+        or scratch[1].shape[1] != rows * num_heads * (d + 2)
+        or (rows and scratch[1].shape[0] * ATTN_SEGMENT < int(ctx.max()))
+    ):
         raise ValueError("decode_attention: inconsistent shapes")
     library().decode_attention(
-        _check(qkv, torch.bfloat16, "qkv"), _check(table, torch.bfloat16, "table"), _check(positions, torch.int64, "positions"),
-        _check(k_cache, torch.bfloat16, "k_cache"), _check(v_cache, torch.bfloat16, "v_cache"),
-        _check(slots, torch.int64, "slots"), _check(blocks, torch.int64, "blocks"), _check(ctx, torch.int64, "ctx"),
-        blocks.shape[1], bs, rows, num_heads, num_kv_heads, d, scale,
-        _check(scratch[0], torch.bfloat16, "scratch"), _check(scratch[1], torch.float32, "scores"),
-        scratch[1].shape[0], torch.get_num_threads(), _check(out, torch.bfloat16, "out"))
+        _check(qkv, torch.bfloat16, "qkv"),
+        _check(table, torch.bfloat16, "table"),
+        _check(positions, torch.int64, "positions"),
+        _check(k_cache, torch.bfloat16, "k_cache"),
+        _check(v_cache, torch.bfloat16, "v_cache"),
+        _check(slots, torch.int64, "slots"),
+        _check(blocks, torch.int64, "blocks"),
+        _check(ctx, torch.int64, "ctx"),
+        blocks.shape[1],
+        bs,
+        rows,
+        num_heads,
+        num_kv_heads,
+        d,
+        scale,
+        _check(scratch[0], torch.bfloat16, "scratch"),
+        _check(scratch[1], torch.float32, "scores"),
+        scratch[1].shape[0],
+        torch.get_num_threads(),
+        _check(out, torch.bfloat16, "out"),
+    )
 
 
 def int4_weight_t(packed: torch.Tensor, scales_zeros: torch.Tensor, out: torch.Tensor, block: int) -> torch.Tensor:
@@ -239,10 +299,19 @@ def int4_weight_t(packed: torch.Tensor, scales_zeros: torch.Tensor, out: torch.T
     groups, n, two = scales_zeros.shape
     k = groups * 32
     if two != 2 or packed.numel() * 2 != n * k or out.shape != (k, n) or n % block or block % 2:
-        raise ValueError(f"int4_weight_t: packed {tuple(packed.shape)}, scales_zeros {tuple(scales_zeros.shape)}, "
-                         f"out {tuple(out.shape)}, block {block}")
-    library().int4_weight_t(_check(packed, torch.uint8, "packed"), _check(scales_zeros, torch.bfloat16, "scales_zeros"),
-                            _check(out, torch.bfloat16, "out"), n, k, block, torch.get_num_threads())
+        raise ValueError(
+            f"int4_weight_t: packed {tuple(packed.shape)}, scales_zeros {tuple(scales_zeros.shape)}, "
+            f"out {tuple(out.shape)}, block {block}"
+        )
+    library().int4_weight_t(
+        _check(packed, torch.uint8, "packed"),
+        _check(scales_zeros, torch.bfloat16, "scales_zeros"),
+        _check(out, torch.bfloat16, "out"),
+        n,
+        k,
+        block,
+        torch.get_num_threads(),
+    )
     return out
 
 
@@ -272,11 +341,23 @@ def int4_mm_call(packed: torch.Tensor, scales_zeros: torch.Tensor):
     if not int4_mm_native() or scales_zeros.dim() != 3:
         return False
     groups, n, two = scales_zeros.shape
-    if (two != 2 or packed.numel() * 2 != n * groups * 32 or n % 64 or groups > INT4_MM_GROUPS
-            or packed.dtype != torch.uint8 or not packed.is_contiguous()):
+    if (
+        two != 2
+        or packed.numel() * 2 != n * groups * 32
+        or n % 64
+        or groups > INT4_MM_GROUPS
+        or packed.dtype != torch.uint8
+        or not packed.is_contiguous()
+    ):
         return False
-    return _rows_call("int4_mm", _lib.int4_mm, (packed, torch.uint8, "packed"),
-                      (scales_zeros, torch.bfloat16, "scales_zeros"), n, groups * 32)
+    return _rows_call(
+        "int4_mm",
+        _lib.int4_mm,
+        (packed, torch.uint8, "packed"),
+        (scales_zeros, torch.bfloat16, "scales_zeros"),
+        n,
+        groups * 32,
+    )
 
 
 def int8_mm_call(codes: torch.Tensor, scales: torch.Tensor):
@@ -288,8 +369,9 @@ def int8_mm_call(codes: torch.Tensor, scales: torch.Tensor):
         return False
     if codes.dim() != 2 or scales.shape != (codes.shape[0],) or codes.shape[1] % 32 or codes.shape[0] % 2:
         return False
-    return _rows_call("int8_mm", _lib.int8_mm, (codes, torch.int8, "codes"), (scales, torch.bfloat16, "scales"),
-                      *codes.shape)
+    return _rows_call(
+        "int8_mm", _lib.int8_mm, (codes, torch.int8, "codes"), (scales, torch.bfloat16, "scales"), *codes.shape
+    )
 
 
 def _rows_call(name: str, fn, weight: tuple, scale: tuple, n: int, k: int):
@@ -301,8 +383,13 @@ def _rows_call(name: str, fn, weight: tuple, scale: tuple, n: int, k: int):
 
     def call(x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
-        if (x.dtype != torch.bfloat16 or not x.is_contiguous() or x.shape[1:] != (k,) or not 0 < rows <= INT4_MM_ROWS
-                or keep is None):
+        if (
+            x.dtype != torch.bfloat16
+            or not x.is_contiguous()
+            or x.shape[1:] != (k,)
+            or not 0 < rows <= INT4_MM_ROWS
+            or keep is None
+        ):
             raise ValueError(f"{name}: x {x.dtype} {tuple(x.shape)} for {k} inputs, at most {INT4_MM_ROWS} rows")
         y = torch.empty(rows, n, dtype=torch.bfloat16)
         fn(x.data_ptr(), wp, sp, y.data_ptr(), rows, n, k, torch.get_num_threads())
@@ -316,20 +403,44 @@ class DecodeStep:
     then costs 3 ctypes calls): built by the model for a step whose every row is a one-token
     query over its own full-attention keys (``LlamaModel._fused_step``)."""
 
-    def __init__(self, h: torch.Tensor, table: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 blocks: torch.Tensor, ctx: torch.Tensor, max_ctx: int, kv: torch.Tensor, num_heads: int,
-                 num_kv_heads: int, head_dim: int, intermediate: int, scale: float, eps: float):
+    def __init__(
+        self,
+        h: torch.Tensor,
+        table: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        blocks: torch.Tensor,
+        ctx: torch.Tensor,
+        max_ctx: int,
+        kv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        intermediate: int,
+        scale: float,
+        eps: float,
+    ):
         lib = library()
         rows, hidden = h.shape
         nb, bs = kv.shape[2], kv.shape[3]
-        if (kv.dtype != torch.bfloat16 or not kv.is_contiguous() or kv.shape[4:] != (num_kv_heads, head_dim)
-                or not heads_supported(num_heads, num_kv_heads, head_dim) or blocks.shape[1] * bs < max_ctx
-                or slots.shape != (rows,)):
+        if (
+            kv.dtype != torch.bfloat16
+            or not kv.is_contiguous()
+            or kv.shape[4:] != (num_kv_heads, head_dim)
+            or not heads_supported(num_heads, num_kv_heads, head_dim)
+            or blocks.shape[1] * bs < max_ctx
+            or slots.shape != (rows,)
+        ):
             raise ValueError("DecodeStep: inconsistent step")
         # the C code indexes with these unchecked: a bad block table must be an error, not a stray write
-        if rows and (int(blocks.min()) < 0 or int(blocks.max()) >= nb or int(slots.min()) < 0
-                     or int(slots.max()) >= nb * bs or int(positions.max()) >= table.shape[0]
-                     or int(ctx.min()) < 1):
+        if rows and (
+            int(blocks.min()) < 0
+            or int(blocks.max()) >= nb
+            or int(slots.min()) < 0
+            or int(slots.max()) >= nb * bs
+            or int(positions.max()) >= table.shape[0]
+            or int(ctx.min()) < 1
+        ):
             raise ValueError("DecodeStep: a block, slot or position outside the pool or the RoPE table")
         self.lib, self.rows, self.hidden, self.eps = lib, rows, hidden, eps
         self.h = h
@@ -340,18 +451,40 @@ class DecodeStep:
         self._q = torch.empty(rows, num_heads * head_dim, dtype=torch.bfloat16)
         threads = torch.get_num_threads()  # what the step's governor set (chatkv.model.cpu_threads)
         self._scores = attention_scratch(rows, num_heads, num_kv_heads, head_dim, max(max_ctx, 1))
-        self._h, self._normed, self._o, self._act = (_check(t, dt, n) for t, dt, n in (
-            (h, torch.float32, "h"), (self.normed, torch.bfloat16, "normed"), (self.o, torch.bfloat16, "o"),
-            (self.act, torch.bfloat16, "act")))
+        self._h, self._normed, self._o, self._act = (
+            _check(t, dt, n)
+            for t, dt, n in (
+                (h, torch.float32, "h"),
+                (self.normed, torch.bfloat16, "normed"),
+                (self.o, torch.bfloat16, "o"),
+                (self.act, torch.bfloat16, "act"),
+            )
+        )
         layer_elems = kv.stride(0)
         base = kv.data_ptr()
-        self._kv = [(base + 2 * (layer * layer_elems), base + 2 * (layer * layer_elems + kv.stride(1)))
-                    for layer in range(kv.shape[0])]
-        self._attn_args = (_check(table, torch.bfloat16, "table"), _check(positions, torch.int64, "positions"),
-                           _check(slots, torch.int64, "slots"), _check(blocks, torch.int64, "blocks"),
-                           _check(ctx, torch.int64, "ctx"), blocks.shape[1], bs, rows, num_heads, num_kv_heads,
-                           head_dim, scale, self._q.data_ptr(), self._scores.data_ptr(), self._scores.shape[0],
-                           threads, self._o)
+        self._kv = [
+            (base + 2 * (layer * layer_elems), base + 2 * (layer * layer_elems + kv.stride(1)))
+            for layer in range(kv.shape[0])
+        ]
+        self._attn_args = (
+            _check(table, torch.bfloat16, "table"),
+            _check(positions, torch.int64, "positions"),
+            _check(slots, torch.int64, "slots"),
+            _check(blocks, torch.int64, "blocks"),
+            _check(ctx, torch.int64, "ctx"),
+            blocks.shape[1],
+            bs,
+            rows,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            scale,
+            self._q.data_ptr(),
+            self._scores.data_ptr(),
+            self._scores.shape[0],
+            threads,
+            self._o,
+        )
         self._qkv_width = (num_heads + 2 * num_kv_heads) * head_dim
         self._inter = intermediate
 
@@ -359,8 +492,15 @@ class DecodeStep:
         """``h += y``; returns ``normed = bf16(rms_norm(h) * weight)`` (weight float32, contiguous)."""
         if y is not None and (y.dtype != torch.bfloat16 or not y.is_contiguous() or y.shape != self.h.shape):
             raise ValueError(f"DecodeStep.norm: y {y.dtype} {tuple(y.shape)}")
-        self.lib.add_rms(self._h, None if y is None else y.data_ptr(), weight.data_ptr(), self._normed,
-                         self.rows, self.hidden, self.eps)
+        self.lib.add_rms(
+            self._h,
+            None if y is None else y.data_ptr(),
+            weight.data_ptr(),
+            self._normed,
+            self.rows,
+            self.hidden,
+            self.eps,
+        )
         return self.normed
 
     def attention(self, qkv: torch.Tensor, layer: int) -> torch.Tensor:

@@ -44,8 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from chatkv.kernels import kv_quant
 from chatkv.kernels import attention as reference
+from chatkv.kernels import kv_quant
 from chatkv.kernels.attention import AttentionMetadata
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -100,7 +100,9 @@ def _fp8_e4m3_value(b):
 
 
 @triton.jit
-def _store_rows(x, cache_ptr, scale_ptr, row, d, mask, row_ok, D: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr):
+def _store_rows(
+    x, cache_ptr, scale_ptr, row, d, mask, row_ok, D: tl.constexpr, QUANT: tl.constexpr, QMAX: tl.constexpr
+):
     """Write rows ``x`` [heads, D_PAD] at element offsets ``row`` [heads, 1]: as they are (QUANT 0, cast to the
     cache's dtype), or quantised as kv_quant.quantize does: scale = amax / QMAX (NaN when a row holds a NaN),
     q = round/cast(clamp(x / scale)) (zeros when scale is 0 or NaN), both divisions correctly rounded, and the
@@ -124,12 +126,27 @@ def _store_rows(x, cache_ptr, scale_ptr, row, d, mask, row_ok, D: tl.constexpr, 
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_ptr,
-    stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_cs, stride_ch,
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
     block_size,
-    KV_HEADS: tl.constexpr, H_PAD: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    QUANT: tl.constexpr, QMAX: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    H_PAD: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    QUANT: tl.constexpr,
+    QMAX: tl.constexpr,
 ):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -155,7 +172,11 @@ def _views(cache: torch.Tensor, quant: str | None) -> tuple[torch.Tensor, torch.
 
 
 def store_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     quant: str | None = None,
 ) -> None:
     """Write new keys/values ``[tokens, kv_heads, head_dim]`` into their slots (as the reference does); with
@@ -170,12 +191,27 @@ def store_kv(
     assert slot_mapping.shape == (tokens,), (slot_mapping.shape, tokens)
     (kc, ks), (vc, vs) = _views(k_cache, quant), _views(v_cache, quant)
     _store_kv_kernel[(tokens,)](
-        k, v, kc, vc, ks, vs, slot_mapping,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        k,
+        v,
+        kc,
+        vc,
+        ks,
+        vs,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
         k_cache.shape[1],
-        KV_HEADS=kv_heads, H_PAD=triton.next_power_of_2(kv_heads), D=head_dim, D_PAD=triton.next_power_of_2(head_dim),
-        QUANT=QUANT_CODES[quant], QMAX=kv_quant.FORMATS[quant][1] if quant else 0.0,
+        KV_HEADS=kv_heads,
+        H_PAD=triton.next_power_of_2(kv_heads),
+        D=head_dim,
+        D_PAD=triton.next_power_of_2(head_dim),
+        QUANT=QUANT_CODES[quant],
+        QMAX=kv_quant.FORMATS[quant][1] if quant else 0.0,
     )
 
 
@@ -202,8 +238,23 @@ def _load_rows(cache_ptr, scale_ptr, off, valid, d, D: tl.constexpr, QUANT: tl.c
 
 
 @triton.jit
-def _kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table, pos, valid, block_size, stride_cb, stride_cs,
-             kvh, stride_ch, d, D: tl.constexpr, QUANT: tl.constexpr):
+def _kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    table,
+    pos,
+    valid,
+    block_size,
+    stride_cb,
+    stride_cs,
+    kvh,
+    stride_ch,
+    d,
+    D: tl.constexpr,
+    QUANT: tl.constexpr,
+):
     """The keys and values of context positions ``pos`` (``valid`` ones; zeros elsewhere) through the block table."""
     blk = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
     off = blk * stride_cb + (pos % block_size).to(tl.int64) * stride_cs + kvh * stride_ch
@@ -238,11 +289,34 @@ def _online_softmax(scores, v, m_i, l_i, acc, DOT_F32: tl.constexpr):
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, rows_ptr, tables_ptr, bounds_ptr, part_o_ptr, part_ml_ptr,
-    scale, split_len, num_splits, table_stride, block_size,
-    stride_qt, stride_qh, stride_cb, stride_cs, stride_ch,
-    HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
-    D: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, QUANT: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    rows_ptr,
+    tables_ptr,
+    bounds_ptr,
+    part_o_ptr,
+    part_ml_ptr,
+    scale,
+    split_len,
+    num_splits,
+    table_stride,
+    block_size,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -267,8 +341,23 @@ def _decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < end
-        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table, pos, valid, block_size,
-                        stride_cb, stride_cs, kvh, stride_ch, d, D, QUANT)
+        k, v = _kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            table,
+            pos,
+            valid,
+            block_size,
+            stride_cb,
+            stride_cs,
+            kvh,
+            stride_ch,
+            d,
+            D,
+            QUANT,
+        )
         k, v = k.to(q.dtype), v.to(q.dtype)  # no-op unless dequantised tiles meet 16-bit queries on a GPU
         scores = _dot(q, tl.trans(k), DOT_F32) * scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
@@ -284,9 +373,17 @@ def _decode_split_kernel(
 
 @triton.jit
 def _decode_reduce_kernel(
-    out_ptr, rows_ptr, part_o_ptr, part_ml_ptr, stride_ot, stride_oh,
+    out_ptr,
+    rows_ptr,
+    part_o_ptr,
+    part_ml_ptr,
+    stride_ot,
+    stride_oh,
     num_splits,
-    HEADS: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    HEADS: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    S_PAD: tl.constexpr,
 ):
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -307,11 +404,34 @@ def _decode_reduce_kernel(
 
 @triton.jit
 def _prefill_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, out_ptr, starts_ptr, qlens_ptr, kvlens_ptr, tables_ptr,
-    scale, window, table_stride, block_size,
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
-    GROUP: tl.constexpr, D: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_F32: tl.constexpr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    out_ptr,
+    starts_ptr,
+    qlens_ptr,
+    kvlens_ptr,
+    tables_ptr,
+    scale,
+    window,
+    table_stride,
+    block_size,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    GROUP: tl.constexpr,
+    D: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    DOT_F32: tl.constexpr,
     QUANT: tl.constexpr,
 ):
     p_id = tl.program_id(0)
@@ -327,7 +447,9 @@ def _prefill_kernel(
     q_ok = i < q_len
     q_pos = kv_len - q_len + i  # the queries are the last q_len positions of the context
     rows = (q_start + i).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=q_ok[:, None] & (d[None, :] < D), other=0.0)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + h * stride_qh + d[None, :], mask=q_ok[:, None] & (d[None, :] < D), other=0.0
+    )
     q = _operands(q, k_cache_ptr, QUANT, DOT_F32)
 
     # keys this tile can see: [lo, hi); a tile past q_len gets an empty range
@@ -343,8 +465,23 @@ def _prefill_kernel(
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         valid = pos < hi
-        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table, pos, valid, block_size,
-                        stride_cb, stride_cs, kvh, stride_ch, d, D, QUANT)
+        k, v = _kv_tile(
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            table,
+            pos,
+            valid,
+            block_size,
+            stride_cb,
+            stride_cs,
+            kvh,
+            stride_ch,
+            d,
+            D,
+            QUANT,
+        )
         k, v = k.to(q.dtype), v.to(q.dtype)  # no-op unless dequantised tiles meet 16-bit queries on a GPU
         scores = _dot(q, tl.trans(k), DOT_F32) * scale
         allowed = valid[None, :] & (pos[None, :] <= q_pos[:, None])
@@ -353,8 +490,11 @@ def _prefill_kernel(
         scores = tl.where(allowed, scores, float("-inf"))
         m_i, l_i, acc = _online_softmax(scores, v, m_i, l_i, acc, DOT_F32)
     o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
-             mask=q_ok[:, None] & (d[None, :] < D))
+    tl.store(
+        out_ptr + rows[:, None] * stride_ot + h * stride_oh + d[None, :],
+        o.to(out_ptr.dtype.element_ty),
+        mask=q_ok[:, None] & (d[None, :] < D),
+    )
 
 
 def _packed(meta: AttentionMetadata, device: torch.device) -> dict:
@@ -433,11 +573,33 @@ def paged_attention(
         window = meta.sliding_window
         grid = (tables.shape[0], triton.cdiv(max_q, block_m), heads)
         _prefill_kernel[grid](
-            q, kc, vc, ks, vs, out, info[0], info[1], info[2], tables,
-            scale, window or 0, tables.shape[1], block_size,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1), *cache_strides,
-            GROUP=group, D=head_dim, D_PAD=d_pad, BLOCK_M=block_m, BLOCK_N=block_n,
-            HAS_WINDOW=window is not None, DOT_F32=dot_f32, QUANT=QUANT_CODES[quant],
+            q,
+            kc,
+            vc,
+            ks,
+            vs,
+            out,
+            info[0],
+            info[1],
+            info[2],
+            tables,
+            scale,
+            window or 0,
+            tables.shape[1],
+            block_size,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            *cache_strides,
+            GROUP=group,
+            D=head_dim,
+            D_PAD=d_pad,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            HAS_WINDOW=window is not None,
+            DOT_F32=dot_f32,
+            QUANT=QUANT_CODES[quant],
         )
     if "decode" in packed:
         rows, tables, bounds, span = packed["decode"]
@@ -447,14 +609,44 @@ def paged_attention(
         part_o = torch.empty(b, heads, splits, d_pad, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(b, heads, splits, 2, dtype=torch.float32, device=q.device)
         _decode_split_kernel[(b, kv_heads, splits)](
-            q, kc, vc, ks, vs, rows, tables, bounds, part_o, part_ml,
-            scale, split_len, splits, tables.shape[1], block_size,
-            q.stride(0), q.stride(1), *cache_strides,
-            HEADS=heads, GROUP=group, G_PAD=max(16, triton.next_power_of_2(group)),
-            D=head_dim, D_PAD=d_pad, BLOCK_N=block_n, DOT_F32=dot_f32, QUANT=QUANT_CODES[quant],
+            q,
+            kc,
+            vc,
+            ks,
+            vs,
+            rows,
+            tables,
+            bounds,
+            part_o,
+            part_ml,
+            scale,
+            split_len,
+            splits,
+            tables.shape[1],
+            block_size,
+            q.stride(0),
+            q.stride(1),
+            *cache_strides,
+            HEADS=heads,
+            GROUP=group,
+            G_PAD=max(16, triton.next_power_of_2(group)),
+            D=head_dim,
+            D_PAD=d_pad,
+            BLOCK_N=block_n,
+            DOT_F32=dot_f32,
+            QUANT=QUANT_CODES[quant],
         )
         _decode_reduce_kernel[(b, heads)](
-            out, rows, part_o, part_ml, out.stride(0), out.stride(1), splits,
-            HEADS=heads, D=head_dim, D_PAD=d_pad, S_PAD=triton.next_power_of_2(splits),
+            out,
+            rows,
+            part_o,
+            part_ml,
+            out.stride(0),
+            out.stride(1),
+            splits,
+            HEADS=heads,
+            D=head_dim,
+            D_PAD=d_pad,
+            S_PAD=triton.next_power_of_2(splits),
         )
     return out

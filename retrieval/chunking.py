@@ -181,8 +181,14 @@ def _markdown(text: str, setext: bool = True, atx: bool = True, front_matter: bo
             b.heading(len(m.group(1)), m.group(2) or "", i, i)
             i += 1
             continue
-        if (setext and line.strip() and i + 1 < n and _SETEXT.match(lines[i + 1]) and not line.startswith("    ")
-                and not (lines[i + 1].strip()[0] == "-" and _LIST_ITEM.match(line))):
+        if (
+            setext
+            and line.strip()
+            and i + 1 < n
+            and _SETEXT.match(lines[i + 1])
+            and not line.startswith("    ")
+            and not (lines[i + 1].strip()[0] == "-" and _LIST_ITEM.match(line))
+        ):
             b.heading(1 if lines[i + 1].strip()[0] == "=" else 2, line, i, i + 1)
             i += 2
             continue
@@ -367,8 +373,9 @@ def _by_chars(text: str, s: int, e: int, cap: int, count: _Counter) -> list[tupl
 # --------------------------------------------------------------------------------------- packing
 
 
-def chunk_document(doc: Document, count_tokens: Callable[[str], int], max_tokens: int = 256,
-                   overlap_tokens: int = 32) -> list[Chunk]:
+def chunk_document(
+    doc: Document, count_tokens: Callable[[str], int], max_tokens: int = 256, overlap_tokens: int = 32
+) -> list[Chunk]:
     """The chunks of ``doc``; see the module docstring for the contract and the policy."""
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be a positive int, got {max_tokens!r}")
@@ -377,7 +384,9 @@ def chunk_document(doc: Document, count_tokens: Callable[[str], int], max_tokens
     count = _Counter(count_tokens)
     cap = max_tokens - count.base
     if cap < 1:
-        raise InvalidRequest(f"max_tokens={max_tokens} leaves no room: the tokenizer adds {count.base} tokens to any text")
+        raise InvalidRequest(
+            f"max_tokens={max_tokens} leaves no room: the tokenizer adds {count.base} tokens to any text"
+        )
     text, chunks = doc.text, []
     for section in _sections(doc):
         atoms = [a for block in section.blocks for a in _atoms(text, block.start, block.end, cap, count, block.code)]
@@ -400,7 +409,7 @@ def _pack(text: str, atoms: list[tuple[int, int, int]], cap: int, overlap: int, 
         while j < len(atoms) and used + atoms[j][2] <= cap:
             used += atoms[j][2]
             j += 1
-        while count(text[start:atoms[j - 1][1]]) > cap:  # the estimate was low: give back atoms, then overlap
+        while count(text[start : atoms[j - 1][1]]) > cap:  # the estimate was low: give back atoms, then overlap
             if j - 1 > i:
                 j -= 1
             else:
@@ -420,7 +429,7 @@ def _overlap_start(text: str, ps: int, pe: int, budget: int, count: _Counter) ->
     lo, hi = 0, len(words)
     while lo < hi:  # first k whose tail fits (tails shrink as k grows)
         mid = (lo + hi) // 2
-        if count(text[words[mid]:pe]) <= budget:
+        if count(text[words[mid] : pe]) <= budget:
             hi = mid
         else:
             lo = mid + 1
@@ -429,7 +438,7 @@ def _overlap_start(text: str, ps: int, pe: int, budget: int, count: _Counter) ->
     best = words[lo]
     for m in _RESTART.finditer(text, ps, pe):
         if best <= m.end() < pe:
-            n = count(text[m.end():pe])
+            n = count(text[m.end() : pe])
             if 2 * n >= budget:
                 return m.end(), n
             break

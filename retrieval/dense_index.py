@@ -168,8 +168,13 @@ class DenseIndex:
 
         atomic_write(path, write_index)
         meta = {
-            "format": FORMAT, "kind": self.kind, "dim": self.dim, "ntotal": self.ntotal,
-            "bytes": crc_size[1], "crc32": crc_size[0], "identity": identity or {},
+            "format": FORMAT,
+            "kind": self.kind,
+            "dim": self.dim,
+            "ntotal": self.ntotal,
+            "bytes": crc_size[1],
+            "crc32": crc_size[0],
+            "identity": identity or {},
         }
         data = json.dumps(meta, sort_keys=True).encode()
         atomic_write(sidecar_path(path), lambda tmp: tmp.write_bytes(data))
@@ -212,8 +217,10 @@ class DenseIndex:
         except OSError as e:
             return refuse(f"it cannot be read ({e})")
         if len(data) != meta.get("bytes") or zlib.crc32(data) != meta.get("crc32"):
-            return refuse(f"it is damaged ({len(data)} bytes, crc32 {zlib.crc32(data):08x}; "
-                          f"written as {meta.get('bytes')} bytes, crc32 {meta.get('crc32', 0) or 0:08x})")
+            return refuse(
+                f"it is damaged ({len(data)} bytes, crc32 {zlib.crc32(data):08x}; "
+                f"written as {meta.get('bytes')} bytes, crc32 {meta.get('crc32', 0) or 0:08x})"
+            )
         try:
             index = faiss.deserialize_index(np.frombuffer(data, dtype=np.uint8))
         except (RuntimeError, MemoryError, ValueError) as e:
@@ -221,7 +228,9 @@ class DenseIndex:
         if not isinstance(index, faiss.IndexIDMap2):
             return refuse(f"it is a {type(index).__name__}, not an IndexIDMap2")
         inner = faiss.downcast_index(index.index)
-        kind = FLAT if isinstance(inner, faiss.IndexFlatIP) else HNSW if isinstance(inner, faiss.IndexHNSWFlat) else None
+        kind = (
+            FLAT if isinstance(inner, faiss.IndexFlatIP) else HNSW if isinstance(inner, faiss.IndexHNSWFlat) else None
+        )
         if kind is None or kind != meta.get("kind") or index.metric_type != faiss.METRIC_INNER_PRODUCT:
             return refuse(f"its inner index is a {type(inner).__name__}, not a flat or HNSW inner-product index")
         if index.d != dim:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Iterator
 
 from chatkv.errors import DocumentError  # noqa: F401 (defined in chatkv.errors; imported from here too)
 
@@ -48,24 +48,82 @@ DEFAULT_MAX_BYTES = 20 * 2**20
 KINDS = ("text", "markdown", "rst", "html", "code", "pdf")
 SKIPPED_DIRS = frozenset({"__pycache__", "node_modules"})  # besides every name starting with "."
 
-_PROSE = {".txt": "text", ".text": "text", ".log": "text", ".md": "markdown", ".markdown": "markdown",
-          ".rst": "rst", ".html": "html", ".htm": "html", ".xhtml": "html", ".pdf": "pdf"}
+_PROSE = {
+    ".txt": "text",
+    ".text": "text",
+    ".log": "text",
+    ".md": "markdown",
+    ".markdown": "markdown",
+    ".rst": "rst",
+    ".html": "html",
+    ".htm": "html",
+    ".xhtml": "html",
+    ".pdf": "pdf",
+}
 _LANGUAGES = {
-    ".py": "python", ".pyi": "python", ".js": "javascript", ".mjs": "javascript", ".cjs": "javascript",
-    ".jsx": "javascript", ".ts": "typescript", ".tsx": "typescript", ".go": "go", ".rs": "rust",
-    ".c": "c", ".h": "c", ".cpp": "cpp", ".cc": "cpp", ".cxx": "cpp", ".hpp": "cpp", ".hh": "cpp",
-    ".java": "java", ".kt": "kotlin", ".scala": "scala", ".cs": "csharp", ".swift": "swift",
-    ".rb": "ruby", ".php": "php", ".lua": "lua", ".pl": "perl", ".r": "r", ".jl": "julia",
-    ".sh": "shell", ".bash": "shell", ".zsh": "shell", ".ps1": "powershell", ".sql": "sql",
-    ".toml": "toml", ".yaml": "yaml", ".yml": "yaml", ".json": "json", ".ini": "ini", ".cfg": "ini",
-    ".xml": "xml", ".css": "css", ".scss": "css", ".proto": "protobuf", ".cmake": "cmake",
+    ".py": "python",
+    ".pyi": "python",
+    ".js": "javascript",
+    ".mjs": "javascript",
+    ".cjs": "javascript",
+    ".jsx": "javascript",
+    ".ts": "typescript",
+    ".tsx": "typescript",
+    ".go": "go",
+    ".rs": "rust",
+    ".c": "c",
+    ".h": "c",
+    ".cpp": "cpp",
+    ".cc": "cpp",
+    ".cxx": "cpp",
+    ".hpp": "cpp",
+    ".hh": "cpp",
+    ".java": "java",
+    ".kt": "kotlin",
+    ".scala": "scala",
+    ".cs": "csharp",
+    ".swift": "swift",
+    ".rb": "ruby",
+    ".php": "php",
+    ".lua": "lua",
+    ".pl": "perl",
+    ".r": "r",
+    ".jl": "julia",
+    ".sh": "shell",
+    ".bash": "shell",
+    ".zsh": "shell",
+    ".ps1": "powershell",
+    ".sql": "sql",
+    ".toml": "toml",
+    ".yaml": "yaml",
+    ".yml": "yaml",
+    ".json": "json",
+    ".ini": "ini",
+    ".cfg": "ini",
+    ".xml": "xml",
+    ".css": "css",
+    ".scss": "css",
+    ".proto": "protobuf",
+    ".cmake": "cmake",
 }
 _NAMED = {"Makefile": "make", "GNUmakefile": "make", "Dockerfile": "dockerfile", "CMakeLists.txt": "cmake"}
-_MAGIC = ((b"\x89PNG\r\n\x1a\n", "PNG image"), (b"\xff\xd8\xff", "JPEG image"), (b"GIF8", "GIF image"),
-          (b"PK\x03\x04", "zip archive"), (b"\x1f\x8b", "gzip archive"), (b"\x7fELF", "ELF executable"),
-          (b"SQLite format 3\x00", "SQLite database"), (b"%PDF-", "PDF"))
-_BOMS = ((codecs.BOM_UTF32_LE, "utf-32-le"), (codecs.BOM_UTF32_BE, "utf-32-be"), (codecs.BOM_UTF8, "utf-8-sig"),
-         (codecs.BOM_UTF16_LE, "utf-16-le"), (codecs.BOM_UTF16_BE, "utf-16-be"))
+_MAGIC = (
+    (b"\x89PNG\r\n\x1a\n", "PNG image"),
+    (b"\xff\xd8\xff", "JPEG image"),
+    (b"GIF8", "GIF image"),
+    (b"PK\x03\x04", "zip archive"),
+    (b"\x1f\x8b", "gzip archive"),
+    (b"\x7fELF", "ELF executable"),
+    (b"SQLite format 3\x00", "SQLite database"),
+    (b"%PDF-", "PDF"),
+)
+_BOMS = (
+    (codecs.BOM_UTF32_LE, "utf-32-le"),
+    (codecs.BOM_UTF32_BE, "utf-32-be"),
+    (codecs.BOM_UTF8, "utf-8-sig"),
+    (codecs.BOM_UTF16_LE, "utf-16-le"),
+    (codecs.BOM_UTF16_BE, "utf-16-be"),
+)
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f]")
 
 
@@ -90,8 +148,13 @@ class FileError:
 # ---------------------------------------------------------------------------------------- discover
 
 
-def discover(paths, include: list[str] | None = None, exclude: list[str] | None = None,
-             max_bytes: int = DEFAULT_MAX_BYTES, follow_symlinks: bool = False) -> Iterator[Path | FileError]:
+def discover(
+    paths,
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    follow_symlinks: bool = False,
+) -> Iterator[Path | FileError]:
     """Files under ``paths`` (a path or an iterable of paths: files or directories, walked recursively
     in sorted order), as resolved absolute Paths, each file once; a FileError for each thing that
     cannot be used.
@@ -142,16 +205,21 @@ class _Links:
         except OSError:
             target = "?"
         if not self.follow:
-            return FileError(str(path), f"a symbolic link (to {target}), not followed; pass follow_symlinks=True "
-                                        f"(chatkv ingest --follow-symlinks) to take links inside the given paths")
+            return FileError(
+                str(path),
+                f"a symbolic link (to {target}), not followed; pass follow_symlinks=True "
+                f"(chatkv ingest --follow-symlinks) to take links inside the given paths",
+            )
         real = os.path.realpath(path)
         if not os.path.exists(real):
             return None  # dangling or a loop: _stat says which
         for root in self.roots:
             if real == root or real.startswith(root.rstrip(os.sep) + os.sep):
                 return None
-        return FileError(str(path), f"a symbolic link to {real}, outside the given paths; not followed "
-                                    f"(name it as a path to ingest it)")
+        return FileError(
+            str(path),
+            f"a symbolic link to {real}, outside the given paths; not followed (name it as a path to ingest it)",
+        )
 
 
 def _walk(root: Path, root_st, include, exclude, max_bytes, seen_files, seen_dirs, links: _Links):
@@ -313,7 +381,9 @@ def document_from_text(text: str, source: str, kind: str = "text", metadata: dic
     if not isinstance(text, str):
         raise DocumentError(str(source), f"text must be a str, got {type(text).__name__}")
     if kind not in KINDS or kind == "pdf":
-        raise DocumentError(str(source), f"kind must be one of {', '.join(k for k in KINDS if k != 'pdf')}, got {kind!r}")
+        raise DocumentError(
+            str(source), f"kind must be one of {', '.join(k for k in KINDS if k != 'pdf')}, got {kind!r}"
+        )
     try:
         raw = text.encode("utf-8")
     except UnicodeEncodeError as e:
@@ -343,10 +413,11 @@ def _decode(raw: bytes) -> tuple[str, str]:
     for bom, encoding in _BOMS:
         if raw.startswith(bom):
             try:
-                return raw[len(bom):].decode(encoding.replace("-sig", "")), encoding
+                return raw[len(bom) :].decode(encoding.replace("-sig", "")), encoding
             except UnicodeDecodeError as e:
-                raise _Undecodable(f"starts with a {encoding} byte-order mark but is not valid {encoding} "
-                                   f"(byte {e.start + len(bom)})") from None
+                raise _Undecodable(
+                    f"starts with a {encoding} byte-order mark but is not valid {encoding} (byte {e.start + len(bom)})"
+                ) from None
     if b"\x00" in raw:
         encoding = _utf16_guess(raw[:8192])
         if encoding:
@@ -372,8 +443,10 @@ def _decode(raw: bytes) -> tuple[str, str]:
         share = _control_share(text)
         if share < 0.01:
             return text, encoding
-    raise _Undecodable(f"not a text encoding chatkv can detect: not UTF-8 (invalid byte at {bad_utf8:,}), "
-                       f"no UTF-16/32 byte-order mark, and as latin-1 {share:.0%} of it would be control characters")
+    raise _Undecodable(
+        f"not a text encoding chatkv can detect: not UTF-8 (invalid byte at {bad_utf8:,}), "
+        f"no UTF-16/32 byte-order mark, and as latin-1 {share:.0%} of it would be control characters"
+    )
 
 
 def _utf16_guess(head: bytes) -> str | None:
@@ -425,8 +498,28 @@ def _pdf_text(source: str, raw: bytes) -> tuple[str, dict]:
 # ------------------------------------------------------------------------------------ HTML to text
 
 _SKIP = frozenset({"script", "style", "template", "noscript", "svg", "canvas", "iframe", "object"})
-_PARA = frozenset({"p", "blockquote", "table", "ul", "ol", "dl", "section", "article", "header", "footer",
-                   "main", "nav", "aside", "figure", "hr", "form", "details", "fieldset"})
+_PARA = frozenset(
+    {
+        "p",
+        "blockquote",
+        "table",
+        "ul",
+        "ol",
+        "dl",
+        "section",
+        "article",
+        "header",
+        "footer",
+        "main",
+        "nav",
+        "aside",
+        "figure",
+        "hr",
+        "form",
+        "details",
+        "fieldset",
+    }
+)
 _LINE = frozenset({"div", "li", "tr", "dt", "dd", "br", "caption", "figcaption", "summary", "address", "legend"})
 
 

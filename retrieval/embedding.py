@@ -181,8 +181,12 @@ class Embedder:
                 for b in range(0, len(order), batch_size):
                     idx = order[b : b + batch_size]
                     batch = self.tokenizer(
-                        [texts[i] for i in idx], padding=True, truncation=True, max_length=self.max_tokens,
-                        return_tensors="pt", split_special_tokens=True,  # text is data: only [CLS]/[SEP] of its own
+                        [texts[i] for i in idx],
+                        padding=True,
+                        truncation=True,
+                        max_length=self.max_tokens,
+                        return_tensors="pt",
+                        split_special_tokens=True,  # text is data: only [CLS]/[SEP] of its own
                     ).to(self.device)
                     with torch.inference_mode():
                         hidden = model(**batch).last_hidden_state

@@ -77,6 +77,7 @@ class KBView(Protocol):
 
     def write_index(self) -> None: ...
 
+
 CHUNK_TOKENS = 256
 OVERLAP_TOKENS = 32
 
@@ -194,9 +195,7 @@ def text_documents(
         yield doc, meta
 
 
-def ingest(
-    kb: KBView, docs, known: dict, report: IngestReport, progress: bool, embed_group: int
-) -> None:
+def ingest(kb: KBView, docs, known: dict, report: IngestReport, progress: bool, embed_group: int) -> None:
     """Chunk, embed (``embed_group`` chunks at a time) and write ``docs``; then the index file."""
     max_tokens = min(CHUNK_TOKENS, kb.embedder.max_tokens)
     overlap = min(OVERLAP_TOKENS, max_tokens // 4)
@@ -236,8 +235,10 @@ def ingest(
             staged = _Staged(
                 doc,
                 [embedding_text(doc, c) for c in chunks],
-                [NewChunk(c.ordinal, c.start, c.end, c.heading or "", c.text, kb.embedder.count_tokens(c.text), b"")
-                 for c in chunks],
+                [
+                    NewChunk(c.ordinal, c.start, c.end, c.heading or "", c.text, kb.embedder.count_tokens(c.text), b"")
+                    for c in chunks
+                ],
             )
             report.seconds["parse"] += time.perf_counter() - t
             known[doc.source] = (doc.content_hash, doc.metadata)

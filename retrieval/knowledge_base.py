@@ -80,8 +80,13 @@ class KnowledgeBase:
     """A named knowledge base; ``KnowledgeBase.open(name)``. See the module docstring."""
 
     def __init__(
-        self, store: KnowledgeStore, info: KBInfo, embedder: Embedder, index_dir: Path,
-        hnsw_threshold: int = HNSW_THRESHOLD, owns_store: bool = True,
+        self,
+        store: KnowledgeStore,
+        info: KBInfo,
+        embedder: Embedder,
+        index_dir: Path,
+        hnsw_threshold: int = HNSW_THRESHOLD,
+        owns_store: bool = True,
     ) -> None:
         self.store = store
         self.info = info
@@ -132,7 +137,9 @@ class KnowledgeBase:
         try:
             info = store.get_kb(name, tenant)
             if info is None and not create:
-                raise InvalidRequest(f"there is no knowledge base {name!r}" + (f" for tenant {tenant!r}" if tenant else ""))
+                raise InvalidRequest(
+                    f"there is no knowledge base {name!r}" + (f" for tenant {tenant!r}" if tenant else "")
+                )
             if embedder is None:
                 embedder = Embedder()
             if info is None:
@@ -169,7 +176,8 @@ class KnowledgeBase:
         else:
             log.warning(
                 "knowledge base %r: rebuilding its dense index (%d chunks) from the embeddings in the database",
-                self.name, len(ids),
+                self.name,
+                len(ids),
             )
             self._rebuild()
             self.write_index()
@@ -197,8 +205,12 @@ class KnowledgeBase:
         try:
             self.dense.write(self.index_path, self._identity)
         except OSError as e:  # the database has everything: the next open rebuilds
-            log.warning("knowledge base %r: cannot write its dense index %s (%s); it will be rebuilt on open",
-                        self.name, self.index_path, e)
+            log.warning(
+                "knowledge base %r: cannot write its dense index %s (%s); it will be rebuilt on open",
+                self.name,
+                self.index_path,
+                e,
+            )
 
     def settle(self) -> None:
         """Rebuild the dense index if a removal could not be applied, or if it outgrew flat."""
@@ -272,7 +284,9 @@ class KnowledgeBase:
 
     def _check_precompute(self, precompute_kv: bool) -> None:
         if precompute_kv and self.kv_precompute is None:
-            raise InvalidRequest("precompute_kv needs the chat model: open the knowledge base with Engine.knowledge_base")
+            raise InvalidRequest(
+                "precompute_kv needs the chat model: open the knowledge base with Engine.knowledge_base"
+            )
 
     def _precompute(self, report: IngestReport, progress: bool) -> None:
         """The chunk KV of every document of ``report`` (added, updated, unchanged), through the
@@ -328,7 +342,9 @@ class KnowledgeBase:
         tail = "/" + source.strip("/")
         matches = sorted(s for s in stored if s.endswith(tail))
         if len(matches) > 1:
-            raise InvalidRequest(f"{source!r} matches {len(matches)} documents ({', '.join(matches[:3])}...): give its full source")
+            raise InvalidRequest(
+                f"{source!r} matches {len(matches)} documents ({', '.join(matches[:3])}...): give its full source"
+            )
         return matches[0] if matches else None
 
     def _remove_source(self, source: str) -> bool:
@@ -362,7 +378,6 @@ class KnowledgeBase:
             self._refresh()
             return search_path.search(self, query, k, mode, filters)
 
-
     def chunks_of(self, source: str) -> list[Hit]:
         """A document's chunks in ordinal order (score 0.0), e.g. to pin the whole document;
         empty if it is not in the KB."""
@@ -391,8 +406,12 @@ class KnowledgeBase:
             except OSError:
                 index_bytes = 0
             out.update(
-                model=self.info.embedding_model, dim=self.info.embedding_dim, index=self.dense.kind,
-                vectors=self.dense.ntotal, index_bytes=index_bytes, lexical=self.store.has_lexical,
+                model=self.info.embedding_model,
+                dim=self.info.embedding_dim,
+                index=self.dense.kind,
+                vectors=self.dense.ntotal,
+                index_bytes=index_bytes,
+                lexical=self.store.has_lexical,
             )
             return out
 

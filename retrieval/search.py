@@ -35,6 +35,7 @@ class KBView(Protocol):
     store: KnowledgeStore
     warned_no_lexical: bool
 
+
 MODES = ("hybrid", "dense", "lexical")
 RRF_K = 60
 MAX_K = 1000
@@ -81,13 +82,14 @@ def check_search(query: str, k: int, mode: str, filters: Optional[dict[str, Any]
 def search(kb: KBView, query: str, k: int, mode: str, filters: Optional[dict[str, Any]]) -> list[Hit]:
     """The ``k`` best chunks for a checked, non-blank ``query``."""
     if mode == "lexical" and not kb.store.has_lexical:
-        raise InvalidRequest(
-            f"lexical search needs SQLite's FTS5; the database {kb.store.where} is not SQLite"
-        )
+        raise InvalidRequest(f"lexical search needs SQLite's FTS5; the database {kb.store.where} is not SQLite")
     if mode == "hybrid" and not kb.store.has_lexical:
         if not kb.warned_no_lexical:
-            log.warning("knowledge base %r: no lexical index on %s (not SQLite): hybrid search is dense-only",
-                        kb.name, kb.store.where)
+            log.warning(
+                "knowledge base %r: no lexical index on %s (not SQLite): hybrid search is dense-only",
+                kb.name,
+                kb.store.where,
+            )
             kb.warned_no_lexical = True
         mode = "dense"
     doc_ids = chunk_ids = None

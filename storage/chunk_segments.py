@@ -46,31 +46,65 @@ class ChunkSegments:
         self.store = KVStore(Path(root))
         self.budget = budget_bytes
 
-    def save(self, key: str, token_ids: Sequence[int], k: list[torch.Tensor], v: list[torch.Tensor], *,
-             model_fingerprint: str, kv_dtype: str, frame: int, text_hash: str) -> None:
+    def save(
+        self,
+        key: str,
+        token_ids: Sequence[int],
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
+        *,
+        model_fingerprint: str,
+        kv_dtype: str,
+        frame: int,
+        text_hash: str,
+    ) -> None:
         """Write a chunk's KV (per-layer ``[tokens, kv_heads, row]``, the pool's stored form).
         A failure to write is a warning: the KV stays in memory only."""
         try:
-            self.store.save(key, token_ids, k, v, model_fingerprint=model_fingerprint, kv_dtype=kv_dtype,
-                            extra_meta={"chunk_frame": str(frame), "chunk_text_hash": text_hash})
+            self.store.save(
+                key,
+                token_ids,
+                k,
+                v,
+                model_fingerprint=model_fingerprint,
+                kv_dtype=kv_dtype,
+                extra_meta={"chunk_frame": str(frame), "chunk_text_hash": text_hash},
+            )
         except (OSError, ValueError) as e:
             log.warning("chunk KV %s could not be written (%s); it is kept in memory only", key, e)
             return
         self._enforce_budget()
 
-    def load(self, key: str, token_ids: Sequence[int], *, model_fingerprint: str, kv_dtype: str, frame: int,
-             text_hash: str, num_layers: int, num_kv_heads: int, head_dim: int
-             ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    def load(
+        self,
+        key: str,
+        token_ids: Sequence[int],
+        *,
+        model_fingerprint: str,
+        kv_dtype: str,
+        frame: int,
+        text_hash: str,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         """The chunk's KV from disk, or None when there is none or it fails a check (damage and
         mismatches are logged and the file removed by KVStore.load)."""
         path = self.store.path(key)
         if not path.exists():
             return None
         try:
-            k, v, n = self.store.load(key, token_ids=token_ids, model_fingerprint=model_fingerprint, kv_dtype=kv_dtype,
-                                      num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                                      min_tokens=len(token_ids),
-                                      expect={"chunk_frame": str(frame), "chunk_text_hash": text_hash})
+            k, v, n = self.store.load(
+                key,
+                token_ids=token_ids,
+                model_fingerprint=model_fingerprint,
+                kv_dtype=kv_dtype,
+                num_layers=num_layers,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                min_tokens=len(token_ids),
+                expect={"chunk_frame": str(frame), "chunk_text_hash": text_hash},
+            )
         except (SnapshotInvalid, ValueError) as e:
             log.warning("chunk KV %s is unusable (%s); computing it again", key, e)
             return None

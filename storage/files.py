@@ -22,7 +22,15 @@ import secrets
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["make_private_dir", "create_private_file", "atomic_write", "fsync_file", "fsync_dir", "fsync_tree", "chmod_tree_private"]
+__all__ = [
+    "make_private_dir",
+    "create_private_file",
+    "atomic_write",
+    "fsync_file",
+    "fsync_dir",
+    "fsync_tree",
+    "chmod_tree_private",
+]
 
 # fsync on a directory fails with these where the file system does not support it at all
 _NO_DIR_FSYNC = (errno.EINVAL, errno.ENOTSUP, errno.EBADF)

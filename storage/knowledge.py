@@ -161,9 +161,7 @@ class KnowledgeStore:
     @staticmethod
     def _touch(s: Session, kb_id: int) -> int:
         """Bump the KB's revision (in the caller's transaction); returns the new one."""
-        s.execute(
-            update(KBRow).where(KBRow.id == kb_id).values(revision=KBRow.revision + 1, updated_at=CLOCK.now())
-        )
+        s.execute(update(KBRow).where(KBRow.id == kb_id).values(revision=KBRow.revision + 1, updated_at=CLOCK.now()))
         revision = s.scalar(select(KBRow.revision).where(KBRow.id == kb_id))
         if revision is None:
             raise InvalidRequest(f"knowledge base {kb_id} no longer exists (deleted by another process?)")
@@ -331,7 +329,10 @@ class KnowledgeStore:
         """(id, source, metadata) of every document of the KB, by source: what filters read."""
         q = select(KBDocument.id, KBDocument.source, KBDocument.meta).where(KBDocument.kb_id == kb_id)
         with self._reading("list documents") as s:
-            rows = [(i, src, json.loads(json.dumps(meta or {}))) for i, src, meta in s.execute(q.order_by(KBDocument.source))]
+            rows = [
+                (i, src, json.loads(json.dumps(meta or {})))
+                for i, src, meta in s.execute(q.order_by(KBDocument.source))
+            ]
         return rows
 
     def documents(self, kb_id: int) -> list[DocumentInfo]:
@@ -347,8 +348,16 @@ class KnowledgeStore:
         )
         q = (
             select(
-                KBDocument.id, KBDocument.source, KBDocument.kind, KBDocument.content_hash, KBDocument.meta,
-                func.length(KBDocument.text), counts.c.n, counts.c.tokens, KBDocument.created_at, KBDocument.updated_at,
+                KBDocument.id,
+                KBDocument.source,
+                KBDocument.kind,
+                KBDocument.content_hash,
+                KBDocument.meta,
+                func.length(KBDocument.text),
+                counts.c.n,
+                counts.c.tokens,
+                KBDocument.created_at,
+                KBDocument.updated_at,
             )
             .outerjoin(counts, counts.c.document_id == KBDocument.id)
             .where(KBDocument.kb_id == kb_id)
@@ -357,9 +366,16 @@ class KnowledgeStore:
         with self._reading("list documents") as s:
             return [
                 DocumentInfo(
-                    id=r[0], source=r[1], kind=r[2], content_hash=r[3], metadata=json.loads(json.dumps(r[4] or {})),
-                    chars=int(r[5] or 0), chunks=int(r[6] or 0), tokens=int(r[7] or 0),
-                    created_at=r[8], updated_at=r[9],
+                    id=r[0],
+                    source=r[1],
+                    kind=r[2],
+                    content_hash=r[3],
+                    metadata=json.loads(json.dumps(r[4] or {})),
+                    chars=int(r[5] or 0),
+                    chunks=int(r[6] or 0),
+                    tokens=int(r[7] or 0),
+                    created_at=r[8],
+                    updated_at=r[9],
                 )
                 for r in s.execute(q)
             ]
@@ -417,15 +433,31 @@ class KnowledgeStore:
 
     def _chunk_query(self):
         return select(
-            KBChunk.id, KBChunk.document_id, KBDocument.source, KBChunk.ordinal, KBChunk.start, KBChunk.end,
-            KBChunk.heading, KBChunk.text, KBChunk.token_count, KBDocument.meta,
+            KBChunk.id,
+            KBChunk.document_id,
+            KBDocument.source,
+            KBChunk.ordinal,
+            KBChunk.start,
+            KBChunk.end,
+            KBChunk.heading,
+            KBChunk.text,
+            KBChunk.token_count,
+            KBDocument.meta,
         ).join(KBDocument, KBDocument.id == KBChunk.document_id)
 
     @staticmethod
     def _record(r) -> ChunkRecord:
         return ChunkRecord(
-            id=r[0], document_id=r[1], source=r[2], ordinal=r[3], start=r[4], end=r[5], heading=r[6] or "",
-            text=r[7], token_count=r[8], metadata=json.loads(json.dumps(r[9] or {})),
+            id=r[0],
+            document_id=r[1],
+            source=r[2],
+            ordinal=r[3],
+            start=r[4],
+            end=r[5],
+            heading=r[6] or "",
+            text=r[7],
+            token_count=r[8],
+            metadata=json.loads(json.dumps(r[9] or {})),
         )
 
     def chunks(self, kb_id: int, ids: Sequence[int]) -> dict[int, ChunkRecord]:
@@ -463,8 +495,11 @@ class KnowledgeStore:
                 .where(KBDocument.kb_id == kb_id)
             ).one()
         return {
-            "documents": int(docs), "chunks": int(chunks), "tokens": int(tokens),
-            "chars": int(chars), "embedding_bytes": int(nbytes),
+            "documents": int(docs),
+            "chunks": int(chunks),
+            "tokens": int(tokens),
+            "chars": int(chars),
+            "embedding_bytes": int(nbytes),
         }
 
     # ---------------------------------------------------------------- lexical index

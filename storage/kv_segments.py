@@ -176,8 +176,15 @@ class Manifest:
 
     def views(self) -> list["Manifest"]:
         """One single-branch manifest per branch, the current one first (token_hash "" unless current)."""
-        return [self] if not self.branches else [replace(self, branches=())] + [
-            replace(self, segments=b, branches=(), token_hash="", epoch=segment_epoch(b[-1].file)) for b in self.branches]
+        return (
+            [self]
+            if not self.branches
+            else [replace(self, branches=())]
+            + [
+                replace(self, segments=b, branches=(), token_hash="", epoch=segment_epoch(b[-1].file))
+                for b in self.branches
+            ]
+        )
 
     def cut(self, bad: str, good: "Manifest") -> "Manifest | None":
         """Every branch ends before segment file ``bad`` (a damaged one); ``good``, a branch of this
@@ -193,7 +200,9 @@ class Manifest:
             current = left[0]
             digest = self.token_hash if current == self.segments else ""
         others = _others(current, cut)
-        return replace(self, segments=current, token_hash=digest, branches=others, epoch=segment_epoch(current[-1].file))
+        return replace(
+            self, segments=current, token_hash=digest, branches=others, epoch=segment_epoch(current[-1].file)
+        )
 
     def geometry(self) -> tuple[int, int, int]:
         return self.num_layers, self.num_kv_heads, self.head_dim
@@ -240,13 +249,20 @@ class Manifest:
         for obj in (man, *(s for b in man.all_branches() for s in b)):
             for f in obj.__dataclass_fields__:
                 value, want = getattr(obj, f), obj.__dataclass_fields__[f].type
-                if f not in ("segments", "branches") and not (type(value) is int if want == "int" else type(value) is str):
+                if f not in ("segments", "branches") and not (
+                    type(value) is int if want == "int" else type(value) is str
+                ):
                     raise bad(f"field {f} is {value!r}, not a {want}")
         seen: dict[str, Segment] = {}
         for b in man.all_branches():
             pos = 0
             for s in b:
-                if s.start != pos or s.end <= s.start or not _SEGMENT_RE.fullmatch(s.file) or not s.file.startswith(key + "_"):
+                if (
+                    s.start != pos
+                    or s.end <= s.start
+                    or not _SEGMENT_RE.fullmatch(s.file)
+                    or not s.file.startswith(key + "_")
+                ):
                     raise bad(f"lists segment {s.file!r} [{s.start}, {s.end}) out of order")
                 if seen.setdefault(s.file, s) != s:
                     raise bad(f"lists segment {s.file!r} twice with different fields")
@@ -351,9 +367,20 @@ class SegmentStore:
                 (self.root / name).unlink(missing_ok=True)
 
     # ------------------------------------------------------------- write
-    def append(self, key: str, tokens: Sequence[int], start: int, k: list[torch.Tensor], v: list[torch.Tensor], *,
-               epoch: str, base: bool, model_fingerprint: str, kv_dtype: str,
-               fence: int = 0) -> tuple[Manifest, int]:
+    def append(
+        self,
+        key: str,
+        tokens: Sequence[int],
+        start: int,
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
+        *,
+        epoch: str,
+        base: bool,
+        model_fingerprint: str,
+        kv_dtype: str,
+        fence: int = 0,
+    ) -> tuple[Manifest, int]:
         """Store the KV ``k``/``v`` of ``tokens[start:]`` after what ``key`` holds, or (``base``) as the
         first segment of epoch ``epoch`` (start must be 0), replacing every older file. Returns the new
         manifest and the bytes written. Diverged if it does not continue the manifest on disk, or if
@@ -364,18 +391,26 @@ class SegmentStore:
         kept (it must reach ``start``: the KV given begins there) and only what follows is written;
         the branch left is kept beside it. Diverged if no branch reaches ``start``."""
         end = len(tokens)
-        k, v = [t.to("cpu") for t in k], [t.to("cpu") for t in v]  # from a device pool: copied here, off the engine thread
+        k, v = (
+            [t.to("cpu") for t in k],
+            [t.to("cpu") for t in v],
+        )  # from a device pool: copied here, off the engine thread
         if k[0].shape[0] != end - start:
             raise ValueError(f"snapshot {key}: {k[0].shape[0]} tokens of KV for [{start}, {end})")
         with self.locked():
             return self._append(key, tokens, start, k, v, epoch, base, model_fingerprint, kv_dtype, fence)
 
-    def _append(self, key, tokens, start, k, v, epoch, base, model_fingerprint, kv_dtype, fence) -> tuple[Manifest, int]:
+    def _append(
+        self, key, tokens, start, k, v, epoch, base, model_fingerprint, kv_dtype, fence
+    ) -> tuple[Manifest, int]:
         end = len(tokens)
         old = self._readable_manifest(key)
         if old is not None and old.fence > fence:
-            raise Diverged(f"snapshot {key}: the disk holds a newer history (message {old.fence} > {fence}); "
-                           "this write is dropped", old)
+            raise Diverged(
+                f"snapshot {key}: the disk holds a newer history (message {old.fence} > {fence}); "
+                "this write is dropped",
+                old,
+            )
         geometry = (len(k), k[0].shape[1], k[0].shape[2])
         if base:
             if start != 0:
@@ -407,14 +442,30 @@ class SegmentStore:
             if f"{key}_{epoch}_{start}_{end}{SEGMENT_SUFFIX}" in listed:  # another branch's name: never overwritten
                 epoch = new_epoch()
             name = f"{key}_{epoch}_{start}_{end}"
-            meta = self.files.save(name, tokens[start:end], k, v, model_fingerprint=model_fingerprint, kv_dtype=kv_dtype,
-                                   extra_meta={"segment_start": str(start), "epoch": epoch})
+            meta = self.files.save(
+                name,
+                tokens[start:end],
+                k,
+                v,
+                model_fingerprint=model_fingerprint,
+                kv_dtype=kv_dtype,
+                extra_meta={"segment_start": str(start), "epoch": epoch},
+            )
             keep += (Segment(name + SEGMENT_SUFFIX, start, end, meta.token_hash, meta.checksum, meta.nbytes),)
             nbytes = meta.nbytes
         else:  # the disk holds all of it already (a branch switched back to): it becomes current
             epoch = segment_epoch(keep[-1].file)
-        man = Manifest(key, epoch, model_fingerprint, kv_dtype, *geometry, token_hash(tokens), keep,
-                       fence=max(fence, old.fence if old is not None else 0), branches=_others(keep, others))
+        man = Manifest(
+            key,
+            epoch,
+            model_fingerprint,
+            kv_dtype,
+            *geometry,
+            token_hash(tokens),
+            keep,
+            fence=max(fence, old.fence if old is not None else 0),
+            branches=_others(keep, others),
+        )
         if man == old:
             return man, 0
         self.write_manifest(man)
@@ -438,8 +489,11 @@ class SegmentStore:
             runs = [b[: shared_run(b, tokens)] for b in old.all_branches()]
             best = max(runs, key=lambda r: r[-1].end if r else 0)  # the first longest: the current one on a tie
             if (best[-1].end if best else 0) < start:
-                raise Diverged(f"snapshot {old.key}: append at {start} but no branch on disk holds its tokens "
-                               f"[0, {start}) (the longest shares {best[-1].end if best else 0})", old)
+                raise Diverged(
+                    f"snapshot {old.key}: append at {start} but no branch on disk holds its tokens "
+                    f"[0, {start}) (the longest shares {best[-1].end if best else 0})",
+                    old,
+                )
         # the branches left (with the current one first) stay, less those the new branch holds whole
         return best, tuple(b for b in old.all_branches() if b != best[: len(b)])
 
@@ -477,10 +531,20 @@ class SegmentStore:
         stem = s.file[: -len(SEGMENT_SUFFIX)]
         try:
             return self.files.load(
-                stem, token_ids=tokens[s.start : s.end], model_fingerprint=man.model_fingerprint, kv_dtype=man.kv_dtype,
-                num_layers=man.num_layers, num_kv_heads=man.num_kv_heads, head_dim=man.head_dim,
-                expect={"token_count": str(s.size), "segment_start": str(s.start), "epoch": segment_epoch(s.file),
-                        "checksum": s.checksum, "token_hash": s.token_hash},
+                stem,
+                token_ids=tokens[s.start : s.end],
+                model_fingerprint=man.model_fingerprint,
+                kv_dtype=man.kv_dtype,
+                num_layers=man.num_layers,
+                num_kv_heads=man.num_kv_heads,
+                head_dim=man.head_dim,
+                expect={
+                    "token_count": str(s.size),
+                    "segment_start": str(s.start),
+                    "epoch": segment_epoch(s.file),
+                    "checksum": s.checksum,
+                    "token_hash": s.token_hash,
+                },
             )
         except ValueError:  # a layout this build cannot use: discarded like damage
             (self.root / s.file).unlink(missing_ok=True)
@@ -501,7 +565,9 @@ class SegmentStore:
         current one on a tie), as a manifest of that one branch."""
         return max((self.matching(view, tokens) for view in man.views()), key=lambda m: m.end)
 
-    def load(self, man: Manifest, tokens: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], Manifest, str]:
+    def load(
+        self, man: Manifest, tokens: Sequence[int]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], Manifest, str]:
         """The KV of the longest run of valid segments from token 0 (checked against ``tokens``):
         ``(k, v, manifest of that run, why it stopped early or "")``. A bad segment is deleted;
         the caller repairs the manifest on disk. OSError (an unreadable disk) propagates."""
@@ -523,4 +589,3 @@ class SegmentStore:
             return [], [], kept, why
         cat = lambda parts: [torch.cat(x) if len(x) > 1 else x[0] for x in zip(*parts)]  # noqa: E731
         return cat(ks), cat(vs), kept, why
-

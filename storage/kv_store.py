@@ -89,8 +89,16 @@ _PROCESS_NONCE = secrets.token_hex(8)
 _STALE_TEMP_S = 3600.0  # a temp file this old is left over whoever wrote it
 _PARALLEL_MIN_BYTES = 4 << 20
 _META_FIELDS = (
-    "format_version", "model_fingerprint", "kv_dtype", "token_count", "token_hash",
-    "num_layers", "num_kv_heads", "head_dim", "extra_tensors", "checksum",
+    "format_version",
+    "model_fingerprint",
+    "kv_dtype",
+    "token_count",
+    "token_hash",
+    "num_layers",
+    "num_kv_heads",
+    "head_dim",
+    "extra_tensors",
+    "checksum",
 )
 
 
@@ -404,8 +412,18 @@ class KVStore:
             log.warning(msg)
             raise SnapshotInvalid(msg) from None
         try:
-            return self._read_verified(path, key, token_ids, model_fingerprint, kv_dtype, num_layers,
-                                       num_kv_heads, head_dim, min_tokens, expect or {})
+            return self._read_verified(
+                path,
+                key,
+                token_ids,
+                model_fingerprint,
+                kv_dtype,
+                num_layers,
+                num_kv_heads,
+                head_dim,
+                min_tokens,
+                expect or {},
+            )
         except _TooShort as e:
             log.info(str(e))
             raise SnapshotInvalid(str(e)) from None
@@ -423,8 +441,9 @@ class KVStore:
             pass
         raise SnapshotInvalid(reason) from cause
 
-    def _read_verified(self, path, key, token_ids, model_fingerprint, kv_dtype, num_layers,
-                       num_kv_heads, head_dim, min_tokens, expect):
+    def _read_verified(
+        self, path, key, token_ids, model_fingerprint, kv_dtype, num_layers, num_kv_heads, head_dim, min_tokens, expect
+    ):
         want_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         with safe_open(path, framework="pt") as f:
             raw = f.metadata()
@@ -436,14 +455,17 @@ class KVStore:
             if meta.format_version != FORMAT_VERSION:
                 raise bad(f"format version {meta.format_version}, this build reads {FORMAT_VERSION}")
             if meta.model_fingerprint != model_fingerprint:
-                raise bad(f"model fingerprint differs (stored {meta.model_fingerprint!r}, "
-                          f"expected {model_fingerprint!r})")
+                raise bad(
+                    f"model fingerprint differs (stored {meta.model_fingerprint!r}, expected {model_fingerprint!r})"
+                )
             if meta.kv_dtype != kv_dtype:
                 raise bad(f"kv dtype differs (stored {meta.kv_dtype}, expected {kv_dtype})")
             stored_geo = (meta.num_layers, meta.num_kv_heads, meta.head_dim)
             if stored_geo != (num_layers, num_kv_heads, head_dim):
-                raise bad(f"geometry differs (stored layers/kv heads/head dim {stored_geo}, "
-                          f"expected {(num_layers, num_kv_heads, head_dim)})")
+                raise bad(
+                    f"geometry differs (stored layers/kv heads/head dim {stored_geo}, "
+                    f"expected {(num_layers, num_kv_heads, head_dim)})"
+                )
             n = meta.token_count
             if n == 0:
                 raise bad("holds no tokens")
@@ -460,8 +482,10 @@ class KVStore:
                 diff = sorted(names ^ expected)[:4]
                 raise bad(f"tensor names differ from the header's ({', '.join(diff)})")
             if meta.extra_tensors:
-                raise _OtherLayout(f"snapshot {key} holds extra tensors {', '.join(meta.extra_tensors)}, "
-                                   f"a layout this build does not read")
+                raise _OtherLayout(
+                    f"snapshot {key} holds extra tensors {', '.join(meta.extra_tensors)}, "
+                    f"a layout this build does not read"
+                )
             tensors = {name: f.get_tensor(name) for name in names}
         dtype = _torch_dtype(kv_dtype)
         shape = (n, num_kv_heads, head_dim)

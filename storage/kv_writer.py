@@ -133,16 +133,28 @@ class SegmentWriter:
         t0 = time.perf_counter()
         try:
             man, nbytes = self.store.append(
-                job.key, job.tokens, job.start, job.k, job.v, epoch=job.epoch, base=job.base,
-                model_fingerprint=job.model_fingerprint, kv_dtype=job.kv_dtype, fence=job.fence,
+                job.key,
+                job.tokens,
+                job.start,
+                job.k,
+                job.v,
+                epoch=job.epoch,
+                base=job.base,
+                model_fingerprint=job.model_fingerprint,
+                kv_dtype=job.kv_dtype,
+                fence=job.fence,
             )
         except Diverged as e:  # an earlier write failed, or the disk holds another epoch: the engine restarts
             log.debug("%s", e)
             return Written(job.conv_id, job.seq, False, e.on_disk, True, seconds=time.perf_counter() - t0, error=str(e))
         except Exception as e:  # OSError: full or read-only disk, EIO; anything else: still never the turn
             if not self._warned:
-                log.warning("KV of conversation %s not saved to disk (%s: %s); it will be recomputed",
-                            job.conv_id, type(e).__name__, e)
+                log.warning(
+                    "KV of conversation %s not saved to disk (%s: %s); it will be recomputed",
+                    job.conv_id,
+                    type(e).__name__,
+                    e,
+                )
                 self._warned = True
             else:
                 log.debug("KV of conversation %s not saved to disk (%s: %s)", job.conv_id, type(e).__name__, e)
@@ -150,9 +162,18 @@ class SegmentWriter:
                 on_disk, known = self.store.read_manifest(job.key), True
             except Exception:
                 on_disk, known = None, False
-            return Written(job.conv_id, job.seq, False, on_disk, known, seconds=time.perf_counter() - t0,
-                           error=f"{type(e).__name__}: {e}", io_error=True)
+            return Written(
+                job.conv_id,
+                job.seq,
+                False,
+                on_disk,
+                known,
+                seconds=time.perf_counter() - t0,
+                error=f"{type(e).__name__}: {e}",
+                io_error=True,
+            )
         self._warned = False
         merged = nbytes > 0 and man.segments[-1].start < job.start  # nothing written: a branch on disk held it all
-        return Written(job.conv_id, job.seq, True, man, True, nbytes=nbytes, merged=merged,
-                       seconds=time.perf_counter() - t0)
+        return Written(
+            job.conv_id, job.seq, True, man, True, nbytes=nbytes, merged=merged, seconds=time.perf_counter() - t0
+        )

@@ -37,8 +37,10 @@ class SearchHit:
 def has_fts(s: Session) -> bool:
     if s.bind.dialect.name != "sqlite":
         return False
-    return s.execute(text("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = :n"),
-                     {"n": MESSAGES_FTS}).first() is not None
+    return (
+        s.execute(text("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = :n"), {"n": MESSAGES_FTS}).first()
+        is not None
+    )
 
 
 def search(s: Session, query: str, owner: str, tenant: Optional[str], limit: int) -> list[SearchHit]:
@@ -48,17 +50,21 @@ def search(s: Session, query: str, owner: str, tenant: Optional[str], limit: int
     scope = [Conversation.owner == owner] + ([Conversation.tenant == tenant] if tenant is not None else [])
     q = select(Message, Conversation.title).join(Conversation, Message.conversation_id == Conversation.id)
     if has_fts(s):
-        ranked = (text(f"SELECT rowid AS id, bm25({MESSAGES_FTS}) AS score FROM {MESSAGES_FTS} "
-                      f"WHERE {MESSAGES_FTS} MATCH :q").bindparams(q=fts_query(query))
-                  .columns(column("id", Integer), column("score", Float)).subquery())
-        q = (q.join(ranked, ranked.c.id == Message.id).where(*scope)
-             .order_by(ranked.c.score, Message.id.desc()))
+        ranked = (
+            text(f"SELECT rowid AS id, bm25({MESSAGES_FTS}) AS score FROM {MESSAGES_FTS} WHERE {MESSAGES_FTS} MATCH :q")
+            .bindparams(q=fts_query(query))
+            .columns(column("id", Integer), column("score", Float))
+            .subquery()
+        )
+        q = q.join(ranked, ranked.c.id == Message.id).where(*scope).order_by(ranked.c.score, Message.id.desc())
     else:
         like = [func.lower(Message.content).like(like_pattern(w), escape="\\") for w in words]
         held = sum((case((w, 1), else_=0) for w in like), literal(0))  # how many of the words it holds
         q = q.where(and_(*scope, or_(*like))).order_by(held.desc(), Message.id.desc())
-    return [SearchHit(m.conversation_id, title, message_info(m), snippet(m.content, words))
-            for m, title in s.execute(q.limit(limit))]
+    return [
+        SearchHit(m.conversation_id, title, message_info(m), snippet(m.content, words))
+        for m, title in s.execute(q.limit(limit))
+    ]
 
 
 def snippet(content: str, words: list[str], width: int = SNIPPET_CHARS) -> str:
@@ -68,5 +74,5 @@ def snippet(content: str, words: list[str], width: int = SNIPPET_CHARS) -> str:
     low = flat.lower()
     at = min((i for i in (low.find(w) for w in words) if i >= 0), default=0)
     start = max(0, at - width // 3)
-    out = flat[start:start + width]
+    out = flat[start : start + width]
     return ("…" if start else "") + out + ("…" if start + width < len(flat) else "")

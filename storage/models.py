@@ -150,9 +150,7 @@ class Conversation(Base):
     messages: Mapped[list[Message]] = relationship(
         back_populates="conversation", passive_deletes=True, order_by="Message.id"
     )
-    snapshot: Mapped[Optional[KVSnapshot]] = relationship(
-        back_populates="conversation", passive_deletes=True
-    )
+    snapshot: Mapped[Optional[KVSnapshot]] = relationship(back_populates="conversation", passive_deletes=True)
 
 
 class Message(Base):
@@ -290,9 +288,7 @@ class KBChunk(Base):
     __table_args__ = {"sqlite_autoincrement": True}  # the FAISS id: never reused
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    document_id: Mapped[int] = mapped_column(
-        Integer, ForeignKey("kb_documents.id", ondelete="CASCADE"), index=True
-    )
+    document_id: Mapped[int] = mapped_column(Integer, ForeignKey("kb_documents.id", ondelete="CASCADE"), index=True)
     ordinal: Mapped[int] = mapped_column(Integer)
     start: Mapped[int] = mapped_column("char_start", Integer)  # character offsets in the document's text
     end: Mapped[int] = mapped_column("char_end", Integer)

@@ -52,7 +52,9 @@ class ConversationInfo:
     created_at: datetime
     updated_at: datetime
     archived: bool
-    context: Optional[dict[str, Any]] = None  # the KV window's state (chatkv.sessions.context_window), None: whole history
+    context: Optional[dict[str, Any]] = (
+        None  # the KV window's state (chatkv.sessions.context_window), None: whole history
+    )
     owner: str = LOCAL_USER  # the user it belongs to (migration 0005)
     current_leaf_id: Optional[int] = None  # the message whose branch it is now (migration 0006)
 
@@ -176,8 +178,10 @@ def check_owner(owner: object) -> str:
     """A conversation owner (a user name): 1-64 characters of ``[A-Za-z0-9_.@-]``, starting
     with a letter or digit."""
     if not isinstance(owner, str) or not USER_PATTERN.fullmatch(owner):
-        raise InvalidRequest(f"invalid user name {_shown(owner)}: it must be 1-64 characters of A-Z, a-z, 0-9, "
-                             "'_', '.', '@' or '-', starting with a letter or digit")
+        raise InvalidRequest(
+            f"invalid user name {_shown(owner)}: it must be 1-64 characters of A-Z, a-z, 0-9, "
+            "'_', '.', '@' or '-', starting with a letter or digit"
+        )
     return owner
 
 

@@ -40,32 +40,31 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session, defer
 
 from chatkv.errors import InvalidRequest, SessionError, StorageError
-from chatkv.storage import db
+from chatkv.storage import db, message_search
+from chatkv.storage import message_tree as tree
 from chatkv.storage.leases import Leases
 from chatkv.storage.migrations import migrate
-from chatkv.storage.models import Conversation, KVSnapshot, Message
+from chatkv.storage.models import LOCAL_USER, Conversation, KVSnapshot, Message, message_hash
 from chatkv.storage.records import (
     ROLES,
     STATUSES,
     ConversationInfo,
     MessageInfo,
     SnapshotInfo,
+    check_conversation_id,
     check_file_name,
     check_json,
+    check_owner,
     check_stats,
     check_str,
     check_tokens,
     conversation_info,
     message_info,
     snapshot_info,
-    check_conversation_id,
-    check_owner,
 )
-from chatkv.storage.models import LOCAL_USER, message_hash
-from chatkv.storage import message_search
-from chatkv.storage import message_tree as tree
 
 _CURRENT = object()  # add_message's default parent: the conversation's current leaf
+
 
 class _Guarded:
     """A sessionmaker (for ``Leases``) whose sessions turn database errors into StorageError."""
@@ -128,7 +127,9 @@ class Store:
         self._read = db.read_sessions(engine)
         self._write = db.write_sessions(engine)
         self._closed = False
-        self.leases = Leases(_Guarded(self._read, self._as_storage_error), _Guarded(self._write, self._as_storage_error))
+        self.leases = Leases(
+            _Guarded(self._read, self._as_storage_error), _Guarded(self._write, self._as_storage_error)
+        )
         with self._read() as s:
             CLOCK.seed(s.scalar(select(func.max(Conversation.updated_at))))
             CLOCK.seed(s.scalar(select(func.max(KVSnapshot.last_used_at))))
@@ -214,8 +215,11 @@ class Store:
         bad = []
         try:
             with self._read() as s:
-                rows = s.execute(select(Message.id, func.cast(Message.content, LargeBinary))
-                                 .where(Message.conversation_id == conv_id)).all()
+                rows = s.execute(
+                    select(Message.id, func.cast(Message.content, LargeBinary)).where(
+                        Message.conversation_id == conv_id
+                    )
+                ).all()
             for mid, raw in rows:
                 try:
                     bytes(raw or b"").decode("utf-8")
@@ -232,7 +236,11 @@ class Store:
 
     @staticmethod
     def _conversation(
-        s: Session, conv_id: str, tenant: Optional[str] = None, tokens: bool = False, lock: bool = False,
+        s: Session,
+        conv_id: str,
+        tenant: Optional[str] = None,
+        tokens: bool = False,
+        lock: bool = False,
         owner: Optional[str] = None,
     ) -> Conversation:
         """The row, or SessionError. Its token history is loaded only if ``tokens``; ``lock``:
@@ -241,7 +249,11 @@ class Store:
         for word, as an id that does not exist."""
         options = [] if tokens else [defer(Conversation.token_ids)]
         conv = s.get(Conversation, check_conversation_id(conv_id), options=options, with_for_update=lock)
-        if conv is None or (tenant is not None and conv.tenant != tenant) or (owner is not None and conv.owner != owner):
+        if (
+            conv is None
+            or (tenant is not None and conv.tenant != tenant)
+            or (owner is not None and conv.owner != owner)
+        ):
             raise SessionError(f"unknown conversation id '{conv_id}'")
         return conv
 
@@ -279,7 +291,9 @@ class Store:
             s.flush()
             return conversation_info(conv)
 
-    def get_conversation(self, conv_id: str, tenant: Optional[str] = None, owner: Optional[str] = None) -> ConversationInfo:
+    def get_conversation(
+        self, conv_id: str, tenant: Optional[str] = None, owner: Optional[str] = None
+    ) -> ConversationInfo:
         """The conversation, token history included. With ``tenant`` (``owner``), one of another
         tenant (user) is reported as unknown."""
         with self._reading(conv_id) as s:
@@ -381,9 +395,17 @@ class Store:
                 before, before_context = tree.history(tree.chain(nodes, parent)) if parent is not None else ([], None)
                 conv.token_ids, conv.token_count, conv.context = before or [], len(before or []), before_context
             now = CLOCK.now()
-            msg = Message(conversation_id=conv.id, role=role, content=content, status=status,
-                          meta=meta, created_at=now, content_hash=message_hash(role, content), parent_id=parent,
-                          **stats)
+            msg = Message(
+                conversation_id=conv.id,
+                role=role,
+                content=content,
+                status=status,
+                meta=meta,
+                created_at=now,
+                content_hash=message_hash(role, content),
+                parent_id=parent,
+                **stats,
+            )
             if tokens is not None:
                 replay = tree.history(tree.chain(nodes, parent))[0] if parent is not None else []
                 msg.token_base, msg.token_tail = tree.delta(replay, tokens) if replay is not None else (0, tokens)
@@ -403,7 +425,9 @@ class Store:
     def _nodes(s: Session, conv_id: str, contexts: bool = True) -> dict[int, tree.Node]:
         """The conversation's messages as tree nodes (``contexts=False``: without the windows'
         states, which only a branch change reads)."""
-        cols = [Message.id, Message.parent_id, Message.token_base, Message.token_tail] + ([Message.context] if contexts else [])
+        cols = [Message.id, Message.parent_id, Message.token_base, Message.token_tail] + (
+            [Message.context] if contexts else []
+        )
         return {r[0]: tree.Node(*r) for r in s.execute(select(*cols).where(Message.conversation_id == conv_id))}
 
     @staticmethod
@@ -498,8 +522,9 @@ class Store:
                 raise self._undecodable(conv_id) from e.__cause__
             raise
 
-    def search(self, query: str, owner: str = LOCAL_USER, tenant: Optional[str] = None,
-               limit: int = 20) -> list[message_search.SearchHit]:
+    def search(
+        self, query: str, owner: str = LOCAL_USER, tenant: Optional[str] = None, limit: int = 20
+    ) -> list[message_search.SearchHit]:
         """Messages of ``owner``'s conversations (every branch) whose text holds ``query``'s
         words, best first (``storage.message_search``: FTS5 on SQLite, LIKE elsewhere)."""
         check_str("query", query, 10_000)

@@ -42,11 +42,17 @@ print("\\nPROBE " + json.dumps({"status": status, "loaded": loaded}), file=sys.s
 
 def probe(*args: str, home) -> tuple[dict, subprocess.CompletedProcess]:
     env = dict(os.environ, CHATKV_HOME=str(home))
-    p = subprocess.run([sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, env=env, timeout=300,
-                       stdin=subprocess.DEVNULL)
+    p = subprocess.run(
+        [sys.executable, "-c", _PROBE, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
     line = [ln for ln in p.stderr.splitlines() if ln.startswith("PROBE ")]
     assert line, p.stderr
-    return json.loads(line[-1][len("PROBE "):]), p
+    return json.loads(line[-1][len("PROBE ") :]), p
 
 
 def _under(loaded: list[str], stack: tuple[str, ...]) -> list[str]:
@@ -64,7 +70,9 @@ def test_the_console_script_is_chatkv_cli_main():
 def test_help_loads_neither_the_app_nor_the_server(tmp_path):
     out, p = probe("--help", home=tmp_path)
     assert out["status"] == 0
-    assert "--resume" in p.stdout and "chatkv serve" in p.stdout and "chatkv kb" in p.stdout  # the chat's options, then the others
+    assert (
+        "--resume" in p.stdout and "chatkv serve" in p.stdout and "chatkv kb" in p.stdout
+    )  # the chat's options, then the others
     assert _under(out["loaded"], SERVER_STACK + APP_STACK) == []
 
 
@@ -96,7 +104,13 @@ def test_the_chat_module_refuses_another_command_instead_of_answering_it(tmp_pat
     """``python -m chatkv.tui.cli serve`` would otherwise send "serve" to the model as a one-shot."""
     env = dict(os.environ, CHATKV_HOME=str(tmp_path))
     for command in ("serve", "ingest", "kb"):
-        p = subprocess.run([sys.executable, "-m", "chatkv.tui.cli", command], capture_output=True, text=True, env=env,
-                           timeout=120, stdin=subprocess.DEVNULL)
+        p = subprocess.run(
+            [sys.executable, "-m", "chatkv.tui.cli", command],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+            stdin=subprocess.DEVNULL,
+        )
         assert p.returncode == 2 and p.stdout == ""
         assert f"python -m chatkv.cli {command}" in p.stderr and "Traceback" not in p.stderr

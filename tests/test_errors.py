@@ -11,8 +11,11 @@ from tests.test_import_graph import discover
 
 
 def defined_errors() -> dict[str, type]:
-    return {n: c for n, c in vars(errors).items()
-            if inspect.isclass(c) and issubclass(c, errors.ChatKVError) and c.__module__ == errors.__name__}
+    return {
+        n: c
+        for n, c in vars(errors).items()
+        if inspect.isclass(c) and issubclass(c, errors.ChatKVError) and c.__module__ == errors.__name__
+    }
 
 
 def test_every_error_is_exported_from_chatkv():
@@ -41,8 +44,8 @@ def test_no_error_is_defined_outside_chatkv_errors():
 
 
 def test_the_old_import_paths_still_work():
-    from chatkv.sessions.context_window import ContextOverflow
     from chatkv.retrieval.documents import DocumentError
+    from chatkv.sessions.context_window import ContextOverflow
 
     assert ContextOverflow is errors.ContextOverflow and issubclass(ContextOverflow, errors.InvalidRequest)
     assert DocumentError is errors.DocumentError

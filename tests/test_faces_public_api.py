@@ -33,8 +33,24 @@ PUBLIC_MODULES = {
     "chatkv.sessions.tools",  # tool specs from callables or JSON, tool_choice, the parsing of calls
 }
 # names that hold an SDK object in the faces' code (Engine, Session, EngineMetrics, KnowledgeBase...)
-SDK_HANDLES = {"engine", "session", "sessions", "metrics", "kb", "knowledge", "knowledge_base", "store", "seq",
-               "sequence", "result", "reply", "usage", "params", "manager", "session_manager"}
+SDK_HANDLES = {
+    "engine",
+    "session",
+    "sessions",
+    "metrics",
+    "kb",
+    "knowledge",
+    "knowledge_base",
+    "store",
+    "seq",
+    "sequence",
+    "result",
+    "reply",
+    "usage",
+    "params",
+    "manager",
+    "session_manager",
+}
 
 
 def face_files(root: Path = ROOT) -> dict[str, Path]:
@@ -114,18 +130,30 @@ def violations(module: str, source: str, exports: set[str], path: str = "<src>")
                 sdk_names.update(a.asname or a.name for a in node.names)
         elif isinstance(node, ast.Call):
             f = node.func
-            if ((isinstance(f, ast.Name) and f.id in ("__import__", "import_module"))
-                    or (isinstance(f, ast.Attribute) and f.attr == "import_module")) and node.args \
-                    and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+            if (
+                (
+                    (isinstance(f, ast.Name) and f.id in ("__import__", "import_module"))
+                    or (isinstance(f, ast.Attribute) and f.attr == "import_module")
+                )
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
                 check_module(node.args[0].value, [], node.lineno)
     handles = SDK_HANDLES | sdk_names
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _private(node.attr) and _last_name(node.value) in handles:
             bad.append(f"{path}:{node.lineno}: {ast.unparse(node)} - a private attribute of an SDK object")
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
-              and node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2
-              and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str)
-              and _private(node.args[1].value) and _last_name(node.args[0]) in handles):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+            and _last_name(node.args[0]) in handles
+        ):
             bad.append(f"{path}:{node.lineno}: {ast.unparse(node)} - a private attribute of an SDK object")
     return bad
 
@@ -150,28 +178,40 @@ def test_the_public_names_the_faces_import_exist():
 
 # ---------------------------------------------------------------- the checker itself
 
-@pytest.mark.parametrize("src,found", [
-    ("from chatkv.sessions.template import TurnRenderer\n", "imports chatkv.sessions.template"),
-    ("def f():\n    from chatkv.sessions.context_window import ContextOverflow\n", "imports chatkv.sessions.context_window"),
-    ("import chatkv.engine.core\n", "imports chatkv.engine.core"),
-    ("from chatkv.sessions import text_tokens\n", "imports chatkv.sessions, not a public module of the SDK"),
-    ("from chatkv.storage.models import LOCAL_USER\n", "imports chatkv.storage.models"),
-    ("from chatkv.errors import _hidden\n", "from chatkv.errors import _hidden - a private name"),
-    ("from ..sessions.template import TurnRenderer\n", "imports chatkv.sessions.template"),  # relative, from chatkv.server.x
-    ("import importlib\nimportlib.import_module('chatkv.engine.loop')\n", "imports chatkv.engine.loop"),
-    ("def f(state):\n    return len(state.metrics._pending)\n", "state.metrics._pending"),
-    ("def f(session):\n    return getattr(session, '_m', None)\n", "getattr(session, '_m', None)"),
-    ("def f(self):\n    return self.engine._sessions\n", "self.engine._sessions"),
-    ("from chatkv import Engine\nEngine._to_ids\n", "Engine._to_ids"),
-])
+
+@pytest.mark.parametrize(
+    "src,found",
+    [
+        ("from chatkv.sessions.template import TurnRenderer\n", "imports chatkv.sessions.template"),
+        (
+            "def f():\n    from chatkv.sessions.context_window import ContextOverflow\n",
+            "imports chatkv.sessions.context_window",
+        ),
+        ("import chatkv.engine.core\n", "imports chatkv.engine.core"),
+        ("from chatkv.sessions import text_tokens\n", "imports chatkv.sessions, not a public module of the SDK"),
+        ("from chatkv.storage.models import LOCAL_USER\n", "imports chatkv.storage.models"),
+        ("from chatkv.errors import _hidden\n", "from chatkv.errors import _hidden - a private name"),
+        (
+            "from ..sessions.template import TurnRenderer\n",
+            "imports chatkv.sessions.template",
+        ),  # relative, from chatkv.server.x
+        ("import importlib\nimportlib.import_module('chatkv.engine.loop')\n", "imports chatkv.engine.loop"),
+        ("def f(state):\n    return len(state.metrics._pending)\n", "state.metrics._pending"),
+        ("def f(session):\n    return getattr(session, '_m', None)\n", "getattr(session, '_m', None)"),
+        ("def f(self):\n    return self.engine._sessions\n", "self.engine._sessions"),
+        ("from chatkv import Engine\nEngine._to_ids\n", "Engine._to_ids"),
+    ],
+)
 def test_checker_finds(src, found):
     bad = violations("chatkv.server.x", src, {"Engine", "ChatKVError"}, "chatkv/server/x.py")
     assert any(found in b for b in bad), bad
 
 
 def test_checker_allows_the_public_sdk_and_the_faces_own_privates():
-    src = ("from chatkv import Engine, ChatKVError\nfrom chatkv.errors import check_text\nfrom chatkv.server import app\n"
-           "from . import routes\nfrom chatkv.tui.failures import error\nimport json\n"
-           "class A:\n    def f(self):\n        self._cut = 1\n        return self._stream.write, self.state._cut, "
-           "getattr(self, '_kv', None), self.metrics.pending, engine.__class__\n")
+    src = (
+        "from chatkv import Engine, ChatKVError\nfrom chatkv.errors import check_text\nfrom chatkv.server import app\n"
+        "from . import routes\nfrom chatkv.tui.failures import error\nimport json\n"
+        "class A:\n    def f(self):\n        self._cut = 1\n        return self._stream.write, self.state._cut, "
+        "getattr(self, '_kv', None), self.metrics.pending, engine.__class__\n"
+    )
     assert violations("chatkv.server.x", src, {"Engine", "ChatKVError"}, "chatkv/server/x.py") == []

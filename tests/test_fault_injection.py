@@ -35,12 +35,12 @@ from safetensors import SafetensorError
 from sqlalchemy.exc import OperationalError
 
 from chatkv.config import EngineConfig
-from chatkv.engine.detokenize import TextStream
 from chatkv.engine.core import Engine
-from chatkv.errors import StorageError
-from chatkv.kvcache.manager import KVManager
+from chatkv.engine.detokenize import TextStream
 from chatkv.engine.model_runner import ModelRunner
 from chatkv.engine.sampling import SamplingParams
+from chatkv.errors import StorageError
+from chatkv.kvcache.manager import KVManager
 from chatkv.sessions.snapshots import Snapshots
 from chatkv.storage import kv_store
 from chatkv.storage.kv_store import KVStore
@@ -173,8 +173,9 @@ def inject(monkeypatch, owner, name: str, fault: Fault, error, when=lambda *a: T
 
 def path_fault(monkeypatch, owner, name: str, fault: Fault, code: int, root: Path) -> None:
     """``owner.name(path, ...)`` fails with ``code`` for a path under ``root``."""
-    inject(monkeypatch, owner, name, fault, lambda path, *_: os_error(code, path),
-           when=lambda path, *_: under(path, root))
+    inject(
+        monkeypatch, owner, name, fault, lambda path, *_: os_error(code, path), when=lambda path, *_: under(path, root)
+    )
 
 
 # -- snapshot write faults ----------------------------------------------------------------------
@@ -183,19 +184,43 @@ def path_fault(monkeypatch, owner, name: str, fault: Fault, code: int, root: Pat
 def install_write_fault(point: str, code: int, root: Path, fault: Fault, monkeypatch) -> None:
     """Make the snapshot write fail at ``point`` with ``code`` while ``fault`` is armed."""
     if point == "tmp_create":  # atomic_write's exclusive create of the temp file
-        inject(monkeypatch, os, "open", fault, lambda path, *_: os_error(code, path),
-               when=lambda path, flags, *_: flags & os.O_CREAT and under(path, root))
+        inject(
+            monkeypatch,
+            os,
+            "open",
+            fault,
+            lambda path, *_: os_error(code, path),
+            when=lambda path, flags, *_: flags & os.O_CREAT and under(path, root),
+        )
     elif point == "safetensors_write":  # the library's own writer, failing as it does (a SafetensorError)
         msg = f"Error while serializing: I/O error: {os.strerror(code)} (os error {code})"
-        inject(monkeypatch, kv_store, "save_file", fault, lambda *_: SafetensorError(msg),
-               when=lambda tensors, path, *_: under(path, root))
+        inject(
+            monkeypatch,
+            kv_store,
+            "save_file",
+            fault,
+            lambda *_: SafetensorError(msg),
+            when=lambda tensors, path, *_: under(path, root),
+        )
     elif point in ("file_fsync", "dir_fsync"):
         want = stat.S_ISDIR if point == "dir_fsync" else stat.S_ISREG
-        inject(monkeypatch, os, "fsync", fault, lambda fd: os_error(code),
-               when=lambda fd: want(os.fstat(fd).st_mode) and under(fd_path(fd), root))
+        inject(
+            monkeypatch,
+            os,
+            "fsync",
+            fault,
+            lambda fd: os_error(code),
+            when=lambda fd: want(os.fstat(fd).st_mode) and under(fd_path(fd), root),
+        )
     elif point == "rename":
-        inject(monkeypatch, os, "replace", fault, lambda src, dst, *_: os_error(code, dst),
-               when=lambda src, dst, *_: under(dst, root))
+        inject(
+            monkeypatch,
+            os,
+            "replace",
+            fault,
+            lambda src, dst, *_: os_error(code, dst),
+            when=lambda src, dst, *_: under(dst, root),
+        )
     elif point == "mkdir":  # the snapshot directory went away and cannot be made again
         path_fault(monkeypatch, os, "mkdir", fault, code, root)
     elif point == "db_row":  # the snapshot's database row
@@ -256,7 +281,9 @@ def pressure_reference(model_dir, tmp_path_factory):
 
 @pytest.mark.parametrize("code", list(ERRNOS.values()), ids=list(ERRNOS))
 @pytest.mark.parametrize("point", WRITE_POINTS)
-def test_spill_write_fault_never_fails_a_turn(model_dir, tmp_path, monkeypatch, caplog, oracle, pressure_reference, point, code):
+def test_spill_write_fault_never_fails_a_turn(
+    model_dir, tmp_path, monkeypatch, caplog, oracle, pressure_reference, point, code
+):
     """Snapshots on a full (or read-only) disk, spills forced by memory pressure during
     admission: no raw SafetensorError escapes admission and no turn fails with OutOfBlocks;
     every turn, spill and close completes, with a warning."""
@@ -284,7 +311,9 @@ def test_spill_write_fault_never_fails_a_turn(model_dir, tmp_path, monkeypatch, 
     else:
         assert warned(caplog, "not saved to disk"), "a failed snapshot write is logged"
     assert out == pressure_reference[: len(out)], "a failed snapshot changes no reply"
-    left = sorted(p.name for p in root.iterdir() if p.name != ".lock") if root.exists() else []  # the directory's lock file stays
+    left = (
+        sorted(p.name for p in root.iterdir() if p.name != ".lock") if root.exists() else []
+    )  # the directory's lock file stays
     assert not [n for n in left if n.endswith(".tmp") or ".tmp" in n], f"a failed write left a temp file: {left}"
     if point not in ("dir_fsync", "db_row"):  # those fail after the file is complete and in place
         assert not left, f"a failed write left {left}"
@@ -310,7 +339,9 @@ def test_spill_write_fault_never_fails_a_turn(model_dir, tmp_path, monkeypatch, 
     snaps = e.session_manager.snapshots
     rows = {snap.file for snap in e.session_manager.store.snapshots_lru()}
     assert {p.name for p in root.glob("*.json")} == rows
-    listed = {p.name for snap in e.session_manager.store.snapshots_lru() for p in snaps.segment_paths(snap.conversation_id)}
+    listed = {
+        p.name for snap in e.session_manager.store.snapshots_lru() for p in snaps.segment_paths(snap.conversation_id)
+    }
     assert {p.name for p in root.glob("*.safetensors")} == listed
     e.close()
 

@@ -151,7 +151,10 @@ def find_cycles(nodes, edges: list[Edge]) -> list[list[Edge]]:
     out: dict[str, dict[str, Edge]] = {n: {} for n in nodes}
     for e in edges:
         prev = out[e.src].get(e.dst)
-        if prev is None or (prev.lazy, prev.typing) > (e.lazy, e.typing):  # show a module-level import when there is one
+        if prev is None or (prev.lazy, prev.typing) > (
+            e.lazy,
+            e.typing,
+        ):  # show a module-level import when there is one
             out[e.src][e.dst] = e
     index: dict[str, int] = {}
     low: dict[str, int] = {}
@@ -235,8 +238,17 @@ def describe(cycle: list[Edge]) -> str:
 
 def test_the_distribution_is_found(graph):
     modules, edges, _ = graph
-    for name in ["chatkv", "chatkv.errors", "chatkv.engine.sampling", "chatkv.kernels", "chatkv.kernels.attention",
-                 "chatkv.storage", "chatkv.retrieval", "chatkv.tui", "chatkv.storage.migrations.env"]:
+    for name in [
+        "chatkv",
+        "chatkv.errors",
+        "chatkv.engine.sampling",
+        "chatkv.kernels",
+        "chatkv.kernels.attention",
+        "chatkv.storage",
+        "chatkv.retrieval",
+        "chatkv.tui",
+        "chatkv.storage.migrations.env",
+    ]:
         assert name in modules, name
     assert "kernels" not in modules and "storage.kv_store" not in modules  # no bare top-level names
     assert any(e.src == "chatkv.kernels" and e.dst == "chatkv.kernels.attention" for e in edges)
@@ -265,21 +277,59 @@ PACKAGES = {
     "chatkv.retrieval": {"chatkv.errors", "chatkv.storage"},
     "chatkv.weights": {"chatkv.errors", "chatkv.config", "chatkv.kernels", "chatkv.storage"},
     "chatkv.kvcache": {"chatkv.errors", "chatkv.config", "chatkv.kernels", "chatkv.storage"},
-    "chatkv.model": {"chatkv.errors", "chatkv.config", "chatkv.kernels", "chatkv.storage", "chatkv.weights",
-                     "chatkv.kvcache"},
-    "chatkv.engine": {"chatkv.errors", "chatkv.config", "chatkv.outputs", "chatkv.kernels", "chatkv.storage",
-                      "chatkv.retrieval", "chatkv.weights", "chatkv.kvcache", "chatkv.model"},
-    "chatkv.rag": {"chatkv.errors", "chatkv.config", "chatkv.outputs", "chatkv.kernels", "chatkv.storage",
-                   "chatkv.retrieval", "chatkv.weights", "chatkv.kvcache", "chatkv.model", "chatkv.engine"},
-    "chatkv.sessions": {"chatkv.errors", "chatkv.config", "chatkv.outputs", "chatkv.kernels", "chatkv.storage",
-                        "chatkv.retrieval", "chatkv.weights", "chatkv.kvcache", "chatkv.model", "chatkv.engine",
-                        "chatkv.rag"},
+    "chatkv.model": {
+        "chatkv.errors",
+        "chatkv.config",
+        "chatkv.kernels",
+        "chatkv.storage",
+        "chatkv.weights",
+        "chatkv.kvcache",
+    },
+    "chatkv.engine": {
+        "chatkv.errors",
+        "chatkv.config",
+        "chatkv.outputs",
+        "chatkv.kernels",
+        "chatkv.storage",
+        "chatkv.retrieval",
+        "chatkv.weights",
+        "chatkv.kvcache",
+        "chatkv.model",
+    },
+    "chatkv.rag": {
+        "chatkv.errors",
+        "chatkv.config",
+        "chatkv.outputs",
+        "chatkv.kernels",
+        "chatkv.storage",
+        "chatkv.retrieval",
+        "chatkv.weights",
+        "chatkv.kvcache",
+        "chatkv.model",
+        "chatkv.engine",
+    },
+    "chatkv.sessions": {
+        "chatkv.errors",
+        "chatkv.config",
+        "chatkv.outputs",
+        "chatkv.kernels",
+        "chatkv.storage",
+        "chatkv.retrieval",
+        "chatkv.weights",
+        "chatkv.kvcache",
+        "chatkv.model",
+        "chatkv.engine",
+        "chatkv.rag",
+    },
     "chatkv.conversations": {"chatkv.errors", "chatkv.storage"},
 }
 # The imports that point up a layer, each inside a function or under TYPE_CHECKING, and why.
 UPWARD = {
     ("chatkv.engine.core", "chatkv.sessions.manager"): "Engine.sessions builds the session layer on first use",
-    ("chatkv.engine.core", "chatkv.rag.placement"): "a knowledge base's precompute_kv computes chunk KV with the engine",
+    (
+        "chatkv.engine.core",
+        "chatkv.rag.placement",
+    ): "a knowledge base's precompute_kv computes chunk KV with the engine",
     ("chatkv.engine.closing", "chatkv.sessions.manager"): "the type of the sessions close() spills (TYPE_CHECKING)",
     ("chatkv.model.self_check", "chatkv.engine.model_runner"): "a weight mode checks itself through the real runner",
 }
@@ -309,7 +359,8 @@ def test_packages_import_only_what_they_may(graph, package):
     bad = [
         f"{e.src} imports {e.dst} at {e.where()}"
         for e in edges
-        if _inside(e.src, package) and not any(_inside(e.dst, ok) for ok in allowed)
+        if _inside(e.src, package)
+        and not any(_inside(e.dst, ok) for ok in allowed)
         and not ((e.src, e.dst) in UPWARD and (e.lazy or e.typing))
     ]
     assert not bad, f"{package} may import only {sorted(allowed)} from chatkv:\n" + "\n".join(bad)
@@ -343,8 +394,13 @@ def imports_of_package(file: Path, package: str) -> list[int]:
     """Lines of ``file`` that import ``package`` or a module under it (lazy imports included)."""
     lines = []
     for node in ast.walk(ast.parse(file.read_text(encoding="utf-8"), filename=str(file))):
-        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom) and not node.level
+            else []
+        )
         if any(n == package or n.startswith(package + ".") for n in names):
             lines.append(node.lineno)
     return lines
@@ -355,8 +411,11 @@ def test_only_the_ray_modules_import_ray(graph):
     importers = {name for name, (file, _) in modules.items() if imports_of_package(file, "ray")}
     assert importers == RAY_MODULES, f"modules importing ray: {sorted(importers)}; only {sorted(RAY_MODULES)} may"
     # and only the server's --ray entry point (lazily) and the ray modules themselves reach them
-    bad = [f"{e.src} imports {e.dst} at {e.where()}" for e in edges
-           if e.dst in RAY_MODULES and e.src not in RAY_MODULES and not (e.src == "chatkv.server.ray.options" and e.lazy)]
+    bad = [
+        f"{e.src} imports {e.dst} at {e.where()}"
+        for e in edges
+        if e.dst in RAY_MODULES and e.src not in RAY_MODULES and not (e.src == "chatkv.server.ray.options" and e.lazy)
+    ]
     assert not bad, "\n".join(bad)
 
 

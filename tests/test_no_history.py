@@ -29,15 +29,27 @@ PATTERNS = (r"\bissues? #?\d+", r"today's", r"\btoday\b", r"this session", r"the
 CODE_ONLY = (r"20\d\d-\d\d-\d\d",)  # docs may date a measurement; code and tests state facts
 # (path prefix, regex of the allowed phrase, why it is not history)
 ALLOW = (
-    ("", r"how are you today\?",
-     "a sample chat prompt: test oracles, token counts and benchmark workloads depend on its exact text"),
-    ("benchmarks/", r"still walkable today\.",
-     "a sentence of a benchmark's document text: the workload's tokens"),
-    ("storage/migrations/versions/", r"^Create Date: 20\d\d-\d\d-\d\d",
-     "Alembic's revision header, written by its template"),
+    (
+        "",
+        r"how are you today\?",
+        "a sample chat prompt: test oracles, token counts and benchmark workloads depend on its exact text",
+    ),
+    ("benchmarks/", r"still walkable today\.", "a sentence of a benchmark's document text: the workload's tokens"),
+    (
+        "storage/migrations/versions/",
+        r"^Create Date: 20\d\d-\d\d-\d\d",
+        "Alembic's revision header, written by its template",
+    ),
 )
-MARKS = ("see issue 23", "(Issue 19, item 5)", "issues #4 and 5", "today's path", "35 today, the bound",
-         "used in this session", "as the engineer found")  # each must be caught
+MARKS = (
+    "see issue 23",
+    "(Issue 19, item 5)",
+    "issues #4 and 5",
+    "today's path",
+    "35 today, the bound",
+    "used in this session",
+    "as the engineer found",
+)  # each must be caught
 DATED = "measured 2026-12-01"  # caught in code and tests
 # -- end of patterns --
 
@@ -48,8 +60,12 @@ DOC_FILES = ("README.md", "benchmarks/README.md")
 
 
 def code_files() -> list[Path]:
-    files = [f for d in CODE_DIRS for f in sorted((ROOT / d).rglob("*"))
-             if f.is_file() and f.suffix in CODE_SUFFIXES and "__pycache__" not in f.parts]
+    files = [
+        f
+        for d in CODE_DIRS
+        for f in sorted((ROOT / d).rglob("*"))
+        if f.is_file() and f.suffix in CODE_SUFFIXES and "__pycache__" not in f.parts
+    ]
     files += sorted((ROOT / "benchmarks").glob("*.py"))
     files += [ROOT / f for f in CODE_FILES if (ROOT / f).is_file()]
     return files

@@ -77,10 +77,16 @@ def sites_in(source: str, where: str) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _private(node.attr) and _foreign(node.value, library):
             out.append((node.lineno, ast.unparse(node)))
-        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ATTR_FUNCS
-              and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)
-              and isinstance(node.args[1].value, str) and _private(node.args[1].value)
-              and _foreign(node.args[0], library)):
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ATTR_FUNCS
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+            and _foreign(node.args[0], library)
+        ):
             out.append((node.lineno, ast.unparse(node)))
     return [f"{where}:{line}: {text}" for line, text in sorted(out)]
 
@@ -95,41 +101,51 @@ def sites(root: Path = ROOT) -> list[str]:
 
 def test_private_reads_across_objects_stay_within_the_bound():
     found = sites()
-    assert len(found) <= BOUND, (f"{len(found)} private reads across objects (at most {BOUND}); each one "
-                                 "reaches into another object's state - give its owner a public method:\n"
-                                 + "\n".join(found))
+    assert len(found) <= BOUND, (
+        f"{len(found)} private reads across objects (at most {BOUND}); each one "
+        "reaches into another object's state - give its owner a public method:\n" + "\n".join(found)
+    )
 
 
 # ---------------------------------------------------------------- the counter itself
 
+
 def test_counter_finds_reads_of_another_objects_privates():
-    src = ("import torch\nfrom chatkv.engine import closing\n"
-           "def f(engine, kb):\n"
-           "    engine._gate.check('x')\n"
-           "    getattr(kb, '_store', None)\n"
-           "    closing._helper()\n"
-           "    self.engine._loop\n")
+    src = (
+        "import torch\nfrom chatkv.engine import closing\n"
+        "def f(engine, kb):\n"
+        "    engine._gate.check('x')\n"
+        "    getattr(kb, '_store', None)\n"
+        "    closing._helper()\n"
+        "    self.engine._loop\n"
+    )
     found = sites_in(src, "x.py")
-    assert [s.split(": ", 1)[1] for s in found] == ["engine._gate", "getattr(kb, '_store', None)", "closing._helper",
-                                                    "self.engine._loop"], found
+    assert [s.split(": ", 1)[1] for s in found] == [
+        "engine._gate",
+        "getattr(kb, '_store', None)",
+        "closing._helper",
+        "self.engine._loop",
+    ], found
 
 
 def test_counter_skips_own_library_and_namedtuple_reads():
-    src = ("import sys\nimport torch\nimport numpy as np\nfrom os import path\n"
-           "class A(B):\n"
-           "    def f(self):\n"
-           "        self._x = 1\n"
-           "        super()._y()\n"
-           "        torch.ops.aten._weight_int8pack_mm\n"
-           "        sys._getframe(0)\n"
-           "        np._core\n"
-           "        path._joinrealpath\n"
-           "        getattr(self, '_z', None)\n"
-           "        row._replace(a=1)._asdict()\n"
-           "        self.__class__\n"
-           "    @classmethod\n"
-           "    def g(cls):\n"
-           "        return cls._made\n")
+    src = (
+        "import sys\nimport torch\nimport numpy as np\nfrom os import path\n"
+        "class A(B):\n"
+        "    def f(self):\n"
+        "        self._x = 1\n"
+        "        super()._y()\n"
+        "        torch.ops.aten._weight_int8pack_mm\n"
+        "        sys._getframe(0)\n"
+        "        np._core\n"
+        "        path._joinrealpath\n"
+        "        getattr(self, '_z', None)\n"
+        "        row._replace(a=1)._asdict()\n"
+        "        self.__class__\n"
+        "    @classmethod\n"
+        "    def g(cls):\n"
+        "        return cls._made\n"
+    )
     assert sites_in(src, "x.py") == []
 
 

@@ -37,9 +37,14 @@ ROOT = Path(__file__).resolve().parents[1]
 PARTS = tuple(str(ROOT / p) + os.sep for p in ("chatkv", "kernels", "retrieval", "storage", "tui"))
 BOUND = 36  # the files of ON_PATH: one job each
 # functions a plain turn must not run: retrieval without a knowledge base, spilling when nothing spills
-OFF_PATH = {("chatkv/sessions/snapshots.py", "spill"), ("chatkv/sessions/snapshots.py", "relieve"), ("chatkv/sessions/snapshots.py", "restore"),
-            ("chatkv/sessions/manager.py", "relieve"), ("chatkv/sessions/manager.py", "_spill_now"),
-            ("chatkv/sessions/manager.py", "_reload")}
+OFF_PATH = {
+    ("chatkv/sessions/snapshots.py", "spill"),
+    ("chatkv/sessions/snapshots.py", "relieve"),
+    ("chatkv/sessions/snapshots.py", "restore"),
+    ("chatkv/sessions/manager.py", "relieve"),
+    ("chatkv/sessions/manager.py", "_spill_now"),
+    ("chatkv/sessions/manager.py", "_reload"),
+}
 
 # why each file is on a plain turn's path: one job each (a turn on the caller's thread, the loop
 # thread that steps the engine, the writer thread that writes the KV behind the turn)
@@ -50,7 +55,7 @@ ON_PATH = {
     "chatkv/sessions/template.py": "the chat template's rendering of the new user turn and the reply's close",
     "chatkv/engine/text_tokens.py": "the rendered text tokenised with the user's text as data (no control tokens)",
     "chatkv/weights/direct_tokenizer.py": "the tokenizer itself on a warm start (tokenizers + jinja2, proved equal to "
-                                          "transformers' at the cold load): its encode and decode",
+    "transformers' at the cold load): its encode and decode",
     "chatkv/sessions/context_window.py": "the KV window's plan for the prompt and its stored state",
     "chatkv/errors.py": "check_text: the message must be a str without surrogates",
     "chatkv/outputs.py": "the reply's Usage mapped to the stored message's columns",
@@ -100,7 +105,9 @@ def test_one_plain_turn_runs_through_at_most_bound_files(model_dir, tmp_path):
     load_tokenizer(model_dir)  # the cold load: every later start is warm, with the direct tokenizer
     threading.setprofile(profile)  # every thread started from here on, the loop's included
     try:
-        engine = Engine.from_pretrained(model_dir, data_dir=str(tmp_path), dtype="float32", num_blocks=256, block_size=4)
+        engine = Engine.from_pretrained(
+            model_dir, data_dir=str(tmp_path), dtype="float32", num_blocks=256, block_size=4
+        )
         engine.start()
         s = engine.session(params=dict(max_tokens=4, temperature=0))
         s.send("Hello there")
@@ -114,7 +121,9 @@ def test_one_plain_turn_runs_through_at_most_bound_files(model_dir, tmp_path):
         sys.setprofile(None)
         threading.setprofile(None)
     engine.close()
-    assert "chatkv/sessions/manager.py" in files and "chatkv/model/forward.py" in files, sorted(files)  # it saw both threads
+    assert "chatkv/sessions/manager.py" in files and "chatkv/model/forward.py" in files, sorted(
+        files
+    )  # it saw both threads
     assert len(files) <= BOUND, sorted(files)
     assert files <= set(ON_PATH), f"on the turn's path with no job named in ON_PATH: {sorted(files - set(ON_PATH))}"
     assert not ran & OFF_PATH, sorted(ran & OFF_PATH)

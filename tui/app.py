@@ -33,11 +33,11 @@ from textual.widgets import Footer, Label, ProgressBar
 from chatkv.errors import ChatKVError
 from chatkv.outputs import Usage
 from chatkv.tui.branches import BranchesMixin
+from chatkv.tui.chat_turns import TurnsMixin
 from chatkv.tui.commands import CommandsMixin
 from chatkv.tui.conversations import ConversationsMixin
 from chatkv.tui.engine_thread import EngineThread
 from chatkv.tui.screens.dialogs import ToolConfirmScreen
-from chatkv.tui.chat_turns import TurnsMixin
 from chatkv.tui.tool_turns import ToolsMixin
 from chatkv.tui.widgets.chat import ChatInput, ChatMessage, StatusLine
 from chatkv.tui.widgets.sidebar import Sidebar
@@ -82,10 +82,20 @@ class ChatApp(TurnsMixin, ToolsMixin, BranchesMixin, ConversationsMixin, Command
         Binding("ctrl+q", "quit", "Quit", priority=True),
     ]
 
-    def __init__(self, *, engine=None, model: str | None = None, data_dir: str | None = None,
-                 resume: str | None = None, system: str | None = None, kb: str | None = None,
-                 sampling: dict | None = None, mask_volatile: bool = False, engine_options: dict | None = None,
-                 tool_choice="auto"):
+    def __init__(
+        self,
+        *,
+        engine=None,
+        model: str | None = None,
+        data_dir: str | None = None,
+        resume: str | None = None,
+        system: str | None = None,
+        kb: str | None = None,
+        sampling: dict | None = None,
+        mask_volatile: bool = False,
+        engine_options: dict | None = None,
+        tool_choice="auto",
+    ):
         super().__init__()
         self.tool_choice = tool_choice
         self.engine = engine
@@ -95,7 +105,9 @@ class ChatApp(TurnsMixin, ToolsMixin, BranchesMixin, ConversationsMixin, Command
         self.kb_name = kb
         self.documents: list[str] = []
         self.params: dict = dict(sampling or {})
-        self.engine_options: dict = dict(engine_options or {})  # Engine.from_pretrained options (overflow, context_window)
+        self.engine_options: dict = dict(
+            engine_options or {}
+        )  # Engine.from_pretrained options (overflow, context_window)
         self.mask_volatile = mask_volatile
         self.session = None
         self.worker_thread = EngineThread()
@@ -244,7 +256,9 @@ class ChatApp(TurnsMixin, ToolsMixin, BranchesMixin, ConversationsMixin, Command
         # in flight, otherwise the figures come from the engine thread with the turn's end.
         ctx = len(self.session.tokens) if self.session is not None else 0
         kv = self._kv if hasattr(self, "_kv") else None
-        self.query_one(StatusLine).update(status_text(ctx, self.engine.context_window, kv, self.last_usage, self.mask_volatile))
+        self.query_one(StatusLine).update(
+            status_text(ctx, self.engine.context_window, kv, self.last_usage, self.mask_volatile)
+        )
 
     async def _refresh_status(self) -> None:
         if self.engine is not None:
@@ -343,6 +357,7 @@ class ChatApp(TurnsMixin, ToolsMixin, BranchesMixin, ConversationsMixin, Command
         logging.getLogger("chatkv").removeHandler(self._log_handler)
         self._cancel.set()
         await self._close_mcp()  # each MCP server's process is stopped (quitting did it already)
+
         # any turn still running stops at its next piece; its partial reply is saved by the SDK
         def finish():
             if self.session is not None:
@@ -355,16 +370,31 @@ class ChatApp(TurnsMixin, ToolsMixin, BranchesMixin, ConversationsMixin, Command
                     self.engine.close()
                 except Exception:  # noqa: BLE001
                     pass
+
         if not self.worker_thread.closed:
             self.worker_thread.submit(finish)
             self.worker_thread.shutdown()
 
 
-def run_app(*, model: str | None = None, data_dir: str | None = None, resume: str | None = None,
-            system: str | None = None, kb: str | None = None, sampling: dict | None = None,
-            engine_options: dict | None = None) -> int:
+def run_app(
+    *,
+    model: str | None = None,
+    data_dir: str | None = None,
+    resume: str | None = None,
+    system: str | None = None,
+    kb: str | None = None,
+    sampling: dict | None = None,
+    engine_options: dict | None = None,
+) -> int:
     """Open the chat app. resume: a conversation id, "latest", or None (new chat). Returns the exit code."""
-    app = ChatApp(model=model, data_dir=data_dir, resume=resume or None, system=system, kb=kb, sampling=sampling,
-                  engine_options=engine_options)
+    app = ChatApp(
+        model=model,
+        data_dir=data_dir,
+        resume=resume or None,
+        system=system,
+        kb=kb,
+        sampling=sampling,
+        engine_options=engine_options,
+    )
     result = app.run()
     return result if isinstance(result, int) else app.exit_code

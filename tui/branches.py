@@ -31,8 +31,11 @@ class BranchesMixin:
 
     def _branch_widgets(self) -> list[ChatMessage]:
         """The messages of the branch in the view (not the app's notes), top to bottom."""
-        return [w for w in self.query_one("#chat", VerticalScroll).children
-                if isinstance(w, ChatMessage) and w.role in SHOWN]
+        return [
+            w
+            for w in self.query_one("#chat", VerticalScroll).children
+            if isinstance(w, ChatMessage) and w.role in SHOWN
+        ]
 
     async def _show_history(self) -> None:
         """Draw the conversation's current branch."""
@@ -46,8 +49,17 @@ class BranchesMixin:
             if self._tool_history(m, versions, widgets):  # tool calls and their results (tui/tool_turns.py)
                 continue
             sources = (m.meta or {}).get("sources") or [] if m.role == "assistant" else []
-            widgets.append(ChatMessage(m.role, m.content, interrupted=m.status == "interrupted", sources=sources,
-                                       message_id=m.id, versions=versions, id=self._new_id()))
+            widgets.append(
+                ChatMessage(
+                    m.role,
+                    m.content,
+                    interrupted=m.status == "interrupted",
+                    sources=sources,
+                    message_id=m.id,
+                    versions=versions,
+                    id=self._new_id(),
+                )
+            )
         chat = self.query_one("#chat", VerticalScroll)
         if widgets:
             await chat.mount_all(widgets)
@@ -83,8 +95,9 @@ class BranchesMixin:
         """``e`` on a message: a user message goes into the input box in edit mode."""
         w = msg.message
         if w.role != "user":
-            self.notify("Only your messages can be edited; /regenerate answers the last one again.",
-                        severity="information")
+            self.notify(
+                "Only your messages can be edited; /regenerate answers the last one again.", severity="information"
+            )
         elif w.message_id is None or self.generating:
             self.notify("Wait for the reply to finish before editing.", severity="warning")
         else:

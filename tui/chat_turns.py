@@ -15,9 +15,9 @@ from textual.containers import VerticalScroll
 from textual.message import Message
 from textual.widgets import Markdown
 
+from chatkv.engine.sampling import SamplingParams
 from chatkv.errors import ChatKVError
 from chatkv.outputs import Reply, Usage
-from chatkv.engine.sampling import SamplingParams
 from chatkv.tui.widgets.chat import ChatMessage, StatusLine
 from chatkv.tui.widgets.titles import safe_text
 
@@ -36,7 +36,6 @@ class TurnDone(Message):
     usage: Usage | None
     interrupted: bool
     error: str | None
-
 
 
 class TurnsMixin:
@@ -80,8 +79,14 @@ class TurnsMixin:
         drops what followed it on the old branch (kept there: the switcher goes back to it)."""
         await self._turn_of(lambda s, p: s.stream_edit(message_id, text, p), user_text=text, edit_of=message_id)
 
-    async def _turn_of(self, make, user_text: str | None = None, regenerate: bool = False,
-                       edit_of: int | None = None, after_tools: bool = False) -> None:
+    async def _turn_of(
+        self,
+        make,
+        user_text: str | None = None,
+        regenerate: bool = False,
+        edit_of: int | None = None,
+        after_tools: bool = False,
+    ) -> None:
         """Start the turn ``make(session, params)`` (an SDK stream) and stream it into its reply's widget
         (``after_tools``: the model going on from tool results, a new reply with no message of yours)."""
         self.generating = True  # set before any await: a second Enter is refused
@@ -111,7 +116,9 @@ class TurnsMixin:
             self.turn_timing = {"sent": t_sent}
             self.query_one(StatusLine).update("generating…  (Esc stops)")
             session = self.session
-            self._turn_future = self.worker_thread.submit(self._run_turn, session, lambda: make(session, params), self._turn)
+            self._turn_future = self.worker_thread.submit(
+                self._run_turn, session, lambda: make(session, params), self._turn
+            )
         except Exception as e:  # noqa: BLE001
             self.generating = False
             self._error(e, "Send")
@@ -133,7 +140,7 @@ class TurnsMixin:
             await self._add_message("user", text)
         else:
             children = list(self.query_one("#chat", VerticalScroll).children)
-            for w in children[children.index(shown[at]) + 1:]:  # everything after it, notes included
+            for w in children[children.index(shown[at]) + 1 :]:  # everything after it, notes included
                 await w.remove()
             await shown[at].restart(text)
         return await self._add_message("assistant", "")
@@ -248,10 +255,8 @@ class TurnsMixin:
         if calls:
             self.run_worker(self._tool_round(w, msg.reply), exclusive=False)
 
-
     def action_cancel(self) -> None:
         self._cancel.set()
-
 
     async def _wait_turn(self) -> None:
         fut = self._turn_future

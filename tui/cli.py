@@ -34,8 +34,8 @@ import sys
 
 from chatkv import ChatKVError, Conversations, Engine, InvalidRequest
 from chatkv.config import HEADS, KV_DTYPES, OVERFLOW_POLICIES, WEIGHTS
-from chatkv.outputs import GenerationResult, Reply
 from chatkv.engine.sampling import SamplingParams
+from chatkv.outputs import GenerationResult, Reply
 from chatkv.tui.failures import Stdout, check_data_dir, error, note
 from chatkv.tui.terminal_text import SafeStream, safe_text
 
@@ -54,8 +54,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("prompt", nargs="?", help="ask once and exit; without it, chat")
     p.add_argument("--model", help="a local Hugging Face model directory (default: packaged SmolLM2-135M-Instruct)")
-    p.add_argument("--data-dir", metavar="DIR", default=None,
-                   help="where conversations, snapshots and knowledge bases live (default: $CHATKV_HOME)")
+    p.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        default=None,
+        help="where conversations, snapshots and knowledge bases live (default: $CHATKV_HOME)",
+    )
     p.add_argument("--system", default=None, help="system prompt of a new conversation")
     p.add_argument("--max-tokens", type=int, default=None, help=f"default {DEFAULTS['max_tokens']}")
     p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default)")
@@ -66,32 +70,72 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (line mode and one-shot)")
     p.add_argument("--stats", action="store_true", help="line mode: print token counts and timings after each reply")
     p.add_argument("--list", action="store_true", help="list saved conversations and exit")
-    p.add_argument("--search", metavar="TEXT", default=None,
-                   help="print the messages of saved conversations (every branch) holding TEXT's words, one a line "
-                        "(conversation id, title, role, snippet), and exit: 0, or 1 when none matches")
-    p.add_argument("--resume", metavar="ID", nargs="?", const=LATEST, default=None,
-                   help="continue a saved conversation; without ID, the latest")
+    p.add_argument(
+        "--search",
+        metavar="TEXT",
+        default=None,
+        help="print the messages of saved conversations (every branch) holding TEXT's words, one a line "
+        "(conversation id, title, role, snippet), and exit: 0, or 1 when none matches",
+    )
+    p.add_argument(
+        "--resume",
+        metavar="ID",
+        nargs="?",
+        const=LATEST,
+        default=None,
+        help="continue a saved conversation; without ID, the latest",
+    )
     p.add_argument("--title", default=None, help="line mode: title of a new saved conversation")
     p.add_argument("--kb", metavar="NAME", help="answer from this knowledge base (chatkv ingest ... --kb NAME)")
-    p.add_argument("--sources", type=int, default=4, help="line mode: sources retrieved per message with --kb (default 4)")
-    p.add_argument("--pin", action="append", default=None, metavar="SOURCE",
-                   help="line mode, with --kb: a document placed in full after the system prompt (repeatable)")
+    p.add_argument(
+        "--sources", type=int, default=4, help="line mode: sources retrieved per message with --kb (default 4)"
+    )
+    p.add_argument(
+        "--pin",
+        action="append",
+        default=None,
+        metavar="SOURCE",
+        help="line mode, with --kb: a document placed in full after the system prompt (repeatable)",
+    )
     p.add_argument("--plain", action="store_true", help="chat line by line even in a terminal (no app)")
-    p.add_argument("--overflow", choices=OVERFLOW_POLICIES, default=None,
-                   help="when a chat outgrows the context: sink (default; keep the start and a recent window), "
-                        "truncate (drop the oldest turns) or error")
-    p.add_argument("--context-window", type=int, default=None, metavar="N",
-                   help="tokens a conversation's KV may hold (default: the model's context)")
-    p.add_argument("--weights", choices=WEIGHTS, default=None,
-                   help="how the model's projections are computed: auto (default: a GGUF's own int4, else the float "
-                        "model), bf16, fp32, int4 or int8")
-    p.add_argument("--head-weights", choices=HEADS, default=None,
-                   help="the output matrix: auto (default: int8 with a GGUF's int4, else float), float, int8 or int4")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
-                   help="how the KV cache is stored: auto (default: the model's dtype), bf16, fp16, fp32, int8 or fp8 "
-                        "(int8/fp8: about half the memory and snapshot bytes of bf16; see docs/reference/kv-dtypes.md for their quality)")
-    p.epilog = ("other commands: chatkv serve (an OpenAI-compatible HTTP server), chatkv ingest PATH... --kb NAME, "
-                "chatkv kb list|info|search|remove; each takes --help")
+    p.add_argument(
+        "--overflow",
+        choices=OVERFLOW_POLICIES,
+        default=None,
+        help="when a chat outgrows the context: sink (default; keep the start and a recent window), "
+        "truncate (drop the oldest turns) or error",
+    )
+    p.add_argument(
+        "--context-window",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens a conversation's KV may hold (default: the model's context)",
+    )
+    p.add_argument(
+        "--weights",
+        choices=WEIGHTS,
+        default=None,
+        help="how the model's projections are computed: auto (default: a GGUF's own int4, else the float "
+        "model), bf16, fp32, int4 or int8",
+    )
+    p.add_argument(
+        "--head-weights",
+        choices=HEADS,
+        default=None,
+        help="the output matrix: auto (default: int8 with a GGUF's int4, else float), float, int8 or int4",
+    )
+    p.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default=None,
+        help="how the KV cache is stored: auto (default: the model's dtype), bf16, fp16, fp32, int8 or fp8 "
+        "(int8/fp8: about half the memory and snapshot bytes of bf16; see docs/reference/kv-dtypes.md for their quality)",
+    )
+    p.epilog = (
+        "other commands: chatkv serve (an OpenAI-compatible HTTP server), chatkv ingest PATH... --kb NAME, "
+        "chatkv kb list|info|search|remove; each takes --help"
+    )
     return p
 
 
@@ -148,8 +192,9 @@ def _read_line() -> str | None:
     return line.removesuffix("\n").removesuffix("\r") if line else None
 
 
-def _chat(session, params: SamplingParams, show_stats: bool, script: list[str] | None = None,
-          open_session=None, weights=None) -> int:
+def _chat(
+    session, params: SamplingParams, show_stats: bool, script: list[str] | None = None, open_session=None, weights=None
+) -> int:
     """Chat on stdin, or answer the messages of ``script`` and return. ``session`` None: a new
     conversation, opened by ``open_session()`` at the first message (so input that ends before
     one stores nothing). A stdout that fails mid-reply: the reply is still received and stored,
@@ -234,8 +279,11 @@ def _search(saved: Conversations, text: str) -> int:
         return 1
     stdout = Stdout()
     for h in hits:
-        stdout.write(f"{h.conversation_id}  {safe_text(h.title, oneline=True)}  {h.message.role}  "
-                     f"{safe_text(h.snippet, oneline=True)}", end="\n")
+        stdout.write(
+            f"{h.conversation_id}  {safe_text(h.title, oneline=True)}  {h.message.role}  "
+            f"{safe_text(h.snippet, oneline=True)}",
+            end="\n",
+        )
     return stdout.status()
 
 
@@ -269,8 +317,13 @@ def _open_app(args: argparse.Namespace, sampling: dict) -> int:
 
 def _engine_options(args: argparse.Namespace) -> dict:
     """Engine options given on the command line (the rest keep their defaults)."""
-    opts = {"overflow": args.overflow, "context_window": args.context_window, "weights": args.weights,
-            "head_weights": args.head_weights, "kv_dtype": args.kv_dtype}
+    opts = {
+        "overflow": args.overflow,
+        "context_window": args.context_window,
+        "weights": args.weights,
+        "head_weights": args.head_weights,
+        "kv_dtype": args.kv_dtype,
+    }
     return {k: v for k, v in opts.items() if v is not None}
 
 
@@ -291,8 +344,10 @@ def _resume(engine: Engine, conv_id: str):
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] in OTHER_COMMANDS:  # run as python -m chatkv.tui.cli: not a prompt to answer
-        _error(f"'{argv[0]}' is a command of chatkv (chatkv {argv[0]} ..., or python -m chatkv.cli {argv[0]} ...); "
-               "this module runs the chat only")
+        _error(
+            f"'{argv[0]}' is a command of chatkv (chatkv {argv[0]} ..., or python -m chatkv.cli {argv[0]} ...); "
+            "this module runs the chat only"
+        )
         return 2
     if argv and argv[0] == "chat":  # chatkv chat [options]: the same as chatkv [options]
         argv = argv[1:]
@@ -333,8 +388,14 @@ def main(argv: list[str] | None = None) -> int:
                 kb = engine.knowledge_base(args.kb) if args.kb else None
 
                 def opener():
-                    return engine.session(system=args.system, title=args.title, params=_params_dict(params),
-                                          knowledge=kb, top_k=args.sources, documents=args.pin)
+                    return engine.session(
+                        system=args.system,
+                        title=args.title,
+                        params=_params_dict(params),
+                        knowledge=kb,
+                        top_k=args.sources,
+                        documents=args.pin,
+                    )
 
                 session = None  # opened at the first message: no empty conversation for input that has none
             if args.prompt is not None:  # one question in a saved chat (--kb or --resume): one turn

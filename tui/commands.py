@@ -12,9 +12,9 @@ from pathlib import Path
 from textual.app import SystemCommand
 from textual.widgets import Label
 
+from chatkv.engine.sampling import SamplingParams
 from chatkv.errors import ChatKVError
 from chatkv.outputs import Usage
-from chatkv.engine.sampling import SamplingParams
 from chatkv.tui.screens.dialogs import HelpScreen, PromptScreen, SettingsScreen
 from chatkv.tui.screens.search import SearchScreen
 from chatkv.tui.widgets.chat import ChatMessage
@@ -120,7 +120,9 @@ class CommandsMixin:
         lines = [f"Ingested into **{name}**: {safe_text(report.summary())}"]
         for err in report.skipped:
             lines.append(f"- skipped `{safe_text(str(err.source))}`: {safe_text(str(err.reason))}")
-            self.notify(f"{safe_text(str(err.source))}: {safe_text(str(err.reason))}", title="Skipped", severity="warning")
+            self.notify(
+                f"{safe_text(str(err.source))}: {safe_text(str(err.reason))}", title="Skipped", severity="warning"
+            )
         if self.kb_name is None:
             lines.append("Use `/kb default` to chat over it.")
         await self.note("\n".join(lines))
@@ -211,8 +213,10 @@ class CommandsMixin:
             return
         kv = await self._call(self.engine.kv_stats, what="Stats") or {}
         msgs = await self._call(self.session.messages, what="Stats") if self.session else []
-        rows = ["| turn | prompt | cached | restored | computed | generated | drafted / accepted | TTFT ms | tok/s |",
-                "|---|---|---|---|---|---|---|---|---|"]
+        rows = [
+            "| turn | prompt | cached | restored | computed | generated | drafted / accepted | TTFT ms | tok/s |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         n = 0
         for m in msgs or []:
             u = Usage.from_message(m) if m.role == "assistant" else None
@@ -221,8 +225,10 @@ class CommandsMixin:
             n += 1
             ttft, tps = ("--", "--") if self.mask_volatile else (f"{u.ttft_s * 1000:.0f}", f"{u.tokens_per_s:.1f}")
             spec = f"{u.proposed_tokens} / {u.accepted_tokens}" if u.proposed_tokens else "-"  # speculative decoding
-            rows.append(f"| {n} | {u.prompt_tokens} | {u.cached_tokens} | {u.restored_tokens} | {u.computed_tokens} "
-                        f"| {u.generated_tokens} | {spec} | {ttft} | {tps} |")
+            rows.append(
+                f"| {n} | {u.prompt_tokens} | {u.cached_tokens} | {u.restored_tokens} | {u.computed_tokens} "
+                f"| {u.generated_tokens} | {spec} | {ttft} | {tps} |"
+            )
         if n == 0:
             rows = ["*No turns in this conversation yet.*"]
         kv_line = ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in kv.items())
@@ -247,7 +253,9 @@ class CommandsMixin:
         self.run_worker(self._settings())
 
     async def _settings(self) -> None:
-        out = await self.push_screen_wait(SettingsScreen(self.params.get("temperature"), self.params.get("max_tokens"), self.system))
+        out = await self.push_screen_wait(
+            SettingsScreen(self.params.get("temperature"), self.params.get("max_tokens"), self.system)
+        )
         if out is None:
             return
         params = dict(self.params)
@@ -290,6 +298,7 @@ class CommandsMixin:
             answer = await self.push_screen_wait(PromptScreen(question))
             if answer is not None and answer.strip():
                 await self.run_command(f"/{command} {answer.strip()}")
+
         self.run_worker(flow())
 
     def _run(self, line: str) -> None:
@@ -298,23 +307,53 @@ class CommandsMixin:
     def get_system_commands(self, screen):
         yield from super().get_system_commands(screen)
         yield SystemCommand("New chat", "Start a new conversation (/new)", self.action_new_chat)
-        yield SystemCommand("Regenerate", "Answer the last question again; the old reply is kept (/regenerate)",
-                            lambda: self._run("/regenerate"))
-        yield SystemCommand("Edit last message", "Your last message into the input box to edit (/edit, Up)",
-                            lambda: self._run("/edit"))
+        yield SystemCommand(
+            "Regenerate",
+            "Answer the last question again; the old reply is kept (/regenerate)",
+            lambda: self._run("/regenerate"),
+        )
+        yield SystemCommand(
+            "Edit last message", "Your last message into the input box to edit (/edit, Up)", lambda: self._run("/edit")
+        )
         yield SystemCommand("Search…", "Search every conversation (/search TEXT, Ctrl+F)", self.action_search)
         yield SystemCommand("Sources", "Open the last reply's sources (/sources)", lambda: self._run("/sources"))
         yield SystemCommand("Stats", "Token counts and timings of each turn (/stats)", lambda: self._run("/stats"))
-        yield SystemCommand("MCP tools", "The MCP servers of mcp.json and their tools (/tools)", lambda: self._run("/tools"))
-        yield SystemCommand("Export Markdown", "Write the chat to a .md file (/export md)", lambda: self._run("/export md"))
-        yield SystemCommand("Export JSON", "Write the chat to a .json file (/export json)", lambda: self._run("/export json"))
+        yield SystemCommand(
+            "MCP tools", "The MCP servers of mcp.json and their tools (/tools)", lambda: self._run("/tools")
+        )
+        yield SystemCommand(
+            "Export Markdown", "Write the chat to a .md file (/export md)", lambda: self._run("/export md")
+        )
+        yield SystemCommand(
+            "Export JSON", "Write the chat to a .json file (/export json)", lambda: self._run("/export json")
+        )
         yield SystemCommand("Settings", "Temperature, max tokens, system prompt", self.action_settings)
         yield SystemCommand("Copy last reply", "Copy the last reply to the clipboard", self.action_copy_last)
-        yield SystemCommand("System prompt…", "A new chat with a system prompt (/system TEXT)", lambda: self._ask_then("System prompt:", "system"))
-        yield SystemCommand("Load model…", "Load a local model directory (/model PATH)", lambda: self._ask_then("Model directory:", "model"))
-        yield SystemCommand("Knowledge base…", "Chat over a knowledge base (/kb NAME)", lambda: self._ask_then("Knowledge base name:", "kb"))
-        yield SystemCommand("Ingest…", "Add files to the knowledge base (/ingest PATH)", lambda: self._ask_then("File or directory:", "ingest"))
-        yield SystemCommand("Pin document…", "Pin a document of the knowledge base (/pin SOURCE)", lambda: self._ask_then("Document source:", "pin"))
+        yield SystemCommand(
+            "System prompt…",
+            "A new chat with a system prompt (/system TEXT)",
+            lambda: self._ask_then("System prompt:", "system"),
+        )
+        yield SystemCommand(
+            "Load model…",
+            "Load a local model directory (/model PATH)",
+            lambda: self._ask_then("Model directory:", "model"),
+        )
+        yield SystemCommand(
+            "Knowledge base…",
+            "Chat over a knowledge base (/kb NAME)",
+            lambda: self._ask_then("Knowledge base name:", "kb"),
+        )
+        yield SystemCommand(
+            "Ingest…",
+            "Add files to the knowledge base (/ingest PATH)",
+            lambda: self._ask_then("File or directory:", "ingest"),
+        )
+        yield SystemCommand(
+            "Pin document…",
+            "Pin a document of the knowledge base (/pin SOURCE)",
+            lambda: self._ask_then("Document source:", "pin"),
+        )
         yield SystemCommand("Rename chat", "Rename this conversation", lambda: self._manage_current("rename"))
         yield SystemCommand("Archive chat", "Archive this conversation", lambda: self._manage_current("archive"))
         yield SystemCommand("Delete chat", "Delete this conversation", lambda: self._manage_current("delete"))

@@ -74,6 +74,7 @@ class ConversationsMixin:
             await self._refresh_sidebar()
             return
         if message_id is not None:
+
             def switch() -> bool:
                 s.switch(message_id)
                 return True
@@ -129,7 +130,6 @@ class ConversationsMixin:
             await self._clear_chat()
         self.notify({"rename": "Renamed.", "archive": "Archived.", "delete": "Deleted."}[what], timeout=2)
         await self._refresh_sidebar()
-
 
     def _manage_current(self, what: str) -> None:
         if self.session is None:

@@ -60,8 +60,10 @@ class Stdout:
         """The exit status after a failure (0: none, or a reader that left), one line for the rest."""
         if self.failed is None or isinstance(self.failed, BrokenPipeError):
             return 0
-        error(f"cannot write to standard output: {self.failed.strerror or self.failed}{stored}; "
-              f"send it to a file or a terminal that can be written")
+        error(
+            f"cannot write to standard output: {self.failed.strerror or self.failed}{stored}; "
+            f"send it to a file or a terminal that can be written"
+        )
         return 2
 
 

@@ -1,12 +1,12 @@
 """``chatkv ingest`` and ``chatkv kb``: knowledge bases from the command line (no chat model loaded).
 
-    chatkv ingest docs/ notes.md --kb python-docs [--include '*.md'] [--exclude 'drafts/*'] [--follow-symlinks]
-                  [--kv [--model DIR]]
-    chatkv kb list
-    chatkv kb info python-docs
-    chatkv kb search python-docs "how do decorators work?" [-k 5] [--mode hybrid|dense|lexical]
-    chatkv kb remove python-docs docs/old.md
-    (each takes --data-dir DIR; stored names, sources and text are printed through tui/terminal_text.py's safe_text)
+chatkv ingest docs/ notes.md --kb python-docs [--include '*.md'] [--exclude 'drafts/*'] [--follow-symlinks]
+              [--kv [--model DIR]]
+chatkv kb list
+chatkv kb info python-docs
+chatkv kb search python-docs "how do decorators work?" [-k 5] [--mode hybrid|dense|lexical]
+chatkv kb remove python-docs docs/old.md
+(each takes --data-dir DIR; stored names, sources and text are printed through tui/terminal_text.py's safe_text)
 """
 
 from __future__ import annotations
@@ -31,14 +31,24 @@ def parser() -> argparse.ArgumentParser:
     ing.add_argument("--kb", required=True, help="knowledge base name (created if new)")
     ing.add_argument("--include", action="append", default=None, metavar="GLOB")
     ing.add_argument("--exclude", action="append", default=None, metavar="GLOB")
-    ing.add_argument("--follow-symlinks", action="store_true",
-                     help="follow symbolic links found in the directories, as long as they stay inside the given paths")
-    ing.add_argument("--kv", action="store_true",
-                     help="also compute the chat model's KV of every chunk and document now (rag_kv_reuse reads it)")
-    ing.add_argument("--model", metavar="DIR", default=None,
-                     help="with --kv: the chat model to compute it with, a local Hugging Face directory (default: "
-                          "the packaged default model); chunk KV is kept per model and KV dtype, so name the model "
-                          "you chat with")
+    ing.add_argument(
+        "--follow-symlinks",
+        action="store_true",
+        help="follow symbolic links found in the directories, as long as they stay inside the given paths",
+    )
+    ing.add_argument(
+        "--kv",
+        action="store_true",
+        help="also compute the chat model's KV of every chunk and document now (rag_kv_reuse reads it)",
+    )
+    ing.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="with --kv: the chat model to compute it with, a local Hugging Face directory (default: "
+        "the packaged default model); chunk KV is kept per model and KV dtype, so name the model "
+        "you chat with",
+    )
     kb = sub.add_parser("kb", parents=[common], help="list, inspect, search or edit knowledge bases")
     kbs = kb.add_subparsers(dest="action", required=True)
     kbs.add_parser("list", parents=[common], help="the knowledge bases in the data directory")
@@ -85,10 +95,20 @@ def _run(args, say) -> int:
         elif args.model is not None:
             error("--model only matters with --kv (ingest loads no chat model without it)")
             return 2
-        kb = engine.knowledge_base(args.kb) if engine is not None else KnowledgeBase.open(args.kb, data_dir=args.data_dir)
+        kb = (
+            engine.knowledge_base(args.kb)
+            if engine is not None
+            else KnowledgeBase.open(args.kb, data_dir=args.data_dir)
+        )
         try:
-            report = kb.add(args.paths, include=args.include, exclude=args.exclude, progress=_stderr_is_terminal(),
-                            follow_symlinks=args.follow_symlinks, precompute_kv=args.kv)
+            report = kb.add(
+                args.paths,
+                include=args.include,
+                exclude=args.exclude,
+                progress=_stderr_is_terminal(),
+                follow_symlinks=args.follow_symlinks,
+                precompute_kv=args.kv,
+            )
         finally:
             kb.close()
             if engine is not None:
@@ -119,8 +139,10 @@ def _run(args, say) -> int:
         elif args.action == "search":
             for i, h in enumerate(kb.search(args.query, k=args.k, mode=args.mode), 1):
                 where = f" - {h.heading}" if h.heading else ""
-                say(safe_text(f"[{i}] {h.score:.3f}  {Path(h.source).name}{where}  ({h.start}-{h.end})", oneline=True),
-                    end="\n")
+                say(
+                    safe_text(f"[{i}] {h.score:.3f}  {Path(h.source).name}{where}  ({h.start}-{h.end})", oneline=True),
+                    end="\n",
+                )
                 say("    " + safe_text(" ".join(h.text.split()), oneline=True)[:200], end="\n")
         elif args.action == "remove":
             if not (kb.remove(args.source) or kb.remove(str(Path(args.source).resolve()))):

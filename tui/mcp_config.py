@@ -20,7 +20,13 @@ from typing import Any
 CONFIG_NAME = "mcp.json"
 CALL_TIMEOUT_S = 60.0
 _FIELDS = {"command", "args", "env", "cwd", "url", "headers", "timeout", "disabled", "alwaysAllow", "type"}
-_TYPES = {"stdio": "command", "http": "url", "streamable-http": "url", "streamable_http": "url", "streamableHttp": "url"}
+_TYPES = {
+    "stdio": "command",
+    "http": "url",
+    "streamable-http": "url",
+    "streamable_http": "url",
+    "streamableHttp": "url",
+}
 
 
 class MCPConfigError(ValueError):
@@ -65,7 +71,7 @@ def _string_map(value: Any, where: str) -> dict[str, str]:
 def parse_server(name: str, entry: Any, where: str) -> ServerConfig | None:
     """One ``mcpServers`` entry (None: it is disabled); MCPConfigError names what is wrong."""
     if not isinstance(entry, dict):
-        raise MCPConfigError(f"{where}: must be an object with \"command\" (stdio) or \"url\" (streamable HTTP)")
+        raise MCPConfigError(f'{where}: must be an object with "command" (stdio) or "url" (streamable HTTP)')
     unknown = sorted(set(entry) - _FIELDS)
     if unknown:
         raise MCPConfigError(f"{where}.{unknown[0]}: unknown field (the fields are {', '.join(sorted(_FIELDS))})")
@@ -73,13 +79,14 @@ def parse_server(name: str, entry: Any, where: str) -> ServerConfig | None:
     if not isinstance(disabled, bool):
         raise MCPConfigError(f"{where}.disabled: must be true or false")
     if "command" in entry and "url" in entry:
-        raise MCPConfigError(f"{where}: give \"command\" (stdio) or \"url\" (streamable HTTP), not both")
+        raise MCPConfigError(f'{where}: give "command" (stdio) or "url" (streamable HTTP), not both')
     if "command" not in entry and "url" not in entry:
-        raise MCPConfigError(f"{where}: needs \"command\" (stdio) or \"url\" (streamable HTTP)")
+        raise MCPConfigError(f'{where}: needs "command" (stdio) or "url" (streamable HTTP)')
     kind = entry.get("type")
     if kind is not None and (kind not in _TYPES or _TYPES[kind] not in entry):
-        raise MCPConfigError(f"{where}.type: {kind!r} does not match the entry (\"stdio\" with \"command\", "
-                             f"\"http\" with \"url\")")
+        raise MCPConfigError(
+            f'{where}.type: {kind!r} does not match the entry ("stdio" with "command", "http" with "url")'
+        )
     c = ServerConfig(name=name)
     if "command" in entry:
         if not isinstance(entry["command"], str) or not entry["command"].strip():
@@ -92,7 +99,7 @@ def parse_server(name: str, entry: Any, where: str) -> ServerConfig | None:
         c.cwd = entry.get("cwd")
         for key in ("headers",):
             if key in entry:
-                raise MCPConfigError(f"{where}.{key}: only for a \"url\" server")
+                raise MCPConfigError(f'{where}.{key}: only for a "url" server')
     else:
         url = entry["url"]
         if not isinstance(url, str) or not re.match(r"^https?://[^\s/]+", url):
@@ -101,7 +108,7 @@ def parse_server(name: str, entry: Any, where: str) -> ServerConfig | None:
         c.headers = _string_map(entry.get("headers", {}), f"{where}.headers")
         for key in ("args", "env", "cwd"):
             if key in entry:
-                raise MCPConfigError(f"{where}.{key}: only for a \"command\" server")
+                raise MCPConfigError(f'{where}.{key}: only for a "command" server')
     timeout = entry.get("timeout", CALL_TIMEOUT_S)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise MCPConfigError(f"{where}.timeout: must be a number of seconds > 0, got {timeout!r}")
@@ -123,7 +130,7 @@ def load_config(path: Path) -> tuple[list[ServerConfig], list[str]]:
     except ValueError as e:
         return [], [f"{path}: not valid JSON: {e}"]
     if not isinstance(doc, dict) or not isinstance(doc.get("mcpServers", {}), dict):
-        return [], [f"{path}: mcpServers: must be an object of servers by name: {{\"mcpServers\": {{\"name\": {{...}}}}}}"]
+        return [], [f'{path}: mcpServers: must be an object of servers by name: {{"mcpServers": {{"name": {{...}}}}}}']
     servers, errors = [], []
     for name, entry in doc.get("mcpServers", {}).items():
         where = f"{path.name}: mcpServers.{name}"

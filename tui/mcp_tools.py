@@ -27,6 +27,7 @@ START_TIMEOUT_S = 30.0
 
 # -- tools and results ------------------------------------------------------------------------
 
+
 @dataclass
 class MCPTool:
     server: str
@@ -104,6 +105,7 @@ def _tightened(schema: Any) -> dict:
 
 # -- one server ----------------------------------------------------------------------------------
 
+
 class ServerConn:
     """One MCP server's connection, held by ``run`` (an asyncio task): ``state`` is starting,
     running, failed (never started) or died (stopped answering); ``error`` says why."""
@@ -135,7 +137,6 @@ class ServerConn:
             return Client(stdio_client(params, errlog=self._log))
         if c.headers:
             import httpx2
-
             from mcp.client.streamable_http import streamable_http_client
 
             http = httpx2.AsyncClient(headers=c.headers, timeout=httpx2.Timeout(30.0, read=300.0))
@@ -211,8 +212,10 @@ class ServerConn:
             self.error = reason(e) + ("" if started else self._last_stderr())
             if pending is not None and not pending.done():
                 pending.set_exception(ServerGone(self.config.name, self.error))
-            self.on_event(self.config.name, f"MCP server '{self.config.name}' "
-                          f"{'died' if started else 'failed to start'}: {self.error}")
+            self.on_event(
+                self.config.name,
+                f"MCP server '{self.config.name}' {'died' if started else 'failed to start'}: {self.error}",
+            )
         finally:
             self.ready.set()
             if self.state in ("running", "starting"):
@@ -261,6 +264,7 @@ def _load_mcp() -> None:
 
 # -- all of them -----------------------------------------------------------------------------------
 
+
 class MCPTools:
     """The app's MCP servers: started from ``<data dir>/mcp.json``, their tools offered to the
     model, their calls made. ``on_event(server, message)`` hears of a server failing or dying."""
@@ -286,8 +290,10 @@ class MCPTools:
             conn = ServerConn(c, log_dir, self._event)
             self.servers[c.name] = conn
             conn.start()
-        await asyncio.gather(*(asyncio.wait_for(s.ready.wait(), START_TIMEOUT_S + 5) for s in self.servers.values()),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(asyncio.wait_for(s.ready.wait(), START_TIMEOUT_S + 5) for s in self.servers.values()),
+            return_exceptions=True,
+        )
         for s in self.servers.values():
             if s.state == "starting":  # no answer in time: as failed
                 s.error, s.state = f"no answer in {START_TIMEOUT_S:g} s", "failed"
@@ -312,10 +318,18 @@ class MCPTools:
         for s, t in listed:
             if s.state != "running":
                 continue
-            name = t.name if counts[t.name] == 1 and TOOL_NAME.match(t.name) else re.sub(
-                r"[^A-Za-z0-9_-]", "_", f"{s.config.name}_{t.name}")[:64]
-            tool = MCPTool(s.config.name, t.name, name, getattr(t, "description", None) or "",
-                           _tightened(getattr(t, "input_schema", None) or getattr(t, "inputSchema", None)))
+            name = (
+                t.name
+                if counts[t.name] == 1 and TOOL_NAME.match(t.name)
+                else re.sub(r"[^A-Za-z0-9_-]", "_", f"{s.config.name}_{t.name}")[:64]
+            )
+            tool = MCPTool(
+                s.config.name,
+                t.name,
+                name,
+                getattr(t, "description", None) or "",
+                _tightened(getattr(t, "input_schema", None) or getattr(t, "inputSchema", None)),
+            )
             try:
                 if name in tools:
                     raise ChatKVError(f"its name '{name}' is another tool's too")
@@ -349,6 +363,7 @@ class MCPTools:
 
     async def check(self) -> None:
         """Ask the running servers for their tools again (a dead one is found, and said, now)."""
+
         async def ping(s: ServerConn) -> None:
             try:
                 tools = await s.request("ping")

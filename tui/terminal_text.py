@@ -55,7 +55,7 @@ class SafeStream:
         s = self._held + piece
         m = _PARTIAL_TAIL.search(s)
         if m is not None and m.start() < len(s):
-            self._held, s = s[m.start():], s[: m.start()]
+            self._held, s = s[m.start() :], s[: m.start()]
         else:
             self._held = ""
         if s.endswith("\r"):  # may be the first half of \r\n

@@ -21,8 +21,8 @@ from chatkv.tui.mcp_config import CONFIG_NAME
 from chatkv.tui.mcp_tools import MCPTools, ToolResult
 from chatkv.tui.screens.dialogs import ToolConfirmScreen
 from chatkv.tui.widgets.chat import ChatMessage
-from chatkv.tui.widgets.tool_call import ToolCallView, arguments_text
 from chatkv.tui.widgets.titles import safe_text
+from chatkv.tui.widgets.tool_call import ToolCallView, arguments_text
 
 MAX_TOOL_STEPS = 5  # tool rounds after one message of yours (the SDK's run_tools default too)
 DENIED = "the user denied this tool call"
@@ -103,12 +103,20 @@ class ToolsMixin:
                     seen[key] = TurnRenderer(self.engine.tokenizer).renders_tools([spec])
                 except ChatKVError as e:
                     seen[key] = None
-                    self.notify(safe_text(f"The MCP tool '{name}' is not offered: {e}"), title="MCP",
-                                severity="warning", timeout=8)
+                    self.notify(
+                        safe_text(f"The MCP tool '{name}' is not offered: {e}"),
+                        title="MCP",
+                        severity="warning",
+                        timeout=8,
+                    )
                 if seen[key] is False and not seen.get("said"):
                     seen["said"] = True
-                    self.notify("This model's chat template has no tool support: the MCP tools are not offered to it.",
-                                title="MCP", severity="warning", timeout=8)
+                    self.notify(
+                        "This model's chat template has no tool support: the MCP tools are not offered to it.",
+                        title="MCP",
+                        severity="warning",
+                        timeout=8,
+                    )
             if seen[key]:
                 specs.append(spec)
         if not specs:
@@ -152,8 +160,12 @@ class ToolsMixin:
                 return
             self._tool_steps += 1
             if self._tool_steps >= MAX_TOOL_STEPS:
-                self.notify(f"The model called tools {MAX_TOOL_STEPS} times in a row; stopped there. "
-                            "Send a message to go on.", title="Tools", severity="warning", timeout=8)
+                self.notify(
+                    f"The model called tools {MAX_TOOL_STEPS} times in a row; stopped there. Send a message to go on.",
+                    title="Tools",
+                    severity="warning",
+                    timeout=8,
+                )
                 self.generating = False
                 return
             opts = self._tool_options(first=False)
@@ -168,7 +180,9 @@ class ToolsMixin:
             return ToolResult(f"no tool is named '{call.name}'", True)
         if call.name not in self.mcp.always:
             view.set_status("asking")
-            answer = await self.push_screen_wait(ToolConfirmScreen(call.name, tool.server, arguments_text(call.arguments)))
+            answer = await self.push_screen_wait(
+                ToolConfirmScreen(call.name, tool.server, arguments_text(call.arguments))
+            )
             if self.mcp is None or self._quitting:
                 return None
             if answer == "deny":
@@ -201,8 +215,16 @@ class ToolsMixin:
         calls = calls_in(m.content) if m.role == "assistant" else []
         if not calls:
             return False
-        widgets.append(ChatMessage(m.role, without_calls(m.content), interrupted=m.status == "interrupted",
-                                   message_id=m.id, versions=versions, id=self._new_id()))
+        widgets.append(
+            ChatMessage(
+                m.role,
+                without_calls(m.content),
+                interrupted=m.status == "interrupted",
+                message_id=m.id,
+                versions=versions,
+                id=self._new_id(),
+            )
+        )
         for name, args in calls:
             tool = self.mcp.find(name) if self.mcp is not None else None
             widgets.append(ToolCallView(name, tool.server if tool else None, args, status="called", id=self._new_id()))
@@ -235,9 +257,11 @@ class ToolsMixin:
         path = self.mcp.path if self.mcp is not None else None
         lines = [f"**MCP servers** (`{safe_text(str(path))}`)" if path else "**MCP servers**"]
         if self.mcp is None or (not self.mcp.servers and not self.mcp.errors):
-            lines.append("\nNone configured. Add them to mcp.json: "
-                         '`{"mcpServers": {"name": {"command": "...", "args": [...]}}}` or `{"url": "http://..."}`; '
-                         "then `/tools reload`.")
+            lines.append(
+                "\nNone configured. Add them to mcp.json: "
+                '`{"mcpServers": {"name": {"command": "...", "args": [...]}}}` or `{"url": "http://..."}`; '
+                "then `/tools reload`."
+            )
             return "\n".join(lines)
         if not self.tools_on:
             lines.append("\n*Off: the model is offered no tools (`/tools on`).*")

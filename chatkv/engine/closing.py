@@ -34,8 +34,8 @@ from chatkv.errors import EngineClosed
 
 if TYPE_CHECKING:
     from chatkv.engine.loop import EngineLoop
-    from chatkv.kvcache.manager import KVManager
     from chatkv.engine.scheduler import Scheduler
+    from chatkv.kvcache.manager import KVManager
     from chatkv.sessions.manager import SessionManager
 
 log = logging.getLogger("chatkv.engine.core")
@@ -101,7 +101,9 @@ class Gate:
     def wait_turns(self, until: float | None) -> bool:
         """Until no turn's code is running, or the monotonic time ``until`` (None: no limit); True if none is."""
         with self._cv:
-            return self._cv.wait_for(lambda: self.turns <= 0, None if until is None else max(0.0, until - time.monotonic()))
+            return self._cv.wait_for(
+                lambda: self.turns <= 0, None if until is None else max(0.0, until - time.monotonic())
+            )
 
 
 class Closer:
@@ -110,9 +112,16 @@ class Closer:
     admission gate, the loop, the scheduler and the KV manager; the session manager and the
     knowledge bases, which the engine opens lazily, through the engine's own callables."""
 
-    def __init__(self, gate: Gate, loop: EngineLoop, scheduler: Scheduler, kv: KVManager,
-                 sessions: Callable[[], SessionManager | None], take_sessions: Callable[[], SessionManager | None],
-                 close_kbs: Callable[[], None]):
+    def __init__(
+        self,
+        gate: Gate,
+        loop: EngineLoop,
+        scheduler: Scheduler,
+        kv: KVManager,
+        sessions: Callable[[], SessionManager | None],
+        take_sessions: Callable[[], SessionManager | None],
+        close_kbs: Callable[[], None],
+    ):
         self.gate, self.loop, self.scheduler, self.kv = gate, loop, scheduler, kv
         self.sessions = sessions  # the session manager if it is open (None: not opened)
         self.take_sessions = take_sessions  # the same, detached from the engine (nothing opens it again)
@@ -170,8 +179,9 @@ class Closer:
         for close() to get the lock."""
         for seq in self.scheduler.sequences():
             self.scheduler.abort(seq)
-            seq.error = EngineClosed("the engine was closed before this request finished; what it produced is kept",
-                                     reply=seq.result())
+            seq.error = EngineClosed(
+                "the engine was closed before this request finished; what it produced is kept", reply=seq.result()
+            )
         self.loop.publish()
 
     def _cut(self) -> None:

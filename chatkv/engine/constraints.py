@@ -97,11 +97,13 @@ def _grammar(c: Constraint) -> str:
     return grammar_from("grammar", c.text)  # lark, or GBNF (converted to lark)
 
 
-_WHAT = {"json_schema": "json_schema is not a JSON schema chatkv can enforce",
-         "json_object": "json_object cannot be enforced",
-         "regex": "regex is not a valid regular expression",
-         "choice": "choice cannot be compiled",
-         "grammar": "grammar is not a valid lark or GBNF grammar"}
+_WHAT = {
+    "json_schema": "json_schema is not a JSON schema chatkv can enforce",
+    "json_object": "json_object cannot be enforced",
+    "regex": "regex is not a valid regular expression",
+    "choice": "choice cannot be compiled",
+    "grammar": "grammar is not a valid lark or GBNF grammar",
+}
 
 
 def _refused(c: Constraint, why: str) -> InvalidRequest:

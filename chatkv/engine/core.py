@@ -23,26 +23,25 @@ import operator
 import os
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence as Seq
+from typing import TYPE_CHECKING, Iterator
+from typing import Sequence as Seq
 
-
-from chatkv.engine import text_tokens
-from chatkv.engine import closing
 from chatkv.config import EngineConfig
-from chatkv.model.cpu_threads import ThreadGovernor
-from chatkv.storage.paths import LOCAL_USER  # not storage.models: no SQLAlchemy until a store is opened
+from chatkv.engine import closing, text_tokens
 from chatkv.engine.detokenize import TextStream
 from chatkv.engine.loop import EngineLoop, RequestStream
-from chatkv.errors import EngineClosed, InvalidRequest, ModelNotFound, StorageError, check_text, check_timeout
-from chatkv.kvcache.manager import KVManager, RetainedKV
 from chatkv.engine.model_runner import ModelRunner
-from chatkv.outputs import EngineStats, GenerationResult
 from chatkv.engine.sampling import SamplingParams, make_generator
 from chatkv.engine.scheduler import NeedsBlocks, Scheduler
 from chatkv.engine.sequence import Sequence
 from chatkv.engine.speculative import Speculator
-from chatkv.model.self_check import load_checked
+from chatkv.errors import EngineClosed, InvalidRequest, ModelNotFound, StorageError, check_text, check_timeout
+from chatkv.kvcache.manager import KVManager, RetainedKV
+from chatkv.model.cpu_threads import ThreadGovernor
 from chatkv.model.modes import choose as choose_weights
+from chatkv.model.self_check import load_checked
+from chatkv.outputs import EngineStats, GenerationResult
+from chatkv.storage.paths import LOCAL_USER  # not storage.models: no SQLAlchemy until a store is opened
 from chatkv.weights import ensure_default_model, load_config, load_tokenizer, model_fingerprint
 
 if TYPE_CHECKING:  # imported when sessions are first used: the store (SQLAlchemy) is not a one-shot's
@@ -62,18 +61,30 @@ class Engine:
         self.tokenizer = load_tokenizer(self.model_dir)
         base = model_fingerprint(self.model_dir, self.config.data_dir or os.environ.get("CHATKV_HOME"))
         # a quantised mode proves itself on this CPU first (cached verdict), else falls back
-        self.model, self.weights = load_checked(self.model_dir, self.weights, c, self.tokenizer, base,
-                                                explicit=c.weights != "auto" or c.head_weights != "auto")
+        self.model, self.weights = load_checked(
+            self.model_dir,
+            self.weights,
+            c,
+            self.tokenizer,
+            base,
+            explicit=c.weights != "auto" or c.head_weights != "auto",
+        )
         log.info("weights: %s", self.weights.label)
         self.fingerprint = self.weights.fingerprint(base)
         self.runner = ModelRunner(self.model, self.config)
         self.kv_dtype = self.runner.kv_format.name  # in the cache namespace and every snapshot header
         self.kv = KVManager(
-            self.runner.pool, (self.fingerprint, self.kv_dtype, self.config.tenant), self.config.enable_prefix_caching,
+            self.runner.pool,
+            (self.fingerprint, self.kv_dtype, self.config.tenant),
+            self.config.enable_prefix_caching,
             host=self.runner.host_pool,
         )
-        self.scheduler = Scheduler(self.kv, self.config.max_batch_tokens, self.config.max_running,
-                                   speculator=Speculator.from_config(self.config))
+        self.scheduler = Scheduler(
+            self.kv,
+            self.config.max_batch_tokens,
+            self.config.max_running,
+            speculator=Speculator.from_config(self.config),
+        )
         self.max_context = int(getattr(hf_config, "max_position_embeddings", 2048))
         self.context_window = self._context_window()
         self.eos_ids = self._eos_ids()
@@ -83,8 +94,15 @@ class Engine:
         self._embedder = None  # the embedding model, loaded once for every knowledge base
         self._loop = EngineLoop(self)  # its rounds run on a thread once start()ed, else on whoever waits
         self._gate = closing.Gate()  # what close() still admits (chatkv.engine.closing)
-        self._closer = closing.Closer(self._gate, self._loop, self.scheduler, self.kv, lambda: self._sessions,
-                                      self._take_sessions, self._close_kbs)
+        self._closer = closing.Closer(
+            self._gate,
+            self._loop,
+            self.scheduler,
+            self.kv,
+            lambda: self._sessions,
+            self._take_sessions,
+            self._close_kbs,
+        )
         self._open_lock = threading.Lock()  # the store and knowledge bases open once, whichever thread asks first
 
     @classmethod
@@ -131,8 +149,13 @@ class Engine:
             check_text(f"message {i} role", m.get("role"))
             check_text(f"message {i} content", m["content"])
         # contents are data: a special-token string in a message is its characters (chatkv.engine.text_tokens)
-        return text_tokens.encode_chat(self.tokenizer, lambda ms: self.tokenizer.apply_chat_template(
-            ms, add_generation_prompt=add_generation_prompt, tokenize=False), messages)
+        return text_tokens.encode_chat(
+            self.tokenizer,
+            lambda ms: self.tokenizer.apply_chat_template(
+                ms, add_generation_prompt=add_generation_prompt, tokenize=False
+            ),
+            messages,
+        )
 
     def _to_ids(self, prompt: str | Seq[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -189,8 +212,9 @@ class Engine:
         """
         if not admitted:
             self._gate.check("a new request")
-        return self.on_loop(lambda: self._new_request(prompt, params, retain, prefix, namespace, max_context, priority,
-                                                on_finish))
+        return self.on_loop(
+            lambda: self._new_request(prompt, params, retain, prefix, namespace, max_context, priority, on_finish)
+        )
 
     def _new_request(self, prompt, params, retain, prefix, namespace, max_context, priority, on_finish) -> Sequence:
         if self._gate.cut:
@@ -269,8 +293,14 @@ class Engine:
         (the loop thread's once started, waiting for it; else one run here), and return its result."""
         return self._loop.call(fn)
 
-    def submit(self, prompt: str | Seq[int], params: SamplingParams | None = None, *, priority: int = 0,
-               user: str | None = None) -> RequestStream:
+    def submit(
+        self,
+        prompt: str | Seq[int],
+        params: SamplingParams | None = None,
+        *,
+        priority: int = 0,
+        user: str | None = None,
+    ) -> RequestStream:
         """Queue one request and return its ``RequestStream`` (iterate it, ``async for`` it,
         ``cancel()`` it, ``result()``). Bad input raises here. Before ``start()`` reading the
         stream runs the engine loop on the reader's thread. ``user``: whose prefix cache it reads and
@@ -279,13 +309,17 @@ class Engine:
         namespace = self.kv.user_namespace(user)
         return self.add_request(prompt, params, priority=priority, namespace=namespace, admitted=True).stream
 
-    async def agenerate(self, prompt: str | Seq[int], params: SamplingParams | None = None, *, priority: int = 0) -> GenerationResult:
+    async def agenerate(
+        self, prompt: str | Seq[int], params: SamplingParams | None = None, *, priority: int = 0
+    ) -> GenerationResult:
         """Run one request from asyncio (starts the loop if needed); its GenerationResult."""
         import asyncio
 
         self._gate.check("a new request")
         self.start()
-        stream = await asyncio.get_running_loop().run_in_executor(None, lambda: self.submit(prompt, params, priority=priority))
+        stream = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.submit(prompt, params, priority=priority)
+        )
         return await stream.aresult()
 
     def add_finish_listener(self, fn) -> None:
@@ -430,7 +464,6 @@ class Engine:
 
     def knowledge_base(self, name: str):
         """Open (or create) the knowledge base ``name`` in this engine's data directory and database."""
-        from chatkv.retrieval import Embedder, KnowledgeBase
 
         self._gate.check("opening a knowledge base")
         with self._open_lock:
@@ -444,7 +477,10 @@ class Engine:
             if self._embedder is None:
                 self._embedder = Embedder()
             kb = KnowledgeBase.open(
-                name, data_dir=self.data_root(), db_url=self.config.db_url, embedder=self._embedder,
+                name,
+                data_dir=self.data_root(),
+                db_url=self.config.db_url,
+                embedder=self._embedder,
                 tenant=self.config.tenant,
             )
             kb.kv_precompute = self._precompute_kv  # kb.add(..., precompute_kv=True): chatkv.rag.placement
@@ -465,15 +501,18 @@ class Engine:
     def sessions(self, include_archived: bool = False, *, user: str | None = None):
         """Saved conversations (of ``user``; None: the local user), newest activity first (storage.ConversationInfo)."""
         self._gate.check("sessions()")
-        return self.session_manager.store.list_conversations(include_archived=include_archived, tenant=self.config.tenant,
-                                                             owner=user or LOCAL_USER)
+        return self.session_manager.store.list_conversations(
+            include_archived=include_archived, tenant=self.config.tenant, owner=user or LOCAL_USER
+        )
 
     def search(self, query: str, limit: int = 20, *, user: str | None = None):
         """Messages of ``user``'s saved conversations (None: the local user), every branch, whose
         text holds ``query``'s words, best first: ``SearchHit`` records (conversation_id, title,
         message, snippet). ``session.switch(hit.message.id)`` opens that message's branch."""
         self._gate.check("search()")
-        return self.session_manager.store.search(query, owner=user or LOCAL_USER, tenant=self.config.tenant, limit=limit)
+        return self.session_manager.store.search(
+            query, owner=user or LOCAL_USER, tenant=self.config.tenant, limit=limit
+        )
 
     def sessions_in_memory(self) -> list[str]:
         """Ids of this process's open conversations whose KV is in memory now (kept between turns,
@@ -541,9 +580,21 @@ class Engine:
             kv = self.kv.stats()
             running, waiting = self.scheduler.counts()
             out = EngineStats(
-                num_running=running, num_waiting=waiting,
-                **{k: kv[k] for k in ("blocks_total", "blocks_free", "blocks_cached", "host_blocks_total",
-                                      "host_blocks_used", "evicted_to_host", "host_hits") if k in kv},
+                num_running=running,
+                num_waiting=waiting,
+                **{
+                    k: kv[k]
+                    for k in (
+                        "blocks_total",
+                        "blocks_free",
+                        "blocks_cached",
+                        "host_blocks_total",
+                        "host_blocks_used",
+                        "evicted_to_host",
+                        "host_hits",
+                    )
+                    if k in kv
+                },
             )
             out.kv_cache_usage = 1 - out.blocks_free / max(out.blocks_total, 1)
             sm = self._sessions

@@ -208,8 +208,9 @@ class RequestStream:
         except EngineClosed:
             if ready():  # (close() publishes every request's end before it is closed)
                 return True
-            raise EngineClosed("the engine was closed before this request finished; what it produced is kept",
-                               reply=self.seq.result()) from None
+            raise EngineClosed(
+                "the engine was closed before this request finished; what it produced is kept", reply=self.seq.result()
+            ) from None
 
     def cancel(self) -> None:
         """Stop the request; its blocks are freed on the next round. What it produced stays."""
@@ -334,8 +335,12 @@ class EngineLoop:
 
     # -- the loop's one body --------------------------------------------------------------
 
-    def round(self, command: Callable[[], Any] | None = None, done: Callable[[], bool] | None = None,
-              lock_timeout: float | None = None) -> Any:
+    def round(
+        self,
+        command: Callable[[], Any] | None = None,
+        done: Callable[[], bool] | None = None,
+        lock_timeout: float | None = None,
+    ) -> Any:
         """One pass of the loop, on whichever thread runs it (the loop thread, or a caller when
         none is started): the queued commands, then ``command`` if given (its result is
         returned), else one step of the batch unless ``done()`` already holds (the finished
@@ -429,8 +434,12 @@ class EngineLoop:
                 return fut
         return None
 
-    def until(self, done: Callable[[], bool], block: Callable[[Callable[[], bool], float | None], None],
-              timeout: float | None = None) -> bool:
+    def until(
+        self,
+        done: Callable[[], bool],
+        block: Callable[[Callable[[], bool], float | None], None],
+        timeout: float | None = None,
+    ) -> bool:
         """Return once ``done()`` holds: while the loop thread runs, ``block(done, seconds)``
         sleeps until it signals; without one this thread runs the rounds. False if ``timeout``
         seconds passed first (``timeout`` as ``check_timeout`` takes it: every wait comes here)."""

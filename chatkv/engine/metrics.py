@@ -38,16 +38,83 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 P = "chatkv:"
 # vLLM's buckets
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
-               960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
 # engine.stats() field -> (metric, kind, help). Gauges are levels; counters are lifetime totals.
 STATS = {
-    "kv_cache_usage": ("kv_cache_usage_perc", "gauge", "KV-cache usage: 1 means 100 percent of the device blocks in use"),
+    "kv_cache_usage": (
+        "kv_cache_usage_perc",
+        "gauge",
+        "KV-cache usage: 1 means 100 percent of the device blocks in use",
+    ),
     "num_running": ("num_requests_running", "gauge", "Requests in the running batch"),
     "num_waiting": ("num_requests_waiting", "gauge", "Requests waiting to be admitted"),
     "sessions_in_memory": ("sessions_in_memory", "gauge", "Open sessions whose KV is held in memory"),
@@ -100,7 +167,9 @@ class _StatsCollector:
             value = stats.get(key)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 continue
-            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(P + name, doc, labels=["model_name"])
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                P + name, doc, labels=["model_name"]
+            )
             family.add_metric([self.model_name], float(value))
             yield family
 
@@ -124,7 +193,9 @@ class EngineMetrics:
         self.restored_tokens = counter("prompt_tokens_restored", "Prompt tokens loaded from a KV snapshot on disk")
         self.computed_tokens = counter("prompt_tokens_computed", "Prompt tokens computed by prefill")
         self.reused_tokens = counter("prompt_tokens_reused", "RAG sources' tokens placed from chunk KV (rag_kv_reuse)")
-        self.recomputed_tokens = counter("prompt_tokens_recomputed", "RAG sources' tokens recomputed over placed chunk KV")
+        self.recomputed_tokens = counter(
+            "prompt_tokens_recomputed", "RAG sources' tokens recomputed over placed chunk KV"
+        )
         self.queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (any tier)")
         self.preemptions = counter("num_preemptions", "Preemptions of running requests")
@@ -132,8 +203,11 @@ class EngineMetrics:
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative verification steps (drafts verified)")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative tokens proposed")
         self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted")
-        self.spec_per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Speculative tokens accepted, by "
-                                    "position in the draft", lab + ["position"])
+        self.spec_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative tokens accepted, by position in the draft",
+            lab + ["position"],
+        )
         self.ttft = hist("time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Time between generated tokens", ITL_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Request latency from arrival to finish", E2E_BUCKETS)
@@ -148,8 +222,17 @@ class EngineMetrics:
         """On the engine thread: keep what the counters need, nothing more."""
         spec = getattr(seq, "spec", None)
         drafts = (spec.drafts, tuple(spec.accepted_per_pos)) if spec is not None else (0, ())
-        self._pending.append((result.usage, result.finish_reason, result.preemptions, seq.arrival,
-                              seq.first_token_time, seq.finish_time, drafts))
+        self._pending.append(
+            (
+                result.usage,
+                result.finish_reason,
+                result.preemptions,
+                seq.arrival,
+                seq.first_token_time,
+                seq.finish_time,
+                drafts,
+            )
+        )
 
     @property
     def pending(self) -> int:
@@ -165,13 +248,22 @@ class EngineMetrics:
                 usage, reason, preemptions, arrival, first, finish, (drafts, per_pos) = self._pending.popleft()
                 n += 1
                 hit = usage.cached_tokens + usage.host_tokens + usage.restored_tokens
-                for c, v in ((self.prompt_tokens, usage.prompt_tokens), (self.generation_tokens, usage.generated_tokens),
-                             (self.cached_tokens, usage.cached_tokens), (self.host_tokens, usage.host_tokens),
-                             (self.restored_tokens, usage.restored_tokens), (self.computed_tokens, usage.computed_tokens),
-                             (self.queries, usage.prompt_tokens), (self.hits, hit), (self.preemptions, preemptions),
-                             (self.spec_drafts, drafts), (self.spec_draft_tokens, usage.proposed_tokens),
-                             (self.spec_accepted, usage.accepted_tokens), (self.reused_tokens, usage.reused_tokens),
-                             (self.recomputed_tokens, usage.recomputed_tokens)):
+                for c, v in (
+                    (self.prompt_tokens, usage.prompt_tokens),
+                    (self.generation_tokens, usage.generated_tokens),
+                    (self.cached_tokens, usage.cached_tokens),
+                    (self.host_tokens, usage.host_tokens),
+                    (self.restored_tokens, usage.restored_tokens),
+                    (self.computed_tokens, usage.computed_tokens),
+                    (self.queries, usage.prompt_tokens),
+                    (self.hits, hit),
+                    (self.preemptions, preemptions),
+                    (self.spec_drafts, drafts),
+                    (self.spec_draft_tokens, usage.proposed_tokens),
+                    (self.spec_accepted, usage.accepted_tokens),
+                    (self.reused_tokens, usage.reused_tokens),
+                    (self.recomputed_tokens, usage.recomputed_tokens),
+                ):
                     if v:
                         c.labels(m).inc(v)
                 for pos, v in enumerate(per_pos):

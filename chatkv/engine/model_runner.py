@@ -22,14 +22,14 @@ from dataclasses import dataclass
 
 import torch
 
-from chatkv.kvcache.block_pool import BlockPool
 from chatkv.config import EngineConfig
-from chatkv.kvcache.host_pool import HostPool
-from chatkv.kernels import AttentionMetadata, build_metadata, kv_quant
-from chatkv.model.forward import LlamaModel
 from chatkv.engine.sampling import mask_rows, sample
 from chatkv.engine.sequence import Sequence
 from chatkv.engine.speculative import verify
+from chatkv.kernels import AttentionMetadata, build_metadata, kv_quant
+from chatkv.kvcache.block_pool import BlockPool
+from chatkv.kvcache.host_pool import HostPool
+from chatkv.model.forward import LlamaModel
 
 
 @dataclass
@@ -110,8 +110,14 @@ class ModelRunner:
         self.model = model
         self.kv_format = kv_format(config.kv_dtype, model.dtype)
         self.pool = BlockPool(
-            pool_blocks(model, config, self.kv_format), config.block_size, model.num_layers, model.num_kv_heads,
-            model.head_dim, dtype=self.kv_format.dtype, device=config.device, quant=self.kv_format.quant,
+            pool_blocks(model, config, self.kv_format),
+            config.block_size,
+            model.num_layers,
+            model.num_kv_heads,
+            model.head_dim,
+            dtype=self.kv_format.dtype,
+            device=config.device,
+            quant=self.kv_format.quant,
         )
         # the host-memory tier backs the shared prefix cache: none without it
         self.host_pool = HostPool.for_pool(self.pool, config.host_cache_bytes) if config.enable_prefix_caching else None
@@ -137,16 +143,27 @@ class ModelRunner:
         return Batch(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(pos, dtype=torch.long, device=dev),
-            {w: build_metadata(tables, qlens, ctx, bs, w, device=dev, exact=exact if any(exact) else None,
-                               positions=at if any(a is not None for a in at) else None)
-             for w in self.model.windows},
+            {
+                w: build_metadata(
+                    tables,
+                    qlens,
+                    ctx,
+                    bs,
+                    w,
+                    device=dev,
+                    exact=exact if any(exact) else None,
+                    positions=at if any(a is not None for a in at) else None,
+                )
+                for w in self.model.windows
+            },
             torch.tensor(rows, dtype=torch.long, device=dev),
         )
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Float32 logits ``[len(logits_rows), vocab]`` on the CPU; stores the new tokens' KV."""
-        return self.model.forward(batch.input_ids, batch.positions, self.pool.kv, batch.metas, batch.logits_rows,
-                                  self.pool.quant).cpu()
+        return self.model.forward(
+            batch.input_ids, batch.positions, self.pool.kv, batch.metas, batch.logits_rows, self.pool.quant
+        ).cpu()
 
     def run(self, plan: list[tuple[Sequence, int]]) -> dict[Sequence, int | list[int] | Exception]:
         """Compute a scheduler plan; return the next token of every sequence whose prompt is now
@@ -165,7 +182,9 @@ class ModelRunner:
                 verifying.append(seq)
                 continue
             done = start + n == len(seq.token_ids)
-            items.append(BatchItem(seq.token_ids[start : start + n], start, seq.block_table, "last" if done else "none"))
+            items.append(
+                BatchItem(seq.token_ids[start : start + n], start, seq.block_table, "last" if done else "none")
+            )
             if done:
                 samplers.append(seq)
         logits = self.forward(self.build_batch(items))

@@ -135,8 +135,13 @@ class SamplingParams:
     @property
     def constrained(self) -> bool:
         """True when a constraint limits the output (json_schema, regex, choice, grammar, json_object)."""
-        return (self.json_schema is not None or self.regex is not None or self.choice is not None
-                or self.grammar is not None or self.json_object is True)
+        return (
+            self.json_schema is not None
+            or self.regex is not None
+            or self.choice is not None
+            or self.grammar is not None
+            or self.json_object is True
+        )
 
     def _validate_constraint(self, bad) -> None:
         if not isinstance(self.json_object, bool):
@@ -217,7 +222,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams, history: list[in
     neg_inf = float("-inf")
     x = torch.where(torch.isnan(x), neg_inf, x)
     if bool(torch.isposinf(x).any()):
-        x = torch.zeros_like(x).masked_fill(~torch.isposinf(x), neg_inf)  # float64 still: where() of two scalars is float32, and T=1e300 overflowed it to nan
+        x = torch.zeros_like(x).masked_fill(
+            ~torch.isposinf(x), neg_inf
+        )  # float64 still: where() of two scalars is float32, and T=1e300 overflowed it to nan
     top = x.max()
     if top == neg_inf:
         x = torch.zeros_like(x)

@@ -30,11 +30,10 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from chatkv.errors import OutOfBlocks
-from chatkv.kvcache.manager import KVManager
 from chatkv.engine.sequence import Sequence, Status
 from chatkv.engine.speculative import Speculator
-
+from chatkv.errors import OutOfBlocks
+from chatkv.kvcache.manager import KVManager
 
 log = logging.getLogger("chatkv.engine.core")
 
@@ -51,8 +50,14 @@ class NeedsBlocks:
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_batch_tokens: int, max_running: int, age_rounds: int = AGE_ROUNDS,
-                 speculator: Speculator | None = None):
+    def __init__(
+        self,
+        kv: KVManager,
+        max_batch_tokens: int,
+        max_running: int,
+        age_rounds: int = AGE_ROUNDS,
+        speculator: Speculator | None = None,
+    ):
         self.kv = kv
         self.speculator = speculator  # None: no speculative decoding
         self.age_rounds = age_rounds
@@ -195,12 +200,15 @@ class Scheduler:
             seq = blocked if blocked is not None else self.waiting[0]
             pool = self.kv.pool
             locked = self.kv.cache.cached_blocks - self.kv.cache.evictable_blocks
-            self.fail(seq, OutOfBlocks(
-                f"request {seq.seq_id} ({len(seq.token_ids)} tokens so far) cannot fit in the KV pool: "
-                f"{pool.num_blocks} blocks of {pool.block_size} tokens, {locked} locked by open sessions and "
-                f"pinned prefixes, {pool.num_free} free; close idle sessions, lower max_tokens or raise "
-                "kv_cache_bytes / num_blocks"
-            ))
+            self.fail(
+                seq,
+                OutOfBlocks(
+                    f"request {seq.seq_id} ({len(seq.token_ids)} tokens so far) cannot fit in the KV pool: "
+                    f"{pool.num_blocks} blocks of {pool.block_size} tokens, {locked} locked by open sessions and "
+                    f"pinned prefixes, {pool.num_free} free; close idle sessions, lower max_tokens or raise "
+                    "kv_cache_bytes / num_blocks"
+                ),
+            )
         if self.speculator is not None and plan:
             plan = self._speculate(plan, budget)
         return plan

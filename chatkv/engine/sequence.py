@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING, Any, Callable, Hashable
 import torch
 
 from chatkv.engine.detokenize import TextStream
+from chatkv.engine.sampling import SamplingParams
 from chatkv.kvcache.types import BlockTable
 from chatkv.outputs import GenerationResult, Usage
-from chatkv.engine.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from chatkv.kvcache.types import RetainedKV
-    from chatkv.kvcache.prefix_cache import Node
     from chatkv.engine.speculative import SpecState
+    from chatkv.kvcache.prefix_cache import Node
+    from chatkv.kvcache.types import RetainedKV
 
 
 class Status(enum.Enum):
@@ -59,7 +59,9 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "aborted" | "error"
     error: Exception | None = None  # why it ended with finish_reason "error"
     preemptions: int = 0
-    draft: list[int] = field(default_factory=list)  # tokens proposed for this step's verification (chatkv.engine.speculative)
+    draft: list[int] = field(
+        default_factory=list
+    )  # tokens proposed for this step's verification (chatkv.engine.speculative)
     spec: SpecState | None = None  # its speculation state: proposer, acceptance, counts (None: never speculated)
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None

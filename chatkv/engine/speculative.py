@@ -202,8 +202,15 @@ class StepCost:
     measured high stops speculation, so no new estimates would come; once they expire the prior
     returns, auto probes again and measures anew."""
 
-    def __init__(self, prior: float, window: int = 31, min_samples: int = 5, lo: float = 0.02, hi: float = 2.0,
-                 max_age: int = 2000):
+    def __init__(
+        self,
+        prior: float,
+        window: int = 31,
+        min_samples: int = 5,
+        lo: float = 0.02,
+        hi: float = 2.0,
+        max_age: int = 2000,
+    ):
         self.prior, self.lo, self.hi, self.min_samples, self.max_age = prior, lo, hi, min_samples, max_age
         self._estimates: deque[tuple[int, float]] = deque(maxlen=window)  # (the step it was taken at, r)
         self._steps = 0  # decode steps recorded
@@ -252,8 +259,14 @@ class StepCost:
         self._last = None
 
 
-def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams, history: list[int],
-           generator: torch.Generator | None, matcher: Any = None) -> list[int]:
+def verify(
+    logits: torch.Tensor,
+    draft: list[int],
+    params: SamplingParams,
+    history: list[int],
+    generator: torch.Generator | None,
+    matcher: Any = None,
+) -> list[int]:
     """The tokens a verification step emits, from ``logits [len(draft) + 1, vocab]`` (row ``i``:
     the target's logits after the history and ``draft[:i]``): the accepted proposals, then the
     target's own token at the first disagreement (or after all of them). See the module doc.
@@ -283,8 +296,15 @@ def eligible(seq: Any) -> int:
 
 
 class Speculator:
-    def __init__(self, mode: str = "auto", max_k: int = 5, row_cost: float = 0.2, max_rows: int = 15,
-                 proposer=NgramProposer, max_batch: int | None = None):
+    def __init__(
+        self,
+        mode: str = "auto",
+        max_k: int = 5,
+        row_cost: float = 0.2,
+        max_rows: int = 15,
+        proposer=NgramProposer,
+        max_batch: int | None = None,
+    ):
         if mode not in MODES:
             raise ValueError(f"speculative must be one of {', '.join(MODES)}, got {mode!r}")
         self.mode, self.max_k, self.max_rows = mode, max_k, max_rows
@@ -310,8 +330,13 @@ class Speculator:
         on_cpu = str(config.device).startswith("cpu")
         max_rows = config.quant_dense_rows - 1 if config.quant_dense_rows > 1 else 32
         prior = (0.05 if cpu_decode.amx() else 0.2) if on_cpu else 0.02  # AMX tiles: a row ~0.05 (bench_verify_rows)
-        return cls(config.speculative, config.num_speculative_tokens, prior, max_rows,
-                   max_batch=CPU_MAX_BATCH if on_cpu else None)
+        return cls(
+            config.speculative,
+            config.num_speculative_tokens,
+            prior,
+            max_rows,
+            max_batch=CPU_MAX_BATCH if on_cpu else None,
+        )
 
     def state(self, seq: Any) -> SpecState:
         if seq.spec is None:

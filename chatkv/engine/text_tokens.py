@@ -124,8 +124,9 @@ def render(render_fn: Callable[[list[dict]], str], messages: Sequence[dict]) -> 
     contents = [m.get("content") for m in messages]
     if not any(isinstance(c, str) and c for c in contents):
         return Rendered(text, ())
-    marked = [dict(m, content=_MARKER.format(i)) if isinstance(m.get("content"), str) else m
-              for i, m in enumerate(messages)]
+    marked = [
+        dict(m, content=_MARKER.format(i)) if isinstance(m.get("content"), str) else m for i, m in enumerate(messages)
+    ]
     try:
         marked_text = render_fn(marked)
     except InvalidRequest:
@@ -220,8 +221,9 @@ def check_locatable(tokenizer, rendered: Rendered, messages: Sequence[dict]) -> 
                 )
 
 
-def encode_chat(tokenizer, render_fn: Callable[[list[dict]], str], messages: Sequence[dict],
-                start: int = 0) -> list[int]:
+def encode_chat(
+    tokenizer, render_fn: Callable[[list[dict]], str], messages: Sequence[dict], start: int = 0
+) -> list[int]:
     """Render ``messages`` with ``render_fn`` and tokenise the text from ``start`` as data."""
     r = render(render_fn, messages)
     check_locatable(tokenizer, r, messages)

@@ -151,7 +151,8 @@ class BlockPool:
             return x
         assert x.is_floating_point() and x.shape[-1] == self.head_dim, (
             f"a {self.quant} pool takes stored rows (uint8, {self.row_dim} wide) or floats {self.head_dim} wide, "
-            f"not {x.dtype} {x.shape[-1]} wide")
+            f"not {x.dtype} {x.shape[-1]} wide"
+        )
         return kv_quant.quantize(x, self.quant)
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
@@ -159,7 +160,9 @@ class BlockPool:
         assert len(src) == len(dst)
         if src:
             dev = self.kv.device
-            self.kv.index_copy_(2, torch.tensor(dst, device=dev), self.kv.index_select(2, torch.tensor(src, device=dev)))
+            self.kv.index_copy_(
+                2, torch.tensor(dst, device=dev), self.kv.index_select(2, torch.tensor(src, device=dev))
+            )
 
     def check_integrity(self) -> None:
         free = set(self._free)

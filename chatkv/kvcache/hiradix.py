@@ -45,8 +45,7 @@ class HiRadixCache(RadixCache):
         return self._host_cached
 
     def tier_stats(self) -> dict[str, int]:
-        return {"evicted_to_host": self.evicted_to_host, "host_hits": self.host_hits,
-                "host_evicted": self.host_evicted}
+        return {"evicted_to_host": self.evicted_to_host, "host_hits": self.host_hits, "host_evicted": self.host_evicted}
 
     # ------------------------------------------------------------------ the tier
     def load(self, m: MatchResult, block_ids: list[int]) -> MatchResult:
@@ -151,7 +150,9 @@ class HiRadixCache(RadixCache):
     def _is_leaf(self, node: Node) -> bool:
         """A device leaf: an unlocked, non-root, device-resident node whose children are all on host."""
         return (
-            not node.is_root and not node.host_ids and node.lock_ref == 0
+            not node.is_root
+            and not node.host_ids
+            and node.lock_ref == 0
             and all(c.host_ids for c in node.children.values())
         )
 

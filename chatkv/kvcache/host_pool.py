@@ -31,8 +31,8 @@ from collections import deque
 
 import torch
 
-from chatkv.kvcache.block_pool import BlockPool
 from chatkv.errors import OutOfBlocks
+from chatkv.kvcache.block_pool import BlockPool
 
 
 class HostPool:
@@ -119,7 +119,9 @@ class HostPool:
             for start, first, n in _runs(host_ids):
                 for layer in range(self.kv.shape[0]):
                     for kv in (0, 1):  # kv[layer, kv, a:b] is contiguous on both sides: one async memcpy
-                        self.kv[layer, kv, first : first + n].copy_(staged[layer, kv, start : start + n], non_blocking=True)
+                        self.kv[layer, kv, first : first + n].copy_(
+                            staged[layer, kv, start : start + n], non_blocking=True
+                        )
         # later kernels may overwrite the freed device blocks once they were gathered; the
         # transfer of ``staged`` (allocated on the side stream, so not reused before it) goes on
         current.wait_event(gathered)
@@ -144,7 +146,9 @@ class HostPool:
             for start, first, n in _runs(host_ids):
                 for layer in range(self.kv.shape[0]):
                     for kv in (0, 1):
-                        staged[layer, kv, start : start + n].copy_(self.kv[layer, kv, first : first + n], non_blocking=True)
+                        staged[layer, kv, start : start + n].copy_(
+                            self.kv[layer, kv, first : first + n], non_blocking=True
+                        )
             pool.kv.index_copy_(2, idx, staged)
         current.wait_stream(side)  # the forward that reads these blocks runs after the scatter
 

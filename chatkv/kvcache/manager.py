@@ -68,13 +68,13 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from chatkv.kvcache.block_pool import BlockPool
 from chatkv.errors import OutOfBlocks
-from chatkv.kvcache.host_pool import HostPool
-from chatkv.kvcache.types import BlockTable, RetainedKV, SequenceKV
+from chatkv.kvcache.block_pool import BlockPool
 from chatkv.kvcache.hiradix import HiRadixCache
-from chatkv.kvcache.prefix_cache import MatchResult, NoPrefixCache, Node, PrefixCache
+from chatkv.kvcache.host_pool import HostPool
+from chatkv.kvcache.prefix_cache import MatchResult, Node, NoPrefixCache, PrefixCache
 from chatkv.kvcache.radix import RadixCache
+from chatkv.kvcache.types import BlockTable, RetainedKV, SequenceKV
 from chatkv.storage.paths import LOCAL_USER
 
 
@@ -85,7 +85,11 @@ class KVManager:
         self.block_size = pool.block_size
         self.host = host if prefix_caching else None
         self.cache: PrefixCache = (
-            NoPrefixCache(pool) if not prefix_caching else RadixCache(pool) if self.host is None else HiRadixCache(pool, self.host)
+            NoPrefixCache(pool)
+            if not prefix_caching
+            else RadixCache(pool)
+            if self.host is None
+            else HiRadixCache(pool, self.host)
         )
         self.namespace = namespace
         self.sharing = prefix_caching
@@ -150,7 +154,11 @@ class KVManager:
         if seq.num_cached < 0:
             t.num_host += loaded + (min(p.host_len, m.num_tokens) if p is not None else 0)
         continues = p is not None and (m.node is p.node if p.node is not None else m.num_tokens == 0)
-        if continues and p.tail_block is not None and m.num_tokens == p.kv_len - p.tail_len < p.kv_len < len(seq.token_ids):
+        if (
+            continues
+            and p.tail_block is not None
+            and m.num_tokens == p.kv_len - p.tail_len < p.kv_len < len(seq.token_ids)
+        ):
             t.blocks.append(p.tail_block)  # the conversation's own partial block continues its history
             t.num_computed = p.kv_len
             p.tail_block = None
@@ -252,11 +260,17 @@ class KVManager:
         if kept.tail_block is not None:
             blocks.append(kept.tail_block)
         first = start // self.block_size
-        kv = self.pool.read(blocks[first:], kept.kv_len - first * self.block_size)[:, :, start - first * self.block_size :]
+        kv = self.pool.read(blocks[first:], kept.kv_len - first * self.block_size)[
+            :, :, start - first * self.block_size :
+        ]
         return [kv[i, 0] for i in range(kv.shape[0])], [kv[i, 1] for i in range(kv.shape[0])]
 
     def import_kv(
-        self, token_ids: list[int], num_tokens: int, k: list[torch.Tensor], v: list[torch.Tensor],
+        self,
+        token_ids: list[int],
+        num_tokens: int,
+        k: list[torch.Tensor],
+        v: list[torch.Tensor],
         namespace: Hashable | None = None,
     ) -> RetainedKV:
         """Put the KV of ``token_ids[:num_tokens]`` (per-layer tensors, at least that long) into
@@ -294,8 +308,16 @@ class KVManager:
         self._live.add(kept)
         return kept
 
-    def slide(self, kept: RetainedKV, tokens: list[int], sink: int, drop: int, namespace: Hashable,
-              shift: Callable[[list[int], int], None], old_namespace: Hashable | None = None) -> RetainedKV | None:
+    def slide(
+        self,
+        kept: RetainedKV,
+        tokens: list[int],
+        sink: int,
+        drop: int,
+        namespace: Hashable,
+        shift: Callable[[list[int], int], None],
+        old_namespace: Hashable | None = None,
+    ) -> RetainedKV | None:
         """Move a conversation's attention-sink window: of the KV in ``kept``, keep tokens
         ``[0, sink)`` as they are and ``[sink + drop, kv_len)`` with their keys moved ``drop``
         positions back (``shift(blocks, delta)`` re-rotates keys in place); the blocks of the

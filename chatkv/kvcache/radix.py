@@ -187,7 +187,9 @@ class RadixCache:
                 break
             n = len(child.tokens)
             k = n // bs
-            if child.tokens != tokens[pos : pos + n]:  # the first block matches (it is the key); find where they diverge
+            if (
+                child.tokens != tokens[pos : pos + n]
+            ):  # the first block matches (it is the key); find where they diverge
                 k = 1
                 while k * bs < n and child.tokens[k * bs : (k + 1) * bs] == tokens[pos + k * bs : pos + (k + 1) * bs]:
                     k += 1

@@ -35,15 +35,22 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from chatkv.model import fused_decode
-from chatkv.model.cpu_threads import one_thread
 from chatkv.errors import ModelNotFound, UnsupportedModel
 from chatkv.kernels import AttentionMetadata, attention_backend, kv_quant
-from chatkv.weights.quantised import GROUP, Int4Linear, Int8Linear, Q4Weight, int4_from_nibbles, quantize_int4, quantize_int8
+from chatkv.model import fused_decode
+from chatkv.model.cpu_threads import one_thread
 from chatkv.model.prefill import Scratch, ScratchInt8, scratch_int4
 from chatkv.weights.gguf import read_q4
 from chatkv.weights.loading import load_config, read_weights, release_freed_memory
-
+from chatkv.weights.quantised import (
+    GROUP,
+    Int4Linear,
+    Int8Linear,
+    Q4Weight,
+    int4_from_nibbles,
+    quantize_int4,
+    quantize_int8,
+)
 
 # oneDNN prepacked linear (CPU). Batch-1 decode is bound by streaming the weights, and
 # measured on the default model (SmolLM2-135M, 2 AVX-512 cores, benchmarks/README.md) a
@@ -84,8 +91,12 @@ WEIGHT_MODES = ("float", "int4", "int8")
 DENSE_KINDS = ("scratch", "copy")
 
 #: A layer's projections as they are fused and stored: q, k, v; o; gate, up; down.
-PROJECTION_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
-                     ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+PROJECTION_GROUPS = (
+    ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    ("self_attn.o_proj",),
+    ("mlp.gate_proj", "mlp.up_proj"),
+    ("mlp.down_proj",),
+)
 
 
 def projection_mode(names: list[str], mode: str, q4: dict) -> str:
@@ -210,9 +221,20 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
 class LlamaModel:
     """Weights and the forward pass. Not an nn.Module: nothing here trains."""
 
-    def __init__(self, config, weights: dict[str, torch.Tensor], dtype: torch.dtype, device: str = "cpu",
-                 weights_mode: str = "float", head_mode: str = "float", q4: dict[str, Q4Weight] | None = None,
-                 dense_rows: int = 16, pack: bool = True, consume: bool = False, dense: str = "scratch"):
+    def __init__(
+        self,
+        config,
+        weights: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: str = "cpu",
+        weights_mode: str = "float",
+        head_mode: str = "float",
+        q4: dict[str, Q4Weight] | None = None,
+        dense_rows: int = 16,
+        pack: bool = True,
+        consume: bool = False,
+        dense: str = "scratch",
+    ):
         """``weights_mode``/``head_mode``: how the layers' projections / the output matrix are
         stored and computed (``WEIGHT_MODES``; the quantised ones need bfloat16 on CPU); ``q4``:
         a GGUF's own 4-bit weights by name, used as they are in int4 mode (others are quantised);
@@ -284,7 +306,9 @@ class LlamaModel:
                 copy_wanted = bool(dense_rows) and dense == "copy"
                 lin = None
                 if hasattr(q4, "nibbles") and all(n in q4 for n in names) and (own or not copy_wanted):
-                    lin = int4_from_nibbles([q4.nibbles(n) for n in names], bias, dense_rows)  # the file's bytes repacked
+                    lin = int4_from_nibbles(
+                        [q4.nibbles(n) for n in names], bias, dense_rows
+                    )  # the file's bytes repacked
                 if lin is None:
                     parts = [q4[n] if n in q4 else quantize_int4(weights[n]) for n in names]
                     cat = lambda f: torch.cat([getattr(x, f) for x in parts])  # noqa: E731
@@ -299,8 +323,11 @@ class LlamaModel:
                 q8 = quantize_int8(weights[names[0]] if len(names) == 1 else torch.cat([weights[n] for n in names]))
                 lin = Int8Linear(q8, bias, None, dense_rows)
                 if dense_rows:
-                    lin.dense = (ScratchInt8(lin.codes, q8.scale, lin.bias, self.scratch) if dense == "scratch"
-                                 else Linear(q8.dequantize().to(dtype), bias))
+                    lin.dense = (
+                        ScratchInt8(lin.codes, q8.scale, lin.bias, self.scratch)
+                        if dense == "scratch"
+                        else Linear(q8.dequantize().to(dtype), bias)
+                    )
                 return lin
             return Linear(torch.cat([w(n) for n in names]), bias, pack)
 
@@ -314,7 +341,10 @@ class LlamaModel:
             qk_norm = None
             if attn + "q_norm.weight" in weights:
                 qk_norm = torch.cat(
-                    [w(attn + "q_norm.weight").expand(self.num_heads, -1), w(attn + "k_norm.weight").expand(self.num_kv_heads, -1)]
+                    [
+                        w(attn + "q_norm.weight").expand(self.num_heads, -1),
+                        w(attn + "k_norm.weight").expand(self.num_kv_heads, -1),
+                    ]
                 )
             stored = []
             for group in PROJECTION_GROUPS:
@@ -324,9 +354,18 @@ class LlamaModel:
                 bias = cat_opt([f"{p}{g}.bias" for g in group]) if len(group) > 1 else opt(f"{p}{group[0]}.bias")
                 stored.append(proj(names, bias, mode))
             qkv, o, gate_up, down = stored
-            self.layers.append(Layer(input_norm=w(p + "input_layernorm.weight"), qkv=qkv, o=o, qk_norm=qk_norm,
-                                     post_norm=w(p + "post_attention_layernorm.weight"), gate_up=gate_up, down=down,
-                                     window=windows[i]))
+            self.layers.append(
+                Layer(
+                    input_norm=w(p + "input_layernorm.weight"),
+                    qkv=qkv,
+                    o=o,
+                    qk_norm=qk_norm,
+                    post_norm=w(p + "post_attention_layernorm.weight"),
+                    gate_up=gate_up,
+                    down=down,
+                    window=windows[i],
+                )
+            )
         self.embed = w("embed_tokens.weight")
         self.norm = w("norm.weight")
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
@@ -338,7 +377,11 @@ class LlamaModel:
             head = proj(["embed_tokens.weight" if tied else "lm_head.weight"], None, head_mode, 0)
             self.lm_head = exact_top(head.native_few_rows() if isinstance(head, Int8Linear) else head, None)
         # padding decode rows helps oneDNN's prepacked kernel and slows the int4/int8 ones
-        self.min_rows = MIN_ROWS if isinstance(self.layers[0].qkv, Linear) and getattr(self.layers[0].qkv, "packed", None) is not None else 1
+        self.min_rows = (
+            MIN_ROWS
+            if isinstance(self.layers[0].qkv, Linear) and getattr(self.layers[0].qkv, "packed", None) is not None
+            else 1
+        )
         inv_freq, self.rope_scaling = rope_inv_freq(config)
         self.inv_freq = inv_freq.to(self.device)
         self._cos_sin = torch.empty(0, 2, self.head_dim, dtype=dtype, device=self.device)  # grown on demand
@@ -349,9 +392,16 @@ class LlamaModel:
         self._fused_weights: list[torch.Tensor] | None = None
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | Path, dtype: torch.dtype | None = None, device: str = "cpu",
-                        weights_mode: str = "float", head_mode: str = "float", dense_rows: int = 16,
-                        dense: str = "scratch") -> "LlamaModel":
+    def from_pretrained(
+        cls,
+        model_dir: str | Path,
+        dtype: torch.dtype | None = None,
+        device: str = "cpu",
+        weights_mode: str = "float",
+        head_mode: str = "float",
+        dense_rows: int = 16,
+        dense: str = "scratch",
+    ) -> "LlamaModel":
         config = load_config(model_dir)
         if dtype is None:
             dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
@@ -359,8 +409,18 @@ class LlamaModel:
                 dtype = getattr(torch, dtype)
         q4 = read_q4(model_dir) if weights_mode == "int4" else None
         with one_thread():  # copies and repackings, bound by memory (chatkv.model.cpu_threads.one_thread)
-            model = cls(config, read_weights(model_dir), dtype, device, weights_mode, head_mode, q4, dense_rows,
-                        consume=True, dense=dense)
+            model = cls(
+                config,
+                read_weights(model_dir),
+                dtype,
+                device,
+                weights_mode,
+                head_mode,
+                q4,
+                dense_rows,
+                consume=True,
+                dense=dense,
+            )
         release_freed_memory()  # what loading freed on the heaps, not held resident
         return model
 

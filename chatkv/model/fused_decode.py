@@ -33,11 +33,16 @@ def kernels_available() -> bool:
 
 def supported(model) -> bool:
     """Whether ``model``'s decode steps can take the fused ops at all (checked once, at load)."""
-    return (model.residual_dtype == torch.float32 and model.dtype == torch.bfloat16
-            and model.device.type == "cpu" and model.windows == [None] and model.min_rows == 1
-            and all(layer.qk_norm is None for layer in model.layers)
-            and cpu_decode.heads_supported(model.num_heads, model.num_kv_heads, model.head_dim)
-            and kernels_available())
+    return (
+        model.residual_dtype == torch.float32
+        and model.dtype == torch.bfloat16
+        and model.device.type == "cpu"
+        and model.windows == [None]
+        and model.min_rows == 1
+        and all(layer.qk_norm is None for layer in model.layers)
+        and cpu_decode.heads_supported(model.num_heads, model.num_kv_heads, model.head_dim)
+        and kernels_available()
+    )
 
 
 def _rows(meta, t: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
@@ -65,8 +70,15 @@ def _rows(meta, t: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
     return torch.tensor(padded, dtype=torch.long), torch.tensor(ctx, dtype=torch.long), max(ctx)
 
 
-def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.Tensor, metas: dict,
-            logits_rows: torch.Tensor, quant: str | None) -> torch.Tensor | None:
+def forward(
+    model,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv: torch.Tensor,
+    metas: dict,
+    logits_rows: torch.Tensor,
+    quant: str | None,
+) -> torch.Tensor | None:
     """``LlamaModel.forward`` of this step through the fused ops, or None (see the module doc)."""
     if quant is not None or kv.dtype != torch.bfloat16 or not model.fused_decode:
         return None
@@ -79,9 +91,22 @@ def forward(model, input_ids: torch.Tensor, positions: torch.Tensor, kv: torch.T
     weights = model.fused_norm_weights()
     h = F.embedding(input_ids, model.embed).to(torch.float32)
     table = model.rope_table(positions)  # grown to this step's positions
-    step = cpu_decode.DecodeStep(h, table, positions.contiguous(), meta.slot_mapping.contiguous(),
-                                 blocks.contiguous(), ctx, max_ctx, kv, model.num_heads, model.num_kv_heads,
-                                 model.head_dim, model.layers[0].gate_up.out_features // 2, model.scale, model.eps)
+    step = cpu_decode.DecodeStep(
+        h,
+        table,
+        positions.contiguous(),
+        meta.slot_mapping.contiguous(),
+        blocks.contiguous(),
+        ctx,
+        max_ctx,
+        kv,
+        model.num_heads,
+        model.num_kv_heads,
+        model.head_dim,
+        model.layers[0].gate_up.out_features // 2,
+        model.scale,
+        model.eps,
+    )
     normed = step.norm(None, weights[0])
     for i, layer in enumerate(model.layers):
         o = step.attention(layer.qkv(normed), i)

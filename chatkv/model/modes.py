@@ -28,8 +28,8 @@ import torch
 
 from chatkv.config import HEADS, WEIGHTS
 from chatkv.errors import InvalidRequest
-from chatkv.weights.quantised import int4_supported, int8_supported
 from chatkv.weights.gguf import QUANT_FILE
+from chatkv.weights.quantised import int4_supported, int8_supported
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FLOAT = {"bf16": torch.bfloat16, "fp32": torch.float32}

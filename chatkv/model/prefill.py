@@ -91,8 +91,16 @@ class ScratchInt4:
 
     __slots__ = ("packed", "scales_zeros", "bias", "n", "k", "block", "scratch", "min_rows")
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias, n: int, block: int, scratch: Scratch,
-                 min_rows: int = 0):
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        scales_zeros: torch.Tensor,
+        bias,
+        n: int,
+        block: int,
+        scratch: Scratch,
+        min_rows: int = 0,
+    ):
         self.packed, self.scales_zeros, self.bias, self.scratch = packed, scales_zeros, bias, scratch
         self.n, self.k, self.block, self.min_rows = n, packed.numel() * 2 // n, block, min_rows
 
@@ -138,8 +146,15 @@ def scratch_int4(lin, scratch: Scratch, min_rows: int | None = None) -> ScratchI
     block = int4pack_block()
     if block is None or lin.out_features % block or lin.packed.dtype != torch.uint8:
         return None
-    return ScratchInt4(lin.packed, lin.scales_zeros, lin.bias, lin.out_features, block, scratch,
-                       SCRATCH_ROWS if min_rows is None else min_rows)
+    return ScratchInt4(
+        lin.packed,
+        lin.scales_zeros,
+        lin.bias,
+        lin.out_features,
+        block,
+        scratch,
+        SCRATCH_ROWS if min_rows is None else min_rows,
+    )
 
 
 class ScratchInt8:

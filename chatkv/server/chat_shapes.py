@@ -29,8 +29,11 @@ def usage_json(u: Usage) -> dict:
         "completion_tokens": u.generated_tokens,
         "total_tokens": u.prompt_tokens + u.generated_tokens,
         # reused/recomputed: RAG sources' tokens placed from chunk KV / recomputed over it (rag_kv_reuse)
-        "prompt_tokens_details": {"cached_tokens": hit, "reused_tokens": u.reused_tokens,
-                                  "recomputed_tokens": u.recomputed_tokens},
+        "prompt_tokens_details": {
+            "cached_tokens": hit,
+            "reused_tokens": u.reused_tokens,
+            "recomputed_tokens": u.recomputed_tokens,
+        },
         "chatkv": {
             "cached_tokens": u.cached_tokens,
             "host_tokens": u.host_tokens,
@@ -47,8 +50,18 @@ def usage_json(u: Usage) -> dict:
 def sum_usage(usages: list[Usage]) -> Usage:
     out = Usage()
     for u in usages:
-        for name in ("prompt_tokens", "cached_tokens", "host_tokens", "restored_tokens", "computed_tokens",
-                     "generated_tokens", "proposed_tokens", "accepted_tokens", "reused_tokens", "recomputed_tokens"):
+        for name in (
+            "prompt_tokens",
+            "cached_tokens",
+            "host_tokens",
+            "restored_tokens",
+            "computed_tokens",
+            "generated_tokens",
+            "proposed_tokens",
+            "accepted_tokens",
+            "reused_tokens",
+            "recomputed_tokens",
+        ):
             setattr(out, name, getattr(out, name) + getattr(u, name))
     out.ttft_s = max((u.ttft_s for u in usages), default=0.0)
     return out
@@ -79,19 +92,29 @@ class Chat:
     def completion(self, text: str, finish: str, usage: Usage) -> dict:
         return {
             **self._base("chat.completion"),
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
-                "finish_reason": FINISH.get(finish, finish),
-            }],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": FINISH.get(finish, finish),
+                }
+            ],
             "usage": usage_json(usage),
         }
 
     def chunk(self, delta: dict, finish: str | None = None) -> dict:
-        out = {**self._base("chat.completion.chunk"),
-               "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                            "finish_reason": FINISH.get(finish, finish) if finish else None}]}
+        out = {
+            **self._base("chat.completion.chunk"),
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": delta,
+                    "logprobs": None,
+                    "finish_reason": FINISH.get(finish, finish) if finish else None,
+                }
+            ],
+        }
         if self.include_usage:
             out["usage"] = None
         return out
@@ -110,20 +133,36 @@ class Completion:
         self.include_usage = include_usage
 
     def _base(self) -> dict:
-        return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
-                "system_fingerprint": None}
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+        }
 
     def completion(self, texts_and_finishes: list[tuple[str, str]], usage: Usage) -> dict:
         return {
             **self._base(),
-            "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": FINISH.get(f, f)}
-                        for i, (text, f) in enumerate(texts_and_finishes)],
+            "choices": [
+                {"index": i, "text": text, "logprobs": None, "finish_reason": FINISH.get(f, f)}
+                for i, (text, f) in enumerate(texts_and_finishes)
+            ],
             "usage": usage_json(usage),
         }
 
     def chunk(self, text: str, finish: str | None = None) -> dict:
-        out = {**self._base(), "choices": [{"index": 0, "text": text, "logprobs": None,
-                                            "finish_reason": FINISH.get(finish, finish) if finish else None}]}
+        out = {
+            **self._base(),
+            "choices": [
+                {
+                    "index": 0,
+                    "text": text,
+                    "logprobs": None,
+                    "finish_reason": FINISH.get(finish, finish) if finish else None,
+                }
+            ],
+        }
         if self.include_usage:
             out["usage"] = None
         return out

@@ -25,31 +25,70 @@ from chatkv.server.ray import options as ray_options
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="chatkv serve", description="Serve a model over an OpenAI-compatible HTTP API "
-                                "(/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /health, /metrics).")
+    p = argparse.ArgumentParser(
+        prog="chatkv serve",
+        description="Serve a model over an OpenAI-compatible HTTP API "
+        "(/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /health, /metrics).",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port, 0-65535 (0: any free one; default 8000)")
-    p.add_argument("--model", default=None, help="a local Hugging Face model directory (default: the packaged SmolLM2-135M-Instruct)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the model directory's name)")
-    p.add_argument("--data-dir", metavar="DIR", default=None, help="conversations and KV snapshots (default: $CHATKV_HOME)")
-    p.add_argument("--db-url", metavar="URL", default=os.environ.get("CHATKV_DB_URL"),
-                   help="the conversation database, any SQLAlchemy URL (postgresql+psycopg://user@host/chatkv): replicas "
-                        "on one database and one --data-dir share conversations (default: $CHATKV_DB_URL, else SQLite "
-                        "in the data dir)")
-    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on /v1 routes; repeat it for several users, each key its "
-                        "own (default: $CHATKV_API_KEY; none: open, one user)")
-    p.add_argument("--api-keys", metavar="FILE", default=None,
-                   help="users and their keys, one 'name:key' a line (the file must be private: chmod 600); "
-                        "re-read on SIGHUP. Each user sees only their own conversations and cache")
-    p.add_argument("--max-concurrency", type=int, default=64, help="requests running at once; more get 429 (default 64)")
-    p.add_argument("--max-request-bytes", type=int, default=4 * 2**20, help="largest request body; larger get 413 (default 4 MiB)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="a local Hugging Face model directory (default: the packaged SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="the model id clients send (default: the model directory's name)"
+    )
+    p.add_argument(
+        "--data-dir", metavar="DIR", default=None, help="conversations and KV snapshots (default: $CHATKV_HOME)"
+    )
+    p.add_argument(
+        "--db-url",
+        metavar="URL",
+        default=os.environ.get("CHATKV_DB_URL"),
+        help="the conversation database, any SQLAlchemy URL (postgresql+psycopg://user@host/chatkv): replicas "
+        "on one database and one --data-dir share conversations (default: $CHATKV_DB_URL, else SQLite "
+        "in the data dir)",
+    )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 routes; repeat it for several users, each key its "
+        "own (default: $CHATKV_API_KEY; none: open, one user)",
+    )
+    p.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        default=None,
+        help="users and their keys, one 'name:key' a line (the file must be private: chmod 600); "
+        "re-read on SIGHUP. Each user sees only their own conversations and cache",
+    )
+    p.add_argument(
+        "--max-concurrency", type=int, default=64, help="requests running at once; more get 429 (default 64)"
+    )
+    p.add_argument(
+        "--max-request-bytes", type=int, default=4 * 2**20, help="largest request body; larger get 413 (default 4 MiB)"
+    )
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
-    p.add_argument("--context-window", type=int, default=None, metavar="N", help="tokens one request or conversation may hold")
-    p.add_argument("--weights", choices=WEIGHTS, default="auto", help="auto (a GGUF's own int4, else the float model), bf16, fp32, int4, int8")
+    p.add_argument(
+        "--context-window", type=int, default=None, metavar="N", help="tokens one request or conversation may hold"
+    )
+    p.add_argument(
+        "--weights",
+        choices=WEIGHTS,
+        default="auto",
+        help="auto (a GGUF's own int4, else the float model), bf16, fp32, int4, int8",
+    )
     p.add_argument("--head-weights", choices=HEADS, default="auto", help="the output matrix: auto, float, int8, int4")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="auto",
-                   help="the KV cache: auto (the model's dtype), bf16, fp16, fp32, int8 or fp8 (about half the memory)")
+    p.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        default="auto",
+        help="the KV cache: auto (the model's dtype), bf16, fp16, fp32, int8 or fp8 (about half the memory)",
+    )
     p.add_argument("--graceful-timeout", type=float, default=30.0, help="seconds requests in flight get at shutdown")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     ray_options.add_arguments(p)
@@ -109,8 +148,10 @@ def main(argv: list[str]) -> int:
         return 2
     if args.ray:
         if args.api_keys or len(keys) > 1:
-            print("chatkv serve: --ray takes one --api-key (several users need one process: leave out --ray)",
-                  file=sys.stderr)
+            print(
+                "chatkv serve: --ray takes one --api-key (several users need one process: leave out --ray)",
+                file=sys.stderr,
+            )
             return 2
         args.api_key = keys[0] if keys else None
     why = ray_options.check(args)
@@ -122,8 +163,14 @@ def main(argv: list[str]) -> int:
     from chatkv import ChatKVError, Engine
     from chatkv.server.app import create_app
 
-    config = {"dtype": args.dtype, "data_dir": args.data_dir, "db_url": args.db_url or None, "weights": args.weights,
-              "head_weights": args.head_weights, "kv_dtype": args.kv_dtype}
+    config = {
+        "dtype": args.dtype,
+        "data_dir": args.data_dir,
+        "db_url": args.db_url or None,
+        "weights": args.weights,
+        "head_weights": args.head_weights,
+        "kv_dtype": args.kv_dtype,
+    }
     if args.context_window is not None:
         config["context_window"] = args.context_window
     if args.ray:
@@ -133,15 +180,31 @@ def main(argv: list[str]) -> int:
     except ChatKVError as e:
         print(f"chatkv serve: {e}", file=sys.stderr)
         return 1
-    app = create_app(engine, model_name=args.served_model_name, users=users,
-                     max_concurrency=args.max_concurrency, max_request_bytes=args.max_request_bytes, owns_engine=True)
+    app = create_app(
+        engine,
+        model_name=args.served_model_name,
+        users=users,
+        max_concurrency=args.max_concurrency,
+        max_request_bytes=args.max_request_bytes,
+        owns_engine=True,
+    )
     if not users.required and not _loopback(args.host):
-        print(f"chatkv serve: warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
-              file=sys.stderr)
+        print(
+            f"chatkv serve: warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
+            file=sys.stderr,
+        )
     name = app.state.chatkv.model_name
     print(f"chatkv serve: model {name!r} at http://{args.host}:{args.port}/v1", file=sys.stderr)
-    server = _Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                    timeout_graceful_shutdown=args.graceful_timeout, lifespan="on"))
+    server = _Server(
+        uvicorn.Config(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.graceful_timeout,
+            lifespan="on",
+        )
+    )
     if args.api_keys and hasattr(signal, "SIGHUP"):
         signal.signal(signal.SIGHUP, lambda signum, frame: users.reload())
     # uvicorn re-raises the signal that stopped it once it has shut down; these handlers take

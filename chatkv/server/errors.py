@@ -18,22 +18,32 @@ from __future__ import annotations
 
 from starlette.responses import JSONResponse
 
-from chatkv.errors import (ChatKVError, ContextOverflow, ConversationBusy, EngineClosed, InvalidRequest, LeaseLost, SessionError,
-                           StorageError)
+from chatkv.errors import (
+    ChatKVError,
+    ContextOverflow,
+    ConversationBusy,
+    EngineClosed,
+    InvalidRequest,
+    LeaseLost,
+    SessionError,
+    StorageError,
+)
 
 
 class APIError(Exception):
     """An error answered to the client as OpenAI answers it."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
-                 type: str | None = None):
+    def __init__(
+        self, status: int, message: str, code: str | None = None, param: str | None = None, type: str | None = None
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
         self.param = param
-        self.type = type or ("server_error" if status >= 500 else "rate_limit_error" if status == 429
-                             else "invalid_request_error")
+        self.type = type or (
+            "server_error" if status >= 500 else "rate_limit_error" if status == 429 else "invalid_request_error"
+        )
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -56,9 +66,12 @@ def from_chatkv(e: Exception) -> APIError:
         return e
     if isinstance(e, InvalidRequest):
         msg = str(e)
-        too_long = isinstance(e, ContextOverflow) or "tokens; the context is" in msg or "the KV pool can hold at most" in msg
-        return APIError(400, msg, "context_length_exceeded" if too_long else "invalid_value",
-                        "messages" if too_long else None)
+        too_long = (
+            isinstance(e, ContextOverflow) or "tokens; the context is" in msg or "the KV pool can hold at most" in msg
+        )
+        return APIError(
+            400, msg, "context_length_exceeded" if too_long else "invalid_value", "messages" if too_long else None
+        )
     if isinstance(e, (ConversationBusy, LeaseLost)):  # another process has the conversation now: retry
         return APIError(409, str(e), "session_busy", "session_id")
     if isinstance(e, SessionError):

@@ -30,9 +30,9 @@ from typing import AsyncIterator
 
 from anyio import to_thread
 
+from chatkv.engine.sampling import SamplingParams
 from chatkv.errors import check_text
 from chatkv.outputs import Reply, Usage
-from chatkv.engine.sampling import SamplingParams
 from chatkv.server.errors import APIError, from_chatkv
 
 NEW_SESSION = "new"
@@ -49,9 +49,14 @@ def fit_max_tokens(context: int, prompt_len: int, max_tokens: int | None, param:
     """``max_tokens``, or what the context leaves; 400 ``context_length_exceeded`` if they do not fit."""
     if prompt_len >= context or (max_tokens is not None and prompt_len + max_tokens > context):
         asked = prompt_len + (max_tokens or 1)
-        raise APIError(400, f"This model's maximum context length is {context} tokens. However, you requested "
-                            f"{asked} tokens ({prompt_len} in the {param}, {asked - prompt_len} in the completion). "
-                            f"Please reduce the length of the {param} or completion.", "context_length_exceeded", param)
+        raise APIError(
+            400,
+            f"This model's maximum context length is {context} tokens. However, you requested "
+            f"{asked} tokens ({prompt_len} in the {param}, {asked - prompt_len} in the completion). "
+            f"Please reduce the length of the {param} or completion.",
+            "context_length_exceeded",
+            param,
+        )
     return max_tokens if max_tokens is not None else context - prompt_len
 
 
@@ -92,8 +97,14 @@ async def _events(stream, on_done=None) -> AsyncIterator[str | Done]:
     yield Done(result.text, result.finish_reason, result.usage)
 
 
-async def stateless_chat(state, messages: list[dict], params: SamplingParams, max_tokens: int | None,
-                         user: str | None = None, tools: list[dict] | None = None):
+async def stateless_chat(
+    state,
+    messages: list[dict],
+    params: SamplingParams,
+    max_tokens: int | None,
+    user: str | None = None,
+    tools: list[dict] | None = None,
+):
     try:
         ids, _ = await to_thread.run_sync(state.history.prompt, messages, user, tools)
     except Exception as e:  # noqa: BLE001 - text that is not valid Unicode, a template that refuses
@@ -103,8 +114,14 @@ async def stateless_chat(state, messages: list[dict], params: SamplingParams, ma
 
     def remember(result) -> None:
         if result.finish_reason in ("stop", "length"):
-            state.history.record(messages, result.text, ids, result.token_ids,
-                                 stopped_by_string=bool(params.stop) and result.finish_reason == "stop", user=user)
+            state.history.record(
+                messages,
+                result.text,
+                ids,
+                result.token_ids,
+                stopped_by_string=bool(params.stop) and result.finish_reason == "stop",
+                user=user,
+            )
 
     return Events(_events(stream, remember), stream.cancel)
 
@@ -112,7 +129,11 @@ async def stateless_chat(state, messages: list[dict], params: SamplingParams, ma
 def completion_prompt(state, prompt, max_tokens: int) -> tuple[list[int], int]:
     """The token ids of one prompt (text or ids) of /v1/completions, and its max_tokens."""
     try:
-        ids = list(state.engine.tokenizer(check_text("prompt", prompt))["input_ids"]) if isinstance(prompt, str) else list(prompt)
+        ids = (
+            list(state.engine.tokenizer(check_text("prompt", prompt))["input_ids"])
+            if isinstance(prompt, str)
+            else list(prompt)
+        )
     except Exception as e:  # noqa: BLE001
         raise from_chatkv(e) from e
     return ids, fit_max_tokens(state.context, len(ids), max_tokens, "prompt")
@@ -130,16 +151,27 @@ def _open_session(engine, messages: list[dict], session_id: str, user: str | Non
     system = "\n\n".join(m["content"] for m in messages[:n_sys]) if n_sys else None
     rest = messages[n_sys:]
     if any(m["role"] == "system" for m in rest):
-        raise APIError(400, "with a session, system messages may only open the conversation", "invalid_value", "messages")
+        raise APIError(
+            400, "with a session, system messages may only open the conversation", "invalid_value", "messages"
+        )
     if session_id == NEW_SESSION:
         if len(rest) != 1:
-            raise APIError(400, "a new session (X-Session-Id: new) starts from its system message(s) and one user "
-                                "message; send earlier turns without a session, or one by one", "invalid_value", "messages")
+            raise APIError(
+                400,
+                "a new session (X-Session-Id: new) starts from its system message(s) and one user "
+                "message; send earlier turns without a session, or one by one",
+                "invalid_value",
+                "messages",
+            )
         return engine.session(system=system, user=user)
     s = engine.resume(session_id, user=user)  # another user's id: unknown, before any comparison below
-    mismatch = APIError(409, f"the messages sent do not match the stored history of session '{session_id}'; send "
-                             "only the new user message, or the conversation exactly as stored",
-                        "session_history_mismatch", "messages")
+    mismatch = APIError(
+        409,
+        f"the messages sent do not match the stored history of session '{session_id}'; send "
+        "only the new user message, or the conversation exactly as stored",
+        "session_history_mismatch",
+        "messages",
+    )
     if system is not None and system != (s.system or ""):
         raise mismatch
     if len(rest) > 1:
@@ -149,8 +181,14 @@ def _open_session(engine, messages: list[dict], session_id: str, user: str | Non
     return s
 
 
-async def session_chat(state, messages: list[dict], params: SamplingParams, max_tokens: int | None,
-                       session_id: str, user: str | None = None):
+async def session_chat(
+    state,
+    messages: list[dict],
+    params: SamplingParams,
+    max_tokens: int | None,
+    session_id: str,
+    user: str | None = None,
+):
     """(the session's id, its events). The first piece is awaited here, so a busy session or
     a turn that does not fit is refused with a status."""
     try:

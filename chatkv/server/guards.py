@@ -35,8 +35,8 @@ from pathlib import Path
 
 from starlette.requests import Request
 
-from chatkv.server.errors import APIError
 from chatkv import LOCAL_USER
+from chatkv.server.errors import APIError
 
 log = logging.getLogger("chatkv.server")
 USER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}")
@@ -56,8 +56,10 @@ def read_key_file(path: str | Path) -> dict[str, str]:
         if not stat.S_ISREG(st.st_mode):
             raise KeyFileError(f"the API key file {path} is not a regular file")
         if st.st_mode & 0o077:
-            raise KeyFileError(f"the API key file {path} may be read by others (mode {stat.S_IMODE(st.st_mode):o}); "
-                               f"run: chmod 600 {path}")
+            raise KeyFileError(
+                f"the API key file {path} may be read by others (mode {stat.S_IMODE(st.st_mode):o}); "
+                f"run: chmod 600 {path}"
+            )
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise KeyFileError(f"the API key file {path} cannot be read: {e.strerror or e}") from None
@@ -74,8 +76,10 @@ def read_key_file(path: str | Path) -> dict[str, str]:
         if not sep or not key:
             raise KeyFileError(f"{path}:{n}: expected 'name:key'")  # the line itself may hold a key: not shown
         if not USER_NAME.fullmatch(name):
-            raise KeyFileError(f"{path}:{n}: a user name is 1-64 characters of A-Z, a-z, 0-9, '_', '.', '@' or '-', "
-                               "starting with a letter or digit")
+            raise KeyFileError(
+                f"{path}:{n}: a user name is 1-64 characters of A-Z, a-z, 0-9, '_', '.', '@' or '-', "
+                "starting with a letter or digit"
+            )
         if name in names:
             raise KeyFileError(f"{path}:{n}: user {name!r} is named twice")
         if key in keys:
@@ -96,8 +100,9 @@ class Users:
     """Who a request is, by its bearer key. ``keys``: ``{key: user name}``; empty: no key is
     needed and every request is the local user's. ``key_file``: re-read by ``reload()``."""
 
-    def __init__(self, keys: dict[str, str] | None = None, key_file: str | Path | None = None,
-                 bare_keys: list[str] | None = None):
+    def __init__(
+        self, keys: dict[str, str] | None = None, key_file: str | Path | None = None, bare_keys: list[str] | None = None
+    ):
         self._bare = list(bare_keys or [])
         self.key_file = Path(key_file) if key_file is not None else None
         self._keys: dict[bytes, str] = {}
@@ -160,9 +165,14 @@ class Users:
             if hmac.compare_digest(given, key) and scheme.lower() == "bearer":
                 found = name
         if found is None:
-            raise APIError(401, "Incorrect API key provided." if header else
-                           "You didn't provide an API key: send 'Authorization: Bearer <key>'.",
-                           "invalid_api_key", type="invalid_request_error")
+            raise APIError(
+                401,
+                "Incorrect API key provided."
+                if header
+                else "You didn't provide an API key: send 'Authorization: Bearer <key>'.",
+                "invalid_api_key",
+                type="invalid_request_error",
+            )
         return found
 
 
@@ -174,8 +184,11 @@ def check_api_key(request: Request, users: Users) -> str:
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, or a 413 if it is larger than ``limit`` bytes."""
     length = request.headers.get("content-length")
-    too_large = APIError(413, f"the request body is larger than the server's limit of {limit} bytes "
-                              "(chatkv serve --max-request-bytes)", "request_too_large")
+    too_large = APIError(
+        413,
+        f"the request body is larger than the server's limit of {limit} bytes (chatkv serve --max-request-bytes)",
+        "request_too_large",
+    )
     if length is not None:
         try:
             if int(length) > limit:
@@ -200,8 +213,11 @@ class ConcurrencyLimit:
 
     def acquire(self) -> "Slot":
         if self.running >= self.limit:
-            raise APIError(429, f"the server is already running {self.limit} requests "
-                                "(chatkv serve --max-concurrency); retry shortly", "rate_limit_exceeded")
+            raise APIError(
+                429,
+                f"the server is already running {self.limit} requests (chatkv serve --max-concurrency); retry shortly",
+                "rate_limit_exceeded",
+            )
         self.running += 1
         return Slot(self)
 

@@ -41,7 +41,9 @@ def prefix_keys(messages: list[dict], user: str | None = None) -> list[bytes]:
     if user is not None and user != LOCAL_USER:
         h = hashlib.sha256(h + b"\0user\0" + user.encode()).digest()
     for m in messages:
-        h = hashlib.sha256(h + json.dumps([m["role"], m["content"]], ensure_ascii=False).encode("utf-8", "surrogatepass")).digest()
+        h = hashlib.sha256(
+            h + json.dumps([m["role"], m["content"]], ensure_ascii=False).encode("utf-8", "surrogatepass")
+        ).digest()
         keys.append(h)
     return keys
 
@@ -61,7 +63,9 @@ class HistoryTokens:
     def __len__(self) -> int:
         return len(self._lru)
 
-    def prompt(self, messages: list[dict], user: str | None = None, tools: list[dict] | None = None) -> tuple[list[int], int]:
+    def prompt(
+        self, messages: list[dict], user: str | None = None, tools: list[dict] | None = None
+    ) -> tuple[list[int], int]:
         """The prompt's token ids for ``messages`` (ending with a user message), and how many
         leading messages came from the map (0: the whole conversation was tokenised). With
         ``tools`` (specs the template renders) it is rendered whole: the map is not used."""
@@ -69,7 +73,9 @@ class HistoryTokens:
             check_text(f"messages[{i}].content", m["content"])
         if tools:
             if not self._turns.renders_tools(tools):
-                raise InvalidRequest("tools: the model's chat template does not render tools (it has no 'tools' support)")
+                raise InvalidRequest(
+                    "tools: the model's chat template does not render tools (it has no 'tools' support)"
+                )
             return self._turns.first(messages, tools), 0
         keys = prefix_keys(messages, user)
         for k in range(len(messages) - 1, 0, -1):
@@ -99,8 +105,15 @@ class HistoryTokens:
             keys = list(islice(reversed(self._lru), max(n, 0)))
         return keys[::-1]
 
-    def record(self, messages: list[dict], reply: str, prompt_ids: list[int], generated: list[int],
-               stopped_by_string: bool = False, user: str | None = None) -> None:
+    def record(
+        self,
+        messages: list[dict],
+        reply: str,
+        prompt_ids: list[int],
+        generated: list[int],
+        stopped_by_string: bool = False,
+        user: str | None = None,
+    ) -> None:
         """Remember the ids of ``messages`` + the assistant's ``reply`` for the next request."""
         if stopped_by_string or self.max_tokens <= 0:
             return

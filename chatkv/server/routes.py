@@ -18,9 +18,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from chatkv.server import generation as gen
 from chatkv.server import tool_calls
+from chatkv.server.chat_shapes import Chat, Completion, sse, sum_usage
 from chatkv.server.errors import APIError, from_chatkv
 from chatkv.server.guards import check_api_key, read_body
-from chatkv.server.chat_shapes import Chat, Completion, sse, sum_usage
 from chatkv.server.schemas import parse_chat, parse_completion, parse_embedding, parse_json
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -70,9 +70,13 @@ def _session_id(request: Request, body_id: str | None) -> str | None:
     both when both are given and differ (neither silently wins)."""
     header = request.headers.get("x-session-id") or None
     if header and body_id and header != body_id:
-        raise APIError(400, f"the X-Session-Id header ({_short(header)}) and the body's session_id ({_short(body_id)}) "
-                            "name different sessions; send one of them, or the same id in both",
-                       "invalid_value", "session_id")
+        raise APIError(
+            400,
+            f"the X-Session-Id header ({_short(header)}) and the body's session_id ({_short(body_id)}) "
+            "name different sessions; send one of them, or the same id in both",
+            "invalid_value",
+            "session_id",
+        )
     return header or body_id
 
 
@@ -82,8 +86,12 @@ def _short(text: str, limit: int = 80) -> str:
 
 def check_model(state, model: str) -> None:
     if model not in state.model_names:
-        raise APIError(404, f"The model `{model}` does not exist (this server has {state.model_name!r}).",
-                       "model_not_found", "model")
+        raise APIError(
+            404,
+            f"The model `{model}` does not exist (this server has {state.model_name!r}).",
+            "model_not_found",
+            "model",
+        )
 
 
 def _chat_error_events(error: APIError) -> list[bytes]:
@@ -122,22 +130,30 @@ async def chat_completions(request: Request) -> Response:
     params = tool_calls.constrain(req.params, req.tools, req.tool_choice, template)
     calling = bool(req.tools) and req.tool_choice != "none"  # the reply may be tool calls
     if session_id and (req.tools or any(m["role"] == "tool" for m in req.messages)):
-        raise APIError(400, "tools and tool messages are taken without a session only (not with session_id yet)",
-                       "unsupported_parameter", "tools")
+        raise APIError(
+            400,
+            "tools and tool messages are taken without a session only (not with session_id yet)",
+            "unsupported_parameter",
+            "tools",
+        )
     slot = state.limit.acquire()
     streaming = False
     try:
         if session_id:
             sid, events = await gen.session_chat(state, req.messages, params, req.max_tokens, session_id, who)
         else:
-            sid, events = None, await gen.stateless_chat(state, req.messages, params, req.max_tokens, who,
-                                                         tool_calls.specs(req.tools))
+            sid, events = (
+                None,
+                await gen.stateless_chat(state, req.messages, params, req.max_tokens, who, tool_calls.specs(req.tools)),
+            )
         chat = Chat(state.model_name, sid, req.include_usage)
         headers = {"X-Session-Id": sid} if sid else None
         calls = (lambda text: tool_calls.reply_calls(text, req.tools, req.tool_choice, template)) if calling else None
         if req.stream:
             streaming = True
-            return stream_response(_chat_sse(chat, until_cut(state, events), calls, template), events, slot, state, headers)
+            return stream_response(
+                _chat_sse(chat, until_cut(state, events), calls, template), events, slot, state, headers
+            )
         done = None
         async for item in until_cut(state, events):
             if isinstance(item, gen.Done):
@@ -205,8 +221,9 @@ async def completions(request: Request) -> Response:
                     return item
 
         dones = await asyncio.gather(*(finish(e) for e in runs))
-        return JSONResponse(out.completion([(d.text, d.finish_reason) for d in dones],
-                                           sum_usage([d.usage for d in dones])))
+        return JSONResponse(
+            out.completion([(d.text, d.finish_reason) for d in dones], sum_usage([d.usage for d in dones]))
+        )
     finally:
         if not streaming:
             slot.release()
@@ -233,14 +250,23 @@ async def embeddings(request: Request) -> Response:
     try:
         embedder = await to_thread.run_sync(state.get_embedder)
         if req.model not in state.embedding_names | {embedder.model_id}:
-            raise APIError(404, f"The model `{req.model}` does not exist (embeddings: {state.embedding_name!r}).",
-                           "model_not_found", "model")
+            raise APIError(
+                404,
+                f"The model `{req.model}` does not exist (embeddings: {state.embedding_name!r}).",
+                "model_not_found",
+                "model",
+            )
         if req.dimensions is not None and req.dimensions != embedder.dim:
-            raise APIError(400, f"dimensions must be the model's own ({embedder.dim}), got {req.dimensions}",
-                           "unsupported_parameter", "dimensions")
+            raise APIError(
+                400,
+                f"dimensions must be the model's own ({embedder.dim}), got {req.dimensions}",
+                "unsupported_parameter",
+                "dimensions",
+            )
         try:
             vectors, tokens = await to_thread.run_sync(
-                lambda: (embedder.encode(req.inputs), sum(embedder.count_tokens(t) for t in req.inputs)))
+                lambda: (embedder.encode(req.inputs), sum(embedder.count_tokens(t) for t in req.inputs))
+            )
         except Exception as e:  # noqa: BLE001
             raise from_chatkv(e) from e
     finally:
@@ -249,16 +275,29 @@ async def embeddings(request: Request) -> Response:
     for i, v in enumerate(np.asarray(vectors, dtype=np.float32)):
         emb = base64.b64encode(v.astype("<f4").tobytes()).decode() if req.encoding_format == "base64" else v.tolist()
         data.append({"object": "embedding", "index": i, "embedding": emb})
-    return JSONResponse({"object": "list", "data": data, "model": state.embedding_name,
-                         "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": data,
+            "model": state.embedding_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+    )
 
 
 async def models(request: Request) -> Response:
     state = request.app.state.chatkv
     check_api_key(request, state.users)
     created = int(state.started_at)
-    data = [{"id": state.model_name, "object": "model", "created": created, "owned_by": "chatkv",
-             "max_model_len": state.context}]
+    data = [
+        {
+            "id": state.model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "chatkv",
+            "max_model_len": state.context,
+        }
+    ]
     if state.embedding_available():
         data.append({"id": state.embedding_name, "object": "model", "created": created, "owned_by": "chatkv"})
     return JSONResponse({"object": "list", "data": data})
@@ -268,7 +307,9 @@ async def health(request: Request) -> Response:
     state = request.app.state.chatkv
     if state.stopping or not state.engine.started:
         return JSONResponse({"status": "unavailable"}, status_code=503)
-    return JSONResponse({"status": "ok", "model": state.model_name, "uptime_s": round(time.time() - state.started_at, 3)})
+    return JSONResponse(
+        {"status": "ok", "model": state.model_name, "uptime_s": round(time.time() - state.started_at, 3)}
+    )
 
 
 async def metrics(request: Request) -> Response:

@@ -17,18 +17,48 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from chatkv.errors import InvalidRequest
 from chatkv.engine.sampling import SamplingParams
+from chatkv.errors import InvalidRequest
 from chatkv.server import tool_calls
 from chatkv.server.errors import APIError, bad_value, unsupported
 
 IGNORED = {"user", "metadata", "store", "service_tier"}
-_SAMPLING = {"temperature", "top_p", "top_k", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-             "max_tokens", "n", "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "stream",
-             "stream_options", "model"}
-CHAT_FIELDS = _SAMPLING | IGNORED | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
-                                     "functions", "function_call", "parallel_tool_calls", "response_format",
-                                     "modalities", "session_id"}
+_SAMPLING = {
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "max_tokens",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "stream",
+    "stream_options",
+    "model",
+}
+CHAT_FIELDS = (
+    _SAMPLING
+    | IGNORED
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "parallel_tool_calls",
+        "response_format",
+        "modalities",
+        "session_id",
+    }
+)
 COMPLETION_FIELDS = _SAMPLING | IGNORED | {"prompt", "echo", "suffix", "best_of"}
 EMBEDDING_FIELDS = {"model", "input", "encoding_format", "dimensions", "user"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -181,10 +211,14 @@ def _content(i: int, m: dict) -> str:
         for part in c:
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise unsupported(f"messages[{i}].content", f"content part of type {kind!r}: only text parts are supported")
+                raise unsupported(
+                    f"messages[{i}].content", f"content part of type {kind!r}: only text parts are supported"
+                )
             texts.append(part["text"])
         return "\n".join(texts)
-    raise bad_value(f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts, got {c!r}")
+    raise bad_value(
+        f"messages[{i}].content", f"messages[{i}].content must be a string or a list of text parts, got {c!r}"
+    )
 
 
 def _messages(body: dict) -> list[dict]:
@@ -200,8 +234,12 @@ def _messages(body: dict) -> list[dict]:
         role = m.get("role")
         if role not in ROLES and role != "tool":
             if role == "function":
-                raise unsupported(f"messages[{i}].role", f"messages[{i}].role 'function' is the deprecated form; use 'tool'")
-            raise bad_value(f"messages[{i}].role", f"messages[{i}].role must be one of {sorted(ROLES)} or 'tool', got {role!r}")
+                raise unsupported(
+                    f"messages[{i}].role", f"messages[{i}].role 'function' is the deprecated form; use 'tool'"
+                )
+            raise bad_value(
+                f"messages[{i}].role", f"messages[{i}].role must be one of {sorted(ROLES)} or 'tool', got {role!r}"
+            )
         if m.get("function_call"):
             raise unsupported(f"messages[{i}].function_call", "function_call is the deprecated form; use tool_calls")
         if role == "tool" or (role == "assistant" and m.get("tool_calls")):  # tool_calls.py
@@ -230,8 +268,17 @@ def parse_chat(body: dict) -> ChatRequest:
     params = _params(body)
     if constraint:
         params = dataclasses.replace(params, **constraint)
-    return ChatRequest(model, messages, params, _max_tokens(body, "max_completion_tokens", "max_tokens"),
-                       stream, include_usage, session_id, listed, choice)
+    return ChatRequest(
+        model,
+        messages,
+        params,
+        _max_tokens(body, "max_completion_tokens", "max_tokens"),
+        stream,
+        include_usage,
+        session_id,
+        listed,
+        choice,
+    )
 
 
 def parse_completion(body: dict) -> CompletionRequest:
@@ -242,8 +289,10 @@ def parse_completion(body: dict) -> CompletionRequest:
         raise APIError(400, "prompt is required", "missing_parameter", "prompt")
     if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)):
         prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(
-        isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p)) for p in prompt
+    elif (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(p, str) or (isinstance(p, list) and p and all(_is_int(t) for t in p)) for p in prompt)
     ):
         prompts = list(prompt)
     else:
@@ -255,7 +304,9 @@ def parse_completion(body: dict) -> CompletionRequest:
     stream, include_usage = _stream(body)
     if stream and len(prompts) > 1:
         raise unsupported("prompt", "streaming takes one prompt per request")
-    return CompletionRequest(model, prompts, _params(body), _max_tokens(body, "max_tokens") or 16, stream, include_usage)
+    return CompletionRequest(
+        model, prompts, _params(body), _max_tokens(body, "max_tokens") or 16, stream, include_usage
+    )
 
 
 def parse_embedding(body: dict) -> EmbeddingRequest:
@@ -265,7 +316,9 @@ def parse_embedding(body: dict) -> EmbeddingRequest:
     if isinstance(inp, str):
         inp = [inp]
     if not isinstance(inp, list) or not inp or not all(isinstance(t, str) for t in inp):
-        raise bad_value("input", "input must be a string or a non-empty array of strings (token arrays are not supported)")
+        raise bad_value(
+            "input", "input must be a string or a non-empty array of strings (token arrays are not supported)"
+        )
     if len(inp) > 2048:
         raise bad_value("input", f"at most 2048 inputs in one request, got {len(inp)}")
     fmt = body.get("encoding_format") or "float"
@@ -278,5 +331,11 @@ def parse_embedding(body: dict) -> EmbeddingRequest:
 
 
 # what resp_request.py (the Responses API's bodies) shares with the parsers above
-check_fields, model_field, bool_field, max_tokens_field, refuse_unless = _check_fields, _model, _bool, _max_tokens, _refuse_unless
+check_fields, model_field, bool_field, max_tokens_field, refuse_unless = (
+    _check_fields,
+    _model,
+    _bool,
+    _max_tokens,
+    _refuse_unless,
+)
 sampling_params, is_int = _params, _is_int

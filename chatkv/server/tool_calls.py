@@ -50,14 +50,15 @@ def response_format(body: dict) -> dict:
     if kind == "json_object":
         return {"json_object": True}
     if kind != "json_schema":
-        raise bad_value("response_format.type", f"response_format.type must be 'text', 'json_object' or 'json_schema', "
-                                                f"got {kind!r}")
+        raise bad_value(
+            "response_format.type", f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}"
+        )
     js = rf.get("json_schema")
     if not isinstance(js, dict):
         raise bad_value("response_format.json_schema", "response_format.json_schema must be an object with a 'schema'")
     name = js.get("name")
     if name is not None and not isinstance(name, str):
-        raise bad_value("response_format.json_schema.name", f"response_format.json_schema.name must be a string")
+        raise bad_value("response_format.json_schema.name", "response_format.json_schema.name must be a string")
     strict = js.get("strict")
     if strict is not None and not isinstance(strict, bool):
         raise bad_value("response_format.json_schema.strict", "response_format.json_schema.strict must be a boolean")
@@ -74,7 +75,9 @@ def schema_fields(schema, where: str) -> dict:
     try:
         SamplingParams(json_schema=schema).validate()
     except InvalidRequest as e:
-        code = "unsupported_parameter" if "Unimplemented" in str(e) or "unsupported" in str(e).lower() else "invalid_value"
+        code = (
+            "unsupported_parameter" if "Unimplemented" in str(e) or "unsupported" in str(e).lower() else "invalid_value"
+        )
         raise APIError(400, f"{where}: {e}", code, where) from None
     return {"json_schema": schema}
 
@@ -128,8 +131,10 @@ def check_call_ids(messages: list[dict]) -> None:
         for c in m.get("tool_calls") or ():
             seen.add(c["id"])
         if m["role"] == "tool" and m["tool_call_id"] not in seen:
-            raise bad_value(f"messages[{i}].tool_call_id",
-                            f"messages[{i}].tool_call_id {m['tool_call_id']!r} answers no tool call of an earlier message")
+            raise bad_value(
+                f"messages[{i}].tool_call_id",
+                f"messages[{i}].tool_call_id {m['tool_call_id']!r} answers no tool call of an earlier message",
+            )
 
 
 def constrain(params, listed: list, choice, chat_template: str | None):
@@ -187,13 +192,13 @@ class CallStream:
         else:
             keep = next((k for k in range(len(self.TAG) - 1, 0, -1) if self.text.endswith(self.TAG[:k])), 0)
             end = len(self.text) - keep
-        out, self.sent = self.text[self.sent:end], end
+        out, self.sent = self.text[self.sent : end], end
         return out
 
     def finish(self, calls) -> tuple[str, list[ToolCall]]:
         """The content not yet sent, and the reply's calls (``calls``: text -> (content, calls))."""
         _, found = calls(self.text)
-        rest = self.text[self.sent:]
+        rest = self.text[self.sent :]
         if found:
             rest = tagged_calls.sub("", rest).strip()
         return rest, found

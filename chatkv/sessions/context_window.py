@@ -99,11 +99,12 @@ class ContextInfo:
     def summary(self) -> str:
         if not self.total_dropped_tokens:
             return f"context {self.context_tokens}/{self.window} tokens"
-        now = (f"dropped {self.dropped_tokens} tokens ({self.dropped_turns} turns) now, "
-               if self.dropped_tokens else "")
+        now = f"dropped {self.dropped_tokens} tokens ({self.dropped_turns} turns) now, " if self.dropped_tokens else ""
         kept = f"{self.sink_tokens} sink + recent" if self.policy == "sink" else "system prompt + recent turns"
-        return (f"context {self.context_tokens}/{self.window} tokens ({self.policy}: {now}"
-                f"{self.total_dropped_tokens} dropped in all; keeping {kept})")
+        return (
+            f"context {self.context_tokens}/{self.window} tokens ({self.policy}: {now}"
+            f"{self.total_dropped_tokens} dropped in all; keeping {kept})"
+        )
 
 
 @dataclass
@@ -119,8 +120,9 @@ def reply_room(max_tokens: int, window: int) -> int:
     return max(1, min(max_tokens, window // 4))
 
 
-def plan(st: ContextState, context_len: int, new_len: int, reserve: int, window: int,
-         block_size: int, sink_tokens: int) -> Plan:
+def plan(
+    st: ContextState, context_len: int, new_len: int, reserve: int, window: int, block_size: int, sink_tokens: int
+) -> Plan:
     """How to fit a turn of ``new_len`` tokens after ``context_len`` context tokens into
     ``window``, leaving ``reserve`` tokens for the reply where history can be dropped for
     it (``error`` needs room for one token only). Raises ContextOverflow."""
@@ -132,7 +134,8 @@ def plan(st: ContextState, context_len: int, new_len: int, reserve: int, window:
             raise ContextOverflow(
                 f"the conversation holds {context_len} tokens and the message {new_len}: {total} tokens, and the "
                 f"context window holds {window} with room for the reply (overflow='error'). Start a new "
-                f"conversation, or use overflow='truncate' or 'sink'")
+                f"conversation, or use overflow='truncate' or 'sink'"
+            )
         raise ContextOverflow(f"the message takes {total} tokens; the context window holds {window}. Shorten it")
     if total + reserve <= window:
         return Plan("none")
@@ -147,7 +150,8 @@ def plan(st: ContextState, context_len: int, new_len: int, reserve: int, window:
             return Plan("truncate", drop=context_len - prefix, turns=len(cuts), cut=context_len)
         raise ContextOverflow(
             f"the message takes {new_len} tokens; after the system prompt ({prefix} tokens) the context window "
-            f"of {window} has no room for it. Shorten the message")
+            f"of {window} has no room for it. Shorten the message"
+        )
     # sink (also truncate without known turn boundaries: conversations from before they were recorded)
     bs = block_size
     sink = st.sink or -(-max(sink_tokens, st.prefix or 0) // bs) * bs
@@ -156,7 +160,8 @@ def plan(st: ContextState, context_len: int, new_len: int, reserve: int, window:
     if total - drop >= window:
         raise ContextOverflow(
             f"the message takes {new_len} tokens; with the {sink} sink tokens kept (system prompt included) "
-            f"the context window of {window} has no room for it. Shorten the message or the system prompt")
+            f"the context window of {window} has no room for it. Shorten the message or the system prompt"
+        )
     return Plan("sink", drop=drop, sink=sink) if drop else Plan("none")
 
 
@@ -169,7 +174,7 @@ def apply(st: ContextState, p: Plan, context: list[int]) -> list[int]:
         st.dropped_tokens += p.drop
         st.dropped_turns += p.turns
         st.private, st.sink = False, 0  # recomputed from scratch: shareable again
-        return context[:prefix] + context[p.cut:]
+        return context[:prefix] + context[p.cut :]
     if p.kind == "sink":
         s, d = p.sink, p.drop
         gone = [t for t in st.turns if s <= t < s + d]
@@ -179,5 +184,5 @@ def apply(st: ContextState, p: Plan, context: list[int]) -> list[int]:
         st.dropped_turns += len(gone)
         st.epoch += 1
         st.private = True
-        return context[:s] + context[s + d:]
+        return context[:s] + context[s + d :]
     return context

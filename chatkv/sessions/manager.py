@@ -43,21 +43,21 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from chatkv.sessions import context_window as cw
-from chatkv.rag import context as rag_context
-from chatkv.engine import text_tokens
 from chatkv.config import OVERFLOW_POLICIES
+from chatkv.engine import text_tokens
+from chatkv.engine.sampling import SamplingParams
 from chatkv.errors import ConversationBusy, InvalidRequest, SessionError, check_text
 from chatkv.kvcache.types import RetainedKV
 from chatkv.outputs import Reply
-from chatkv.engine.sampling import SamplingParams
+from chatkv.rag import context as rag_context
+from chatkv.sessions import context_window as cw
 from chatkv.sessions.session import Session
 from chatkv.sessions.snapshots import Resident, Snapshots
+from chatkv.sessions.template import TurnRenderer
+from chatkv.sessions.turn import Turn, TurnEnd
 from chatkv.storage.models import LOCAL_USER
 from chatkv.storage.records import check_owner
 from chatkv.storage.repository import Store
-from chatkv.sessions.turn import Turn, TurnEnd
-from chatkv.sessions.template import TurnRenderer
 
 if TYPE_CHECKING:
     from chatkv.storage.leases import Held, Mark
@@ -76,7 +76,9 @@ def _rag_settings(knowledge, top_k: int, documents: list[str] | None) -> dict | 
             raise InvalidRequest("documents= pins documents of a knowledge base: pass knowledge= too")
         return None
     if not hasattr(knowledge, "search") or not hasattr(knowledge, "name"):
-        raise InvalidRequest(f"knowledge must be a KnowledgeBase (engine.knowledge_base(name)), got {type(knowledge).__name__}")
+        raise InvalidRequest(
+            f"knowledge must be a KnowledgeBase (engine.knowledge_base(name)), got {type(knowledge).__name__}"
+        )
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 64:
         raise InvalidRequest(f"top_k must be an int in [1, 64], got {top_k!r}")
     docs = list(documents or [])
@@ -97,7 +99,13 @@ class SessionManager:
         self.renderer = TurnRenderer(engine.tokenizer)
         self.store = Store.open(cfg.db_url, data_dir)
         self.snapshots = Snapshots(
-            self.kv, self.store, data_dir / "kv", engine.fingerprint, engine.kv_dtype, cfg.tenant, cfg.snapshot_budget_bytes
+            self.kv,
+            self.store,
+            data_dir / "kv",
+            engine.fingerprint,
+            engine.kv_dtype,
+            cfg.tenant,
+            cfg.snapshot_budget_bytes,
         )
         self.live: dict[str, Session] = {}
         self.closed = False  # engine.close() closed it: every session of it raises EngineClosed
@@ -154,7 +162,12 @@ class SessionManager:
         s.owner = owner
         s.window = cw.ContextState(policy=overflow)
         if rag:
-            s.knowledge, s.top_k, s.documents, s.system_content = knowledge, rag["top_k"], rag["documents"], system_content
+            s.knowledge, s.top_k, s.documents, s.system_content = (
+                knowledge,
+                rag["top_k"],
+                rag["documents"],
+                system_content,
+            )
         self.live[s.id] = s
         return s
 
@@ -205,8 +218,12 @@ class SessionManager:
         msgs = self.store.messages(s.id)
         changed = [m.id for m in msgs if not m.intact]
         if why is None:
-            log.warning("conversation %s: the stored text of message(s) %s no longer matches what was stored with it; "
-                        "recomputing the conversation's KV from the stored text", s.id, changed)
+            log.warning(
+                "conversation %s: the stored text of message(s) %s no longer matches what was stored with it; "
+                "recomputing the conversation's KV from the stored text",
+                s.id,
+                changed,
+            )
         else:
             log.info("conversation %s: %s; its history is rendered from the stored text", s.id, why)
         tokens: list[int] = []
@@ -215,8 +232,11 @@ class SessionManager:
             if m.role == "user":
                 first = not tokens
                 tokens += self.delta_from(tokens, s.system_content, m.content)
-                st.turns.append(self.first_turn_start(tokens, m.content) if first else len(tokens) - len(
-                    self.renderer.user_turn(m.content)))
+                st.turns.append(
+                    self.first_turn_start(tokens, m.content)
+                    if first
+                    else len(tokens) - len(self.renderer.user_turn(m.content))
+                )
                 if first:
                     st.prefix = st.turns[0]
             elif m.role == "assistant" and tokens:
@@ -349,10 +369,17 @@ class SessionManager:
         least recently used first, until that many more are evictable than now (what is evictable
         now is what eviction left: the request's own history, unlocked when its admission was
         given up, which it locks again). True if any was spilled (loop thread)."""
-        return self.snapshots.relieve(
-            [Resident(s.id, s.tokens, s.kept, s.last_used, functools.partial(self._forget_kv, s, s.kept))
-             for s in list(self.live.values()) if not s.busy and s.kept is not None],
-            missing_blocks + self.kv.cache.evictable_blocks) > 0
+        return (
+            self.snapshots.relieve(
+                [
+                    Resident(s.id, s.tokens, s.kept, s.last_used, functools.partial(self._forget_kv, s, s.kept))
+                    for s in list(self.live.values())
+                    if not s.busy and s.kept is not None
+                ],
+                missing_blocks + self.kv.cache.evictable_blocks,
+            )
+            > 0
+        )
 
     @contextlib.contextmanager
     def relieving(self) -> Iterator[None]:
@@ -403,8 +430,12 @@ class SessionManager:
                 try:
                     end.run(blocking=False)
                 except Exception as e:  # noqa: BLE001 - the turn's caller gets it too when it resumes
-                    log.warning("conversation %s: the interrupted reply was not stored at close (%s: %s)",
-                                s.id, type(e).__name__, e)
+                    log.warning(
+                        "conversation %s: the interrupted reply was not stored at close (%s: %s)",
+                        s.id,
+                        type(e).__name__,
+                        e,
+                    )
 
     # -- a turn (chatkv.sessions.turn) and the session state it changes -------------------------
 
@@ -427,8 +458,10 @@ class SessionManager:
         """A sibling of user message ``message_id`` with ``text``, made current and answered."""
         msg = self.store.get_message(s.id, message_id)
         if msg.role != "user":
-            raise InvalidRequest(f"message {message_id} is an {msg.role} message; only a user message can be edited "
-                                 f"(regenerate() answers the last one again)")
+            raise InvalidRequest(
+                f"message {message_id} is an {msg.role} message; only a user message can be edited "
+                f"(regenerate() answers the last one again)"
+            )
         return Turn(self, s, text, params, branch=(msg.parent_id, False)).run()
 
     def switch(self, s: Session, message_id: int, descend: bool = True):
@@ -536,8 +569,9 @@ class SessionManager:
             return None
         return info
 
-    def _reload(self, s: Session, info: ConversationInfo,
-                why: str = "another process stored turns since this one looked") -> None:
+    def _reload(
+        self, s: Session, info: ConversationInfo, why: str = "another process stored turns since this one looked"
+    ) -> None:
         """Make ``s`` the stored conversation ``info``; its KV in memory (the old history's) is dropped."""
         log.info("conversation %s: %s (%d -> %d tokens); reloading", s.id, why, len(s.tokens), info.token_count)
         old_ns = self.kv_namespace(s.id, s.window) if s.window is not None else None
@@ -546,7 +580,9 @@ class SessionManager:
         s.tokens = list(info.token_ids or ())
         s.window = self.stored_window(s, info, overflow)
         if old_ns is not None and old_ns != self.kv_namespace(s.id, s.window):
-            self.engine.on_loop(lambda: self.kv.drop_namespace(old_ns))  # a moved sink window's re-rotated keys match nothing now
+            self.engine.on_loop(
+                lambda: self.kv.drop_namespace(old_ns)
+            )  # a moved sink window's re-rotated keys match nothing now
         s.title = info.title
         if s.knowledge is not None:
             users = [x.content for x in self.store.messages(s.id) if x.role == "user"]
@@ -579,7 +615,7 @@ class SessionManager:
         """Where the first user turn starts in a first prompt: everything before it (the system
         prompt, pinned documents) is kept when old turns are dropped."""
         turn = self.renderer.user_turn(content)
-        if len(turn) <= len(prompt) and prompt[len(prompt) - len(turn):] == turn:
+        if len(turn) <= len(prompt) and prompt[len(prompt) - len(turn) :] == turn:
             return len(prompt) - len(turn)
         return len(prompt)  # a template whose first turn renders differently: the first turn stays
 

@@ -32,8 +32,9 @@ def record(store: Store, conv_id: str, man: Manifest | None) -> None:
         forget(store, conv_id)
         return
     try:
-        store.put_snapshot(conv_id, man.key + MANIFEST_SUFFIX, man.model_fingerprint, man.kv_dtype,
-                           man.end, man.token_hash, man.nbytes)
+        store.put_snapshot(
+            conv_id, man.key + MANIFEST_SUFFIX, man.model_fingerprint, man.kv_dtype, man.end, man.token_hash, man.nbytes
+        )
     except SessionError:  # the conversation was deleted meanwhile: its files go with it
         pass
     except Exception as e:  # bookkeeping: reconciled at the next open
@@ -95,7 +96,10 @@ def _reconcile(segments: SegmentStore, store: Store, tenant: str, salt: str) -> 
         kept[conv] = man
         row = rows.get(conv)
         if row is None or (row.file, row.token_count, row.token_hash, row.nbytes) != (
-            key + MANIFEST_SUFFIX, man.end, man.token_hash, man.nbytes
+            key + MANIFEST_SUFFIX,
+            man.end,
+            man.token_hash,
+            man.nbytes,
         ):
             record(store, conv, man)
         for name in sorted(set(files.get(key, [])) - man.files()):  # a file of any of its branches stays

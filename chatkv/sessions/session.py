@@ -17,10 +17,10 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, AsyncIterator, Callable, Iterator, Protocol
 
-from chatkv.sessions.context_window import check_overflow
+from chatkv.engine.sampling import SamplingParams
 from chatkv.errors import EngineClosed, InvalidRequest, SessionError, check_text
 from chatkv.outputs import Reply
-from chatkv.engine.sampling import SamplingParams
+from chatkv.sessions.context_window import check_overflow
 
 if TYPE_CHECKING:
     from chatkv.kvcache.types import RetainedKV
@@ -139,16 +139,18 @@ class Session:
 
     # -- turns --------------------------------------------------------------
 
-    def send(self, text: str, params: SamplingParams | None = None, *, json_schema=None, tools=None,
-             tool_choice="auto") -> Reply:
+    def send(
+        self, text: str, params: SamplingParams | None = None, *, json_schema=None, tools=None, tool_choice="auto"
+    ) -> Reply:
         """Ask and wait for the whole reply. ``json_schema``: the reply is constrained to it and
         ``reply.parsed`` is the object (None when it ended by length). ``tools`` (Python callables
         or OpenAI-style specs, rendered by the chat template): ``reply.tool_calls`` are the calls
         it made; ``tool_choice`` "required" or a function's name forces one (chatkv.sessions.tools)."""
         return _last(self.stream(text, params, json_schema=json_schema, tools=tools, tool_choice=tool_choice))
 
-    def stream(self, text: str, params: SamplingParams | None = None, *, json_schema=None, tools=None,
-               tool_choice="auto") -> Iterator[str | Reply]:
+    def stream(
+        self, text: str, params: SamplingParams | None = None, *, json_schema=None, tools=None, tool_choice="auto"
+    ) -> Iterator[str | Reply]:
         """Yield the reply's text pieces as they are generated, then the Reply (options: ``send``).
 
         Stopping early (closing the generator) keeps what was generated, marked interrupted.
@@ -162,27 +164,32 @@ class Session:
         opts = TurnOptions(self, self._m.renderer, params, json_schema, tools, tool_choice)
         yield from _finished(self._m.turn(self, text, opts.params, **opts.turn_options()), opts)
 
-    def send_tool_results(self, results: dict, params: SamplingParams | None = None, *, tools=None,
-                          tool_choice="auto") -> Reply:
+    def send_tool_results(
+        self, results: dict, params: SamplingParams | None = None, *, tools=None, tool_choice="auto"
+    ) -> Reply:
         """Answer the last reply's tool calls (``{call_id: result}``, each result a str or
         JSON-serialisable) as ``role: "tool"`` messages; the model goes on from them, the
         conversation's KV reused. ``tools``: the last turn's unless given."""
         return _last(self.stream_tool_results(results, params, tools=tools, tool_choice=tool_choice))
 
-    def stream_tool_results(self, results: dict, params: SamplingParams | None = None, *, tools=None,
-                            tool_choice="auto") -> Iterator[str | Reply]:
+    def stream_tool_results(
+        self, results: dict, params: SamplingParams | None = None, *, tools=None, tool_choice="auto"
+    ) -> Iterator[str | Reply]:
         """``send_tool_results``, streamed as ``stream`` streams a turn."""
         from chatkv.sessions.tools import TurnOptions, result_messages
 
         params = self._turn_checks(params)
         msgs = result_messages(results, self.pending_calls)
-        opts = TurnOptions(self, self._m.renderer, params, None, tools if tools is not None else self.tools, tool_choice)
+        opts = TurnOptions(
+            self, self._m.renderer, params, None, tools if tools is not None else self.tools, tool_choice
+        )
         text = json.dumps([{k: m[k] for k in ("tool_call_id", "name", "content")} for m in msgs])
         render = lambda tokens, system, content: self._m.renderer.tool_turn(msgs)  # noqa: E731
         yield from _finished(self._m.turn(self, text, opts.params, render=render, role="tool"), opts)
 
-    def run_tools(self, text: str, tools, params: SamplingParams | None = None, *, tool_choice="auto",
-                  max_steps: int = 5) -> Reply:
+    def run_tools(
+        self, text: str, tools, params: SamplingParams | None = None, *, tool_choice="auto", max_steps: int = 5
+    ) -> Reply:
         """Ask ``text`` with ``tools`` (Python callables); run each call and send its result back
         until the model answers in text, at most ``max_steps`` replies (chatkv.sessions.tools.run_loop)."""
         from chatkv.sessions.tools import run_loop

@@ -51,9 +51,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Sequence
 
-from chatkv.sessions import manifest_rows as rows
 from chatkv.errors import OutOfBlocks, SnapshotInvalid
 from chatkv.kvcache.manager import KVManager, RetainedKV
+from chatkv.sessions import manifest_rows as rows
 from chatkv.storage.kv_segments import Manifest, SegmentStore, new_epoch
 from chatkv.storage.kv_store import token_hash
 from chatkv.storage.kv_writer import AppendJob, SegmentWriter, Written
@@ -88,7 +88,9 @@ class Resident:
 
 
 class Snapshots:
-    def __init__(self, kv: KVManager, store: Store, root: Path, fingerprint: str, kv_dtype: str, tenant: str, budget: int):
+    def __init__(
+        self, kv: KVManager, store: Store, root: Path, fingerprint: str, kv_dtype: str, tenant: str, budget: int
+    ):
         self.kv = kv
         self.store = store
         self.segments = SegmentStore(root)  # never raises for the directory; a later write does
@@ -185,7 +187,10 @@ class Snapshots:
         """Whether ``man`` holds KV this engine computes (model, kv dtype, geometry)."""
         pool = self.kv.pool
         return (man.model_fingerprint, man.kv_dtype, man.geometry()) == (
-            self.fingerprint, self.kv_dtype, (pool.num_layers, pool.num_kv_heads, pool.row_dim))
+            self.fingerprint,
+            self.kv_dtype,
+            (pool.num_layers, pool.num_kv_heads, pool.row_dim),
+        )
 
     def _continues(self, t: _Track, tokens: Sequence[int]) -> bool:
         """Whether the tokens stored (or queued) are a prefix of ``tokens``."""
@@ -219,8 +224,20 @@ class Snapshots:
             base, epoch = start == 0 and not self._other_branch(conv_id, left, fence), new_epoch()
         k, v = self.kv.export_kv(kept, start)
         self._seq += 1
-        job = AppendJob(conv_id, self.key(conv_id), self._seq, toks, start, k, v, epoch, base,
-                        self.fingerprint, self.kv_dtype, fence)
+        job = AppendJob(
+            conv_id,
+            self.key(conv_id),
+            self._seq,
+            toks,
+            start,
+            k,
+            v,
+            epoch,
+            base,
+            self.fingerprint,
+            self.kv_dtype,
+            fence,
+        )
         if not self._writer.submit(job):
             return False
         self._tracks[conv_id] = _Track(epoch, n, toks, None, self._seq, fence)
@@ -333,7 +350,9 @@ class Snapshots:
             t = self._tracks.get(conv_id)
             return t is not None and t.end >= kept.kv_len
         except Exception as e:  # a cache: any failure to write it costs a recompute later, never the turn
-            log.warning("KV of conversation %s not saved to disk (%s: %s); it will be recomputed", conv_id, type(e).__name__, e)
+            log.warning(
+                "KV of conversation %s not saved to disk (%s: %s); it will be recomputed", conv_id, type(e).__name__, e
+            )
             return False
 
     def drain(self) -> None:
@@ -353,7 +372,12 @@ class Snapshots:
                 try:
                     self._queue(conv_id, tokens, kept)
                 except Exception as e:
-                    log.warning("KV of conversation %s not saved to disk (%s: %s); it will be recomputed", conv_id, type(e).__name__, e)
+                    log.warning(
+                        "KV of conversation %s not saved to disk (%s: %s); it will be recomputed",
+                        conv_id,
+                        type(e).__name__,
+                        e,
+                    )
         finally:
             self.kv.offload(kept)  # down a tier: host memory (if any), else evictable cache
         return True
@@ -412,9 +436,17 @@ class Snapshots:
             return None, 0
         if not self._mine(man):
             pool = self.kv.pool
-            log.warning("snapshot of %s unusable (stored for model %r, kv dtype %s, geometry %s; this engine: %r, %s, %s); "
-                        "recomputing", conv_id, man.model_fingerprint, man.kv_dtype, man.geometry(), self.fingerprint,
-                        self.kv_dtype, (pool.num_layers, pool.num_kv_heads, pool.row_dim))
+            log.warning(
+                "snapshot of %s unusable (stored for model %r, kv dtype %s, geometry %s; this engine: %r, %s, %s); "
+                "recomputing",
+                conv_id,
+                man.model_fingerprint,
+                man.kv_dtype,
+                man.geometry(),
+                self.fingerprint,
+                self.kv_dtype,
+                (pool.num_layers, pool.num_kv_heads, pool.row_dim),
+            )
             self._discard(conv_id)
             return None, 0
         ns = {} if namespace is None else {"namespace": namespace}
@@ -464,9 +496,13 @@ class Snapshots:
             self._discard(conv_id)
             return
         if good.segments:
-            log.warning("snapshot of %s: %s; restoring its first %d tokens, recomputing the rest", conv_id, why, good.end)
+            log.warning(
+                "snapshot of %s: %s; restoring its first %d tokens, recomputing the rest", conv_id, why, good.end
+            )
         else:
-            log.warning("snapshot of %s: %s; recomputing this branch (%d other(s) kept)", conv_id, why, len(fixed.branches) + 1)
+            log.warning(
+                "snapshot of %s: %s; recomputing this branch (%d other(s) kept)", conv_id, why, len(fixed.branches) + 1
+            )
         good = fixed
         self._tracks[conv_id] = _Track(good.epoch, good.end, None, good.token_hash or None, fence=good.fence)
         try:

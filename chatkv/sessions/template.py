@@ -71,15 +71,18 @@ class TurnRenderer:
             elif isinstance(v, str):
                 hit = next((c for c in controls if c in v), None)
                 if hit is not None:
-                    raise InvalidRequest(f"{where} holds the model's control token {hit!r}; a tool's name, description "
-                                         "and schema are rendered as template markup, so they may not contain it")
+                    raise InvalidRequest(
+                        f"{where} holds the model's control token {hit!r}; a tool's name, description "
+                        "and schema are rendered as template markup, so they may not contain it"
+                    )
 
     def _encode(self, text: str) -> list[int]:
         """Template markup only (no content of anyone's): special-token strings are control tokens."""
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def _rendered(self, messages: list[dict], add_generation_prompt: bool,
-                  tools: list[dict] | None = None) -> text_tokens.Rendered:
+    def _rendered(
+        self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None
+    ) -> text_tokens.Rendered:
         """The render and where its contents lie: contents are data (``chatkv.engine.text_tokens``)."""
         r = text_tokens.render(lambda ms: self._render(ms, add_generation_prompt, tools), messages)
         text_tokens.check_locatable(self.tokenizer, r, messages)
@@ -98,7 +101,9 @@ class TurnRenderer:
         check_text("the message", content)
         r = self._rendered(self._base + [{"role": "user", "content": content}], True)
         if not r.text.startswith(self._base_text):
-            raise InvalidRequest("the chat template rewrites earlier turns when a message is added; cannot take a delta")
+            raise InvalidRequest(
+                "the chat template rewrites earlier turns when a message is added; cannot take a delta"
+            )
         header = self.tools_header(tools) if tools else []
         return header + text_tokens.encode_rendered(self.tokenizer, r, len(self._base_text))
 
@@ -109,7 +114,9 @@ class TurnRenderer:
             check_text(f"tool result {i}", m.get("content"))
         r = self._rendered(self._base + list(results), True)
         if not r.text.startswith(self._base_text):
-            raise InvalidRequest("the chat template rewrites earlier turns when a tool result is added; cannot take a delta")
+            raise InvalidRequest(
+                "the chat template rewrites earlier turns when a tool result is added; cannot take a delta"
+            )
         return text_tokens.encode_rendered(self.tokenizer, r, len(self._base_text))
 
     def renders_tools(self, tools: list[dict]) -> bool:
@@ -129,8 +136,10 @@ class TurnRenderer:
             n += 1
         block = b[: len(b) - n]
         if not block.strip():
-            raise InvalidRequest("the model's chat template renders tools only at the start of a conversation, or not "
-                                 "at all; give the tools with the conversation's first message")
+            raise InvalidRequest(
+                "the model's chat template renders tools only at the start of a conversation, or not "
+                "at all; give the tools with the conversation's first message"
+            )
         return self._encode(block)
 
     def continuation(self, messages: list[dict], k: int) -> list[int] | None:
@@ -172,7 +181,11 @@ class TurnRenderer:
             r = self._rendered([sys_msg, {"role": "user", "content": _MARK}], False)
             cut = r.text.find(_MARK)
             spans = None if r.spans is None else tuple((a, min(b, cut)) for a, b in r.spans if a < cut)
-            alone = text_tokens.encode_rendered(self.tokenizer, text_tokens.Rendered(r.text[:cut], spans)) if cut >= 0 else []
+            alone = (
+                text_tokens.encode_rendered(self.tokenizer, text_tokens.Rendered(r.text[:cut], spans))
+                if cut >= 0
+                else []
+            )
         n = 0
         while n < min(len(alone), len(full)) and alone[n] == full[n]:
             n += 1

@@ -37,8 +37,10 @@ class Tool:
 
     def spec(self) -> dict:
         """The OpenAI-style spec the chat template renders (an MCP server's tool too: tui/mcp_tools.py)."""
-        return {"type": "function", "function": {"name": self.name, "description": self.description,
-                                                 "parameters": self.parameters}}
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
 
 
 @dataclass
@@ -48,14 +50,24 @@ class ToolCall:
     arguments: dict  # parsed JSON
 
     def as_openai(self) -> dict:
-        return {"id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": json.dumps(self.arguments)}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": json.dumps(self.arguments)},
+        }
 
 
 # -- specs ---------------------------------------------------------------------------------
 
-_SIMPLE = {str: "string", int: "integer", float: "number", bool: "boolean", dict: "object", list: "array",
-           type(None): "null"}
+_SIMPLE = {
+    str: "string",
+    int: "integer",
+    float: "number",
+    bool: "boolean",
+    dict: "object",
+    list: "array",
+    type(None): "null",
+}
 
 
 def _schema_of_type(t: Any, where: str) -> dict:
@@ -72,8 +84,10 @@ def _schema_of_type(t: Any, where: str) -> dict:
         return {"type": "array", "items": _schema_of_type(args[0], where)} if args else {"type": "array"}
     if origin in (dict, Mapping):
         return {"type": "object"}
-    raise InvalidRequest(f"{where}: the type {t!r} has no JSON schema; use str, int, float, bool, list, dict, "
-                         f"Literal or Optional of these, or give the tool as a JSON spec")
+    raise InvalidRequest(
+        f"{where}: the type {t!r} has no JSON schema; use str, int, float, bool, list, dict, "
+        f"Literal or Optional of these, or give the tool as a JSON spec"
+    )
 
 
 def _doc_parts(fn: Callable) -> tuple[str, dict[str, str]]:
@@ -160,7 +174,9 @@ def tools_of(tools: Any) -> list[Tool]:
     out: list[Tool] = []
     for i, t in enumerate(tools):
         where = f"tools[{i}]"
-        out.append(t if isinstance(t, Tool) else tool_from_callable(t, where) if callable(t) else tool_from_spec(t, where))
+        out.append(
+            t if isinstance(t, Tool) else tool_from_callable(t, where) if callable(t) else tool_from_spec(t, where)
+        )
     seen = set()
     for i, t in enumerate(out):
         if t.name in seen:
@@ -170,6 +186,7 @@ def tools_of(tools: Any) -> list[Tool]:
 
 
 # -- tool_choice: the constraint that forces a call ------------------------------------------
+
 
 def chosen(tools: list[Tool], tool_choice: Any) -> list[Tool] | None:
     """The tools a reply must call one of (None: it may answer in text)."""
@@ -184,10 +201,13 @@ def chosen(tools: list[Tool], tool_choice: Any) -> list[Tool] | None:
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, Mapping) else None
         if tool_choice.get("type", "function") != "function" or not isinstance(name, str):
-            raise InvalidRequest("tool_choice: must be 'auto', 'none', 'required' or "
-                                 "{'type': 'function', 'function': {'name': ...}}")
+            raise InvalidRequest(
+                "tool_choice: must be 'auto', 'none', 'required' or {'type': 'function', 'function': {'name': ...}}"
+            )
     if not isinstance(name, str):
-        raise InvalidRequest(f"tool_choice: must be 'auto', 'none', 'required' or a function's name, got {tool_choice!r}")
+        raise InvalidRequest(
+            f"tool_choice: must be 'auto', 'none', 'required' or a function's name, got {tool_choice!r}"
+        )
     match = [t for t in tools if t.name == name]
     if not match:
         raise InvalidRequest(f"tool_choice.function.name: no tool is named '{name}'")
@@ -200,8 +220,15 @@ def call_format(chat_template: str | None) -> str:
 
 def call_schema(tools: list[Tool]) -> dict:
     """A JSON schema of one call of any of ``tools``."""
-    one = [{"type": "object", "properties": {"name": {"const": t.name}, "arguments": t.parameters},
-            "required": ["name", "arguments"], "additionalProperties": False} for t in tools]
+    one = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
     return one[0] if len(one) == 1 else {"anyOf": one}
 
 
@@ -216,6 +243,7 @@ def forcing(tools: list[Tool], fmt: str) -> dict:
 
 
 # -- parsing a reply -------------------------------------------------------------------------
+
 
 def new_call_id() -> str:
     return "call_" + secrets.token_hex(12)
@@ -257,6 +285,7 @@ def parse_calls(text: str, tools: list[Tool], fmt: str) -> tuple[str, list[ToolC
 
 # -- results ---------------------------------------------------------------------------------
 
+
 def result_messages(results: Any, pending: Mapping[str, ToolCall]) -> list[dict]:
     """``{call_id: result}`` as the ``role: "tool"`` messages a template renders: each id one of
     ``pending`` (the last reply's calls), each result a str or JSON-serialisable."""
@@ -273,7 +302,9 @@ def result_messages(results: Any, pending: Mapping[str, ToolCall]) -> list[dict]
             try:
                 content = json.dumps(value)
             except (TypeError, ValueError) as e:
-                raise InvalidRequest(f"tool result for {cid!r} ({pending[cid].name}) is not JSON-serialisable: {e}") from None
+                raise InvalidRequest(
+                    f"tool result for {cid!r} ({pending[cid].name}) is not JSON-serialisable: {e}"
+                ) from None
         out.append({"role": "tool", "content": content, "tool_call_id": cid, "name": pending[cid].name})
     return out
 
@@ -281,7 +312,9 @@ def result_messages(results: Any, pending: Mapping[str, ToolCall]) -> list[dict]
 def run_call(tool: Tool | None, call: ToolCall) -> Any:
     """Run a call's callable; an exception it raises is its result (the model reads the error)."""
     if tool is None or tool.fn is None:
-        raise InvalidRequest(f"tool '{call.name}' has no Python callable to run; give its result with send_tool_results")
+        raise InvalidRequest(
+            f"tool '{call.name}' has no Python callable to run; give its result with send_tool_results"
+        )
     try:
         return tool.fn(**call.arguments)
     except Exception as e:  # noqa: BLE001 - reported to the model, as OpenAI's examples do
@@ -290,12 +323,20 @@ def run_call(tool: Tool | None, call: ToolCall) -> Any:
 
 # -- a session turn's options ------------------------------------------------------------------
 
+
 class TurnOptions:
     """What ``json_schema``, ``tools`` and ``tool_choice`` make of one session turn: its
     SamplingParams, how its new message renders, and what its Reply gains (``finish``)."""
 
-    def __init__(self, session: Any, renderer: Any, params: Any, json_schema: Any = None, tools: Any = None,
-                 tool_choice: Any = "auto"):
+    def __init__(
+        self,
+        session: Any,
+        renderer: Any,
+        params: Any,
+        json_schema: Any = None,
+        tools: Any = None,
+        tool_choice: Any = "auto",
+    ):
         import dataclasses
 
         self.s, self.renderer = session, renderer
@@ -316,7 +357,9 @@ class TurnOptions:
                 raise InvalidRequest("json_schema cannot be combined with a tool_choice that forces a call")
             extra.update(forcing(forced, self.fmt))
         if extra and params.constrained:
-            raise InvalidRequest("params already carry a constraint; give json_schema or a forcing tool_choice, not both")
+            raise InvalidRequest(
+                "params already carry a constraint; give json_schema or a forcing tool_choice, not both"
+            )
         self.params = dataclasses.replace(params, **extra) if extra else params
         self.wants_json = json_schema is not None or params.json_object or params.json_schema is not None
         self.key = json.dumps(self.specs, sort_keys=True) if self.specs else None
@@ -325,7 +368,9 @@ class TurnOptions:
         """The new user message's tokens, the tools rendered by the template: in the first
         prompt, or later as the template's tool block when the conversation has not seen them."""
         if not tokens:
-            messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": content}]
+            messages = ([{"role": "system", "content": system}] if system else []) + [
+                {"role": "user", "content": content}
+            ]
             return self.renderer.first(messages, self.specs or None)
         new = self.key is not None and self.key != getattr(self.s, "tools_seen", None)
         return self.renderer.user_turn(content, self.specs if new else None)
@@ -349,8 +394,9 @@ class TurnOptions:
         return reply
 
 
-def run_loop(session: Any, text: str, tools: Any, params: Any = None, *, tool_choice: Any = "auto",
-             max_steps: int = 5) -> Any:
+def run_loop(
+    session: Any, text: str, tools: Any, params: Any = None, *, tool_choice: Any = "auto", max_steps: int = 5
+) -> Any:
     """Ask ``text``; while the reply calls tools, run their callables and send the results back
     (the first step with ``tool_choice``, the later ones "auto"). The Reply that answers in
     text; ToolStepLimit when ``max_steps`` replies all called tools."""

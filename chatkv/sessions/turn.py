@@ -31,22 +31,23 @@ import threading
 import time
 from typing import TYPE_CHECKING, Callable, ContextManager, Hashable, Iterator, Protocol
 
-from chatkv.sessions import context_window as cw
 from chatkv.errors import EngineClosed, OutOfBlocks
 from chatkv.outputs import Reply
+from chatkv.sessions import context_window as cw
 
 if TYPE_CHECKING:
-    from chatkv.kvcache.manager import KVManager
-    from chatkv.kvcache.types import RetainedKV
     from chatkv.engine.sampling import SamplingParams
     from chatkv.engine.sequence import Sequence
+    from chatkv.kvcache.manager import KVManager
+    from chatkv.kvcache.types import RetainedKV
     from chatkv.sessions.session import Session
     from chatkv.sessions.snapshots import Snapshots
+    from chatkv.sessions.template import TurnRenderer
     from chatkv.storage.leases import Held, Mark
     from chatkv.storage.repository import Store
-    from chatkv.sessions.template import TurnRenderer
 
 log = logging.getLogger("chatkv.sessions")
+
 
 class Manager(Protocol):
     """What a turn uses of the session manager (``chatkv.sessions.manager.SessionManager`` is
@@ -132,9 +133,18 @@ class TurnEnd:
 
 
 class Turn:
-    def __init__(self, m: Manager, s: Session, text: str, params: SamplingParams, *,
-                 branch: tuple[int | None, bool] | None = None, regenerate: bool = False,
-                 render: Callable[[list[int], str | None, str], list[int]] | None = None, role: str = "user"):
+    def __init__(
+        self,
+        m: Manager,
+        s: Session,
+        text: str,
+        params: SamplingParams,
+        *,
+        branch: tuple[int | None, bool] | None = None,
+        regenerate: bool = False,
+        render: Callable[[list[int], str | None, str], list[int]] | None = None,
+        role: str = "user",
+    ):
         self.m, self.s, self.text, self.params = m, s, text, params
         # the new message's tokens from (history, system content, content); None: a plain user
         # message (a turn with tools or of tool results renders its own: chatkv.sessions.tools)
@@ -213,8 +223,9 @@ class Turn:
             finally:
                 self.m.ended(self.s)
         if cut is not None:
-            raise EngineClosed("the engine was closed during this turn; the reply so far is stored, marked interrupted",
-                               reply=reply) from None
+            raise EngineClosed(
+                "the engine was closed during this turn; the reply so far is stored, marked interrupted", reply=reply
+            ) from None
         with suspended():
             yield reply
 
@@ -226,12 +237,15 @@ class Turn:
         self.params.validate()
         self.window = self.engine.context_window
         reserve = cw.reply_room(self.params.max_tokens, self.window)
-        if s.knowledge is not None and not self.regenerate and self.role == "user":  # a regenerated answer reads the same sources
+        if (
+            s.knowledge is not None and not self.regenerate and self.role == "user"
+        ):  # a regenerated answer reads the same sources
             self._retrieve(reserve)
         self.delta = [] if self.regenerate else (self.render or m.delta_from)(s.tokens, s.system_content, self.content)
         self.st = copy.deepcopy(s.window)
-        self.window_plan = cw.plan(self.st, len(s.tokens), len(self.delta), reserve, self.window, m.kv.block_size,
-                                   m.sink_tokens)
+        self.window_plan = cw.plan(
+            self.st, len(s.tokens), len(self.delta), reserve, self.window, m.kv.block_size, m.sink_tokens
+        )
         self.user_ns = m.kv.user_namespace(s.owner)  # a server user's KV is never another's (None: the local user)
 
     def _retrieve(self, reserve: int) -> None:
@@ -275,12 +289,19 @@ class Turn:
                 m.window_moved(s, context, st)  # the KV in memory is the new window's now
         if self.hits and self.engine.config.rag_kv_reuse != "off":  # the sources' chunk KV, placed
             from chatkv.rag.placement import for_turn
+
             kept = for_turn(self, kept, context)
         try:
-            seq = self.engine.add_request(context + self.delta, self.params, retain=True, prefix=kept,
-                                          namespace=m.kv_namespace(s.id, st) or self.user_ns, max_context=self.window,
-                                          admitted=True,  # the turn was admitted (close() waits for it)
-                                          on_finish=self._handed)
+            seq = self.engine.add_request(
+                context + self.delta,
+                self.params,
+                retain=True,
+                prefix=kept,
+                namespace=m.kv_namespace(s.id, st) or self.user_ns,
+                max_context=self.window,
+                admitted=True,  # the turn was admitted (close() waits for it)
+                on_finish=self._handed,
+            )
         except BaseException:
             m.keep_kv(s, kept)  # nothing happened: the session keeps its KV
             raise
@@ -300,8 +321,15 @@ class Turn:
         if kept is None:
             return None, 0
         try:
-            kept = kv.slide(kept, context, plan.sink, plan.drop, m.kv_namespace(self.s.id, self.st),
-                            self.engine.shift_keys, old_namespace=old_ns)
+            kept = kv.slide(
+                kept,
+                context,
+                plan.sink,
+                plan.drop,
+                m.kv_namespace(self.s.id, self.st),
+                self.engine.shift_keys,
+                old_namespace=old_ns,
+            )
         except OutOfBlocks as e:  # kept is ended: the window is recomputed instead
             log.warning("conversation %s: no room to move its KV window (%s); recomputing it", self.s.id, e)
             return None, 0
@@ -338,9 +366,15 @@ class Turn:
             self.committed = True
         plan = self.window_plan
         self.info = cw.ContextInfo(
-            policy=st.policy, window=self.window, context_tokens=len(self.prompt), dropped_tokens=plan.drop,
-            dropped_turns=plan.turns, total_dropped_tokens=st.dropped_tokens, total_dropped_turns=st.dropped_turns,
-            sink_tokens=st.sink if st.private else 0, recomputed=plan.kind == "truncate",
+            policy=st.policy,
+            window=self.window,
+            context_tokens=len(self.prompt),
+            dropped_tokens=plan.drop,
+            dropped_turns=plan.turns,
+            total_dropped_tokens=st.dropped_tokens,
+            total_dropped_turns=st.dropped_turns,
+            sink_tokens=st.sink if st.private else 0,
+            recomputed=plan.kind == "truncate",
         )
 
     def _take_back(self) -> None:
@@ -396,8 +430,14 @@ class Turn:
         )
         self.stored = True
         self.engine.on_loop(lambda: self.settle(msg.id))
-        return Reply(text=r.text, usage=r.usage, finish_reason=r.finish_reason, message_id=msg.id, sources=sources,
-                     context=self.info)
+        return Reply(
+            text=r.text,
+            usage=r.usage,
+            finish_reason=r.finish_reason,
+            message_id=msg.id,
+            sources=sources,
+            context=self.info,
+        )
 
     def settle(self, message_id: int) -> None:
         """Pin the shared prefix; the new KV reaches the disk in the background (loop thread)."""

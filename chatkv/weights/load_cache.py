@@ -148,7 +148,11 @@ def _direct_key(k: str) -> str:
 def direct_spec(k: str | None) -> dict | None:
     """The direct tokenizer's spec remembered under tokenizer key ``k`` (its backend read back and checked), or None."""
     entry = _read().get(_direct_key(k)) if k else None
-    if not isinstance(entry, dict) or not isinstance(entry.get("backend"), str) or not isinstance(entry.get("meta"), dict):
+    if (
+        not isinstance(entry, dict)
+        or not isinstance(entry.get("backend"), str)
+        or not isinstance(entry.get("meta"), dict)
+    ):
         return None
     digest = entry["backend"]
     if not re.fullmatch(r"[0-9a-f]{64}", digest):

@@ -35,8 +35,13 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 # What a tokenizer is made of, for the message when none loads: any one of these, plus
 # tokenizer_config.json (special tokens, chat template).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
-_TOKENIZER_EXTRAS = ("merges.txt", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
-                     "chat_template.json")
+_TOKENIZER_EXTRAS = (
+    "merges.txt",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
 
 
 def _why(e: BaseException) -> str:
@@ -67,16 +72,16 @@ def load_config(model_dir: str | Path):
     try:
         raw = json.loads(cfg_file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ModelNotFound(
-            f"'{cfg_file}' is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})"
-        ) from e
+        raise ModelNotFound(f"'{cfg_file}' is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno})") from e
     except (OSError, UnicodeDecodeError) as e:
         raise ModelNotFound(f"cannot read '{cfg_file}': {e}") from e
     if not isinstance(raw, dict):
         raise ModelNotFound(f"'{cfg_file}' holds a JSON {type(raw).__name__}, not an object of config fields")
     supported = ", ".join(SUPPORTED_MODEL_TYPES)
     if "model_type" not in raw:
-        raise UnsupportedModel(f"'{cfg_file}' has no model_type, so its architecture is unknown; chatkv runs {supported}")
+        raise UnsupportedModel(
+            f"'{cfg_file}' has no model_type, so its architecture is unknown; chatkv runs {supported}"
+        )
     model_type = raw["model_type"]
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModel(f"model_type '{model_type}' is not supported; chatkv runs {supported}")
@@ -207,6 +212,7 @@ def _remember_direct(key: str | None, tok) -> None:
     except Exception as e:  # noqa: BLE001 - best effort: the next start asks transformers again
         log.debug("direct tokenizer not kept (%s)", e)
 
+
 def load_tokenizer(model_dir: str | Path):
     """The directory's tokenizer (``AutoTokenizer.from_pretrained`` of the local directory; at a
     later start with the same config files, the class it chose, directly: chatkv.weights.load_cache).
@@ -219,8 +225,10 @@ def load_tokenizer(model_dir: str | Path):
     path = _model_dir(model_dir)
     # keyed by every file a tokenizer is read from, not only the two AutoTokenizer chooses the
     # class by: any edit, damage or removal asks AutoTokenizer again (and its errors are the ones raised)
-    key = load_cache.key("tokenizer", *(path / n for n in ("config.json", "tokenizer_config.json") + _TOKENIZER_FILES
-                                        + _TOKENIZER_EXTRAS))
+    key = load_cache.key(
+        "tokenizer",
+        *(path / n for n in ("config.json", "tokenizer_config.json") + _TOKENIZER_FILES + _TOKENIZER_EXTRAS),
+    )
     try:
         tok = _direct_tokenizer(path, key)  # a plain tokenizer.json one seen before: no transformers import
         direct = tok is not None
@@ -234,9 +242,7 @@ def load_tokenizer(model_dir: str | Path):
         present = [n for n in _TOKENIZER_FILES if (path / n).is_file()]
         if not present:
             raise ModelNotFound(_no_tokenizer(model_dir)) from e
-        raise ModelNotFound(
-            f"the tokenizer in '{model_dir}' ({', '.join(present)}) cannot be loaded: {_why(e)}"
-        ) from e
+        raise ModelNotFound(f"the tokenizer in '{model_dir}' ({', '.join(present)}) cannot be loaded: {_why(e)}") from e
     if not any((path / n).is_file() for n in _TOKENIZER_FILES):
         # for some families (qwen2) transformers builds an empty tokenizer (one token: every
         # prompt "empty") instead of failing
@@ -254,8 +260,10 @@ def load_tokenizer(model_dir: str | Path):
 
 
 def _no_tokenizer(model_dir) -> str:
-    return (f"no tokenizer in '{model_dir}': it has none of {', '.join(_TOKENIZER_FILES)}; "
-            f"copy the model's tokenizer files (e.g. tokenizer.json and tokenizer_config.json) into it")
+    return (
+        f"no tokenizer in '{model_dir}': it has none of {', '.join(_TOKENIZER_FILES)}; "
+        f"copy the model's tokenizer files (e.g. tokenizer.json and tokenizer_config.json) into it"
+    )
 
 
 def release_freed_memory() -> None:

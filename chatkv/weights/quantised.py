@@ -39,9 +39,25 @@ import torch
 
 from chatkv.kernels import cpu_decode
 
-__all__ = ["GROUP", "Q4Weight", "Q8Weight", "Int4Linear", "Int8Linear", "quantize_int4", "quantize_int8",
-           "from_gguf_blocks", "dequantize_gguf_blocks", "kquant_scale_min", "int4_supported", "int8_supported",
-           "pack_int4", "unpack_int4pack", "int4pack_block", "repack_nibbles", "int4_from_nibbles"]
+__all__ = [
+    "GROUP",
+    "Q4Weight",
+    "Q8Weight",
+    "Int4Linear",
+    "Int8Linear",
+    "quantize_int4",
+    "quantize_int8",
+    "from_gguf_blocks",
+    "dequantize_gguf_blocks",
+    "kquant_scale_min",
+    "int4_supported",
+    "int8_supported",
+    "pack_int4",
+    "unpack_int4pack",
+    "int4pack_block",
+    "repack_nibbles",
+    "int4_from_nibbles",
+]
 
 GROUP = 32  # inputs per int4 group: GGUF's block size and the kernel's group size
 #: whether steps of few rows take chatkv's kernels where they are built (kernels/cpu_matmul.c:
@@ -113,8 +129,16 @@ def _blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
 
 
 #: GGUF type -> (weights per block, bytes per block), as ggml's block structs
-_BLOCK = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q5_0": (32, 22), "Q5_1": (32, 24),
-          "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210)}
+_BLOCK = {
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q8_0": (32, 34),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q4_K": (QK_K, 144),
+    "Q5_K": (QK_K, 176),
+    "Q6_K": (QK_K, 210),
+}
 
 
 def kquant_scale_min(packed: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -344,8 +368,9 @@ def int4_from_nibbles(parts: list, bias: torch.Tensor | None = None, dense_rows:
     if any(p is None for p in packed):
         return None
     cat = lambda xs: xs[0] if len(xs) == 1 else torch.cat(xs)  # noqa: E731
-    return Int4Linear.from_packed(cat(packed), cat([s for _, s, _ in parts]), cat([m for _, _, m in parts]),
-                                  bias, None, dense_rows)
+    return Int4Linear.from_packed(
+        cat(packed), cat([s for _, s, _ in parts]), cat([m for _, _, m in parts]), bias, None, dense_rows
+    )
 
 
 def int4_supported() -> bool:
@@ -372,8 +397,15 @@ class Int4Linear:
         self._set(pack_int4(q.codes), q.scale, q.minimum, bias, dense, dense_rows)
 
     @classmethod
-    def from_packed(cls, packed: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor,
-                    bias: torch.Tensor | None = None, dense=None, dense_rows: int = 16) -> "Int4Linear":
+    def from_packed(
+        cls,
+        packed: torch.Tensor,
+        scale: torch.Tensor,
+        minimum: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        dense=None,
+        dense_rows: int = 16,
+    ) -> "Int4Linear":
         """From codes already in the kernel's layout (``pack_int4``/``repack_nibbles``)."""
         lin = cls.__new__(cls)
         lin._set(packed, scale, minimum, bias, dense, dense_rows)  # the class's own instance, made without __init__
@@ -392,7 +424,9 @@ class Int4Linear:
         """``int4_mm``'s call for this weight (chatkv.kernels.cpu_decode: each weight tile decoded
         once for all of a step's rows, up to ``INT4_MM_ROWS``), or False where it is not built
         here or this weight is not in its layout; looked up once the fused ops have been loaded."""
-        return _looked_up(self, lambda: int4pack_block() == 64 and cpu_decode.int4_mm_call(self.packed, self.scales_zeros))
+        return _looked_up(
+            self, lambda: int4pack_block() == 64 and cpu_decode.int4_mm_call(self.packed, self.scales_zeros)
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The dense path for ``dense_rows`` rows or more; else ``int4_mm`` where ``_few_rows``
@@ -403,7 +437,11 @@ class Int4Linear:
             return self.dense(x)
         x = x.contiguous()
         native = _few_rows(self, x)
-        y = native(x) if native else torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        y = (
+            native(x)
+            if native
+            else torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        )
         return y if self.bias is None else y + self.bias
 
 

@@ -439,8 +439,13 @@ def test_a_process_ending_without_close_writes_its_pending_kv(big_kv_model, tmp_
     the next process restores all of it."""
     data = tmp_path / "data"
     env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, str(CHILD), str(big_kv_model), str(data), mode], capture_output=True,
-                         text=True, timeout=300, env=env)
+    out = subprocess.run(
+        [sys.executable, str(CHILD), str(big_kv_model), str(data), mode],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     assert "not saved" not in out.stderr, out.stderr
     ev = json.loads(out.stdout.splitlines()[-1])

@@ -19,8 +19,8 @@ from chatkv.engine.constraints import (
     compiler_for,
     constraint_of,
 )
-from chatkv.errors import InvalidRequest
 from chatkv.engine.sampling import SamplingParams, make_generator, mask_rows, sample
+from chatkv.errors import InvalidRequest
 
 pytestmark = pytest.mark.tiny_model("llama", seed=0)  # the engine tests' model (model_dir)
 
@@ -81,42 +81,109 @@ def bonus(tok):
 
 
 SCHEMAS = [
-    {"type": "object", "properties": {"user": {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 10},
-        "address": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10}, "zip": {"type": "integer"}},
-                    "required": ["city", "zip"], "additionalProperties": False}},
-        "required": ["name", "address"], "additionalProperties": False}},
-     "required": ["user"], "additionalProperties": False},
-    {"type": "object", "properties": {
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 3},
-        "grid": {"type": "array", "items": {"type": "array", "items": {"type": "integer", "minimum": -3, "maximum": 3},
-                                            "maxItems": 2}, "maxItems": 2}},
-     "required": ["tags", "grid"], "additionalProperties": False},
-    {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}, "size": {"enum": [1, 2, None]}},
-     "required": ["colour", "size"], "additionalProperties": False},
-    {"type": "object", "properties": {
-        "age": {"type": "integer", "minimum": 18, "maximum": 99},
-        "ratio": {"type": "number", "minimum": 0, "maximum": 1},
-        "temp": {"type": "number", "exclusiveMinimum": -10, "exclusiveMaximum": 40},
-        "step": {"type": "integer", "multipleOf": 5}},
-     "required": ["age", "ratio", "temp", "step"], "additionalProperties": False},
-    {"type": "object", "properties": {"id": {"type": "integer"}, "note": {"type": "string", "maxLength": 8},
-                                      "done": {"type": "boolean"}},
-     "required": ["id"], "additionalProperties": False},
-    {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
-                                      "word": {"type": "string", "minLength": 2, "maxLength": 4}},
-     "required": ["code", "word"], "additionalProperties": False},
-    {"type": "object", "properties": {"value": {"anyOf": [{"type": "integer"}, {"type": "null"}, {"type": "string", "maxLength": 5}]},
-                                      "n": {"allOf": [{"type": "integer"}, {"minimum": 3, "maximum": 7}]},
-                                      "kind": {"const": "answer"}},
-     "required": ["value", "n", "kind"], "additionalProperties": False},
-    {"$defs": {"p": {"type": "object", "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
-                     "required": ["x", "y"], "additionalProperties": False}},
-     "type": "object", "properties": {"a": {"$ref": "#/$defs/p"}, "b": {"$ref": "#/$defs/p"}},
-     "required": ["a", "b"], "additionalProperties": False},
-    {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 20},
-                                      "sources": {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 3}},
-     "required": ["answer", "sources"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 10},
+                    "address": {
+                        "type": "object",
+                        "properties": {"city": {"type": "string", "maxLength": 10}, "zip": {"type": "integer"}},
+                        "required": ["city", "zip"],
+                        "additionalProperties": False,
+                    },
+                },
+                "required": ["name", "address"],
+                "additionalProperties": False,
+            }
+        },
+        "required": ["user"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 1, "maxItems": 3},
+            "grid": {
+                "type": "array",
+                "items": {"type": "array", "items": {"type": "integer", "minimum": -3, "maximum": 3}, "maxItems": 2},
+                "maxItems": 2,
+            },
+        },
+        "required": ["tags", "grid"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"colour": {"enum": ["red", "green", "blue"]}, "size": {"enum": [1, 2, None]}},
+        "required": ["colour", "size"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "age": {"type": "integer", "minimum": 18, "maximum": 99},
+            "ratio": {"type": "number", "minimum": 0, "maximum": 1},
+            "temp": {"type": "number", "exclusiveMinimum": -10, "exclusiveMaximum": 40},
+            "step": {"type": "integer", "multipleOf": 5},
+        },
+        "required": ["age", "ratio", "temp", "step"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "id": {"type": "integer"},
+            "note": {"type": "string", "maxLength": 8},
+            "done": {"type": "boolean"},
+        },
+        "required": ["id"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"},
+            "word": {"type": "string", "minLength": 2, "maxLength": 4},
+        },
+        "required": ["code", "word"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "value": {"anyOf": [{"type": "integer"}, {"type": "null"}, {"type": "string", "maxLength": 5}]},
+            "n": {"allOf": [{"type": "integer"}, {"minimum": 3, "maximum": 7}]},
+            "kind": {"const": "answer"},
+        },
+        "required": ["value", "n", "kind"],
+        "additionalProperties": False,
+    },
+    {
+        "$defs": {
+            "p": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "required": ["x", "y"],
+                "additionalProperties": False,
+            }
+        },
+        "type": "object",
+        "properties": {"a": {"$ref": "#/$defs/p"}, "b": {"$ref": "#/$defs/p"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "answer": {"type": "string", "maxLength": 20},
+            "sources": {"type": "array", "items": {"type": "integer", "minimum": 0}, "maxItems": 3},
+        },
+        "required": ["answer", "sources"],
+        "additionalProperties": False,
+    },
     {"type": "array", "prefixItems": [{"type": "integer"}, {"type": "boolean"}], "items": False},
 ]
 REGEX = r"[0-9]{3}-[0-9]{4}"
@@ -157,7 +224,9 @@ def _walk(tok, compiler, params: SamplingParams, bonus, gen: torch.Generator, ma
         logits = (torch.randn(1, len(tok), generator=gen) * 2 + bonus).float()
         assert mask_rows(logits, [m]) == [None]
         t = sample(logits[0], params, out, sampler_gen)
-        assert m.advance(t), f"the sampler took token {t} ({tok.decode([t])!r}) the mask allowed, and advance refused it"
+        assert m.advance(t), (
+            f"the sampler took token {t} ({tok.decode([t])!r}) the mask allowed, and advance refused it"
+        )
         if t == tok.eos_token_id:
             return tok.decode(out), "stop"
         out.append(t)
@@ -166,17 +235,28 @@ def _walk(tok, compiler, params: SamplingParams, bonus, gen: torch.Generator, ma
     return tok.decode(out), "length"
 
 
-CASES = ([dict(json_schema=s) for s in SCHEMAS]
-         + [dict(json_object=True), dict(regex=REGEX), dict(choice=CHOICE), dict(grammar=LARK), dict(grammar=GBNF)])
+CASES = [dict(json_schema=s) for s in SCHEMAS] + [
+    dict(json_object=True),
+    dict(regex=REGEX),
+    dict(choice=CHOICE),
+    dict(grammar=LARK),
+    dict(grammar=GBNF),
+]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: next(iter(c)) + ("" if "json_schema" not in c else str(SCHEMAS.index(c["json_schema"]))))
+@pytest.mark.parametrize(
+    "case",
+    CASES,
+    ids=lambda c: next(iter(c)) + ("" if "json_schema" not in c else str(SCHEMAS.index(c["json_schema"]))),
+)
 def test_random_walks_end_valid(tok, compiler, bonus, case):
     """Every output that ends by stop satisfies its constraint; most walks end."""
     gen = torch.Generator().manual_seed(7)
     ended = 0
     for i, temperature in enumerate([1.0, 0.7, 1.5, 0.0]):
-        params = SamplingParams(temperature=temperature, seed=i, top_k=50 if i == 1 else 0, top_p=0.9 if i == 2 else 1.0, **case)
+        params = SamplingParams(
+            temperature=temperature, seed=i, top_k=50 if i == 1 else 0, top_p=0.9 if i == 2 else 1.0, **case
+        )
         text, reason = _walk(tok, compiler, params, bonus, gen)
         if reason == "stop":
             ended += 1
@@ -200,8 +280,12 @@ def test_unconstrained_rows_are_untouched_and_sample_the_same(tok, compiler):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(4, len(tok), generator=gen)
     before = logits.clone()
-    matchers = [None, compiler.matcher(constraint_of(SamplingParams(choice=CHOICE))), None,
-                compiler.matcher(constraint_of(SamplingParams(json_object=True)))]
+    matchers = [
+        None,
+        compiler.matcher(constraint_of(SamplingParams(choice=CHOICE))),
+        None,
+        compiler.matcher(constraint_of(SamplingParams(json_object=True))),
+    ]
     assert mask_rows(logits, matchers) == [None] * 4
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     assert torch.isinf(logits[1]).sum() > len(tok) - 100 and torch.isinf(logits[3]).sum() > 0
@@ -281,13 +365,19 @@ def test_compiled_once_per_constraint_and_bounded(tok):
 def test_properties_come_out_in_the_schemas_order(tok, compiler):
     """{"z", "a"} is written z first (a caller's "reasoning" before its "answer"), not sorted."""
     for order in (["z", "a"], ["a", "z"]):
-        schema = {"type": "object", "properties": {k: {"type": "integer", "minimum": 0, "maximum": 9} for k in order},
-                  "required": order, "additionalProperties": False}
+        schema = {
+            "type": "object",
+            "properties": {k: {"type": "integer", "minimum": 0, "maximum": 9} for k in order},
+            "required": order,
+            "additionalProperties": False,
+        }
         m = compiler.matcher(constraint_of(SamplingParams(json_schema=schema)))
         text = f'{{"{order[0]}": 1, "{order[1]}": 2}}'
         assert m.validate(tok.encode(text, add_special_tokens=False)) == len(tok.encode(text, add_special_tokens=False))
         wrong = f'{{"{order[1]}": 2, "{order[0]}": 1}}'
-        assert m.validate(tok.encode(wrong, add_special_tokens=False)) < len(tok.encode(wrong, add_special_tokens=False))
+        assert m.validate(tok.encode(wrong, add_special_tokens=False)) < len(
+            tok.encode(wrong, add_special_tokens=False)
+        )
 
 
 def test_a_padded_model_vocabulary_never_samples_past_the_tokenizer(tmp_path):
@@ -299,7 +389,7 @@ def test_a_padded_model_vocabulary_never_samples_past_the_tokenizer(tmp_path):
     m = c.matcher(constraint_of(SamplingParams(json_object=True)))
     row = torch.zeros(400)
     m.mask_into(row)
-    assert torch.isinf(row[len(small):]).all() and torch.isfinite(row[: len(small)]).any()
+    assert torch.isinf(row[len(small) :]).all() and torch.isfinite(row[: len(small)]).any()
     assert not m.advance(390)
 
 
@@ -316,25 +406,34 @@ def test_apply_bitmask_bit_layout():
         assert torch.isfinite(other).nonzero().flatten().tolist() == ([0] if other.shape[0] == 2 else [0, 2, 63, 65])
 
 
-@pytest.mark.parametrize("kwargs, says", [
-    (dict(json_schema={"type": "integer"}, regex="a"), "at most one constraint per request; got json_schema and regex"),
-    (dict(choice=["a"], json_object=True), "got choice and json_object"),
-    (dict(choice=[]), "choice must be a non-empty list"),
-    (dict(choice=["a", ""]), "choice must be a non-empty list of non-empty strings"),
-    (dict(choice="abc"), "choice must be a non-empty list"),
-    (dict(json_schema={"type": "strnig"}), "json_schema is not a JSON schema chatkv can enforce: Invalid type: strnig"),
-    (dict(json_schema={"type": "array", "uniqueItems": True}), 'Unimplemented keys: ["uniqueItems"]'),
-    (dict(json_schema={"properties": {"a": {"not": {"type": "string"}}}}), 'Unimplemented keys: ["not"]'),
-    (dict(json_schema=[1, 2]), "json_schema must be a JSON schema object"),
-    (dict(json_schema="{not json"), "json_schema is a str that is not JSON"),
-    (dict(json_schema={"type": "object", "default": {1, 2}}), "json_schema is not JSON-serialisable"),
-    (dict(regex="[a-"), "regex is not a valid regular expression"),
-    (dict(regex=""), "regex must be a non-empty str"),
-    (dict(grammar='root ::= "a" | b'), "grammar is not a valid lark or GBNF grammar"),
-    (dict(grammar=5), "grammar must be a non-empty str"),
-    (dict(json_object=1), "json_object must be a bool"),
-    (dict(regex="a+", ignore_eos=True), "ignore_eos cannot be combined with regex"),
-])
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        (
+            dict(json_schema={"type": "integer"}, regex="a"),
+            "at most one constraint per request; got json_schema and regex",
+        ),
+        (dict(choice=["a"], json_object=True), "got choice and json_object"),
+        (dict(choice=[]), "choice must be a non-empty list"),
+        (dict(choice=["a", ""]), "choice must be a non-empty list of non-empty strings"),
+        (dict(choice="abc"), "choice must be a non-empty list"),
+        (
+            dict(json_schema={"type": "strnig"}),
+            "json_schema is not a JSON schema chatkv can enforce: Invalid type: strnig",
+        ),
+        (dict(json_schema={"type": "array", "uniqueItems": True}), 'Unimplemented keys: ["uniqueItems"]'),
+        (dict(json_schema={"properties": {"a": {"not": {"type": "string"}}}}), 'Unimplemented keys: ["not"]'),
+        (dict(json_schema=[1, 2]), "json_schema must be a JSON schema object"),
+        (dict(json_schema="{not json"), "json_schema is a str that is not JSON"),
+        (dict(json_schema={"type": "object", "default": {1, 2}}), "json_schema is not JSON-serialisable"),
+        (dict(regex="[a-"), "regex is not a valid regular expression"),
+        (dict(regex=""), "regex must be a non-empty str"),
+        (dict(grammar='root ::= "a" | b'), "grammar is not a valid lark or GBNF grammar"),
+        (dict(grammar=5), "grammar must be a non-empty str"),
+        (dict(json_object=1), "json_object must be a bool"),
+        (dict(regex="a+", ignore_eos=True), "ignore_eos cannot be combined with regex"),
+    ],
+)
 def test_bad_constraints_are_named(kwargs, says):
     with pytest.raises(InvalidRequest) as err:
         SamplingParams(**kwargs).validate()
@@ -343,8 +442,13 @@ def test_bad_constraints_are_named(kwargs, says):
 
 def test_an_unsatisfiable_schema_is_refused_when_compiled(compiler):
     """min > max inside a property is found once a tokenizer compiles it: still InvalidRequest."""
-    params = SamplingParams(json_schema={"type": "object", "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}},
-                                         "required": ["a"]})
+    params = SamplingParams(
+        json_schema={
+            "type": "object",
+            "properties": {"a": {"type": "integer", "minimum": 5, "maximum": 1}},
+            "required": ["a"],
+        }
+    )
     with pytest.raises(InvalidRequest, match="unsatisfiable"):
         params.validate()
         compiler.matcher(constraint_of(params))
@@ -359,6 +463,7 @@ def test_from_dict_and_the_constraint_key():
 
 # -- through the real Engine (a tiny model with a real byte-level BPE tokenizer) ----------------
 
+
 @pytest.fixture(scope="module")
 def engine(model_dir):
     from chatkv.engine.core import Engine
@@ -369,9 +474,12 @@ def engine(model_dir):
 
 
 PROMPTS = ["The quick brown fox", "What is the capital", "Hello, how are you", "Key-value caches keep"]
-OBJ = {"type": "object", "properties": {"a": {"type": "integer", "minimum": -50, "maximum": 50},
-                                        "b": {"enum": ["x", "y"]}},
-       "required": ["a", "b"], "additionalProperties": False}
+OBJ = {
+    "type": "object",
+    "properties": {"a": {"type": "integer", "minimum": -50, "maximum": 50}, "b": {"enum": ["x", "y"]}},
+    "required": ["a", "b"],
+    "additionalProperties": False,
+}
 
 
 def test_engine_batch_mixes_constrained_and_free_requests(engine):
@@ -379,10 +487,16 @@ def test_engine_batch_mixes_constrained_and_free_requests(engine):
     valid; the free ones are token for token what they are without the constrained ones."""
     free = [SamplingParams(max_tokens=12, temperature=0.8, seed=3), SamplingParams(max_tokens=10, temperature=0)]
     alone = engine.generate([PROMPTS[0], PROMPTS[2]], free)
-    constrained = [SamplingParams(max_tokens=80, temperature=1.0, seed=s, **c) for s, c in enumerate(
-        [dict(json_schema=OBJ), dict(regex=REGEX), dict(choice=CHOICE), dict(json_object=True), dict(grammar=LARK)])]
-    mixed = engine.generate([PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[1], PROMPTS[3], PROMPTS[0]],
-                            [free[0], constrained[0], free[1], constrained[1], constrained[2], constrained[3], constrained[4]])
+    constrained = [
+        SamplingParams(max_tokens=80, temperature=1.0, seed=s, **c)
+        for s, c in enumerate(
+            [dict(json_schema=OBJ), dict(regex=REGEX), dict(choice=CHOICE), dict(json_object=True), dict(grammar=LARK)]
+        )
+    ]
+    mixed = engine.generate(
+        [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[1], PROMPTS[3], PROMPTS[0]],
+        [free[0], constrained[0], free[1], constrained[1], constrained[2], constrained[3], constrained[4]],
+    )
     assert [r.token_ids for r in (mixed[0], mixed[2])] == [r.token_ids for r in alone]
     assert [r.text for r in (mixed[0], mixed[2])] == [r.text for r in alone]
     stopped = 0
@@ -397,8 +511,9 @@ def test_engine_batch_mixes_constrained_and_free_requests(engine):
 def test_engine_constrained_walks_end_valid(engine):
     """More seeds per kind through the engine: every output ending by stop validates."""
     cases = [dict(json_schema=OBJ), dict(json_schema=SCHEMAS[8]), dict(regex=REGEX), dict(choice=CHOICE)]
-    params = [SamplingParams(max_tokens=60, temperature=t, seed=s, **c)
-              for c in cases for s, t in enumerate([1.0, 0.7, 0.0])]
+    params = [
+        SamplingParams(max_tokens=60, temperature=t, seed=s, **c) for c in cases for s, t in enumerate([1.0, 0.7, 0.0])
+    ]
     results = engine.generate([PROMPTS[i % 4] for i in range(len(params))], params)
     for p, r in zip(params, results):
         if r.finish_reason == "stop":
@@ -417,6 +532,14 @@ def test_engine_refuses_a_constraint_it_cannot_enforce(engine):
     with pytest.raises(InvalidRequest, match=r'Unimplemented keys: \["uniqueItems"\]'):
         engine.generate(PROMPTS[0], SamplingParams(json_schema={"type": "array", "uniqueItems": True}))
     with pytest.raises(InvalidRequest, match="unsatisfiable"):
-        engine.generate(PROMPTS[0], SamplingParams(json_schema={"type": "object", "required": ["a"],
-                                                                "properties": {"a": {"type": "integer", "minimum": 3, "maximum": 1}}}))
+        engine.generate(
+            PROMPTS[0],
+            SamplingParams(
+                json_schema={
+                    "type": "object",
+                    "required": ["a"],
+                    "properties": {"a": {"type": "integer", "minimum": 3, "maximum": 1}},
+                }
+            ),
+        )
     assert engine.generate(PROMPTS[0], SamplingParams(max_tokens=2, temperature=0)).finish_reason == "length"

@@ -98,7 +98,18 @@ def feed(tok, ids, stop=None):
     return ts, pieces, stopped_at
 
 
-ALPHABET = list("abcdefghijklmnopqrstuvwxyz ABC,.?!'-\n0123456789") + ["é", "ß", "ж", "你", "好", "界", "🎉", "😀", "👍🏽", "€"]
+ALPHABET = list("abcdefghijklmnopqrstuvwxyz ABC,.?!'-\n0123456789") + [
+    "é",
+    "ß",
+    "ж",
+    "你",
+    "好",
+    "界",
+    "🎉",
+    "😀",
+    "👍🏽",
+    "€",
+]
 texts = st.lists(st.sampled_from(ALPHABET), max_size=60).map("".join)
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -293,7 +304,7 @@ def test_pieces_concatenate_to_the_final_text(tok, text, stops):
 
 
 def long_ids(tok, n=500):
-    text = ("The quick brown fox, 你好世界 🎉 jumps over the lazy dog; émigré café! " * 60)
+    text = "The quick brown fox, 你好世界 🎉 jumps over the lazy dog; émigré café! " * 60
     ids = encode(tok, text)[:n]
     assert len(ids) == n
     return ids

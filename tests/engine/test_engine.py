@@ -124,8 +124,13 @@ def test_repetition_penalty_matches_transformers(llama):
     p = prompt_ids(10, 10)
     got = engine.generate(p, SamplingParams(max_tokens=20, temperature=0, repetition_penalty=1.5, ignore_eos=True))
     out = ref.generate(
-        torch.tensor([p]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
-        repetition_penalty=1.5, eos_token_id=None, pad_token_id=0,
+        torch.tensor([p]),
+        max_new_tokens=20,
+        min_new_tokens=20,
+        do_sample=False,
+        repetition_penalty=1.5,
+        eos_token_id=None,
+        pad_token_id=0,
     )
     assert got.token_ids == out[0, 10:].tolist()
 

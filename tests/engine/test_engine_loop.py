@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 
 from chatkv import InvalidRequest
-from chatkv.engine import loop as engine_loop
 from chatkv.config import EngineConfig
+from chatkv.engine import loop as engine_loop
 from chatkv.engine.core import Engine
-from chatkv.errors import EngineClosed
 from chatkv.engine.sampling import SamplingParams
+from chatkv.errors import EngineClosed
 
 pytestmark = pytest.mark.tiny_model("llama", seed=5)
 
@@ -213,8 +213,13 @@ def test_release_openmp_pool_ends_this_threads_workers():
 
     if (os.cpu_count() or 1) < 2:
         pytest.skip("one core: torch runs one intra-op thread, there is no pool")
-    out = subprocess.run([sys.executable, "-c", _POOL_CHILD], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", _POOL_CHILD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["gomp"], "torch's libgomp was not found: the fix does nothing on this machine"

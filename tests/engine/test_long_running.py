@@ -48,7 +48,9 @@ def test_2000_requests_with_caching_off_leave_no_tree_nodes(model_dir):
         if first is None:
             first = [r.token_ids for r in results]
     after = e.kv_stats()
-    assert after["tree_nodes"] <= before["tree_nodes"], f"the tree grew from {before['tree_nodes']} to {after['tree_nodes']} nodes"
+    assert after["tree_nodes"] <= before["tree_nodes"], (
+        f"the tree grew from {before['tree_nodes']} to {after['tree_nodes']} nodes"
+    )
     assert after["blocks_free"] == after["blocks_total"], "every block is back in the pool"
     assert after["blocks_cached"] == 0 and after["retained"] == 0 and after["pins"] == 0
     e.check_integrity()
@@ -61,7 +63,9 @@ def test_2000_requests_with_caching_off_leave_no_tree_nodes(model_dir):
 
 
 def run_sessions(model_dir, data_dir, caching: bool):
-    e = Engine(model_dir, EngineConfig(data_dir=str(data_dir), num_blocks=64, block_size=BLOCK, enable_prefix_caching=caching))
+    e = Engine(
+        model_dir, EngineConfig(data_dir=str(data_dir), num_blocks=64, block_size=BLOCK, enable_prefix_caching=caching)
+    )
     greedy = dict(max_tokens=4, temperature=0.0)
     out = []
     a = e.session(system="You are a helpful assistant.", params=greedy)

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from chatkv.errors import InvalidRequest
 from chatkv.engine.sampling import SamplingParams, make_generator, probabilities, sample
+from chatkv.errors import InvalidRequest
 
 VOCAB = 50
 
@@ -44,9 +44,13 @@ def test_repetition_penalty_is_transformers(seed, penalty):
     logits = logits_for(seed)
     rng = torch.Generator().manual_seed(100 + seed)
     # history with repeats, mixing the best tokens (positive logits) and bad ones (negative)
-    history = torch.argsort(logits, descending=True)[:3].tolist() + torch.randint(0, VOCAB, (12,), generator=rng).tolist()
+    history = (
+        torch.argsort(logits, descending=True)[:3].tolist() + torch.randint(0, VOCAB, (12,), generator=rng).tolist()
+    )
     ref = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([history]), logits[None].clone())[0]
-    assert sample(logits, SamplingParams(temperature=0, repetition_penalty=penalty), history, None) == int(torch.argmax(ref))
+    assert sample(logits, SamplingParams(temperature=0, repetition_penalty=penalty), history, None) == int(
+        torch.argmax(ref)
+    )
     # sampled: the distribution is softmax of transformers' penalised logits
     probs = probabilities(logits, SamplingParams(temperature=1.0, repetition_penalty=penalty), history)
     torch.testing.assert_close(probs, torch.softmax(ref.double(), -1), rtol=1e-5, atol=1e-7)
@@ -101,8 +105,10 @@ def test_top_p_keeps_the_smallest_set_reaching_p(seed, temperature, top_p):
     assert torch.equal(kept, _top_p_mask(logits, temperature, top_p))
 
 
-@pytest.mark.parametrize("scale, temperature, top_p", [(3.0, 0.7, 0.9), (6.0, 1.0, 0.99), (3.0, 1.3, 0.5),
-                                                      (0.3, 1.0, 0.9), (0.05, 2.0, 0.95)])
+@pytest.mark.parametrize(
+    "scale, temperature, top_p",
+    [(3.0, 0.7, 0.9), (6.0, 1.0, 0.99), (3.0, 1.3, 0.5), (0.3, 1.0, 0.9), (0.05, 2.0, 0.95)],
+)
 def test_top_p_at_the_default_models_vocabulary_is_the_full_sorts_nucleus(scale, temperature, top_p):
     """At 49,152 tokens the nucleus is found among the best NUCLEUS_CANDIDATES first (peaked
     logits) or by sorting the whole vocabulary (flat ones: the last two cases): either way the
@@ -174,7 +180,14 @@ def test_temperature_frequencies_follow_softmax(temperature):
 @pytest.mark.parametrize("temperature", [1e-300, 1e-30, 1e-6, 1e6, 1e30, 1e300, 1.7e308, 5e-324])
 @pytest.mark.parametrize(
     "extra",
-    [{}, {"top_k": 3}, {"top_p": 0.5}, {"repetition_penalty": 1e38}, {"repetition_penalty": 1e-300}, {"repetition_penalty": 1.7e308}],
+    [
+        {},
+        {"top_k": 3},
+        {"top_p": 0.5},
+        {"repetition_penalty": 1e38},
+        {"repetition_penalty": 1e-300},
+        {"repetition_penalty": 1.7e308},
+    ],
 )
 def test_extreme_finite_values_give_a_distribution(temperature, extra):
     logits = logits_for(2)

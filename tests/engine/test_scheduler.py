@@ -12,13 +12,13 @@ import itertools
 
 import pytest
 
-from chatkv.kvcache.block_pool import BlockPool
 from chatkv.engine.detokenize import TextStream
-from chatkv.errors import OutOfBlocks
-from chatkv.kvcache.manager import KVManager
 from chatkv.engine.sampling import SamplingParams
 from chatkv.engine.scheduler import Scheduler
 from chatkv.engine.sequence import Status
+from chatkv.errors import OutOfBlocks
+from chatkv.kvcache.block_pool import BlockPool
+from chatkv.kvcache.manager import KVManager
 from tests.support.fakes import FakeTokenizer, make_seq
 
 BS = 4
@@ -34,8 +34,16 @@ class Harness:
         self._ids = itertools.count()
 
     def add(self, tokens, *, max_tokens=100, stop=None, stop_ids=(), retain=False, prefix=None, max_total=10**6):
-        seq = make_seq(tokens, prefix, retain, next(self._ids), params=SamplingParams(max_tokens=max_tokens, stop=list(stop or [])),
-                       stop=stop, stop_ids=stop_ids, max_total=max_total)
+        seq = make_seq(
+            tokens,
+            prefix,
+            retain,
+            next(self._ids),
+            params=SamplingParams(max_tokens=max_tokens, stop=list(stop or [])),
+            stop=stop,
+            stop_ids=stop_ids,
+            max_total=max_total,
+        )
         self.s.add(seq)
         return seq
 
@@ -54,9 +62,7 @@ class Harness:
         self.check()
         for seq, n in plan:
             assert n >= 1 and len(seq.block_table) * BS >= seq.num_computed + n, "plan not covered by blocks"
-        sampled = {
-            seq: (tokens or {}).get(seq, TOKEN) for seq, n in plan if seq.num_computed + n == len(seq.token_ids)
-        }
+        sampled = {seq: (tokens or {}).get(seq, TOKEN) for seq, n in plan if seq.num_computed + n == len(seq.token_ids)}
         finished = self.s.postprocess(plan, sampled)
         self.collect(finished)
         self.check()

@@ -12,19 +12,32 @@ import pytest
 
 from chatkv.config import EngineConfig
 from chatkv.engine.core import Engine
-from chatkv.errors import InvalidRequest
 from chatkv.engine.sampling import SamplingParams
+from chatkv.errors import InvalidRequest
 from tests.support.tiny import make_model
 
 SCHEMAS = [
-    {"type": "object", "properties": {"a": {"type": "integer", "minimum": -50, "maximum": 50},
-                                      "b": {"enum": ["x", "y"]}}, "required": ["a", "b"], "additionalProperties": False},
-    {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 12},
-                                      "sources": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
-                                                  "maxItems": 3}},
-     "required": ["answer", "sources"], "additionalProperties": False},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "number", "minimum": 0, "maximum": 1}},
-     "required": ["ok"], "additionalProperties": False},
+    {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "minimum": -50, "maximum": 50}, "b": {"enum": ["x", "y"]}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "answer": {"type": "string", "maxLength": 12},
+            "sources": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+        },
+        "required": ["answer", "sources"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "number", "minimum": 0, "maximum": 1}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    },
     {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 1, "maxItems": 4},
 ]
 
@@ -43,8 +56,9 @@ def test_json_schema_replies_parse_and_validate(engine):
     for i, schema in enumerate(SCHEMAS):
         for seed in range(3):
             with engine.session() as s:
-                r = s.send("The quick brown fox", SamplingParams(max_tokens=80, temperature=1.0, seed=seed),
-                           json_schema=schema)
+                r = s.send(
+                    "The quick brown fox", SamplingParams(max_tokens=80, temperature=1.0, seed=seed), json_schema=schema
+                )
                 assert r.finish_reason in ("stop", "length")
                 if r.finish_reason == "stop":
                     stopped += 1
@@ -63,8 +77,9 @@ def test_length_first_is_not_parsed(engine):
 
 def test_a_json_object_in_params_is_parsed_too(engine):
     with engine.session() as s:
-        r = s.send("Hello", SamplingParams(max_tokens=60, temperature=0.0, json_object=True), json_schema=None,
-                   tools=None)
+        r = s.send(
+            "Hello", SamplingParams(max_tokens=60, temperature=0.0, json_object=True), json_schema=None, tools=None
+        )
         assert r.parsed is None  # no options: the plain turn, as before
         r = s.send("Hello", SamplingParams(max_tokens=60, temperature=0.0), json_schema={"type": "object"})
         if r.finish_reason == "stop":
@@ -94,8 +109,14 @@ def test_a_batch_mixes_constrained_and_free_session_turns(engine):
         sessions = [engine.session() for _ in range(5)]
         try:
             jobs = [sessions[0].asend("Hello, how are you", free)]
-            jobs += [sessions[i + 1].asend("Key-value caches keep", SamplingParams(max_tokens=80, temperature=1.0, seed=i),
-                                           json_schema=SCHEMAS[i]) for i in range(4)]
+            jobs += [
+                sessions[i + 1].asend(
+                    "Key-value caches keep",
+                    SamplingParams(max_tokens=80, temperature=1.0, seed=i),
+                    json_schema=SCHEMAS[i],
+                )
+                for i in range(4)
+            ]
             return await asyncio.gather(*jobs)
         finally:
             for s in sessions:
@@ -119,12 +140,15 @@ def test_stream_yields_pieces_then_the_parsed_reply(engine):
             jsonschema.validate(reply.parsed, SCHEMAS[0])
 
 
-@pytest.mark.parametrize("kwargs, says", [
-    (dict(json_schema={"type": "array", "uniqueItems": True}), 'Unimplemented keys: ["uniqueItems"]'),
-    (dict(json_schema={"type": "strnig"}), "Invalid type: strnig"),
-    (dict(json_schema=[1]), "json_schema must be a JSON schema object"),
-    (dict(json_schema={"type": "object"}, params=SamplingParams(regex="a+")), "params already carry a constraint"),
-])
+@pytest.mark.parametrize(
+    "kwargs, says",
+    [
+        (dict(json_schema={"type": "array", "uniqueItems": True}), 'Unimplemented keys: ["uniqueItems"]'),
+        (dict(json_schema={"type": "strnig"}), "Invalid type: strnig"),
+        (dict(json_schema=[1]), "json_schema must be a JSON schema object"),
+        (dict(json_schema={"type": "object"}, params=SamplingParams(regex="a+")), "params already carry a constraint"),
+    ],
+)
 def test_bad_schemas_are_invalid_requests_and_store_nothing(engine, kwargs, says):
     params = kwargs.pop("params", SamplingParams(max_tokens=4))
     with engine.session() as s:

@@ -26,9 +26,9 @@ from hypothesis import strategies as st
 
 from chatkv.config import EngineConfig
 from chatkv.engine.core import Engine
+from chatkv.engine.sampling import SamplingParams
 from chatkv.errors import ChatKVError
 from chatkv.outputs import GenerationResult
-from chatkv.engine.sampling import SamplingParams
 from tests.support.tiny import VOCAB, make_model
 
 CONTEXT = 64
@@ -63,25 +63,47 @@ texts = st.one_of(
     st.text(any_char, max_size=20),
     st.text(st.sampled_from("ab \x00\n😀\u202e\ud800"), max_size=12),
 )
-not_text = st.one_of(st.none(), st.integers(), st.binary(max_size=4), st.lists(st.text(max_size=3), max_size=2), st.floats())
+not_text = st.one_of(
+    st.none(), st.integers(), st.binary(max_size=4), st.lists(st.text(max_size=3), max_size=2), st.floats()
+)
 maybe_texts = st.one_of(texts, texts, not_text)
 
 # -- sampling values --------------------------------------------------------------------------
 
-HUGE = [2**70, 2**63, 2**63 - 1, 10**400, -(10**400), 1e308, -1e308, float("inf"), float("-inf"), float("nan"), 5e-324, -5e-324, 1e-308]
+HUGE = [
+    2**70,
+    2**63,
+    2**63 - 1,
+    10**400,
+    -(10**400),
+    1e308,
+    -1e308,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+    5e-324,
+    -5e-324,
+    1e-308,
+]
 WRONG = [None, "1", "0.5", [], [1], {}, True, False, b"1", object()]
-floats_any = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(HUGE + [0, 0.0, -0.0, 1, 1.0, -1]))
+floats_any = st.one_of(
+    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from(HUGE + [0, 0.0, -0.0, 1, 1.0, -1])
+)
 ints_any = st.one_of(st.integers(-3, 8), st.integers(min_value=-(2**80), max_value=2**80), st.sampled_from(HUGE))
 wrong = st.sampled_from(WRONG)
 SMALL_MAX_TOKENS = st.integers(1, 4)
-valid_texts = st.one_of(st.sampled_from([t for t in NASTY if t.strip() and "\ud800" not in t and "\udfff" not in t]),
-                        st.text(min_size=1, max_size=8))
+valid_texts = st.one_of(
+    st.sampled_from([t for t in NASTY if t.strip() and "\ud800" not in t and "\udfff" not in t]),
+    st.text(min_size=1, max_size=8),
+)
 
 # values validate() accepts, extremes included: they must work, not only not crash
 VALID = {
     # 2**70 is valid: the request stops at the (small) context after a few dozen steps
     "max_tokens": st.one_of(SMALL_MAX_TOKENS, SMALL_MAX_TOKENS, SMALL_MAX_TOKENS, st.just(2**70)),
-    "temperature": st.one_of(st.just(0.0), st.floats(0, 5), st.sampled_from([0, 1, 2**70, 1e308, 5e-324, 1e-308, 1e-45])),
+    "temperature": st.one_of(
+        st.just(0.0), st.floats(0, 5), st.sampled_from([0, 1, 2**70, 1e308, 5e-324, 1e-308, 1e-45])
+    ),
     "top_k": st.one_of(st.integers(0, VOCAB + 5), st.sampled_from([1, 2**70, 2**63 - 1])),
     "top_p": st.one_of(st.floats(5e-324, 1.0, exclude_min=False), st.sampled_from([1, 1.0, 5e-324, 1e-308, 0.5])),
     "repetition_penalty": st.one_of(st.floats(0.01, 10), st.sampled_from([1, 1e308, 5e-324, 1e-308, 2**70, 3.4e38])),
@@ -101,9 +123,16 @@ def hostile_values(name: str):
     if name in ("top_k", "seed"):
         return st.one_of(ints_any, floats_any, wrong)
     if name == "stop":
-        return st.one_of(st.lists(texts, min_size=1, max_size=3), texts, wrong, st.lists(st.one_of(st.integers(), st.none()), min_size=1, max_size=2))
+        return st.one_of(
+            st.lists(texts, min_size=1, max_size=3),
+            texts,
+            wrong,
+            st.lists(st.one_of(st.integers(), st.none()), min_size=1, max_size=2),
+        )
     if name == "stop_token_ids":
-        return st.one_of(st.lists(ints_any, min_size=1, max_size=3), st.lists(wrong, min_size=1, max_size=2), wrong, texts)
+        return st.one_of(
+            st.lists(ints_any, min_size=1, max_size=3), st.lists(wrong, min_size=1, max_size=2), wrong, texts
+        )
     if name == "ignore_eos":
         return st.one_of(wrong, st.integers(0, 1))
     raise AssertionError(name)
@@ -138,7 +167,9 @@ def sampling_params(draw):
 
 token_ids = st.one_of(
     st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12),
-    st.lists(st.one_of(st.integers(-3, VOCAB + 3), st.sampled_from([2**70, -(2**70), True, 1.5, "1", None])), max_size=6),
+    st.lists(
+        st.one_of(st.integers(-3, VOCAB + 3), st.sampled_from([2**70, -(2**70), True, 1.5, "1", None])), max_size=6
+    ),
 )
 valid_token_ids = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=12)
 prompts = st.one_of(
@@ -162,11 +193,24 @@ ids = st.one_of(
     st.just("CLOSED"),  # the id of a closed, saved session
 )
 messages = st.one_of(
-    st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]), "content": valid_texts}),
-             min_size=1, max_size=3),
-    st.lists(st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "assistant", "system", "tool"]), maybe_texts),
-                                    "content": maybe_texts}), max_size=3),
-    st.lists(st.dictionaries(st.one_of(st.sampled_from(["role", "content", "name"]), texts), maybe_texts, max_size=3), max_size=2),
+    st.lists(
+        st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]), "content": valid_texts}),
+        min_size=1,
+        max_size=3,
+    ),
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.one_of(st.sampled_from(["user", "assistant", "system", "tool"]), maybe_texts),
+                "content": maybe_texts,
+            }
+        ),
+        max_size=3,
+    ),
+    st.lists(
+        st.dictionaries(st.one_of(st.sampled_from(["role", "content", "name"]), texts), maybe_texts, max_size=3),
+        max_size=2,
+    ),
     not_text,
     texts,
     st.just([]),
@@ -175,18 +219,34 @@ formats = st.one_of(st.sampled_from(["markdown", "json", "html", "", "JSON"]), m
 
 ops = st.one_of(
     st.tuples(st.just("generate"), prompts, st.one_of(sampling_params(), st.lists(sampling_params(), max_size=3))),
-    st.tuples(st.just("session"), st.one_of(st.none(), valid_texts, maybe_texts), st.one_of(st.none(), valid_texts, maybe_texts),
-              st.one_of(st.none(), param_dicts(), param_dicts(), wrong, st.integers())),
-    st.tuples(st.just("send"), st.sampled_from(["main", "system", "new"]), st.one_of(valid_texts, valid_texts, maybe_texts),
-              sampling_params()),
+    st.tuples(
+        st.just("session"),
+        st.one_of(st.none(), valid_texts, maybe_texts),
+        st.one_of(st.none(), valid_texts, maybe_texts),
+        st.one_of(st.none(), param_dicts(), param_dicts(), wrong, st.integers()),
+    ),
+    st.tuples(
+        st.just("send"),
+        st.sampled_from(["main", "system", "new"]),
+        st.one_of(valid_texts, valid_texts, maybe_texts),
+        sampling_params(),
+    ),
     st.tuples(st.just("resume"), ids),
     st.tuples(st.just("rename"), maybe_texts),
     st.tuples(st.just("export"), formats),
     st.tuples(st.just("encode_chat"), messages, st.one_of(st.booleans(), wrong)),
     # conversations as trees: branch calls with hostile ids, text and params
     st.tuples(st.just("regenerate"), st.sampled_from(["main", "system", "new"]), sampling_params()),
-    st.tuples(st.just("edit"), st.one_of(st.just("FIRST"), st.just("REPLY"), message_ids := st.one_of(
-        st.integers(), st.none(), st.floats(), st.booleans(), texts)), st.one_of(valid_texts, maybe_texts), sampling_params()),
+    st.tuples(
+        st.just("edit"),
+        st.one_of(
+            st.just("FIRST"),
+            st.just("REPLY"),
+            message_ids := st.one_of(st.integers(), st.none(), st.floats(), st.booleans(), texts),
+        ),
+        st.one_of(valid_texts, maybe_texts),
+        sampling_params(),
+    ),
     st.tuples(st.just("switch"), st.one_of(st.just("FIRST"), st.just("REPLY"), message_ids)),
     st.tuples(st.just("branches"), st.one_of(st.just("FIRST"), message_ids)),
     st.tuples(st.just("search"), maybe_texts, st.one_of(st.integers(), st.none(), st.floats(), wrong)),
@@ -309,25 +369,35 @@ def run_op(world, op) -> None:
         store = e.session_manager.store
         tree_before, tokens_before = store.message_tree(s.id), list(s.tokens)
         branch = s.messages()
-        pick = {"FIRST": next((m.id for m in branch if m.role == "user"), -1),
-                "REPLY": next((m.id for m in reversed(branch) if m.role == "assistant"), -1)}
+        pick = {
+            "FIRST": next((m.id for m in branch if m.role == "user"), -1),
+            "REPLY": next((m.id for m in reversed(branch) if m.role == "assistant"), -1),
+        }
         target = pick.get(op[1], op[1]) if isinstance(op[1], str) else op[1]
-        call = {"regenerate": lambda: s.regenerate(op[2]), "edit": lambda: s.edit(target, op[2], op[3]),
-                "switch": lambda: s.switch(target), "branches": lambda: s.branches(target)}[kind]
+        call = {
+            "regenerate": lambda: s.regenerate(op[2]),
+            "edit": lambda: s.edit(target, op[2], op[3]),
+            "switch": lambda: s.switch(target),
+            "branches": lambda: s.branches(target),
+        }[kind]
         call.__name__ = kind  # the events name the call
         out, err = chatkv_errors_only(call)
         tree_after = store.message_tree(s.id)
         if err is not None or kind in ("switch", "branches"):
             assert len(tree_after) == len(tree_before), f"{kind} changed the number of messages"
         if err is not None and kind != "switch":
-            assert tree_after == tree_before and s.tokens == tokens_before, f"a {kind} that raised changed the conversation"
+            assert tree_after == tree_before and s.tokens == tokens_before, (
+                f"a {kind} that raised changed the conversation"
+            )
         if err is None and kind in ("regenerate", "edit"):
             assert len(tree_after) == len(tree_before) + (1 if kind == "regenerate" else 2)
             assert s.messages()[-1].content == out.text
         if kind == "regenerate" and op[1] == "new":
             s.close()
     elif kind == "search":
-        out, err = chatkv_errors_only(e.search, op[1], op[2]) if op[2] is not None else chatkv_errors_only(e.search, op[1])
+        out, err = (
+            chatkv_errors_only(e.search, op[1], op[2]) if op[2] is not None else chatkv_errors_only(e.search, op[1])
+        )
         if err is None:
             assert isinstance(out, list) and all(h.conversation_id for h in out)
     elif kind == "encode_chat":
@@ -349,11 +419,21 @@ def run_op(world, op) -> None:
 # raw OverflowError from the sampler; one past float's range raised it from validate()
 @example(batch=[("generate", "Hello", SamplingParams(max_tokens=2, temperature=2**70, repetition_penalty=2**70))])
 @example(batch=[("send", "main", "Hi", SamplingParams(max_tokens=2, temperature=0.0, repetition_penalty=2**70))])
-@example(batch=[("session", None, None, {"max_tokens": 2, "temperature": 10**400}),
-                ("generate", [5, 6, 7], SamplingParams(max_tokens=2, top_p=10**400))])
-@example(batch=[("regenerate", "main", SamplingParams(max_tokens=2, temperature=0.0)),  # the branch calls' success paths
-                ("edit", "FIRST", "Hi again", SamplingParams(max_tokens=2, temperature=0.0)),
-                ("switch", "FIRST"), ("branches", "FIRST"), ("search", "Hello", 5)])
+@example(
+    batch=[
+        ("session", None, None, {"max_tokens": 2, "temperature": 10**400}),
+        ("generate", [5, 6, 7], SamplingParams(max_tokens=2, top_p=10**400)),
+    ]
+)
+@example(
+    batch=[
+        ("regenerate", "main", SamplingParams(max_tokens=2, temperature=0.0)),  # the branch calls' success paths
+        ("edit", "FIRST", "Hi again", SamplingParams(max_tokens=2, temperature=0.0)),
+        ("switch", "FIRST"),
+        ("branches", "FIRST"),
+        ("search", "Hello", 5),
+    ]
+)
 def test_public_sdk_raises_only_chatkv_errors_and_stays_usable(world, batch):
     e: Engine = world["engine"]
     for op in batch:

@@ -40,9 +40,10 @@ def ref(model_dir):
 
 
 def hf_greedy(ref, ids: list[int], n: int) -> list[int]:
-    out = ref.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
-                       pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    out = ref.generate(
+        torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(ids) :].tolist()
 
 
 def random_ids(n: int, seed: int) -> list[int]:
@@ -156,7 +157,9 @@ def test_greedy_is_transformers_greedy_and_speculative_off_over_many_prompts(mod
 
 def test_batched_with_other_requests_each_as_alone(model_dir, ref):
     on = engine(model_dir, "lookup", max_batch_tokens=64)  # prefill chunks share steps with verifications
-    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (40, 7, 33, 1, 25, 40, 12, 30, 2, 40)]
+    params = [
+        SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (40, 7, 33, 1, 25, 40, 12, 30, 2, 40)
+    ]
     results = on.generate(PROMPTS, params)
     for p, sp, r in zip(PROMPTS, params, results):
         assert r.token_ids == hf_greedy(ref, p, sp.max_tokens)
@@ -212,8 +215,9 @@ def test_stop_tokens_strings_max_tokens_and_stream_see_what_plain_decoding_produ
         gen = full.token_ids
         cases = [
             SamplingParams(max_tokens=40, temperature=0, stop_token_ids=[gen[9]], ignore_eos=True),
-            SamplingParams(max_tokens=40, temperature=0, stop=[full.text[12:15]] if len(full.text) > 15 else [],
-                           ignore_eos=True),
+            SamplingParams(
+                max_tokens=40, temperature=0, stop=[full.text[12:15]] if len(full.text) > 15 else [], ignore_eos=True
+            ),
             SamplingParams(max_tokens=11, temperature=0, ignore_eos=True),
             SamplingParams(max_tokens=40, temperature=0),
         ]
@@ -230,9 +234,12 @@ def test_stop_tokens_strings_max_tokens_and_stream_see_what_plain_decoding_produ
 def test_seeded_sampling_gives_the_same_tokens_with_speculation_on_or_off(model_dir):
     on, off = engine(model_dir, "lookup"), engine(model_dir, "off")
     prompts = PROMPTS[5:] * 4
-    params = [SamplingParams(max_tokens=24, temperature=t, top_p=0.9, top_k=40, repetition_penalty=rp, seed=s,
-                             ignore_eos=True)
-              for s, (t, rp) in enumerate([(0.05, 1.0), (0.1, 1.1), (0.2, 1.0), (0.7, 1.3)] * 5)]
+    params = [
+        SamplingParams(
+            max_tokens=24, temperature=t, top_p=0.9, top_k=40, repetition_penalty=rp, seed=s, ignore_eos=True
+        )
+        for s, (t, rp) in enumerate([(0.05, 1.0), (0.1, 1.1), (0.2, 1.0), (0.7, 1.3)] * 5)
+    ]
     a, b = [], []
     for i in range(0, len(prompts), 4):  # batches of 4: a step of 20 decodes is past max_rows, never speculated
         a += on.generate(prompts[i : i + 4], params[i : i + 4])
@@ -267,11 +274,20 @@ def test_kv_integrity_after_every_step_of_a_randomized_run(model_dir, seed):
     bs = 4
     pending = []
     for i in range(14):
-        p = repetitive_ids(rng.randrange(1000)) if rng.random() < 0.7 else random_ids(rng.randrange(2, 40), rng.randrange(1000))
+        p = (
+            repetitive_ids(rng.randrange(1000))
+            if rng.random() < 0.7
+            else random_ids(rng.randrange(2, 40), rng.randrange(1000))
+        )
         sp = SamplingParams(
-            max_tokens=rng.randrange(1, 30), temperature=rng.choice([0.0, 0.0, 0.8, 1.2]), top_k=rng.choice([0, 20]),
-            repetition_penalty=rng.choice([1.0, 1.2]), seed=rng.randrange(1000), stop=rng.choice([[], ["a"], ["the"]]),
-            stop_token_ids=rng.choice([[], [rng.randrange(3, VOCAB)]]), ignore_eos=rng.random() < 0.5,
+            max_tokens=rng.randrange(1, 30),
+            temperature=rng.choice([0.0, 0.0, 0.8, 1.2]),
+            top_k=rng.choice([0, 20]),
+            repetition_penalty=rng.choice([1.0, 1.2]),
+            seed=rng.randrange(1000),
+            stop=rng.choice([[], ["a"], ["the"]]),
+            stop_token_ids=rng.choice([[], [rng.randrange(3, VOCAB)]]),
+            ignore_eos=rng.random() < 0.5,
         )
         pending.append((rng.randrange(0, 20), p, sp))
     seqs, steps = [], 0
@@ -322,9 +338,17 @@ def test_options_are_validated(model_dir):
     assert EngineConfig().speculative == "auto"
 
 
-ROWS = {"type": "array", "minItems": 3, "maxItems": 5, "items": {
-    "type": "object", "properties": {"name": {"enum": ["ab", "cd"]}, "id": {"type": "integer", "minimum": 0, "maximum": 9}},
-    "required": ["name", "id"], "additionalProperties": False}}
+ROWS = {
+    "type": "array",
+    "minItems": 3,
+    "maxItems": 5,
+    "items": {
+        "type": "object",
+        "properties": {"name": {"enum": ["ab", "cd"]}, "id": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["name", "id"],
+        "additionalProperties": False,
+    },
+}
 
 
 def test_constrained_requests_speculate_against_the_mask(model_dir):
@@ -336,12 +360,14 @@ def test_constrained_requests_speculate_against_the_mask(model_dir):
 
     import jsonschema
 
-    quote = 'The quick brown fox jumps over the lazy dog. The quick brown fox'
-    cases = [SamplingParams(max_tokens=80, temperature=0, json_schema=ROWS),
-             SamplingParams(max_tokens=80, temperature=0.8, seed=4, json_schema=ROWS),
-             SamplingParams(max_tokens=40, temperature=0, regex="(ab ){3,6}cd"),
-             SamplingParams(max_tokens=20, temperature=0, choice=["quick brown fox jumps", "lazy dog"]),
-             GREEDY]
+    quote = "The quick brown fox jumps over the lazy dog. The quick brown fox"
+    cases = [
+        SamplingParams(max_tokens=80, temperature=0, json_schema=ROWS),
+        SamplingParams(max_tokens=80, temperature=0.8, seed=4, json_schema=ROWS),
+        SamplingParams(max_tokens=40, temperature=0, regex="(ab ){3,6}cd"),
+        SamplingParams(max_tokens=20, temperature=0, choice=["quick brown fox jumps", "lazy dog"]),
+        GREEDY,
+    ]
     prompts = [quote] * 4 + [PROMPTS[6]]
     runs = {}
     for mode in ("off", "lookup"):
@@ -353,9 +379,13 @@ def test_constrained_requests_speculate_against_the_mask(model_dir):
         assert on.token_ids == off.token_ids and on.finish_reason == off.finish_reason, p
         if p.json_schema is not None and on.finish_reason == "stop":
             jsonschema.validate(json.loads(on.text), ROWS)
-    assert runs["lookup"][2].finish_reason != "stop" or __import__("re").fullmatch("(ab ){3,6}cd", runs["lookup"][2].text)
+    assert runs["lookup"][2].finish_reason != "stop" or __import__("re").fullmatch(
+        "(ab ){3,6}cd", runs["lookup"][2].text
+    )
     constrained = runs["lookup"][:4]
-    assert sum(r.usage.proposed_tokens for r in constrained) > 0 and sum(r.usage.accepted_tokens for r in constrained) > 0
+    assert (
+        sum(r.usage.proposed_tokens for r in constrained) > 0 and sum(r.usage.accepted_tokens for r in constrained) > 0
+    )
     assert all(r.usage.proposed_tokens == 0 for r in runs["off"])
 
 

@@ -15,7 +15,7 @@ import pytest
 from chatkv.config import EngineConfig
 from chatkv.engine.core import Engine
 from chatkv.engine.sampling import SamplingParams
-from chatkv.engine.speculative import LONG_MATCH, MAX_NGRAM, NgramProposer, StepCost, Speculator
+from chatkv.engine.speculative import LONG_MATCH, MAX_NGRAM, NgramProposer, Speculator, StepCost
 
 pytestmark = pytest.mark.tiny_model("llama", seed=11)
 

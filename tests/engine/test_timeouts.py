@@ -15,8 +15,8 @@ import pytest
 
 from chatkv import Engine, InvalidRequest
 from chatkv.config import EngineConfig
-from chatkv.errors import check_timeout
 from chatkv.engine.sampling import SamplingParams
+from chatkv.errors import check_timeout
 
 pytestmark = pytest.mark.tiny_model("llama", seed=3)
 
@@ -29,8 +29,18 @@ def test_bad_timeouts_are_refused_by_name(value):
         check_timeout(value)
 
 
-@pytest.mark.parametrize("value,seconds", [(None, None), (0, 0.0), (2.5, 2.5), (float("inf"), None),
-                                           (1e300, None), (10**400, None), (threading.TIMEOUT_MAX, threading.TIMEOUT_MAX)])
+@pytest.mark.parametrize(
+    "value,seconds",
+    [
+        (None, None),
+        (0, 0.0),
+        (2.5, 2.5),
+        (float("inf"), None),
+        (1e300, None),
+        (10**400, None),
+        (threading.TIMEOUT_MAX, threading.TIMEOUT_MAX),
+    ],
+)
 def test_good_timeouts(value, seconds):
     assert check_timeout(value) == seconds
 

@@ -170,8 +170,9 @@ def test_exact_decode_rows_equal_lone_decodes_bit_for_bit(dtype, first, other):
     meta = build_metadata(tables, [1] * len(lens), lens, bs, exact=exact)
     out = paged_attention(q, k_cache, v_cache, meta, 1 / math.sqrt(d))
     for i in range(6):
-        alone = paged_attention(q[i : i + 1], k_cache, v_cache, build_metadata([tables[i]], [1], [lens[i]], bs),
-                                1 / math.sqrt(d))
+        alone = paged_attention(
+            q[i : i + 1], k_cache, v_cache, build_metadata([tables[i]], [1], [lens[i]], bs), 1 / math.sqrt(d)
+        )
         assert torch.equal(out[i], alone[0]), i
     padded = paged_attention(q, k_cache, v_cache, build_metadata(tables, [1] * len(lens), lens, bs), 1 / math.sqrt(d))
     torch.testing.assert_close(out, padded, atol=5e-3, rtol=0)  # the same attention, up to rounding
@@ -186,8 +187,9 @@ def test_queries_at_given_positions_see_what_a_causal_prefill_there_would(block_
     an ordinary prefill chunk and a decode."""
     heads, kv_heads, d = 4, 2, 8
     specs = [(30, 0), (11, 6), (20, 1)]  # the first: 30 tokens, all stored, 6 of them recomputed
-    q, k_cache, v_cache, tables, _, _, _, _, truth_k, truth_v = make_case(7 + block_size, block_size, specs, heads,
-                                                                        kv_heads, d)
+    q, k_cache, v_cache, tables, _, _, _, _, truth_k, truth_v = make_case(
+        7 + block_size, block_size, specs, heads, kv_heads, d
+    )
     at = [2, 3, 9, 17, 18, 25]  # its context ends after 25: keys 26-29 are never read
     for t in at:  # the stored rows there are stale: the step writes them again
         k_cache[tables[0][t // block_size], t % block_size] = GARBAGE

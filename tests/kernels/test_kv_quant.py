@@ -56,7 +56,9 @@ def test_layout_round_trip_bounds_and_requantise(quant):
     err = (x - dq).abs()
     if quant == "int8":
         assert (err <= (0.5 + 2**-16) * s[:, None]).all()
-        assert torch.equal(r[..., :64].view(torch.int8).abs().amax(-1), torch.full((x.shape[0],), 127, dtype=torch.int8))
+        assert torch.equal(
+            r[..., :64].view(torch.int8).abs().amax(-1), torch.full((x.shape[0],), 127, dtype=torch.int8)
+        )
     else:
         assert (err <= 2**-4 * x.abs() + 2**-10 * s[:, None]).all()
     assert torch.equal(kv_quant.quantize(dq, quant), r)  # requantising loses nothing more
@@ -114,7 +116,9 @@ def test_bad_format_and_head_dim():
 
 
 def quantised_step(quant, block_size, heads=8, kv_heads=2, d=64, window=None, seed=0):
-    q, kc, vc, tables, qlens, ctxs, new_k, new_v, _, _ = make_case(seed + block_size, block_size, MIXED, heads, kv_heads, d)
+    q, kc, vc, tables, qlens, ctxs, new_k, new_v, _, _ = make_case(
+        seed + block_size, block_size, MIXED, heads, kv_heads, d
+    )
     meta = build_metadata(tables, qlens, ctxs, block_size, sliding_window=window)
     float_k, float_v = kc.clone(), vc.clone()
     store_kv(float_k, float_v, meta.slot_mapping, new_k, new_v)

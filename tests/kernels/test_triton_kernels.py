@@ -24,8 +24,14 @@ def test_triton_kernel_cases_pass_in_their_own_process():
     env = dict(os.environ)
     if not torch.cuda.is_available():
         env["TRITON_INTERPRET"] = "1"
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/support/triton_kernel_cases.py"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/support/triton_kernel_cases.py"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     tail = out.stdout[-4000:] + out.stderr[-2000:]
     assert out.returncode == 0, tail
     summary = out.stdout.strip().splitlines()[-1]

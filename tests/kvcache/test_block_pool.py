@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from chatkv.kvcache.block_pool import BlockPool
 from chatkv.errors import OutOfBlocks
+from chatkv.kvcache.block_pool import BlockPool
 
 L, H, D = 2, 2, 3  # a small real layout: layers, kv heads, head dim
 
@@ -178,7 +178,9 @@ def test_write_from_mid_block_into_shuffled_blocks():
     rest_k, rest_v = rand_kv(14, 2)
     pool.write(blocks, 3, rest_k, rest_v)  # tokens 3..16: starts mid block 0, crosses four boundaries
     got = pool.read(blocks, 17)
-    assert_kv_equal(got, [torch.cat([a, b]) for a, b in zip(first_k, rest_k)], [torch.cat([a, b]) for a, b in zip(first_v, rest_v)])
+    assert_kv_equal(
+        got, [torch.cat([a, b]) for a, b in zip(first_k, rest_k)], [torch.cat([a, b]) for a, b in zip(first_v, rest_v)]
+    )
     # each token sits at block * bs + offset of the raw tensor: the layout read() promises to hide
     for t in range(17):
         b, off = blocks[t // bs], t % bs

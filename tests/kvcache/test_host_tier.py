@@ -21,14 +21,14 @@ import pytest
 import torch
 
 from chatkv import InvalidRequest
-from chatkv.kvcache.block_pool import BlockPool
 from chatkv.config import EngineConfig
 from chatkv.engine.core import Engine
+from chatkv.engine.sampling import SamplingParams
 from chatkv.errors import OutOfBlocks
+from chatkv.kvcache.block_pool import BlockPool
 from chatkv.kvcache.host_pool import HostPool
 from chatkv.kvcache.manager import KVManager
 from chatkv.outputs import Usage
-from chatkv.engine.sampling import SamplingParams
 from tests.kvcache.test_kv_manager import assert_holds_its_kv, compute, expected, make_seq
 from tests.support.tiny import VOCAB, make_model
 
@@ -211,7 +211,14 @@ def test_offload_without_a_host_tier_is_drop():
     _, kept = run_to_end(kv, B, retain=True)
     assert kv.offload(kept) == 1  # only the tail
     assert kv.cache.match(NS, B).num_tokens == 8 and kv.stats().keys() == {
-        "blocks_total", "blocks_free", "blocks_cached", "blocks_evictable", "tree_nodes", "pins", "retained"}
+        "blocks_total",
+        "blocks_free",
+        "blocks_cached",
+        "blocks_evictable",
+        "tree_nodes",
+        "pins",
+        "retained",
+    }
     kv.check_integrity([], [])
 
 
@@ -389,8 +396,6 @@ def test_random_stress_keeps_integrity_and_the_kv_of_every_owner():
     assert all(totals.values()), totals  # every tier move happened
 
 
-
-
 # -- engines on a tiny model ---------------------------------------------------------------------
 
 
@@ -472,14 +477,17 @@ def test_engine_stress_with_shared_prefixes_keeps_integrity_and_outputs(model):
     tier: integrity after every step, and the same tokens as an engine without prefix caching."""
     _, d = model
     bs = 8
-    e = Engine(d, EngineConfig(num_blocks=10, block_size=bs, max_batch_tokens=48,
-                               host_cache_bytes=8 * per_block_bytes(d, bs)))
+    e = Engine(
+        d, EngineConfig(num_blocks=10, block_size=bs, max_batch_tokens=48, host_cache_bytes=8 * per_block_bytes(d, bs))
+    )
     plain = Engine(d, EngineConfig(num_blocks=64, block_size=bs, enable_prefix_caching=False))
     rng = random.Random(0)
     stems = [ids(40, 10 + i) for i in range(3)]
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     for _ in range(5):
-        prompts = [rng.choice(stems)[: rng.randint(8, 40)] + ids(rng.randint(1, 9), rng.randint(0, 99)) for _ in range(4)]
+        prompts = [
+            rng.choice(stems)[: rng.randint(8, 40)] + ids(rng.randint(1, 9), rng.randint(0, 99)) for _ in range(4)
+        ]
         seqs = [e.add_request(p, params) for p in prompts]
         while not all(s.finished for s in seqs):
             e.step()
@@ -498,8 +506,12 @@ def test_sessions_under_pressure_go_device_then_host_then_disk(model, tmp_path):
     a chat still on host is copied back from there."""
     ref, d = model
     bs = 8
-    e = Engine(d, EngineConfig(data_dir=str(tmp_path), num_blocks=20, block_size=bs,
-                               host_cache_bytes=16 * per_block_bytes(d, bs)))
+    e = Engine(
+        d,
+        EngineConfig(
+            data_dir=str(tmp_path), num_blocks=20, block_size=bs, host_cache_bytes=16 * per_block_bytes(d, bs)
+        ),
+    )
     greedy = dict(max_tokens=4, temperature=0.0)
     sessions = [e.session(params=greedy) for _ in range(5)]
     words = "the quick brown fox jumps over the lazy dog what is the capital of France Paris is".split()

@@ -29,10 +29,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from chatkv import InvalidRequest
 from chatkv.config import EngineConfig
 from chatkv.engine.core import Engine
-from chatkv.kernels import kv_quant
-from chatkv.model.forward import LlamaModel
 from chatkv.engine.model_runner import ModelRunner, kv_format
 from chatkv.engine.sampling import SamplingParams
+from chatkv.kernels import kv_quant
+from chatkv.model.forward import LlamaModel
 from tests.model.test_model_equivalence import Runner, tokens
 from tests.support.tiny import make_model
 
@@ -50,6 +50,7 @@ def stored(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
 
 
 for _name in KV_DTYPES:
+
     def _attention(module, query, key, value, attention_mask, _kv=_name, **kw):
         return sdpa_attention_forward(module, query, stored(key, _kv), stored(value, _kv), attention_mask, **kw)
 
@@ -60,8 +61,16 @@ for _name in KV_DTYPES:
 def pair(tmp_path_factory):
     d = tmp_path_factory.mktemp("llama")
     # head_dim 32, 4 query heads over 2 KV heads: GQA
-    ref = make_model(d, "llama", seed=3, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-                     intermediate_size=256, num_hidden_layers=2)
+    ref = make_model(
+        d,
+        "llama",
+        seed=3,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        num_hidden_layers=2,
+    )
     return ref, LlamaModel.from_pretrained(d, dtype=torch.float32), d
 
 
@@ -136,7 +145,9 @@ def test_pool_bytes_per_token(pair):
     assert per["bf16"].bytes_per_token == 2 * layers * heads * d * 2
     assert per["int8"].bytes_per_token == per["fp8"].bytes_per_token == 2 * layers * heads * (d + 4)
     # the byte budget buys more blocks
-    big = {k: ModelRunner(model, EngineConfig(kv_cache_bytes=2**20, kv_dtype=k)).pool.num_blocks for k in ["bf16", "int8"]}
+    big = {
+        k: ModelRunner(model, EngineConfig(kv_cache_bytes=2**20, kv_dtype=k)).pool.num_blocks for k in ["bf16", "int8"]
+    }
     assert big["int8"] >= (2 * d) // (d + 4) * big["bf16"] - 1 and big["int8"] > 1.7 * big["bf16"]
 
 
@@ -174,15 +185,29 @@ def test_shifted_quantised_keys_stay_within_one_step(pair):
 # -- sessions ---------------------------------------------------------------------
 
 GREEDY = dict(max_tokens=6, temperature=0.0)
-QUESTIONS = ["Hello, how are you today?", "What is the capital of France?", "The quick brown fox jumps.",
-             "Key-value caches keep attention state."]
+QUESTIONS = [
+    "Hello, how are you today?",
+    "What is the capital of France?",
+    "The quick brown fox jumps.",
+    "Key-value caches keep attention state.",
+]
 
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
     d = tmp_path_factory.mktemp("chat")
-    make_model(d, "llama", seed=7, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-               num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096)
+    make_model(
+        d,
+        "llama",
+        seed=7,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=4096,
+    )
     return d
 
 
@@ -272,9 +297,15 @@ def test_batched_and_preempted_generation_equals_the_oracle_greedy(pair, kv_dtyp
     ref.config._attn_implementation = f"chatkv_kv_{kv_dtype}"
     try:
         for p, r in zip(prompts, results):
-            out = ref.generate(torch.tensor([p]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
-                               eos_token_id=None, pad_token_id=0)
-            assert r.token_ids == out[0, len(p):].tolist()
+            out = ref.generate(
+                torch.tensor([p]),
+                max_new_tokens=24,
+                min_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+            assert r.token_ids == out[0, len(p) :].tolist()
     finally:
         ref.config._attn_implementation = "sdpa"
     engine.check_integrity()

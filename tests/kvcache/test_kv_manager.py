@@ -15,10 +15,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, precondition, rule
 
-from chatkv.kvcache.block_pool import BlockPool
-from chatkv.errors import OutOfBlocks
-from chatkv.kvcache.manager import KVManager, RetainedKV
 from chatkv.engine.sequence import Sequence
+from chatkv.errors import OutOfBlocks
+from chatkv.kvcache.block_pool import BlockPool
+from chatkv.kvcache.manager import KVManager, RetainedKV
 from tests.support.fakes import make_seq
 
 BS = 4
@@ -550,8 +550,13 @@ def test_no_prefix_cache_never_caches_and_returns_every_block():
     assert kv.cache.nodes() == [] and kv.cache.cached_blocks == 0
     assert kv.pin(A) is None
     assert kv.stats() == {
-        "blocks_total": 8, "blocks_free": 8, "blocks_cached": 0, "blocks_evictable": 0,
-        "tree_nodes": 0, "pins": 0, "retained": 0,
+        "blocks_total": 8,
+        "blocks_free": 8,
+        "blocks_cached": 0,
+        "blocks_evictable": 0,
+        "tree_nodes": 0,
+        "pins": 0,
+        "retained": 0,
     }
 
 

@@ -42,10 +42,13 @@ def gate(tmp_path_factory, default_model_dir):
     torch.set_num_threads(2)
     try:
         model_dir = default_model_dir  # converted once for the run (conftest)
-        engine = Engine(model_dir, EngineConfig(data_dir=str(tmp_path_factory.mktemp("data")), num_blocks=8,
-                                                host_cache_bytes=0))
+        engine = Engine(
+            model_dir, EngineConfig(data_dir=str(tmp_path_factory.mktemp("data")), num_blocks=8, host_cache_bytes=0)
+        )
         with torch.inference_mode():
-            return kv_quality.run_gate(engine.model, engine.tokenizer, ["bf16", "int8", "fp8"], **CI, log=lambda *a: None)
+            return kv_quality.run_gate(
+                engine.model, engine.tokenizer, ["bf16", "int8", "fp8"], **CI, log=lambda *a: None
+            )
     finally:
         torch.set_num_threads(before)
 

@@ -13,14 +13,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from chatkv.model import fused_decode
-from chatkv.model import self_check as weight_check
 from chatkv.kernels import build_metadata, cpu_decode
 from chatkv.kernels.attention import paged_attention, store_kv
+from chatkv.model import fused_decode
+from chatkv.model import self_check as weight_check
 from chatkv.model.forward import LlamaModel
 from chatkv.weights import load_tokenizer
 
-pytestmark = pytest.mark.skipif(not fused_decode.kernels_available(), reason="no C compiler here: the torch ops run instead")
+pytestmark = pytest.mark.skipif(
+    not fused_decode.kernels_available(), reason="no C compiler here: the torch ops run instead"
+)
 
 BF16_REL = 2.0**-8  # one bfloat16 step, relative
 
@@ -47,8 +49,9 @@ def model(model_dir):
 @pytest.fixture(scope="module")
 def france(model_dir):
     tok = load_tokenizer(model_dir)
-    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                  add_generation_prompt=True, tokenize=True)
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True
+    )
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -89,7 +92,9 @@ def test_add_rms_is_float64_rmsnorm_rounded_once_at_real_activations(model, acti
         cpu_decode.add_rms(h, y, weight, out, model.eps)
         summed = x + y.float()  # the residual addition, in float32 as the model's h.add_(y)
         assert torch.equal(h, summed)
-        exact = summed.double() / torch.sqrt(summed.double().pow(2).mean(-1, keepdim=True) + model.eps) * weight.double()
+        exact = (
+            summed.double() / torch.sqrt(summed.double().pow(2).mean(-1, keepdim=True) + model.eps) * weight.double()
+        )
         want = exact.float().to(torch.bfloat16)
         off = out.double() != want.double()
         # rounded once from float64's value: at most a tie's other side, at most one step
@@ -118,8 +123,9 @@ def test_silu_mul_is_torchs_bf16_silu_times_u():
     gu = (torch.randn(3, 2 * 1536, generator=g) * 6).to(torch.bfloat16)
     gu[0, :8] = torch.tensor([0.0, -0.0, 80.0, -80.0, 1e-30, -1e-30, 3.0, -3.0])
     # the vectorised exp's edges: its clamps at -87.3 and 88.8, overflow, infinities and NaN
-    gu[1, :12] = torch.tensor([88.5, -88.5, 89.0, -89.0, 100.0, -100.0, 1e4, -1e4, float("inf"), -float("inf"),
-                               float("nan"), 87.0])
+    gu[1, :12] = torch.tensor(
+        [88.5, -88.5, 89.0, -89.0, 100.0, -100.0, 1e4, -1e4, float("inf"), -float("inf"), float("nan"), 87.0]
+    )
     out = torch.empty(3, 1536, dtype=torch.bfloat16)
     cpu_decode.silu_mul(gu, out)
     gate, up = gu.chunk(2, dim=-1)
@@ -159,25 +165,40 @@ def test_decode_attention_is_the_torch_path(model, ctx):
     cos, sin = table.index_select(0, positions)[:, 0:1], table.index_select(0, positions)[:, 1:2]
     qk = model.rotate(x[:, : nh + nkv], cos, sin)
     k_ref, v_ref = k_pool.clone(), v_pool.clone()
-    store_kv(k_ref, v_ref, meta.slot_mapping, qk[:, nh:], x[:, nh + nkv:])
+    store_kv(k_ref, v_ref, meta.slot_mapping, qk[:, nh:], x[:, nh + nkv :])
     o_ref = paged_attention(qk[:, :nh].contiguous(), k_ref, v_ref, meta, model.scale).reshape(rows, nh * d)
 
     blocks = torch.tensor([tb for tb in tables])
     k_got, v_got = k_pool.clone(), v_pool.clone()
     out = torch.empty(rows, nh * d, dtype=torch.bfloat16)
-    scratch = (torch.empty(rows, nh * d, dtype=torch.bfloat16), cpu_decode.attention_scratch(rows, nh, nkv, d, max(ctx)))
+    scratch = (
+        torch.empty(rows, nh * d, dtype=torch.bfloat16),
+        cpu_decode.attention_scratch(rows, nh, nkv, d, max(ctx)),
+    )
     before = torch.get_num_threads()
     threaded = torch.empty_like(out)
     try:
         torch.set_num_threads(1)
-        cpu_decode.decode_attention(qkv, table, positions, k_got, v_got, slots, blocks, torch.tensor(ctx), nh, nkv,
-                                    model.scale, out, scratch)
+        cpu_decode.decode_attention(
+            qkv, table, positions, k_got, v_got, slots, blocks, torch.tensor(ctx), nh, nkv, model.scale, out, scratch
+        )
         # the (row, kv head, segment) items split over threads: the same bits on any thread count
         torch.set_num_threads(2)
-        cpu_decode.decode_attention(qkv, table, positions, k_pool.clone(), v_pool.clone(), slots, blocks,
-                                    torch.tensor(ctx), nh, nkv, model.scale, threaded,
-                                    (torch.empty(rows, nh * d, dtype=torch.bfloat16),
-                                     cpu_decode.attention_scratch(rows, nh, nkv, d, max(ctx))))
+        cpu_decode.decode_attention(
+            qkv,
+            table,
+            positions,
+            k_pool.clone(),
+            v_pool.clone(),
+            slots,
+            blocks,
+            torch.tensor(ctx),
+            nh,
+            nkv,
+            model.scale,
+            threaded,
+            (torch.empty(rows, nh * d, dtype=torch.bfloat16), cpu_decode.attention_scratch(rows, nh, nkv, d, max(ctx))),
+        )
     finally:
         torch.set_num_threads(before)  # the rest of the run keeps its threads, even after a failure
     assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
@@ -217,11 +238,24 @@ def test_a_verifications_rows_are_their_lone_decodes_bits(model, blocked, start)
     def call(r0: int, r1: int, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         n = r1 - r0
         out = torch.empty(n, nh * d, dtype=torch.bfloat16)
-        cpu_decode.decode_attention(qkv[r0:r1].contiguous(), model._cos_sin, positions[r0:r1].contiguous(), k, v,
-                                    slots[r0:r1].contiguous(), torch.tensor([table] * n), torch.tensor(ctx[r0:r1]),
-                                    nh, nkv, model.scale, out,
-                                    (torch.empty(n, nh * d, dtype=torch.bfloat16),
-                                     cpu_decode.attention_scratch(n, nh, nkv, d, max(ctx[r0:r1]))))
+        cpu_decode.decode_attention(
+            qkv[r0:r1].contiguous(),
+            model._cos_sin,
+            positions[r0:r1].contiguous(),
+            k,
+            v,
+            slots[r0:r1].contiguous(),
+            torch.tensor([table] * n),
+            torch.tensor(ctx[r0:r1]),
+            nh,
+            nkv,
+            model.scale,
+            out,
+            (
+                torch.empty(n, nh * d, dtype=torch.bfloat16),
+                cpu_decode.attention_scratch(n, nh, nkv, d, max(ctx[r0:r1])),
+            ),
+        )
         return out
 
     before_path, before_threads = cpu_decode.attention_blocked(blocked), torch.get_num_threads()
@@ -234,7 +268,9 @@ def test_a_verifications_rows_are_their_lone_decodes_bits(model, blocked, start)
             kl, vl = k0.clone(), v0.clone()
             alone = torch.cat([call(r, r + 1, kl, vl) for r in range(rows)])
             assert torch.equal(k, kl) and torch.equal(v, vl)
-            assert torch.equal(together, alone), f"rows differ from their lone decodes: {(together != alone).any(1).tolist()}"
+            assert torch.equal(together, alone), (
+                f"rows differ from their lone decodes: {(together != alone).any(1).tolist()}"
+            )
             results.append(together)
         assert torch.equal(results[0], results[1])
         cpu_decode.attention_blocked(not blocked)
@@ -244,8 +280,16 @@ def test_a_verifications_rows_are_their_lone_decodes_bits(model, blocked, start)
         torch.set_num_threads(before_threads)
     tol = 2 * BF16_REL * results[0].double().abs().max()
     assert float((results[0].double() - other.double()).abs().max()) <= tol
-    q = torch.stack([model.rotate(qkv[r].view(1, nh + 2 * nkv, d)[:, :nh], model._cos_sin[positions[r], 0:1].unsqueeze(0),
-                                   model._cos_sin[positions[r], 1:2].unsqueeze(0))[0] for r in range(rows)]).double()
+    q = torch.stack(
+        [
+            model.rotate(
+                qkv[r].view(1, nh + 2 * nkv, d)[:, :nh],
+                model._cos_sin[positions[r], 0:1].unsqueeze(0),
+                model._cos_sin[positions[r], 1:2].unsqueeze(0),
+            )[0]
+            for r in range(rows)
+        ]
+    ).double()
     for r in range(rows):
         sl = torch.tensor([table[j // bs] * bs + j % bs for j in range(ctx[r])])
         kk = k.view(-1, nkv, d)[sl].double().repeat_interleave(nh // nkv, dim=1)
@@ -279,13 +323,21 @@ def test_mixed_steps_take_the_torch_ops(model, france):
     runner = ModelRunner(model, EngineConfig(block_size=16, num_blocks=8, enable_prefix_caching=False))
     table = runner.pool.allocate(4)
     batch = runner.build_batch([BatchItem(france[:20], 0, table, "last")])
-    assert fused_decode.forward(model, batch.input_ids, batch.positions, runner.pool.kv, batch.metas,
-                                batch.logits_rows, None) is None
+    assert (
+        fused_decode.forward(
+            model, batch.input_ids, batch.positions, runner.pool.kv, batch.metas, batch.logits_rows, None
+        )
+        is None
+    )
     one = runner.build_batch([BatchItem(france[20:21], 20, table, "last")])
-    assert fused_decode.forward(model, one.input_ids, one.positions, runner.pool.kv, one.metas,
-                                one.logits_rows, None) is not None
-    assert fused_decode.forward(model, one.input_ids, one.positions, runner.pool.kv, one.metas,
-                                one.logits_rows, "int8") is None  # quantised KV: torch's
+    assert (
+        fused_decode.forward(model, one.input_ids, one.positions, runner.pool.kv, one.metas, one.logits_rows, None)
+        is not None
+    )
+    assert (
+        fused_decode.forward(model, one.input_ids, one.positions, runner.pool.kv, one.metas, one.logits_rows, "int8")
+        is None
+    )  # quantised KV: torch's
 
 
 def test_a_wrong_fused_op_fails_the_weight_self_check(model, model_dir, france, monkeypatch):
@@ -316,9 +368,21 @@ def test_a_block_outside_the_pool_is_an_error_not_a_stray_write(model):
     kv = torch.zeros(model.num_layers, 2, 4, 16, model.num_kv_heads, model.head_dim, dtype=torch.bfloat16)
     model.rope(torch.tensor([40]))
     h = torch.zeros(1, model.config.hidden_size)
-    args = dict(h=h, table=model._cos_sin, positions=torch.tensor([20]), slots=torch.tensor([20]), ctx=torch.tensor([21]),
-                max_ctx=21, kv=kv, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads, head_dim=model.head_dim,
-                intermediate=1536, scale=model.scale, eps=model.eps)
+    args = dict(
+        h=h,
+        table=model._cos_sin,
+        positions=torch.tensor([20]),
+        slots=torch.tensor([20]),
+        ctx=torch.tensor([21]),
+        max_ctx=21,
+        kv=kv,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        intermediate=1536,
+        scale=model.scale,
+        eps=model.eps,
+    )
     cpu_decode.DecodeStep(blocks=torch.tensor([[0, 1]]), **args)  # inside: fine
     with pytest.raises(ValueError, match="outside the pool"):
         cpu_decode.DecodeStep(blocks=torch.tensor([[0, 9]]), **args)

@@ -14,16 +14,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from chatkv.model import fused_decode
-from chatkv.weights import quantised as quant
-from chatkv.model import self_check as weight_check
 from chatkv.kernels import cpu_decode
+from chatkv.model import fused_decode
+from chatkv.model import self_check as weight_check
 from chatkv.model.forward import LlamaModel
-from chatkv.weights.quantised import GROUP, Int4Linear, Int8Linear, quantize_int4, quantize_int8, unpack_int4pack
 from chatkv.weights import load_tokenizer
+from chatkv.weights import quantised as quant
+from chatkv.weights.quantised import GROUP, Int4Linear, Int8Linear, quantize_int4, quantize_int8, unpack_int4pack
 
-native = pytest.mark.skipif(not (fused_decode.kernels_available() and cpu_decode.int4_mm_native()),
-                            reason="no AVX512-BF16/VBMI here: torch's int4/int8 kernels run (last test)")
+native = pytest.mark.skipif(
+    not (fused_decode.kernels_available() and cpu_decode.int4_mm_native()),
+    reason="no AVX512-BF16/VBMI here: torch's int4/int8 kernels run (last test)",
+)
 
 
 @pytest.fixture
@@ -61,10 +63,18 @@ def seen(model, default_model_dir):
     """Every projection's (and the output matrix's) real one-row inputs, decoding a chat prompt a
     token a step: ``[(linear, [tokens, K])]`` for all 30 layers and the output matrix."""
     tok = load_tokenizer(default_model_dir)
-    ids = tok.apply_chat_template([{"role": "system", "content": "You are a helpful assistant."},
-                                   {"role": "user", "content": "What is the capital of France? Answer in one line, "
-                                    "then write a short story about a lighthouse keeper."}],
-                                  add_generation_prompt=True, tokenize=True)
+    ids = tok.apply_chat_template(
+        [
+            {"role": "system", "content": "You are a helpful assistant."},
+            {
+                "role": "user",
+                "content": "What is the capital of France? Answer in one line, "
+                "then write a short story about a lighthouse keeper.",
+            },
+        ],
+        add_generation_prompt=True,
+        tokenize=True,
+    )
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
     got: dict[int, tuple[object, list[torch.Tensor]]] = {}
     real4, real8 = Int4Linear.__call__, Int8Linear.__call__
@@ -74,6 +84,7 @@ def seen(model, default_model_dir):
             if x.shape[0] == 1:
                 got.setdefault(id(self), (self, []))[1].append(x.clone())
             return real(self, x)
+
         return call
 
     Int4Linear.__call__, Int8Linear.__call__ = spy(real4), spy(real8)
@@ -114,8 +125,11 @@ def torch_kernel(lin, x: torch.Tensor) -> torch.Tensor:
 
 
 def native_call(lin):
-    return cpu_decode.int4_mm_call(lin.packed, lin.scales_zeros) if isinstance(lin, Int4Linear) \
+    return (
+        cpu_decode.int4_mm_call(lin.packed, lin.scales_zeros)
+        if isinstance(lin, Int4Linear)
         else cpu_decode.int8_mm_call(lin.codes, lin.scales)
+    )
 
 
 @native
@@ -168,7 +182,11 @@ def test_every_layers_rows_are_their_one_row_steps_bits(seen, kernel):
         one = torch.cat([call(x[r : r + 1].contiguous()) for r in range(x.shape[0])])
         for start in range(0, x.shape[0], 16):
             part = x[start : start + 16].contiguous()
-            assert torch.equal(call(part), one[start : start + part.shape[0]]), (type(lin).__name__, lin.out_features, start)
+            assert torch.equal(call(part), one[start : start + part.shape[0]]), (
+                type(lin).__name__,
+                lin.out_features,
+                start,
+            )
 
 
 @native
@@ -279,8 +297,13 @@ def test_amx_is_the_process_choice_for_every_row_count(inputs, tiles):
             cpu_decode.amx(True)
     code = "from chatkv.model import fused_decode; from chatkv.kernels import cpu_decode; fused_decode.kernels_available(); print(cpu_decode.amx())"
     for env, want in (("0", "False"), ("1", "True")):
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                             env={**os.environ, "CHATKV_AMX": env})
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "CHATKV_AMX": env},
+        )
         assert out.stdout.strip().splitlines()[-1] == want, (env, out.stdout, out.stderr[-500:])
 
 
@@ -295,11 +318,15 @@ def test_greedy_speculation_on_the_default_model_is_offs_token_for_token(default
     from chatkv.engine.core import Engine
     from chatkv.engine.sampling import SamplingParams
 
-    doc = ("Items may be returned within 30 days of delivery for a full refund, provided they are unused and in "
-           "their original packaging. Refunds are issued to the original payment method within 5 business days.")
+    doc = (
+        "Items may be returned within 30 days of delivery for a full refund, provided they are unused and in "
+        "their original packaging. Refunds are issued to the original payment method within 5 business days."
+    )
     chats = [
-        [{"role": "system", "content": f"Answer from this document only, quoting it.\n\n{doc}"},
-         {"role": "user", "content": "How do I return an item and when do I get my refund?"}],
+        [
+            {"role": "system", "content": f"Answer from this document only, quoting it.\n\n{doc}"},
+            {"role": "user", "content": "How do I return an item and when do I get my refund?"},
+        ],
         [{"role": "user", "content": "Write a short story about a lighthouse keeper who finds a message in a bottle."}],
     ]
     params = SamplingParams(max_tokens=80, temperature=0)

@@ -13,10 +13,10 @@ import time
 import pytest
 import torch
 
-from chatkv.model import cpu_threads
 from chatkv.config import EngineConfig
-from chatkv.model.cpu_threads import ThreadGovernor, allowed_cores, free_cores
 from chatkv.errors import InvalidRequest
+from chatkv.model import cpu_threads
+from chatkv.model.cpu_threads import ThreadGovernor, allowed_cores, free_cores
 
 
 def governor(allowed: int) -> ThreadGovernor:
@@ -58,8 +58,10 @@ def test_the_threads_option_is_validated():
 
 
 def spin(n: int) -> list[subprocess.Popen]:
-    return [subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 60\nwhile time.time() < end: pass"])
-            for _ in range(n)]
+    return [
+        subprocess.Popen([sys.executable, "-c", "import time\nend = time.time() + 60\nwhile time.time() < end: pass"])
+        for _ in range(n)
+    ]
 
 
 def looks(g: ThreadGovernor, n: int) -> list[int]:

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from chatkv.config import EngineConfig
-from chatkv.model.forward import LlamaModel
 from chatkv.engine.model_runner import BatchItem, ModelRunner
+from chatkv.model.forward import LlamaModel
 from tests.support.tiny import VOCAB, make_model
 
 TOL = 1e-4

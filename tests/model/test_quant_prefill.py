@@ -24,11 +24,21 @@ import torch
 
 from chatkv.model import prefill as quant_prefill
 from chatkv.model.forward import Linear, LlamaModel
-from chatkv.weights.quantised import Int4Linear, Int8Linear, int4pack_block, pack_int4, quantize_int4, quantize_int8, unpack_int4pack
 from chatkv.model.prefill import Scratch, ScratchInt4, ScratchInt8, scratch_int4
 from chatkv.weights.gguf import read_q4
+from chatkv.weights.quantised import (
+    Int4Linear,
+    Int8Linear,
+    int4pack_block,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    unpack_int4pack,
+)
 
-pytestmark = pytest.mark.skipif(int4pack_block() is None, reason="this torch build packs int4 in a layout not read here")
+pytestmark = pytest.mark.skipif(
+    int4pack_block() is None, reason="this torch build packs int4 in a layout not read here"
+)
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +146,10 @@ def test_one_buffer_per_thread_shared_by_every_projection_and_no_bf16_weights_ke
     assert all(isinstance(p, Int4Linear) and isinstance(p.dense, ScratchInt4) for p in projections)
     assert all(p.dense.scratch is model.scratch for p in projections)
     params = sum(p.out_features * p.dense.k for p in projections)
-    held = sum(p.packed.numel() * p.packed.element_size() + p.scales_zeros.numel() * p.scales_zeros.element_size()
-               for p in projections)
+    held = sum(
+        p.packed.numel() * p.packed.element_size() + p.scales_zeros.numel() * p.scales_zeros.element_size()
+        for p in projections
+    )
     assert held * 8 / params == pytest.approx(5.0, abs=0.01)  # 4 bits a code + the kernel's bf16 s and z per 32
     largest = max(p.out_features * p.dense.k for p in projections)
     assert model.scratch.nbytes == 0  # nothing before a many-row step

@@ -35,16 +35,24 @@ from safetensors.torch import load_file
 
 from chatkv.config import EngineConfig
 from chatkv.engine.core import Engine
+from chatkv.engine.model_runner import BatchItem, ModelRunner
+from chatkv.engine.sampling import SamplingParams
 from chatkv.errors import InvalidRequest
 from chatkv.model.forward import LlamaModel
-from chatkv.engine.model_runner import BatchItem, ModelRunner
-from chatkv.weights.quantised import GROUP, Int4Linear, Int8Linear, Q4Weight, from_gguf_blocks, quantize_int4, quantize_int8
-from chatkv.engine.sampling import SamplingParams
+from chatkv.weights import load_tokenizer
 from chatkv.weights.gguf import QUANT_FILE, packaged_gguf_path, read_q4
 from chatkv.weights.loading import read_weights
+from chatkv.weights.quantised import (
+    GROUP,
+    Int4Linear,
+    Int8Linear,
+    Q4Weight,
+    from_gguf_blocks,
+    quantize_int4,
+    quantize_int8,
+)
 from tests.support.llama_cpp_reference import OUT as REFERENCE
 from tests.support.llama_cpp_reference import PROMPTS, prompt_ids
-from chatkv.weights import load_tokenizer
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -104,7 +112,11 @@ def test_converted_directory_keeps_the_ggufs_own_4_bit_numbers(default_model_dir
     q4 = read_q4(default_model_dir)
     floats = read_weights(default_model_dir)
     assert len(q4) == 30 * 7  # q, k, v, o, gate, up, down of 30 layers
-    for name in ("layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight", "layers.29.mlp.down_proj.weight"):
+    for name in (
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.self_attn.k_proj.weight",
+        "layers.29.mlp.down_proj.weight",
+    ):
         q = q4[name]
         assert q.codes.dtype == torch.uint8 and int(q.codes.max()) <= 15
         # the float model is these numbers dequantised (then rounded to its bf16): q/k rows unpermuted alike
@@ -151,14 +163,17 @@ def test_quantised_modes_are_part_of_the_fingerprint(default_model_dir, tmp_path
     assert a.fingerprint != b.fingerprint
 
 
-@pytest.mark.parametrize("kw, what", [
-    (dict(weights="int3"), "weights 'int3' unknown"),
-    (dict(head_weights="fp8"), "head_weights 'fp8' unknown"),
-    (dict(weights="int4", dtype="float32"), "compute in bfloat16"),
-    (dict(weights="bf16", dtype="float32"), "disagree"),
-    (dict(weights="int8", device="meta"), "CPU only"),
-    (dict(head_weights="int8", weights="fp32"), "bfloat16 on CPU"),
-])
+@pytest.mark.parametrize(
+    "kw, what",
+    [
+        (dict(weights="int3"), "weights 'int3' unknown"),
+        (dict(head_weights="fp8"), "head_weights 'fp8' unknown"),
+        (dict(weights="int4", dtype="float32"), "compute in bfloat16"),
+        (dict(weights="bf16", dtype="float32"), "disagree"),
+        (dict(weights="int8", device="meta"), "CPU only"),
+        (dict(head_weights="int8", weights="fp32"), "bfloat16 on CPU"),
+    ],
+)
 def test_bad_weight_options_are_named(default_model_dir, tmp_path, kw, what):
     with pytest.raises(InvalidRequest, match=what):
         Engine(default_model_dir, EngineConfig(data_dir=str(tmp_path), num_blocks=8, **kw))
@@ -171,8 +186,12 @@ def logits_all(model: LlamaModel, ids: list[int], chunk: int = 512) -> torch.Ten
     """Logits after every token of ``ids``, computed in prefill chunks over paged KV."""
     runner = ModelRunner(model, EngineConfig(block_size=16, num_blocks=-(-len(ids) // 16) + 1))
     table = runner.pool.allocate(-(-len(ids) // 16))
-    return torch.cat([runner.forward(runner.build_batch([BatchItem(ids[s : s + chunk], s, table, logits="all")]))
-                      for s in range(0, len(ids), chunk)])
+    return torch.cat(
+        [
+            runner.forward(runner.build_batch([BatchItem(ids[s : s + chunk], s, table, logits="all")]))
+            for s in range(0, len(ids), chunk)
+        ]
+    )
 
 
 def perplexity(model: LlamaModel, ids: list[int]) -> float:
@@ -250,4 +269,7 @@ def test_damaged_4_bit_file_is_a_clear_error(default_model_dir, tmp_path):
     q.write_bytes(q.read_bytes()[: q.stat().st_size // 2])
     with pytest.raises(ModelNotFound, match="4-bit weights .* unreadable.*convert the model again"):
         Engine(d, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=8))
-    assert Engine(d, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=8, weights="bf16")).weights.weights == "float"
+    assert (
+        Engine(d, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=8, weights="bf16")).weights.weights
+        == "float"
+    )

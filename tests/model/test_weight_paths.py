@@ -33,15 +33,15 @@ import logging
 import pytest
 import torch
 
-from chatkv.model import self_check as weight_check
 from chatkv.config import EngineConfig
 from chatkv.engine.core import Engine
 from chatkv.errors import WeightCheckFailed
+from chatkv.model import self_check as weight_check
 from chatkv.model.forward import LlamaModel
-from chatkv.weights.quantised import Int4Linear
 from chatkv.weights import ensure_default_model, load_tokenizer
 from chatkv.weights.gguf import read_q4
 from chatkv.weights.loading import read_weights
+from chatkv.weights.quantised import Int4Linear
 
 MAX_MEAN = 0.045  # of the reference logits' std
 MIN_TOP1 = 0.85
@@ -55,8 +55,9 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def prompts(model_dir):
     tok = load_tokenizer(model_dir)
-    france = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                     add_generation_prompt=True, tokenize=True)
+    france = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=True
+    )
     france = list(france["input_ids"] if hasattr(france, "keys") else france)
     assert len(france) == 37
     return {"france": france, "story": weight_check.prompt_ids(tok)}
@@ -82,9 +83,13 @@ def transformers_reference(model_dir, weights, mode: str, head: str):
     config = AutoConfig.from_pretrained(model_dir)  # the oracle's own config, never chatkv's cached copy of it
     with no_init_weights():
         hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    state = {"model." + n: weight_check.reference_weight(n, t, mode, q4) if n.endswith(weight_check._PROJ) else t.float()
-             for n, t in floats.items()}
-    state["lm_head.weight"] = weight_check.reference_weight("embed_tokens.weight", floats["embed_tokens.weight"], head, {})
+    state = {
+        "model." + n: weight_check.reference_weight(n, t, mode, q4) if n.endswith(weight_check._PROJ) else t.float()
+        for n, t in floats.items()
+    }
+    state["lm_head.weight"] = weight_check.reference_weight(
+        "embed_tokens.weight", floats["embed_tokens.weight"], head, {}
+    )
     hf.config.tie_word_embeddings = False
     hf.lm_head.weight = torch.nn.Parameter(state["lm_head.weight"])  # untied: the head may be quantised alone
     missing, unexpected = hf.load_state_dict(state, strict=False)
@@ -94,17 +99,25 @@ def transformers_reference(model_dir, weights, mode: str, head: str):
 
 # dense rows 16: the many-row steps' bf16 weights dequantised into a scratch buffer (the default)
 # or held as a resident copy; 0: the quantised kernel for every step
-CASES = [("int4", "int8", 16, "scratch"), ("int4", "int8", 16, "copy"), ("int4", "int8", 0, "scratch"),
-         ("int8", "float", 16, "scratch"), ("int8", "float", 16, "copy")]
+CASES = [
+    ("int4", "int8", 16, "scratch"),
+    ("int4", "int8", 16, "copy"),
+    ("int4", "int8", 0, "scratch"),
+    ("int8", "float", 16, "scratch"),
+    ("int8", "float", 16, "copy"),
+]
 
 
-@pytest.mark.parametrize("mode, head, dense, kind", CASES,
-                         ids=[f"{m}-head_{h}-dense{d}" + (f"-{k}" if d else "") for m, h, d, k in CASES])
-def test_every_weight_mode_and_path_matches_transformers_on_its_own_weights(model_dir, weights, prompts, mode, head,
-                                                                            dense, kind):
+@pytest.mark.parametrize(
+    "mode, head, dense, kind", CASES, ids=[f"{m}-head_{h}-dense{d}" + (f"-{k}" if d else "") for m, h, d, k in CASES]
+)
+def test_every_weight_mode_and_path_matches_transformers_on_its_own_weights(
+    model_dir, weights, prompts, mode, head, dense, kind
+):
     hf = transformers_reference(model_dir, weights, mode, head)
-    model = LlamaModel.from_pretrained(model_dir, dtype=torch.bfloat16, weights_mode=mode, head_mode=head,
-                                       dense_rows=dense, dense=kind)
+    model = LlamaModel.from_pretrained(
+        model_dir, dtype=torch.bfloat16, weights_mode=mode, head_mode=head, dense_rows=dense, dense=kind
+    )
     for name, ids in prompts.items():
         with torch.no_grad():
             ref = hf(torch.tensor([ids])).logits[0].float()
@@ -144,8 +157,9 @@ def broken(path: str):
 
 
 @pytest.mark.parametrize("path", ["decode", "batched"])
-def test_a_broken_int4_kernel_falls_back_to_int8_naming_the_check(model_dir, tmp_path, fresh_cache, monkeypatch,
-                                                                  caplog, path):
+def test_a_broken_int4_kernel_falls_back_to_int8_naming_the_check(
+    model_dir, tmp_path, fresh_cache, monkeypatch, caplog, path
+):
     monkeypatch.setattr(Int4Linear, "__call__", broken(path))
     with caplog.at_level(logging.WARNING, logger="chatkv.model.self_check"):
         e = Engine(model_dir, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=8))
@@ -162,8 +176,9 @@ def test_a_broken_int4_kernel_falls_back_to_int8_naming_the_check(model_dir, tmp
     assert "Paris" in e.generate(ids, SamplingParams(max_tokens=16, temperature=0)).text
 
 
-def test_int4_asked_for_by_name_fails_with_the_check_instead_of_answering_wrong(model_dir, tmp_path, fresh_cache,
-                                                                                 monkeypatch):
+def test_int4_asked_for_by_name_fails_with_the_check_instead_of_answering_wrong(
+    model_dir, tmp_path, fresh_cache, monkeypatch
+):
     monkeypatch.setattr(Int4Linear, "__call__", broken("decode"))
     with pytest.raises(WeightCheckFailed, match=r"weights int4 .*failed their check on this CPU .*decode path: top-1"):
         Engine(model_dir, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=8, weights="int4"))
@@ -228,10 +243,12 @@ def test_the_norm_is_exact_to_float32_at_the_models_real_activations(model_dir, 
         exact = x.double() / torch.sqrt(x.double().pow(2).mean(-1, keepdim=True) + model.eps) * weight.double()
         rms = real(x, weight).double()  # what the model computes (rounded to bf16)
         assert torch.equal(rms, exact.float().to(torch.bfloat16).double()) or (
-            (rms != exact.float().to(torch.bfloat16).double()).float().mean() <= 1e-3)
+            (rms != exact.float().to(torch.bfloat16).double()).float().mean() <= 1e-3
+        )
         ours = F.rms_norm(x, (x.shape[-1],), weight.float(), eps=model.eps).double()
-        ln = F.layer_norm(torch.stack((x, -x), dim=-2), (2, x.shape[-1]), torch.stack((weight, weight)).float(), None,
-                          model.eps)[..., 0, :].double()
+        ln = F.layer_norm(
+            torch.stack((x, -x), dim=-2), (2, x.shape[-1]), torch.stack((weight, weight)).float(), None, model.eps
+        )[..., 0, :].double()
         scale = exact.abs().clamp_min(1e-3)
         worst_rms = max(worst_rms, float(((ours - exact).abs() / scale).max()))
         worst_ln = max(worst_ln, float(((ln - exact).abs() / scale).max()))
@@ -244,14 +261,15 @@ def test_a_prefill_crossing_the_scratch_threshold_matches_transformers(model_dir
     dequantises into the scratch buffer, a shorter one runs the int4 kernel. Here the threshold
     is 32 and a 40-token prompt is prefilled in two chunks, 33 rows (scratch) then 7 (the
     kernel), and in one step of 40: every position's logits against transformers."""
-    from chatkv.model import prefill as quant_prefill
     from chatkv.config import EngineConfig
     from chatkv.engine.model_runner import BatchItem, ModelRunner
+    from chatkv.model import prefill as quant_prefill
     from chatkv.model.prefill import ScratchInt4
 
     monkeypatch.setattr(quant_prefill, "SCRATCH_ROWS", 32)
-    model = LlamaModel.from_pretrained(model_dir, dtype=torch.bfloat16, weights_mode="int4", head_mode="int8",
-                                       dense_rows=16, dense="scratch")
+    model = LlamaModel.from_pretrained(
+        model_dir, dtype=torch.bfloat16, weights_mode="int4", head_mode="int8", dense_rows=16, dense="scratch"
+    )
     assert model.layers[0].qkv.dense.min_rows == 32
     steps = []  # rows of each step that dequantised, once per step (layer 0's qkv)
     real = ScratchInt4.weight_t

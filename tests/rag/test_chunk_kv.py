@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from chatkv import Engine
-from chatkv.rag import blend as chunk_blend
-from chatkv.rag import placement as cp
 from chatkv.config import EngineConfig
 from chatkv.errors import InvalidRequest
-from tests.support.disks import fill, small_disk  # noqa: F401 (a fixture)
+from chatkv.rag import blend as chunk_blend
+from chatkv.rag import placement as cp
 from tests.rag.test_rag_sessions import DOCS
+from tests.support.disks import fill, small_disk  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.tiny_model("llama", seed=21, max_position_embeddings=1024, num_hidden_layers=3)
 
@@ -78,8 +78,8 @@ def test_rerotated_chunk_kv_equals_the_kv_computed_at_that_position(model_dir, h
             rk = [e.model.rotate_keys(x, at - len(frame)) for x in k]
             ref_k, ref_v, _ = hf_kv(hf, frame + ids, list(range(at - len(frame), at + len(ids))))
             for i in range(len(k)):
-                torch.testing.assert_close(rk[i], ref_k[i][len(frame):], atol=1e-4, rtol=0)
-                torch.testing.assert_close(v[i], ref_v[i][len(frame):], atol=1e-4, rtol=0)
+                torch.testing.assert_close(rk[i], ref_k[i][len(frame) :], atol=1e-4, rtol=0)
+                torch.testing.assert_close(v[i], ref_v[i][len(frame) :], atol=1e-4, rtol=0)
     finally:
         e.close()
 
@@ -90,9 +90,13 @@ def _prompt(e, texts):
 
     from chatkv.rag import context as rag
 
-    hits = [SimpleNamespace(text=t, source=f"doc{i}.md", heading="", document_id=i, ordinal=0) for i, t in enumerate(texts)]
+    hits = [
+        SimpleNamespace(text=t, source=f"doc{i}.md", heading="", document_id=i, ordinal=0) for i, t in enumerate(texts)
+    ]
     msg = rag.user_message("What does the kettle do?", hits)
-    text = e.tokenizer.apply_chat_template([{"role": "user", "content": msg}], tokenize=False, add_generation_prompt=True)
+    text = e.tokenizer.apply_chat_template(
+        [{"role": "user", "content": msg}], tokenize=False, add_generation_prompt=True
+    )
     return e.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -109,8 +113,23 @@ def test_placement_against_full_prefill(model_dir, hf, tmp_path, mode, ratio, ex
         # the machinery itself; exact: through the prompt's last token but one, as a turn places it
         # (the instruction and question after the sources computed in the same forward)
         upto = len(tokens) - 1 if exact else None
-        placed = e.on_loop(lambda: cp.place(e, None, tokens, 0, texts, ("test", "private"), None, False, mode, edge,
-                                            min(float(ratio), 1.0), full_as_prefill=False, upto=upto))
+        placed = e.on_loop(
+            lambda: cp.place(
+                e,
+                None,
+                tokens,
+                0,
+                texts,
+                ("test", "private"),
+                None,
+                False,
+                mode,
+                edge,
+                min(float(ratio), 1.0),
+                full_as_prefill=False,
+                upto=upto,
+            )
+        )
         assert placed.private and placed.end == (upto or placed.end) < len(tokens)
         n_chunks = sum(len(cp.chunk_ids(e.tokenizer, t)) for t in texts)
         assert placed.reused + placed.recomputed == n_chunks
@@ -141,24 +160,43 @@ def test_blend_recomputes_the_top_share_of_all_chunks_by_their_layer1_deviation(
     others the reused copy)."""
     e = engine_at(model_dir, tmp_path, rag_kv_reuse="blend")
     try:
-        texts = [CHUNK, "A refractor uses lenses, a reflector uses mirrors. Collimate a reflector before each night.",
-                 "Descale the kettle with citric acid; rinse it twice before the next boil."]
+        texts = [
+            CHUNK,
+            "A refractor uses lenses, a reflector uses mirrors. Collimate a reflector before each night.",
+            "Descale the kettle with citric acid; rinse it twice before the next boil.",
+        ]
         tokens = list(_prompt(e, texts))
         ids = [cp.chunk_ids(e.tokenizer, t) for t in texts]
         spans = cp.find_spans(tokens, 0, ids)
         chunk_pos = torch.tensor([p for _, pos, _, n in spans for p in range(pos, pos + n)])
 
         def placed_kv(ratio):
-            placed = e.on_loop(lambda: cp.place(e, None, tokens, 0, texts, ("t", ratio), None, False, "blend", 0,
-                                                ratio, full_as_prefill=False, check_layers=1))
+            placed = e.on_loop(
+                lambda: cp.place(
+                    e,
+                    None,
+                    tokens,
+                    0,
+                    texts,
+                    ("t", ratio),
+                    None,
+                    False,
+                    "blend",
+                    0,
+                    ratio,
+                    full_as_prefill=False,
+                    check_layers=1,
+                )
+            )
             k, v = e.on_loop(lambda: e.kv.export_kv(placed.kept))
             e.on_loop(lambda: e.kv.drop(placed.kept))
             return placed, k, v
 
         _, rk, rv = placed_kv(0.0)  # nothing recomputed: every chunk row is the reused copy
         ref_k, ref_v, _ = hf_kv(hf, tokens, list(range(len(tokens))))
-        dev = ((ref_k[1][chunk_pos] - rk[1][chunk_pos]) ** 2).sum(dim=(1, 2)) + \
-            ((ref_v[1][chunk_pos] - rv[1][chunk_pos]) ** 2).sum(dim=(1, 2))
+        dev = ((ref_k[1][chunk_pos] - rk[1][chunk_pos]) ** 2).sum(dim=(1, 2)) + (
+            (ref_v[1][chunk_pos] - rv[1][chunk_pos]) ** 2
+        ).sum(dim=(1, 2))
         ratio = 0.3
         want = math.ceil(ratio * len(chunk_pos))
         top = set(chunk_pos[torch.topk(dev, want).indices].tolist())
@@ -199,16 +237,20 @@ def test_blend_filters_gradually_each_check_layer_choosing_on_its_own_deviation(
         assert chunk_blend.checks(0.25, 8, 3) == {1: 0.5, 2: 0.25}  # no more checks than layers after layer 0
 
         def placed_kv(ratio):
-            placed = e.on_loop(lambda: cp.place(e, None, tokens, 0, texts, ("g", ratio), None, False, "blend", 0,
-                                                ratio, full_as_prefill=False))
+            placed = e.on_loop(
+                lambda: cp.place(
+                    e, None, tokens, 0, texts, ("g", ratio), None, False, "blend", 0, ratio, full_as_prefill=False
+                )
+            )
             k, v = e.on_loop(lambda: e.kv.export_kv(placed.kept))
             e.on_loop(lambda: e.kv.drop(placed.kept))
             return placed, k, v
 
         _, rk, rv = placed_kv(0.0)
         ref_k, ref_v, _ = hf_kv(hf, tokens, list(range(len(tokens))))
-        dev = ((ref_k[1][chunk_pos] - rk[1][chunk_pos]) ** 2).sum(dim=(1, 2)) + \
-            ((ref_v[1][chunk_pos] - rv[1][chunk_pos]) ** 2).sum(dim=(1, 2))
+        dev = ((ref_k[1][chunk_pos] - rk[1][chunk_pos]) ** 2).sum(dim=(1, 2)) + (
+            (ref_v[1][chunk_pos] - rv[1][chunk_pos]) ** 2
+        ).sum(dim=(1, 2))
         first = set(chunk_pos[torch.topk(dev, math.ceil(0.5 * len(chunk_pos))).indices].tolist())
         placed, k, v = placed_kv(0.25)
         assert placed.recomputed == math.ceil(0.25 * len(chunk_pos))
@@ -239,8 +281,13 @@ def _replies(model_dir, data_dir, corpus, **kw):
         e.close()
 
 
-@pytest.mark.parametrize("dtype,full", [("float32", {"rag_kv_reuse": "blend", "rag_recompute_ratio": 1.0}),
-                                        ("bfloat16", {"rag_kv_reuse": "edge", "rag_edge_tokens": 10_000})])
+@pytest.mark.parametrize(
+    "dtype,full",
+    [
+        ("float32", {"rag_kv_reuse": "blend", "rag_recompute_ratio": 1.0}),
+        ("bfloat16", {"rag_kv_reuse": "edge", "rag_edge_tokens": 10_000}),
+    ],
+)
 def test_full_recompute_gives_full_prefills_greedy_tokens_and_usage_counts(model_dir, corpus, tmp_path, dtype, full):
     """With every chunk token recomputed (blend 100%, or edge longer than every chunk) a turn
     is full prefill's exactly, token for token, in bf16 too (where one placement forward of
@@ -258,7 +305,9 @@ def test_full_recompute_gives_full_prefills_greedy_tokens_and_usage_counts(model
     for r in edge:
         u = r.usage
         assert u.reused_tokens > 0 and u.recomputed_tokens == 2 * len(r.sources)
-        assert u.cached_tokens + u.host_tokens + u.restored_tokens + u.computed_tokens + u.reused_tokens == u.prompt_tokens
+        assert (
+            u.cached_tokens + u.host_tokens + u.restored_tokens + u.computed_tokens + u.reused_tokens == u.prompt_tokens
+        )
     assert edge[1].usage.cached_tokens >= len(off_tokens) // 3  # turn 2 continues turn 1's (private) KV
     assert stats["chunk_computed"] >= 2
 
@@ -273,7 +322,9 @@ def test_placed_kv_is_never_shared_under_from_scratch_token_ids(model_dir, corpu
         assert r.usage.reused_tokens > 0
         from chatkv.rag import context as rag
 
-        first_source = cp.find_spans(s.tokens, 0, [cp.chunk_ids(e.tokenizer, t) for t in rag.source_texts(r.sources)])[0][1]
+        first_source = cp.find_spans(s.tokens, 0, [cp.chunk_ids(e.tokenizer, t) for t in rag.source_texts(r.sources)])[
+            0
+        ][1]
         assert e.kv.cached_len(s.tokens) <= first_source  # the default namespace has none of the placed KV
         # a second session asking the same with reuse off computes the sources itself
         e.config.rag_kv_reuse = "off"
@@ -425,7 +476,9 @@ def test_blends_choice_keeps_every_token_between_the_chunks_and_a_non_finite_row
     pushing a row between the chunks out."""
     kc, vc = torch.zeros(2, 4, 1, 2), torch.zeros(2, 4, 1, 2)  # 8 slots of one head of 2
     slots = torch.arange(6)
-    k = torch.tensor([[[0.0, 0.0]], [[1.0, 0.0]], [[float("nan"), 0.0]], [[0.0, 0.0]], [[3.0, 0.0]], [[float("inf"), 0.0]]])
+    k = torch.tensor(
+        [[[0.0, 0.0]], [[1.0, 0.0]], [[float("nan"), 0.0]], [[0.0, 0.0]], [[3.0, 0.0]], [[float("inf"), 0.0]]]
+    )
     chunk = torch.tensor([False, True, True, False, True, True])
     assert chunk_blend.keep_rows(kc, vc, slots, k, torch.zeros_like(k), chunk, 2, None).tolist() == [0, 2, 3, 5]
     assert chunk_blend.keep_rows(kc, vc, slots, k, torch.zeros_like(k), chunk, 3, None).tolist() == [0, 2, 3, 4, 5]
@@ -435,8 +488,12 @@ def test_blends_choice_keeps_every_token_between_the_chunks_and_a_non_finite_row
 
 
 def test_bad_options_are_refused():
-    bad = [{"rag_kv_reuse": "always"}, {"rag_recompute_ratio": 1.5}, {"rag_recompute_ratio": float("nan")},
-           {"rag_edge_tokens": -1}]
+    bad = [
+        {"rag_kv_reuse": "always"},
+        {"rag_recompute_ratio": 1.5},
+        {"rag_recompute_ratio": float("nan")},
+        {"rag_edge_tokens": -1},
+    ]
     bad += [{"rag_check_layers": n} for n in (0, -1, 65, 10**30, True, 2.5, float("nan"), "4", None)]
     for kw in bad:
         with pytest.raises(InvalidRequest, match=next(iter(kw))):
@@ -524,8 +581,9 @@ def test_one_item_recomputing_scattered_tokens_gives_full_prefills_kv(model_dir,
                 for p in at:  # stale rows at the chosen positions, in every layer
                     noise = [torch.randn(1, *pool.kv.shape[-2:], generator=g) * 50 for _ in range(pool.kv.shape[0])]
                     pool.write(table, p, noise, noise)
-                runner.forward(runner.build_batch([BatchItem([tokens[p] for p in at], at[0], table, "none",
-                                                             positions=at)]))
+                runner.forward(
+                    runner.build_batch([BatchItem([tokens[p] for p in at], at[0], table, "none", positions=at)])
+                )
                 return pool.read(table, len(tokens)).clone()
             finally:
                 pool.decref(table)
@@ -564,8 +622,9 @@ def test_pinned_documents_are_placed_from_their_chunk_kv_on_the_first_turn(model
         e.close()
 
 
-def test_chatkv_ingest_kv_computes_the_chunk_kv_a_chat_then_reads_from_disk(model_dir, corpus, tmp_path, monkeypatch,
-                                                                            capsys):
+def test_chatkv_ingest_kv_computes_the_chunk_kv_a_chat_then_reads_from_disk(
+    model_dir, corpus, tmp_path, monkeypatch, capsys
+):
     """``chatkv ingest --kv --model DIR``: every chunk's and document's KV computed by the CLI on
     the named model and written to disk; an engine on that model then places it without
     computing any. A missing model or --model without --kv is a clear error."""
@@ -600,8 +659,8 @@ def test_placement_in_a_quantised_pool_against_the_same_dtype_full_prefill(model
     its re-rotated keys are within ``gate`` of each row's largest element, two quantisation
     roundings (canonical, then after the rotation) against one: int8 two steps of max/127, fp8
     two half-ulps of 2^-4 (e4m3's 3 mantissa bits); a later layer is not (no cross-attention)."""
-    from chatkv.kernels import kv_quant
     from chatkv.engine.sampling import SamplingParams
+    from chatkv.kernels import kv_quant
 
     e = engine_at(model_dir, tmp_path, kv_dtype=kv_dtype)
     try:
@@ -617,8 +676,11 @@ def test_placement_in_a_quantised_pool_against_the_same_dtype_full_prefill(model
             return kv_quant.dequantize(x, quant, torch.float32)
 
         for ratio in (1.0, 0.0):
-            placed = e.on_loop(lambda: cp.place(e, None, tokens, 0, texts, ("t", ratio), None, False, "blend", 0, ratio,
-                                                full_as_prefill=False))
+            placed = e.on_loop(
+                lambda: cp.place(
+                    e, None, tokens, 0, texts, ("t", ratio), None, False, "blend", 0, ratio, full_as_prefill=False
+                )
+            )
             got, n = e.on_loop(lambda: e.kv.export_kv(placed.kept)), placed.end
             assert placed.reused == (0 if ratio else sum(len(cp.chunk_ids(e.tokenizer, t)) for t in texts))
             for w in (0, 1):  # keys, values
@@ -650,8 +712,8 @@ def test_blend_in_a_quantised_pool_chooses_on_dequantised_rows(model_dir, tmp_pa
     """Blend with check layers over int8 / fp8 KV: the deviation is taken on the dequantised
     reused rows; the share recomputed is exact, layer 0 is the same dtype's full prefill within
     its two roundings, every value finite, and the pool's accounting holds."""
-    from chatkv.kernels import kv_quant
     from chatkv.engine.sampling import SamplingParams
+    from chatkv.kernels import kv_quant
 
     e = engine_at(model_dir, tmp_path, kv_dtype=kv_dtype, rag_check_layers=2)
     try:
@@ -663,8 +725,23 @@ def test_blend_in_a_quantised_pool_chooses_on_dequantised_rows(model_dir, tmp_pa
         for _ in e.drive(seq):
             pass
         ref = e.on_loop(lambda: e.kv.export_kv(seq.retained))
-        placed = e.on_loop(lambda: cp.place(e, None, tokens, 0, texts, ("q",), None, False, "blend", 0, 0.3,
-                                            full_as_prefill=False, upto=len(tokens) - 1))
+        placed = e.on_loop(
+            lambda: cp.place(
+                e,
+                None,
+                tokens,
+                0,
+                texts,
+                ("q",),
+                None,
+                False,
+                "blend",
+                0,
+                0.3,
+                full_as_prefill=False,
+                upto=len(tokens) - 1,
+            )
+        )
         assert placed.end == len(tokens) - 1
         assert placed.recomputed == math.ceil(0.3 * n_chunks) and placed.reused == n_chunks - placed.recomputed
         k, v = e.on_loop(lambda: e.kv.export_kv(placed.kept))

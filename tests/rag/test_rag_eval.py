@@ -11,8 +11,20 @@ import sys
 import pytest
 
 from benchmarks.rag_metrics import (
-    QUESTIONS_FILE, answer_in, answer_row, cited_numbers, citation_precision, contains, document_rank,
-    exact_match, f1_score, hit_at, load_questions, normalize_answer, reciprocal_rank, retrieval_row,
+    QUESTIONS_FILE,
+    answer_in,
+    answer_row,
+    citation_precision,
+    cited_numbers,
+    contains,
+    document_rank,
+    exact_match,
+    f1_score,
+    hit_at,
+    load_questions,
+    normalize_answer,
+    reciprocal_rank,
+    retrieval_row,
 )
 
 

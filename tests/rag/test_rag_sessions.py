@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from chatkv import Engine, InvalidRequest
-from chatkv.rag import context as rag_context
 from chatkv.config import EngineConfig
+from chatkv.rag import context as rag_context
 
 pytestmark = pytest.mark.tiny_model("llama", seed=21, max_position_embeddings=1024)
 
@@ -67,7 +67,9 @@ def test_history_stays_a_prefix_and_is_fully_cached_on_the_next_turn(engine):
     before = list(s.tokens)
     r = s.send("And which eyepiece gives high magnification?")
     assert s.tokens[: len(before)] == before
-    assert r.usage.cached_tokens >= len(before) - 1 - engine.kv.block_size  # the whole history, bar the last partial block
+    assert (
+        r.usage.cached_tokens >= len(before) - 1 - engine.kv.block_size
+    )  # the whole history, bar the last partial block
     engine.check_integrity()
 
 
@@ -147,8 +149,10 @@ def test_by_default_pinned_documents_and_sources_are_placed_from_chunk_kv(model_
 def test_sources_are_cut_to_fit_the_context(model_dir, tmp_path):
     e = engine_at(model_dir, tmp_path)
     kb = e.knowledge_base("big")
-    kb.add_texts([("Filler sentence about kettles and water. " * 60 + str(i)) for i in range(6)],
-                 sources=[f"big-{i}" for i in range(6)])
+    kb.add_texts(
+        [("Filler sentence about kettles and water. " * 60 + str(i)) for i in range(6)],
+        sources=[f"big-{i}" for i in range(6)],
+    )
     s = e.session(knowledge=kb, top_k=6, params=dict(max_tokens=4, temperature=0.0))
     for q in ["kettles and water?", "more about water", "and kettles again?"]:
         r = s.send(q)

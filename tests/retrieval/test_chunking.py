@@ -31,14 +31,14 @@ def check_contract(doc: Document, chunks: list[Chunk], count, max_tokens: int) -
     assert [c.ordinal for c in chunks] == list(range(len(chunks)))
     covered = bytearray(len(doc.text))
     for c in chunks:
-        assert c.text == doc.text[c.start:c.end], c
+        assert c.text == doc.text[c.start : c.end], c
         assert c.text.strip(), c
         assert count(c.text) <= max_tokens, (count(c.text), c)
-        covered[c.start:c.end] = b"\x01" * (c.end - c.start)
+        covered[c.start : c.end] = b"\x01" * (c.end - c.start)
     for a, b in zip(chunks, chunks[1:]):
         assert a.start < b.start and a.end < b.end, (a, b)
     missing = [i for i, ch in enumerate(doc.text) if not ch.isspace() and not covered[i]]
-    assert not missing, f"not covered: {doc.text[missing[0]:missing[0] + 40]!r}"
+    assert not missing, f"not covered: {doc.text[missing[0] : missing[0] + 40]!r}"
 
 
 def md(text: str) -> Document:
@@ -82,8 +82,15 @@ Setext body.
 """)
     chunks = chunk_document(doc, words, 200, 10)
     check_contract(doc, chunks, words, 200)
-    assert [c.heading for c in chunks] == ["", "Guide", "Guide > Decorators", "Guide > Decorators > Arguments",
-                                           "Guide > Closures", "Other Top", "Other Top > Sub Setext"]
+    assert [c.heading for c in chunks] == [
+        "",
+        "Guide",
+        "Guide > Decorators",
+        "Guide > Decorators > Arguments",
+        "Guide > Closures",
+        "Other Top",
+        "Other Top > Sub Setext",
+    ]
     assert chunks[2].text.startswith("## Decorators\n\nThis is sentence 0")  # the heading is embedded with its body
     assert chunks[6].text == "Sub Setext\n----------\n\nSetext body."
 
@@ -93,7 +100,9 @@ def test_heading_only_sections_glue_forward_and_a_trailing_one_stands_alone():
     chunks = chunk_document(doc, words, 50, 5)
     check_contract(doc, chunks, words, 50)
     assert [(c.text, c.heading) for c in chunks] == [
-        ("# Book\n\n## Part\n\n### Chapter\n\nBody text.", "Book > Part > Chapter"), ("# Appendix", "Appendix")]
+        ("# Book\n\n## Part\n\n### Chapter\n\nBody text.", "Book > Part > Chapter"),
+        ("# Appendix", "Appendix"),
+    ]
 
 
 def test_hashes_inside_fences_and_front_matter_are_not_headings():
@@ -105,7 +114,8 @@ def test_hashes_inside_fences_and_front_matter_are_not_headings():
 
 
 def test_rst_titles_levels_by_first_appearance_and_literal_blocks():
-    doc = document_from_text("""=====
+    doc = document_from_text(
+        """=====
 Guide
 =====
 
@@ -131,7 +141,10 @@ Usage
 -----
 
 Use it.
-""", "guide.rst", kind="rst")
+""",
+        "guide.rst",
+        kind="rst",
+    )
     chunks = chunk_document(doc, words, 100, 0)
     check_contract(doc, chunks, words, 100)
     assert [c.heading for c in chunks] == ["Guide", "Guide > Install", "Guide > Install > Options", "Guide > Usage"]
@@ -140,9 +153,11 @@ Use it.
 
 def test_html_headings_from_the_loader(tmp_path):
     page = tmp_path / "p.html"
-    page.write_text("<html><head><title>t</title><script>x=1</script></head><body><h1>API</h1><p>Intro.</p>"
-                    "<h2>Sessions</h2><p>Session text.</p><h3>Send</h3><p>Send text.</p><h2>Knowledge</h2>"
-                    "<p>KB text.</p></body></html>")
+    page.write_text(
+        "<html><head><title>t</title><script>x=1</script></head><body><h1>API</h1><p>Intro.</p>"
+        "<h2>Sessions</h2><p>Session text.</p><h3>Send</h3><p>Send text.</p><h2>Knowledge</h2>"
+        "<p>KB text.</p></body></html>"
+    )
     doc = load_file(page)
     chunks = chunk_document(doc, words, 100, 0)
     check_contract(doc, chunks, words, 100)
@@ -233,7 +248,7 @@ def test_overlap_starts_inside_the_previous_chunk_at_a_word_boundary():
     assert len(chunks) > 4
     for a, b in zip(chunks, chunks[1:]):
         assert b.start < a.end  # overlap present
-        shared = doc.text[b.start:a.end]
+        shared = doc.text[b.start : a.end]
         assert 0 < words(shared) <= 12 and not doc.text[b.start - 1].strip()
         assert words(shared) >= 6, "the overlap keeps about overlap_tokens, at least half of it"
     no_overlap = chunk_document(doc, words, 50, 0)
@@ -292,9 +307,12 @@ def minilm_count():
 
 def test_minilm_token_limits_on_real_documents(minilm_count):
     assert minilm_count("") == 2  # [CLS] [SEP]: measured once and allowed for
-    docs = [load_file(ROOT / "README.md"), load_file(ROOT / "retrieval" / "chunking.py"),
-            md("# Unicode\n\n" + "東京は日本の首都です。" * 80 + "\n\n" + "emoji 🎉🎉 " * 200),
-            md("# Blob\n\n" + "QUJDRA" * 700 + "\n\nhttps://example.com/" + "a/b?c=d&" * 300)]
+    docs = [
+        load_file(ROOT / "README.md"),
+        load_file(ROOT / "retrieval" / "chunking.py"),
+        md("# Unicode\n\n" + "東京は日本の首都です。" * 80 + "\n\n" + "emoji 🎉🎉 " * 200),
+        md("# Blob\n\n" + "QUJDRA" * 700 + "\n\nhttps://example.com/" + "a/b?c=d&" * 300),
+    ]
     for doc in docs:
         for max_tokens, overlap in [(256, 32), (64, 16)]:
             chunks = chunk_document(doc, minilm_count, max_tokens, overlap)
@@ -308,21 +326,52 @@ def test_minilm_token_limits_on_real_documents(minilm_count):
 
 _LINES = st.one_of(
     st.text(alphabet="abc xyz.!?,é東🎉\t", min_size=0, max_size=60),
-    st.sampled_from(["", "", "# Title", "## Sub", "### Deep", "#", "```", "```python", "~~~", "===", "---",
-                     "Setext", "    indented code", "Title::", ".. code-block:: python", "def f():", "class C:",
-                     "@decorator", "}", "- item one.", "1. item", "> quote", "   ", "end"]),
+    st.sampled_from(
+        [
+            "",
+            "",
+            "# Title",
+            "## Sub",
+            "### Deep",
+            "#",
+            "```",
+            "```python",
+            "~~~",
+            "===",
+            "---",
+            "Setext",
+            "    indented code",
+            "Title::",
+            ".. code-block:: python",
+            "def f():",
+            "class C:",
+            "@decorator",
+            "}",
+            "- item one.",
+            "1. item",
+            "> quote",
+            "   ",
+            "end",
+        ]
+    ),
     st.builds(lambda w, n: " ".join([w] * n), st.sampled_from(["word", "longerword", "x" * 30]), st.integers(1, 40)),
 )
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(lines=st.lists(_LINES, max_size=40), kind=st.sampled_from(["markdown", "rst", "html", "text", "code", "pdf"]),
-       language=st.sampled_from(["python", "go", "rust", "c", ""]), max_tokens=st.integers(1, 30),
-       overlap=st.integers(0, 29), counter=st.sampled_from(["words", "words+2", "bytes"]),
-       newline=st.sampled_from(["\n", "\n\n"]))
+@given(
+    lines=st.lists(_LINES, max_size=40),
+    kind=st.sampled_from(["markdown", "rst", "html", "text", "code", "pdf"]),
+    language=st.sampled_from(["python", "go", "rust", "c", ""]),
+    max_tokens=st.integers(1, 30),
+    overlap=st.integers(0, 29),
+    counter=st.sampled_from(["words", "words+2", "bytes"]),
+    newline=st.sampled_from(["\n", "\n\n"]),
+)
 def test_property_offsets_exact_and_cover_all_text(lines, kind, language, max_tokens, overlap, counter, newline):
-    count = {"words": words, "words+2": words_plus_specials,
-             "bytes": lambda s: len(s.encode("utf-8")) // 4 + 1}[counter]
+    count = {"words": words, "words+2": words_plus_specials, "bytes": lambda s: len(s.encode("utf-8")) // 4 + 1}[
+        counter
+    ]
     base = count("")
     max_tokens += base
     overlap = min(overlap, max_tokens - 1)

@@ -32,14 +32,22 @@ def make_pdf(pages: list[str]) -> bytes:
         return s.replace("\\", "\\\\").replace("(", "\\(").replace(")", "\\)")
 
     n = len(pages)
-    objs = [b"<< /Type /Catalog /Pages 2 0 R >>",
-            f"<< /Type /Pages /Kids [{' '.join(f'{4 + 2 * i} 0 R' for i in range(n))}] /Count {n} >>".encode(),
-            b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>"]
+    objs = [
+        b"<< /Type /Catalog /Pages 2 0 R >>",
+        f"<< /Type /Pages /Kids [{' '.join(f'{4 + 2 * i} 0 R' for i in range(n))}] /Count {n} >>".encode(),
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
     for i, text in enumerate(pages):
-        ops = "" if not text else "BT /F1 12 Tf 72 720 Td 14 TL " + " ".join(f"({esc(l)}) Tj T*" for l in text.split("\n")) + " ET"
+        ops = (
+            ""
+            if not text
+            else "BT /F1 12 Tf 72 720 Td 14 TL " + " ".join(f"({esc(l)}) Tj T*" for l in text.split("\n")) + " ET"
+        )
         stream = ops.encode("latin-1")
-        objs.append(f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
-                    f"/Contents {5 + 2 * i} 0 R >>".encode())
+        objs.append(
+            f"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Resources << /Font << /F1 3 0 R >> >> "
+            f"/Contents {5 + 2 * i} 0 R >>".encode()
+        )
         objs.append(b"<< /Length %d >>\nstream\n" % len(stream) + stream + b"\nendstream")
     out, offsets = bytearray(b"%PDF-1.4\n"), []
     for k, body in enumerate(objs, 1):
@@ -73,8 +81,13 @@ def reason_of(path, **kw) -> str:
 def test_markdown_rst_code_text_load_with_kind_hash_and_metadata(tmp_path):
     md = write(tmp_path / "guide.md", "# Guide\r\n\r\nSome *text*.\r\n")
     doc = load_file(md)
-    assert doc == Document(md, "# Guide\n\nSome *text*.\n", "markdown",
-                           hashlib.sha256((tmp_path / "guide.md").read_bytes()).hexdigest(), {"encoding": "utf-8"})
+    assert doc == Document(
+        md,
+        "# Guide\n\nSome *text*.\n",
+        "markdown",
+        hashlib.sha256((tmp_path / "guide.md").read_bytes()).hexdigest(),
+        {"encoding": "utf-8"},
+    )
     assert load_file(write(tmp_path / "a.rst", "Title\n=====\n\nBody.\n")).kind == "rst"
     py = load_file(write(tmp_path / "m.py", "def f():\n    return 1\n"))
     assert (py.kind, py.metadata) == ("code", {"encoding": "utf-8", "language": "python"})
@@ -93,16 +106,19 @@ def test_symlinked_file_source_is_the_resolved_path(tmp_path):
     assert load_file(tmp_path / "link.md").source == real
 
 
-@pytest.mark.parametrize("encoded,encoding", [
-    ("\ufeffcafé naïve".encode("utf-8"), "utf-8-sig"),
-    ("café naïve ☕".encode("utf-16"), "utf-16-le"),  # BOM
-    (b"\xfe\xff" + "café naïve".encode("utf-16-be"), "utf-16-be"),
-    ("café naïve ☕".encode("utf-32"), "utf-32-le"),
-    ("café naïve, plain ASCII mostly".encode("utf-16-le"), "utf-16-le"),  # no BOM: NULs on odd bytes
-    ("café naïve, plain ASCII mostly".encode("utf-16-be"), "utf-16-be"),
-    ("café naïve – “quoted” €5".encode("cp1252"), "cp1252"),
-    (("café naïve" + " plain words" * 20 + " \x81").encode("latin-1"), "latin-1"),  # 0x81: not cp1252
-])
+@pytest.mark.parametrize(
+    "encoded,encoding",
+    [
+        ("\ufeffcafé naïve".encode("utf-8"), "utf-8-sig"),
+        ("café naïve ☕".encode("utf-16"), "utf-16-le"),  # BOM
+        (b"\xfe\xff" + "café naïve".encode("utf-16-be"), "utf-16-be"),
+        ("café naïve ☕".encode("utf-32"), "utf-32-le"),
+        ("café naïve, plain ASCII mostly".encode("utf-16-le"), "utf-16-le"),  # no BOM: NULs on odd bytes
+        ("café naïve, plain ASCII mostly".encode("utf-16-be"), "utf-16-be"),
+        ("café naïve – “quoted” €5".encode("cp1252"), "cp1252"),
+        (("café naïve" + " plain words" * 20 + " \x81").encode("latin-1"), "latin-1"),  # 0x81: not cp1252
+    ],
+)
 def test_text_encodings_are_detected(tmp_path, encoded, encoding):
     doc = load_file(write(tmp_path / "t.txt", encoded))
     assert doc.metadata["encoding"] == encoding
@@ -110,12 +126,15 @@ def test_text_encodings_are_detected(tmp_path, encoded, encoding):
 
 
 def test_html_keeps_visible_text_headings_as_markdown_and_pre_as_fence(tmp_path):
-    page = write(tmp_path / "p.html", """<!doctype html><html><head><title>The  Page</title>
+    page = write(
+        tmp_path / "p.html",
+        """<!doctype html><html><head><title>The  Page</title>
       <style>body { color: red }</style><script>var hidden = "secret";</script></head>
       <body><nav>Home</nav><h1>Guide</h1><p>Decorators &amp; <b>wrappers</b>
       wrap functions.</p><script>alert("x")</script><h2>Arguments</h2><ul><li>one</li><li>two</li></ul>
       <pre>def f(x):
-    return x</pre><table><tr><td>a</td><td>b</td></tr></table></body></html>""")
+    return x</pre><table><tr><td>a</td><td>b</td></tr></table></body></html>""",
+    )
     doc = load_file(page)
     assert doc.kind == "html" and doc.metadata["title"] == "The Page"
     assert "secret" not in doc.text and "color" not in doc.text and "alert" not in doc.text
@@ -134,7 +153,7 @@ def test_pdf_pages_joined_with_page_offsets(tmp_path):
     assert doc.kind == "pdf" and doc.metadata["pages"] == 3
     assert "First page about decorators." in doc.text and "Third page (closures)." in doc.text
     starts = doc.metadata["page_starts"]
-    assert doc.text[starts[2]:].startswith("Third page")
+    assert doc.text[starts[2] :].startswith("Third page")
     # a PDF without the .pdf extension is recognised by its magic bytes
     assert load_file(write(tmp_path / "doc.bin", make_pdf(["Magic."]))).kind == "pdf"
 
@@ -160,8 +179,14 @@ def test_document_from_text():
     assert doc == Document("note-1", "a\nb", "text", hashlib.sha256(b"a\r\nb").hexdigest(), {"tag": "x"})
     html = document_from_text("<title>T</title><h1>Hi</h1><p>there</p>", "web", kind="html")
     assert (html.text, html.metadata) == ("# Hi\n\nthere", {"title": "T"})
-    for text, kind, needle in [("", "text", "empty"), (" \n\t", "markdown", "empty"), ("x", "pdf", "kind"),
-                               ("x", "word", "kind"), ("bad \ud800", "text", "surrogate"), (b"x", "text", "str")]:
+    for text, kind, needle in [
+        ("", "text", "empty"),
+        (" \n\t", "markdown", "empty"),
+        ("x", "pdf", "kind"),
+        ("x", "word", "kind"),
+        ("bad \ud800", "text", "surrogate"),
+        (b"x", "text", "str"),
+    ]:
         with pytest.raises(DocumentError) as e:
             document_from_text(text, "src", kind=kind)
         assert needle in e.value.reason and e.value.source == "src"
@@ -200,7 +225,9 @@ def test_fifty_megabytes_is_refused_without_reading(tmp_path, monkeypatch):
         f.truncate(50 * 2**20)  # sparse: instant
     monkeypatch.setattr(documents, "open", lambda *a, **k: pytest.fail("the big file was opened"), raising=False)
     assert reason_of(big) == "larger than 20 MB (52,428,800 bytes)"
-    assert reason_of(write(tmp_path / "small.txt", "x" * 2000), max_bytes=1000) == "larger than 1,000 bytes (2,000 bytes)"
+    assert (
+        reason_of(write(tmp_path / "small.txt", "x" * 2000), max_bytes=1000) == "larger than 1,000 bytes (2,000 bytes)"
+    )
     assert list(discover(big)) == [FileError(str(big), "larger than 20 MB (52,428,800 bytes)")]
 
 
@@ -220,16 +247,41 @@ def test_unreadable_file(tmp_path, monkeypatch):
 
 
 def rel(items, root) -> list[str]:
-    return [os.path.relpath(i, root) if isinstance(i, os.PathLike) else f"ERR {os.path.relpath(i.source, root)}: {i.reason}"
-            for i in items]
+    return [
+        os.path.relpath(i, root) if isinstance(i, os.PathLike) else f"ERR {os.path.relpath(i.source, root)}: {i.reason}"
+        for i in items
+    ]
 
 
 def test_discover_sorted_recursive_skips_hidden_and_filters_globs(tmp_path):
-    for name in ["b.md", "a.txt", "docs/z.md", "docs/api/y.py", "docs/api/x.md", "build/out.md",
-                 ".git/config", ".venv/lib/site.py", "docs/__pycache__/m.pyc", "node_modules/p/i.js", "docs/.hidden.md"]:
+    for name in [
+        "b.md",
+        "a.txt",
+        "docs/z.md",
+        "docs/api/y.py",
+        "docs/api/x.md",
+        "build/out.md",
+        ".git/config",
+        ".venv/lib/site.py",
+        "docs/__pycache__/m.pyc",
+        "node_modules/p/i.js",
+        "docs/.hidden.md",
+    ]:
         write(tmp_path / name, "content")
-    assert rel(discover(tmp_path), tmp_path) == ["a.txt", "b.md", "build/out.md", "docs/z.md", "docs/api/x.md", "docs/api/y.py"]
-    assert rel(discover([tmp_path], include=["*.md"]), tmp_path) == ["b.md", "build/out.md", "docs/z.md", "docs/api/x.md"]
+    assert rel(discover(tmp_path), tmp_path) == [
+        "a.txt",
+        "b.md",
+        "build/out.md",
+        "docs/z.md",
+        "docs/api/x.md",
+        "docs/api/y.py",
+    ]
+    assert rel(discover([tmp_path], include=["*.md"]), tmp_path) == [
+        "b.md",
+        "build/out.md",
+        "docs/z.md",
+        "docs/api/x.md",
+    ]
     assert rel(discover(tmp_path, include=["docs/*"], exclude=["*.py"]), tmp_path) == ["docs/z.md", "docs/api/x.md"]
     assert rel(discover(tmp_path, exclude=["build", "docs/api"]), tmp_path) == ["a.txt", "b.md", "docs/z.md"]
     assert rel(discover(tmp_path, include=["**/*.py"]), tmp_path) == ["docs/api/y.py"]
@@ -262,10 +314,12 @@ def test_dangling_symlink_fifo_and_links_followed_once(tmp_path):
     os.mkfifo(tmp_path / "docs" / "pipe")
     # followed links must stay inside the given paths: shared/ is given too (walked once)
     items = rel(discover([tmp_path / "docs", tmp_path / "shared"], follow_symlinks=True), tmp_path)
-    assert items == ["docs/a.md",
-                     f"ERR docs/dangling.md: dangling symlink (points to {tmp_path / 'gone.md'}, which does not exist)",
-                     "ERR docs/pipe: not a regular file (a device, socket or pipe)",
-                     "shared/s.md"]  # once, resolved (via s-link.md), not again via link1 or link2
+    assert items == [
+        "docs/a.md",
+        f"ERR docs/dangling.md: dangling symlink (points to {tmp_path / 'gone.md'}, which does not exist)",
+        "ERR docs/pipe: not a regular file (a device, socket or pipe)",
+        "shared/s.md",
+    ]  # once, resolved (via s-link.md), not again via link1 or link2
     assert reason_of(tmp_path / "docs" / "dangling.md").startswith("dangling symlink")
 
 

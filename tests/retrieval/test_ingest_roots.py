@@ -80,8 +80,12 @@ def test_a_knowledge_base_never_holds_the_outside_file(tree, tmp_path):
     try:
         report = kb.add([tree])
         assert sorted(Path(s).name for s in report.added) == ["inner.md", "readme.md"]
-        assert sorted(Path(e.source).name for e in report.skipped) == ["elsewhere", "inner-link.md", "passwd.txt",
-                                                                        "sub-link"]
+        assert sorted(Path(e.source).name for e in report.skipped) == [
+            "elsewhere",
+            "inner-link.md",
+            "passwd.txt",
+            "sub-link",
+        ]
         report = kb.add([tree], follow_symlinks=True)
         assert sorted(Path(e.source).name for e in report.skipped) == ["elsewhere", "passwd.txt"]
         assert not any("root:x:0:0" in h.text for h in kb.search("root bash", k=10, mode="lexical"))
@@ -93,8 +97,14 @@ def test_a_knowledge_base_never_holds_the_outside_file(tree, tmp_path):
 
 def _chatkv(*args, home: Path) -> subprocess.CompletedProcess:
     env = dict(os.environ, CHATKV_HOME=str(home))
-    return subprocess.run([sys.executable, "-m", "chatkv.cli", *args], capture_output=True, text=True,
-                          env=env, timeout=300, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "chatkv.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_chatkv_ingest_skips_links_out_of_the_tree_and_follows_them_only_on_request(tree, tmp_path):

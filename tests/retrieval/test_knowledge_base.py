@@ -25,14 +25,31 @@ from chatkv.errors import InvalidRequest, StorageError
 from chatkv.retrieval import Embedder, Hit, IngestReport, KnowledgeBase
 from chatkv.retrieval.dense_index import sidecar_path
 from chatkv.storage.knowledge import KnowledgeStore
-
 from tests.support.rag_corpus import DOCUMENTS, write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
-SMALL = ["zephyr-kettle", "zephyr-x350", "aurora-grinder", "pour-over", "py-decorators", "py-generators",
-         "collimation", "eyepieces", "sourdough-starter", "sourdough-baking", "composting", "tomatoes"]
-QUERIES = ["how do I descale a kettle", "telescope mirror alignment", "wrapping a function", "Zephyr X350",
-           "feeding wild yeast", "grind size for a french press"]
+SMALL = [
+    "zephyr-kettle",
+    "zephyr-x350",
+    "aurora-grinder",
+    "pour-over",
+    "py-decorators",
+    "py-generators",
+    "collimation",
+    "eyepieces",
+    "sourdough-starter",
+    "sourdough-baking",
+    "composting",
+    "tomatoes",
+]
+QUERIES = [
+    "how do I descale a kettle",
+    "telescope mirror alignment",
+    "wrapping a function",
+    "Zephyr X350",
+    "feeding wild yeast",
+    "grind size for a french press",
+]
 MODES = ("hybrid", "dense", "lexical")
 
 
@@ -106,9 +123,15 @@ def test_index_files_are_private_and_never_pickled(built):
     files = sorted((data / "kb" / "docs").iterdir())
     assert [f.suffix for f in files] == [".faiss", ".json"]
     assert all(f.stat().st_mode & 0o777 == 0o600 for f in files)
-    for module in ["retrieval/knowledge_base.py", "retrieval/dense_index.py", "retrieval/embedding.py",
-                   "storage/knowledge.py"]:
-        assert "pickle" not in (ROOT / module).read_text().replace("never pickled", "").replace("nothing is pickled", "")
+    for module in [
+        "retrieval/knowledge_base.py",
+        "retrieval/dense_index.py",
+        "retrieval/embedding.py",
+        "storage/knowledge.py",
+    ]:
+        assert "pickle" not in (ROOT / module).read_text().replace("never pickled", "").replace(
+            "nothing is pickled", ""
+        )
 
 
 @pytest.mark.parametrize("damage", ["deleted", "garbage", "truncated", "sidecar deleted", "stale", "other kb"])
@@ -192,8 +215,10 @@ def test_changed_file_replaces_its_chunks_and_unchanged_is_not_embedded(tmp_path
 
 def test_remove_deletes_vectors_and_lexical_entries(tmp_path, embedder):
     kb = fresh_kb(tmp_path, embedder)
-    kb.add_texts(["Quokkas are small marsupials living on Rottnest Island.", "Kettles boil water for tea."],
-                 sources=["notes/quokka.txt", "notes/kettle.txt"])
+    kb.add_texts(
+        ["Quokkas are small marsupials living on Rottnest Island.", "Kettles boil water for tea."],
+        sources=["notes/quokka.txt", "notes/kettle.txt"],
+    )
     quokka = kb.chunks_of("notes/quokka.txt")
     assert quokka and kb.search("quokka", mode="lexical")[0].source == "notes/quokka.txt"
     entries = kb.store.lexical_entries()
@@ -285,8 +310,13 @@ def test_a_killed_ingest_is_recovered_on_open(tmp_path, embedder, caplog):
         (docs / f"{name}.md").write_text(f"# {name}\n\n" + body[name])
     # discovery is sorted: a is unchanged; b (changed), c and d (new) commit; the child is killed
     # inside z's transaction, after z's new chunks were inserted and the old ones deleted
-    child = subprocess.Popen([sys.executable, "-c", KILL_CHILD, str(data), str(docs)], stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, cwd=tmp_path, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILL_CHILD, str(data), str(docs)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        cwd=tmp_path,
+        text=True,
+    )
     lines = []
     try:
         deadline = time.monotonic() + 120
@@ -312,7 +342,9 @@ def test_a_killed_ingest_is_recovered_on_open(tmp_path, embedder, caplog):
     assert kb.chunks_of("z.md") == old_z  # z wholly old: same chunks, same ids, same text
     consistency(kb)
     for mode in MODES:
-        assert all(not h.text.startswith("# z\n\nNew") for h in kb.search("New text of z, never half-written", k=10, mode=mode))
+        assert all(
+            not h.text.startswith("# z\n\nNew") for h in kb.search("New text of z, never half-written", k=10, mode=mode)
+        )
     assert kb.search("Old text of z", k=1, mode="lexical")[0].source.endswith("z.md")
     report = kb.add([docs])  # finishing the ingest takes just z
     assert [Path(s).name for s in report.updated] == ["z.md"] and len(report.unchanged) == 4
@@ -375,7 +407,9 @@ def test_bad_documents_are_skipped_one_error_each(tmp_path, embedder):
     assert all(e.reason and "\n" not in e.reason for e in report.skipped)
     reasons = {Path(e.source).name: e.reason for e in report.skipped}
     assert "binary" in reasons["binary.dat"] and "empty" in reasons["empty.txt"]
-    assert "20 MB" in reasons["huge.txt"] and reasons["loop-a"] == "symlink loop" and "encoding" in reasons["encoding.txt"]
+    assert (
+        "20 MB" in reasons["huge.txt"] and reasons["loop-a"] == "symlink loop" and "encoding" in reasons["encoding.txt"]
+    )
     assert reasons["up"].startswith("symlink loop")
     assert "2 added" in report.summary() and f"{len(bad)} skipped" in report.summary()
     consistency(kb)
@@ -398,8 +432,26 @@ def test_a_file_that_turned_bad_keeps_its_previous_version(tmp_path, embedder):
     kb.close()
 
 
-HOSTILE = ["", "   ", '"', "AND OR NOT", "*", "a" * 10_000, "NEAR(a b)", "col:term", "'", ")(", "-x ^y",
-           "\"unterminated", "x OR", "AND", "ü" * 3000, "\x00", "😀 emoji", "SELECT * FROM kb_chunks; --"]
+HOSTILE = [
+    "",
+    "   ",
+    '"',
+    "AND OR NOT",
+    "*",
+    "a" * 10_000,
+    "NEAR(a b)",
+    "col:term",
+    "'",
+    ")(",
+    "-x ^y",
+    '"unterminated',
+    "x OR",
+    "AND",
+    "ü" * 3000,
+    "\x00",
+    "😀 emoji",
+    "SELECT * FROM kb_chunks; --",
+]
 
 
 def test_hostile_queries_give_results_or_a_clear_error_never_sqlite(built, embedder):
@@ -430,8 +482,14 @@ def test_bad_names_and_texts_are_refused_clearly(tmp_path, embedder):
     with pytest.raises(InvalidRequest, match="no knowledge base"):
         KnowledgeBase.open("missing", data_dir=tmp_path, embedder=embedder, create=False)
     kb = fresh_kb(tmp_path, embedder)
-    for args, kwargs in [(("one string",), {}), ((["a", "b"],), dict(sources=["x"])), ((["a", "b"],), dict(sources=["x", "x"])),
-                         ((["a"],), dict(metadata=[{}, {}])), ((["\ud800"],), {}), ((["a"],), dict(metadata="x"))]:
+    for args, kwargs in [
+        (("one string",), {}),
+        ((["a", "b"],), dict(sources=["x"])),
+        ((["a", "b"],), dict(sources=["x", "x"])),
+        ((["a"],), dict(metadata=[{}, {}])),
+        ((["\ud800"],), {}),
+        ((["a"],), dict(metadata="x")),
+    ]:
         with pytest.raises(InvalidRequest):
             kb.add_texts(*args, **kwargs)
     report = kb.add_texts(["", "fine"], sources=["empty", "fine"])
@@ -471,18 +529,30 @@ def test_a_missing_or_broken_model_dir_is_model_not_found(tmp_path):
 def test_metadata_and_source_filters(tmp_path, embedder):
     kb = fresh_kb(tmp_path, embedder)
     kb.add_texts(
-        ["Descale the kettle monthly.", "Entkalken Sie den Wasserkocher monatlich.", "Kettles need descaling too.",
-         "Telescopes need collimation."],
+        [
+            "Descale the kettle monthly.",
+            "Entkalken Sie den Wasserkocher monatlich.",
+            "Kettles need descaling too.",
+            "Telescopes need collimation.",
+        ],
         sources=["en/kettle.md", "de/kettle.md", "en/notes.txt", "en/scope.md"],
-        metadata=[{"lang": "en", "team": "home"}, {"lang": "de", "team": "home"}, {"lang": "en", "team": "lab"},
-                  {"lang": "en", "team": "lab"}],
+        metadata=[
+            {"lang": "en", "team": "home"},
+            {"lang": "de", "team": "home"},
+            {"lang": "en", "team": "lab"},
+            {"lang": "en", "team": "lab"},
+        ],
     )
     for mode in MODES:
-        assert {h.source for h in kb.search("kettle descale", k=5, mode=mode, filters={"lang": "de"})} <= {"de/kettle.md"}
+        assert {h.source for h in kb.search("kettle descale", k=5, mode=mode, filters={"lang": "de"})} <= {
+            "de/kettle.md"
+        }
         got = {h.source for h in kb.search("kettle", k=5, mode=mode, filters={"lang": "en", "team": "home"})}
         assert got <= {"en/kettle.md"}
         assert {h.source for h in kb.search("kettle", k=5, mode=mode, filters={"source": "en/*.md"})} <= {
-            "en/kettle.md", "en/scope.md"}
+            "en/kettle.md",
+            "en/scope.md",
+        }
         assert kb.search("kettle", mode=mode, filters={"lang": "fr"}) == []
         assert kb.search("kettle", mode=mode, filters={"missing-key": 1}) == []
     dense = kb.search("kettle descaling", k=5, mode="dense", filters={"team": ["lab", "nobody"]})
@@ -491,7 +561,9 @@ def test_metadata_and_source_filters(tmp_path, embedder):
     with pytest.raises(InvalidRequest):
         kb.search("kettle", filters={"source": 3})
     # metadata-only changes update the row without embedding again
-    report = kb.add_texts(["Descale the kettle monthly."], sources=["en/kettle.md"], metadata={"lang": "en", "team": "lab"})
+    report = kb.add_texts(
+        ["Descale the kettle monthly."], sources=["en/kettle.md"], metadata={"lang": "en", "team": "lab"}
+    )
     assert report.updated == ["en/kettle.md"] and report.chunks == 0
     assert {h.source for h in kb.search("kettle", k=5, mode="dense", filters={"team": "lab"})} >= {"en/kettle.md"}
     consistency(kb)
@@ -587,7 +659,9 @@ def test_a_database_from_before_knowledge_bases_is_migrated_keeping_its_conversa
     conv = store.create_conversation("kept", "m", "", {})
     store.add_message(conv.id, "user", "hello")
     with store.engine.begin() as conn:
-        command.downgrade(migrations.config(connection=conn), "0001")  # a database from before knowledge bases (schema 0001)
+        command.downgrade(
+            migrations.config(connection=conn), "0001"
+        )  # a database from before knowledge bases (schema 0001)
     store.close()
     kb = fresh_kb(tmp_path, embedder)  # migrates to 0002
     kb.add_texts(["Kettles boil water."], sources=["k"])

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 
 from chatkv.retrieval import Embedder, KnowledgeBase
-
 from tests.support.rag_corpus import DOCUMENTS, QUESTIONS, write_corpus
 
 MODES = ("dense", "lexical", "hybrid")
@@ -78,7 +77,9 @@ def test_the_corpus_is_what_it_claims():
 
 
 def test_hybrid_finds_the_right_document_in_the_top_3_and_beats_dense(figures, capsys):
-    lines = [f"retrieval quality: {len(QUESTIONS)} questions over {len(DOCUMENTS)} documents (tests/support/rag_corpus.py)"]
+    lines = [
+        f"retrieval quality: {len(QUESTIONS)} questions over {len(DOCUMENTS)} documents (tests/support/rag_corpus.py)"
+    ]
     for mode in MODES:
         f = figures[mode]
         lines.append(f"  {mode:8s} top-1 {f['top1']:6.1%}   top-3 {f['top3']:6.1%}")

@@ -14,12 +14,19 @@ import sys
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from chatkv.server.ray import options as ray_options
 from chatkv.server.cli import _parser
 from chatkv.server.history import prefix_keys
+from chatkv.server.ray import options as ray_options
+from chatkv.server.ray.affinity import (
+    KEY_BYTES,
+    STRONG_CHARS,
+    AffinityTable,
+    RouteKeys,
+    choose,
+    prompt_keys,
+    route_keys,
+)
 from chatkv.server.ray.prom_merge import merge
-from chatkv.server.ray.affinity import (KEY_BYTES, STRONG_CHARS, AffinityTable, RouteKeys, choose, prompt_keys,
-                                       route_keys)
 
 SYS = {"role": "system", "content": "Be brief."}
 
@@ -43,7 +50,12 @@ def table(*replicas) -> AffinityTable:
 
 
 def test_keys_of_a_chat_are_its_message_prefixes_as_the_replica_hashes_them():
-    msgs = [SYS, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "?"}]
+    msgs = [
+        SYS,
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "?"},
+    ]
     k = chat_keys_of(msgs)
     assert k.kind == "chat" and k.session is None
     assert k.prefixes == [d.hex()[:KEY_BYTES] for d in prefix_keys(msgs)]  # what replicas report
@@ -55,14 +67,18 @@ def test_keys_of_a_chat_are_its_message_prefixes_as_the_replica_hashes_them():
 def test_session_ids_from_the_header_or_the_body_and_new_is_no_session():
     assert chat_keys_of([{"role": "user", "content": "q"}], "abc").session == "abc"
     assert chat_keys_of([{"role": "user", "content": "q"}], "new").session is None
-    k = route_keys("/v1/chat/completions", {}, body(model="m", session_id="s1", messages=[{"role": "user", "content": "q"}]))
+    k = route_keys(
+        "/v1/chat/completions", {}, body(model="m", session_id="s1", messages=[{"role": "user", "content": "q"}])
+    )
     assert k.session == "s1"
     k = route_keys("/v1/chat/completions", {"x-session-id": "h"}, body(session_id="b", messages=[]))
     assert k.session == "h"  # the header wins, as in the single server
 
 
-@pytest.mark.parametrize("raw", [b"", b"{", b"[1,2]", b'{"messages": "no"}', b'{"messages": [{"role": 1}]}',
-                                 b"\xff\xfe", b'{"prompt": {"a": 1}}'])
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"{", b"[1,2]", b'{"messages": "no"}', b'{"messages": [{"role": 1}]}', b"\xff\xfe", b'{"prompt": {"a": 1}}'],
+)
 def test_a_body_the_router_cannot_read_is_routed_by_load(raw):
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/models"):
         k = route_keys(path, {}, raw)
@@ -152,12 +168,14 @@ def test_the_table_is_bounded():
 
 
 def test_metrics_of_replicas_merge_into_one_valid_exposition():
-    a = ('# HELP x_total X\n# TYPE x_total counter\nx_total{model_name="m"} 1.0\n'
-         "# HELP g G\n# TYPE g gauge\ng 2.0\n")
+    a = '# HELP x_total X\n# TYPE x_total counter\nx_total{model_name="m"} 1.0\n# HELP g G\n# TYPE g gauge\ng 2.0\n'
     b = '# HELP x_total X\n# TYPE x_total counter\nx_total{model_name="m"} 3.0\n# HELP g G\n# TYPE g gauge\ng 4.0\n'
     text = merge({"r1": a, "r2": b}, '# TYPE r counter\nr_total{reason="chat:session"} 5.0\n')
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for f in text_string_to_metric_families(text) for s in f.samples}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+    }
     assert samples[("x_total", (("model_name", "m"), ("replica", "r1")))] == 1.0
     assert samples[("x_total", (("model_name", "m"), ("replica", "r2")))] == 3.0
     assert samples[("g", (("replica", "r2"),))] == 4.0
@@ -199,8 +217,17 @@ def test_options_for_serve_s_own_tools():
     """``serve run chatkv.server.ray.deployments:app_builder model=DIR replicas=3 ...`` (strings, as Serve passes them)."""
     from chatkv.server.ray.deployments import app_builder, options_from_args
 
-    o = options_from_args({"model": "/m", "replicas": "3", "replica_cpus": "0.5", "routing": "round_robin",
-                           "max_concurrency": "8", "dtype": "float32", "data_dir": "/d"})
+    o = options_from_args(
+        {
+            "model": "/m",
+            "replicas": "3",
+            "replica_cpus": "0.5",
+            "routing": "round_robin",
+            "max_concurrency": "8",
+            "dtype": "float32",
+            "data_dir": "/d",
+        }
+    )
     assert (o.replicas, o.replica_cpus, o.routing, o.replica.max_concurrency) == (3, 0.5, "round_robin", 8)
     assert (o.replica.model, o.replica.engine) == ("/m", {"dtype": "float32", "data_dir": "/d"})
     with pytest.raises(ValueError, match="model=DIR"):

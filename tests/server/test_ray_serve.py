@@ -36,15 +36,15 @@ from pathlib import Path
 import pytest
 
 ray = pytest.importorskip("ray", reason="the test extra installs ray[serve]: pip install -e '.[test]'")
-from ray import serve  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from ray import serve  # noqa: E402
 
 from chatkv.server.ray.deployments import ReplicaOptions, ServeOptions, deploy  # noqa: E402
 from chatkv.storage.kv_segments import SegmentStore  # noqa: E402
 from chatkv.storage.repository import Store  # noqa: E402
+from tests.sessions.test_multiprocess import MODEL, SYSTEM, check_history  # noqa: E402
 from tests.support.processes import one_torch_thread  # noqa: E402
 from tests.support.serving import raw, user  # noqa: E402
-from tests.sessions.test_multiprocess import MODEL, SYSTEM, check_history  # noqa: E402
 from tests.support.tiny import make_model  # noqa: E402
 
 NAME = "tiny"
@@ -65,8 +65,15 @@ class Cluster:
 
     def options(self, app: str, routing: str, prefix: str) -> ServeOptions:
         engine = dict(data_dir=str(self.data), dtype="float32", block_size=4, num_blocks=1024)
-        return ServeOptions(ReplicaOptions(str(self.model_dir), NAME, engine), replicas=2, routing=routing,
-                            replica_cpus=0.5, stats_period_s=1.0, route_prefix=prefix, app_name=app)
+        return ServeOptions(
+            ReplicaOptions(str(self.model_dir), NAME, engine),
+            replicas=2,
+            routing=routing,
+            replica_cpus=0.5,
+            stats_period_s=1.0,
+            route_prefix=prefix,
+            app_name=app,
+        )
 
     def store(self) -> Store:
         return Store.open(None, self.data)
@@ -78,12 +85,19 @@ def cluster(tmp_path_factory):
         model_dir = tmp_path_factory.mktemp("ray-model") / "model"
         ref = make_model(model_dir, "llama", seed=11, **MODEL)
         data = tmp_path_factory.mktemp("ray-data")
-        ray.init(num_cpus=2, object_store_memory=80 * 2**20, include_dashboard=False, logging_level=logging.WARNING,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}})
+        ray.init(
+            num_cpus=2,
+            object_store_memory=80 * 2**20,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}},
+        )
         try:
             port = _free_port()
-            serve.start(http_options={"host": "127.0.0.1", "port": port},
-                        logging_config={"log_level": "WARNING", "enable_access_log": False})
+            serve.start(
+                http_options={"host": "127.0.0.1", "port": port},
+                logging_config={"log_level": "WARNING", "enable_access_log": False},
+            )
             c = Cluster(f"http://127.0.0.1:{port}", data, model_dir, ref)
             deploy(c.options("affinity", "affinity", "/"))
             yield c
@@ -97,8 +111,12 @@ def cluster(tmp_path_factory):
 
 def chat(url: str, messages: list[dict], session: str | None = None, **extra) -> tuple[int, dict, dict]:
     headers = {"X-Session-Id": session} if session else {}
-    return raw(url, "/v1/chat/completions",
-               {"model": NAME, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, **extra}, headers)
+    return raw(
+        url,
+        "/v1/chat/completions",
+        {"model": NAME, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0, **extra},
+        headers,
+    )
 
 
 def answered(url: str, messages: list[dict], session: str | None = None, tries: list | None = None):
@@ -120,14 +138,20 @@ def answered(url: str, messages: list[dict], session: str | None = None, tries: 
 def metrics(url: str) -> dict[tuple[str, tuple], float]:
     status, text, _ = raw(url, "/metrics")
     assert status == 200, text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def replicas_routed(url: str) -> set[str]:
     """The engine replicas the ingress's router routes to now (``chatkv:router_replicas``)."""
-    return {dict(labels)["replica"] for (name, labels), v in metrics(url).items()
-            if name == "chatkv:router_replicas" and v == 1}
+    return {
+        dict(labels)["replica"]
+        for (name, labels), v in metrics(url).items()
+        if name == "chatkv:router_replicas" and v == 1
+    }
 
 
 def poll(what: str, check, deadline_s: float = DEADLINE_S):
@@ -160,8 +184,16 @@ def run_sessions(url: str, n: int, turns: int, tag: str) -> list[list[dict]]:
                 tries: list = []
                 reply, usage, headers = answered(url, msgs, sid, tries)
                 sid = headers["x-session-id"]
-                out[i].append({"sid": sid, "replica": headers["x-chatkv-replica"], "usage": usage, "q": q, "a": reply,
-                               "tries": len(tries)})
+                out[i].append(
+                    {
+                        "sid": sid,
+                        "replica": headers["x-chatkv-replica"],
+                        "usage": usage,
+                        "q": q,
+                        "a": reply,
+                        "tries": len(tries),
+                    }
+                )
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(f"session {i}: {type(e).__name__}: {e}")
 
@@ -198,7 +230,8 @@ def check_store(c: Cluster, runs: list[list[dict]]) -> None:
         for turns in runs:
             msgs, _, _ = check_history(c.ref, c.model_dir, store, turns[0]["sid"])
             assert [(m.role, m.content, m.status) for m in msgs] == [
-                x for t in turns for x in (("user", t["q"], "complete"), ("assistant", t["a"], "complete"))]
+                x for t in turns for x in (("user", t["q"], "complete"), ("assistant", t["a"], "complete"))
+            ]
             assert store.leases.holder(turns[0]["sid"]) is None
 
 
@@ -217,8 +250,9 @@ def test_sessions_stay_on_their_replica_and_hit_their_history(cluster):
             assert u["prompt_tokens_details"]["cached_tokens"] >= 0.8 * history_len(prev)
     assert len({t[0]["replica"] for t in runs}) == 2, "the first turns were not spread over both replicas"
     after = metrics(c.url)
-    routed = after.get(("chatkv:router_decisions_total", (("reason", "chat:session"),)), 0) - \
-        before.get(("chatkv:router_decisions_total", (("reason", "chat:session"),)), 0)
+    routed = after.get(("chatkv:router_decisions_total", (("reason", "chat:session"),)), 0) - before.get(
+        ("chatkv:router_decisions_total", (("reason", "chat:session"),)), 0
+    )
     assert routed == sum(t["tries"] for turns in runs for t in turns[1:])  # each later turn's requests, by session
     check_store(c, runs)
 
@@ -231,10 +265,12 @@ def test_sessions_stay_on_their_replica_and_hit_their_history(cluster):
     finally:
         serve.delete("rr")
     a, b = summary(runs), summary(rr)
-    print(f"\n{SESSIONS} sessions x {TURNS} turns, turns 2+ ({a['turns']}): history found in the replica's memory "
-          f"affinity {a['memory']:.1%} vs round robin {b['memory']:.1%}; restored from snapshots "
-          f"{a['restored']:.1%} vs {b['restored']:.1%}; tokens computed {a['computed']} vs {b['computed']}; "
-          f"turns on another replica than the previous one {a['moves']} vs {b['moves']}")
+    print(
+        f"\n{SESSIONS} sessions x {TURNS} turns, turns 2+ ({a['turns']}): history found in the replica's memory "
+        f"affinity {a['memory']:.1%} vs round robin {b['memory']:.1%}; restored from snapshots "
+        f"{a['restored']:.1%} vs {b['restored']:.1%}; tokens computed {a['computed']} vs {b['computed']}; "
+        f"turns on another replica than the previous one {a['moves']} vs {b['moves']}"
+    )
     assert a["moves"] == 0 and b["moves"] > 0, (a, b)
     for turns in rr:  # a turn on another replica than the last one cannot find the last turn's KV in memory
         for prev, cur in zip(turns, turns[1:]):
@@ -344,8 +380,9 @@ def test_a_killed_replica_s_sessions_continue_on_the_other(cluster):
         q = f"After the kill, {turns[0]['sid'][:6]}?"
         reply, usage, headers = answered(c.url, user(q), turns[0]["sid"])
         moved = turns[0]["replica"] == victim
-        turns.append({"sid": turns[0]["sid"], "replica": headers["x-chatkv-replica"], "usage": usage, "q": q,
-                      "a": reply})
+        turns.append(
+            {"sid": turns[0]["sid"], "replica": headers["x-chatkv-replica"], "usage": usage, "q": q, "a": reply}
+        )
         if moved:
             assert headers["x-chatkv-replica"] in survivors
             assert usage["chatkv"]["restored_tokens"] > 0, usage
@@ -370,9 +407,20 @@ def test_a_replica_killed_during_a_streamed_reply(cluster):
     _, _, h = answered(c.url, [{"role": "system", "content": SYSTEM}, *user("Stream, then die.")], "new")
     sid, home = h["x-session-id"], h["x-chatkv-replica"]
     req = urllib.request.Request(
-        c.url + "/v1/chat/completions", method="POST", headers={"Content-Type": "application/json", "X-Session-Id": sid},
-        data=json.dumps({"model": NAME, "messages": user("A long answer please"), "max_tokens": 900,
-                         "temperature": 0, "ignore_eos": True, "stream": True}).encode())
+        c.url + "/v1/chat/completions",
+        method="POST",
+        headers={"Content-Type": "application/json", "X-Session-Id": sid},
+        data=json.dumps(
+            {
+                "model": NAME,
+                "messages": user("A long answer please"),
+                "max_tokens": 900,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        ).encode(),
+    )
     events = []
     with urllib.request.urlopen(req, timeout=DEADLINE_S) as r:
         assert r.headers["x-chatkv-replica"] == home
@@ -392,10 +440,16 @@ def test_a_replica_killed_during_a_streamed_reply(cluster):
     assert h2["x-chatkv-replica"] != home
     with c.store() as store:
         msgs = store.messages(sid)
-        assert [(m.role, m.content) for m in msgs][:2] == [("user", "Stream, then die."), ("assistant", msgs[1].content)]
+        assert [(m.role, m.content) for m in msgs][:2] == [
+            ("user", "Stream, then die."),
+            ("assistant", msgs[1].content),
+        ]
         assert [(m.role, m.content, m.status) for m in msgs[2:]] == [
-            ("user", "A long answer please", "complete"), ("assistant", msgs[3].content, "interrupted"),
-            ("user", "Still there?", "complete"), ("assistant", reply, "complete")]
+            ("user", "A long answer please", "complete"),
+            ("assistant", msgs[3].content, "interrupted"),
+            ("user", "Still there?", "complete"),
+            ("assistant", reply, "complete"),
+        ]
         assert store.leases.holder(sid) is None
 
 
@@ -410,8 +464,9 @@ def test_the_same_answers_as_the_single_server(cluster, tmp_path):
     from tests.support.serving import Running
 
     c = cluster
-    engine = Engine.from_pretrained(str(c.model_dir), data_dir=str(tmp_path), dtype="float32", block_size=4,
-                                    num_blocks=256)
+    engine = Engine.from_pretrained(
+        str(c.model_dir), data_dir=str(tmp_path), dtype="float32", block_size=4, num_blocks=256
+    )
     single = Running(create_app(engine, model_name=NAME, owns_engine=True))
     try:
         ok = {"model": NAME, "messages": user("Hi"), "max_tokens": 3, "temperature": 0}
@@ -429,14 +484,19 @@ def test_the_same_answers_as_the_single_server(cluster, tmp_path):
             want, got = raw(single.url, path, body, headers), raw(c.url, path, body, headers)
             assert got[0] == want[0], (path, body if not isinstance(body, bytes) else body[:20], want[:2], got[:2])
             if isinstance(want[1], dict) and "error" in want[1]:
-                assert {k: got[1]["error"][k] for k in ("type", "code", "param")} == \
-                    {k: want[1]["error"][k] for k in ("type", "code", "param")}, (path, want[1], got[1])
+                assert {k: got[1]["error"][k] for k in ("type", "code", "param")} == {
+                    k: want[1]["error"][k] for k in ("type", "code", "param")
+                }, (path, want[1], got[1])
         for path in ("/v1/models", "/health"):
             want, got = raw(single.url, path), raw(c.url, path)
             assert got[0] == want[0] == 200 and set(got[1]) == set(want[1]), (want, got)
         want, got = raw(single.url, "/v1/chat/completions", ok), raw(c.url, "/v1/chat/completions", ok)
-        assert got[0] == want[0] == 200 and set(got[1]) == set(want[1]) and set(got[1]["usage"]) == set(want[1]["usage"])
-        assert got[1]["choices"][0]["message"]["content"] == want[1]["choices"][0]["message"]["content"]  # same greedy reply
+        assert (
+            got[0] == want[0] == 200 and set(got[1]) == set(want[1]) and set(got[1]["usage"]) == set(want[1]["usage"])
+        )
+        assert (
+            got[1]["choices"][0]["message"]["content"] == want[1]["choices"][0]["message"]["content"]
+        )  # same greedy reply
         streamed = {**ok, "stream": True, "stream_options": {"include_usage": True}}
         want, got = raw(single.url, "/v1/chat/completions", streamed), raw(c.url, "/v1/chat/completions", streamed)
         assert got[2]["content-type"] == want[2]["content-type"]
@@ -444,6 +504,7 @@ def test_the_same_answers_as_the_single_server(cluster, tmp_path):
         def shape(text: str) -> list:
             events = [line[6:] for line in text.splitlines() if line.startswith("data: ")]
             return [e if e == "[DONE]" else sorted(json.loads(e)) for e in events]
+
         assert shape(got[1]) == shape(want[1])
     finally:
         single.stop()
@@ -456,14 +517,28 @@ def test_a_client_that_goes_away_mid_stream_frees_its_request(cluster):
     c = cluster
 
     def finished(reason: str) -> float:
-        return sum(v for (name, labels), v in metrics(c.url).items()
-                   if name == "chatkv:request_success_total" and dict(labels).get("finished_reason") == reason)
+        return sum(
+            v
+            for (name, labels), v in metrics(c.url).items()
+            if name == "chatkv:request_success_total" and dict(labels).get("finished_reason") == reason
+        )
 
     aborted = finished("aborted")
     req = urllib.request.Request(
-        c.url + "/v1/chat/completions", method="POST", headers={"Content-Type": "application/json"},
-        data=json.dumps({"model": NAME, "messages": user("Talk for a long time"), "max_tokens": 900,
-                         "temperature": 0, "ignore_eos": True, "stream": True}).encode())
+        c.url + "/v1/chat/completions",
+        method="POST",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps(
+            {
+                "model": NAME,
+                "messages": user("Talk for a long time"),
+                "max_tokens": 900,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+        ).encode(),
+    )
     r = urllib.request.urlopen(req, timeout=DEADLINE_S)
     seen = 0
     for line in r:
@@ -474,7 +549,11 @@ def test_a_client_that_goes_away_mid_stream_frees_its_request(cluster):
 
     def running() -> float:
         m = metrics(c.url)
-        return sum(v for (name, _), v in m.items()
-                   if name in ("chatkv:num_requests_running", "chatkv:server_requests_in_flight"))
+        return sum(
+            v
+            for (name, _), v in m.items()
+            if name in ("chatkv:num_requests_running", "chatkv:server_requests_in_flight")
+        )
+
     poll("no request left running on the replicas", lambda: running() == 0)
     assert finished("aborted") == aborted + 1  # stopped, not run to its 900 tokens

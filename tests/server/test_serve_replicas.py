@@ -36,10 +36,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from chatkv.storage.kv_segments import SegmentStore
 from chatkv.storage.kv_store import token_hash
 from chatkv.storage.repository import Store
+from tests.sessions.test_multiprocess import MODEL, SYSTEM, check_history
 from tests.support.multiprocess_child import QUESTIONS
 from tests.support.processes import one_torch_thread
 from tests.support.serving import raw
-from tests.sessions.test_multiprocess import MODEL, SYSTEM, check_history
 from tests.support.tiny import make_model
 
 NAME = "tiny"
@@ -79,10 +79,24 @@ class Server:
 
     def __init__(self, name: str, model_dir: Path, data: Path, db_url: str, log: Path):
         self.name, self.log = name, log
-        self.args = ["serve", "--model", str(model_dir), "--served-model-name", NAME, "--data-dir", str(data),
-                     "--db-url", db_url, "--dtype", "float32", "--log-level", "warning"]
-        self.env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
-                        CHATKV_HOME=str(data))
+        self.args = [
+            "serve",
+            "--model",
+            str(model_dir),
+            "--served-model-name",
+            NAME,
+            "--data-dir",
+            str(data),
+            "--db-url",
+            db_url,
+            "--dtype",
+            "float32",
+            "--log-level",
+            "warning",
+        ]
+        self.env = dict(
+            os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", CHATKV_HOME=str(data)
+        )
         self.launches = 0
         self._launch()
 
@@ -91,9 +105,14 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.launches += 1
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([*_chatkv_command(), *self.args, "--port", str(self.port)],
-                                         stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=self.env,
-                                         preexec_fn=_die_with_parent if _LIBC is not None else None)
+            self.proc = subprocess.Popen(
+                [*_chatkv_command(), *self.args, "--port", str(self.port)],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                preexec_fn=_die_with_parent if _LIBC is not None else None,
+            )
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-6000:] if self.log.exists() else ""
@@ -105,8 +124,9 @@ class Server:
                 if "address already in use" in self.output() and self.launches < 3:
                     self._launch()
                     continue
-                raise AssertionError(f"server {self.name} exited ({self.proc.returncode}) before it was ready:\n"
-                                     f"{self.output()}")
+                raise AssertionError(
+                    f"server {self.name} exited ({self.proc.returncode}) before it was ready:\n{self.output()}"
+                )
             try:
                 status, _, _ = raw(self.url, "/health")
                 if status == 200:
@@ -166,8 +186,9 @@ def replicas(postgres, model, tmp_path_factory):
     finally:
         statuses = {s.name: s.stop() for s in servers}  # every server is ended, whatever happened
     for s in servers:
-        assert statuses[s.name] == 0, f"server {s.name} did not stop gracefully on SIGTERM " \
-                                      f"(status {statuses[s.name]}):\n{s.output()}"
+        assert statuses[s.name] == 0, (
+            f"server {s.name} did not stop gracefully on SIGTERM (status {statuses[s.name]}):\n{s.output()}"
+        )
     assert "Traceback" not in "".join(s.output() for s in servers), "".join(s.output() for s in servers)
 
 
@@ -175,9 +196,12 @@ def replicas(postgres, model, tmp_path_factory):
 
 
 def chat(server: Server, session: str, messages: list[dict]) -> tuple[int, dict, dict]:
-    return raw(server.url, "/v1/chat/completions",
-               {"model": NAME, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0},
-               {"X-Session-Id": session})
+    return raw(
+        server.url,
+        "/v1/chat/completions",
+        {"model": NAME, "messages": messages, "max_tokens": MAX_TOKENS, "temperature": 0},
+        {"X-Session-Id": session},
+    )
 
 
 def answered(server: Server, session: str, messages: list[dict]) -> tuple[str, dict, str]:
@@ -194,8 +218,12 @@ def user(text: str) -> list[dict]:
 def scrape(server: Server) -> dict[str, float]:
     status, text, _ = raw(server.url, "/metrics")
     assert status == 200
-    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
-            if not s.labels.keys() - {"model_name"}}
+    return {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if not s.labels.keys() - {"model_name"}
+    }
 
 
 def snapshot_key(data: Path, conv: str) -> str | None:
@@ -244,8 +272,10 @@ def test_a_conversation_moves_between_replicas_with_its_kv(replicas, model):
     assert u2["chatkv"]["computed_tokens"] <= u2["prompt_tokens"] - man1.end  # only what the snapshot lacks
     assert after["chatkv:kv_restores_total"] - before.get("chatkv:kv_restores_total", 0) == 1
     assert after["chatkv:kv_restore_bytes_total"] > before.get("chatkv:kv_restore_bytes_total", 0)
-    assert after["chatkv:prompt_tokens_restored_total"] - before.get("chatkv:prompt_tokens_restored_total", 0) \
+    assert (
+        after["chatkv:prompt_tokens_restored_total"] - before.get("chatkv:prompt_tokens_restored_total", 0)
         == u2["chatkv"]["restored_tokens"]
+    )
 
     # turn 3 back on A: it reloads the history under the lease (B's turn is in it) and B's KV from disk
     man2 = wait_for_snapshot(r, conv, kv_len(u2))
@@ -259,9 +289,13 @@ def test_a_conversation_moves_between_replicas_with_its_kv(replicas, model):
     with r.store() as store:
         msgs, tokens, turns = check_history(ref, model_dir, store, conv)
         assert [(m.role, m.content, m.status) for m in msgs] == [
-            ("user", f"{QUESTIONS[0]} [h.1]", "complete"), ("assistant", t1, "complete"),
-            ("user", f"{QUESTIONS[1]} [h.2]", "complete"), ("assistant", t2, "complete"),
-            ("user", f"{QUESTIONS[2]} [h.3]", "complete"), ("assistant", t3, "complete")]
+            ("user", f"{QUESTIONS[0]} [h.1]", "complete"),
+            ("assistant", t1, "complete"),
+            ("user", f"{QUESTIONS[1]} [h.2]", "complete"),
+            ("assistant", t2, "complete"),
+            ("user", f"{QUESTIONS[2]} [h.3]", "complete"),
+            ("assistant", t3, "complete"),
+        ]
         # each turn's prompt was the whole stored history before its reply
         assert [u["prompt_tokens"] for u in (u1, u2, u3)] == [start for start, _ in turns]
         assert store.leases.holder(conv) is None
@@ -325,5 +359,7 @@ def test_two_replicas_race_on_one_conversation(replicas, model):
             assert [p for p in stored if p[0] == q] == [(q, reply)], (q, reply, stored)
         assert store.leases.holder(conv) is None
         order = "".join(m.content.rsplit("[", 1)[1][0] for m in msgs[2::2])
-    print(f"{len(sent)} turns over two replicas, stored in the order {order}; {len(busy)} requests answered 409 "
-          f"session_busy ({sum('another process' in e['message'] for e in busy)} for the other replica) and retried")
+    print(
+        f"{len(sent)} turns over two replicas, stored in the order {order}; {len(busy)} requests answered 409 "
+        f"session_busy ({sum('another process' in e['message'] for e in busy)} for the other replica) and retried"
+    )

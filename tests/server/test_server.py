@@ -49,8 +49,16 @@ def test_plain_chat_completion_equals_the_engines_greedy_reply(engine, client):
 def test_streamed_chat_matches_plain_and_reports_cached_tokens(engine, client):
     msgs = user("Tell me about key-value caches and attention state.")
     plain = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=msgs,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -64,7 +72,10 @@ def test_streamed_chat_matches_plain_and_reports_cached_tokens(engine, client):
     assert usage.prompt_tokens_details.cached_tokens >= (n - 1) // BLOCK * BLOCK > 0
     assert usage.completion_tokens == plain.usage.completion_tokens
     split = usage.model_extra["chatkv"]
-    assert split["cached_tokens"] + split["host_tokens"] + split["restored_tokens"] == usage.prompt_tokens_details.cached_tokens
+    assert (
+        split["cached_tokens"] + split["host_tokens"] + split["restored_tokens"]
+        == usage.prompt_tokens_details.cached_tokens
+    )
     assert split["computed_tokens"] == n - usage.prompt_tokens_details.cached_tokens
     assert 0 <= split["accepted_tokens"] <= split["proposed_tokens"]  # speculative decoding's, when it ran
 
@@ -76,8 +87,11 @@ def test_text_completions_models_health_and_embeddings(engine, server, client):
     assert r.object == "text_completion" and r.choices[0].text == ref.text
     batch = client.completions.create(model=MODEL, prompt=[prompt, "Paris is"], max_tokens=6, temperature=0)
     assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == ref.text
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True) if c.choices)
+    streamed = "".join(
+        c.choices[0].text
+        for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, stream=True)
+        if c.choices
+    )
     assert streamed == ref.text
     ids = [m.id for m in client.models.list().data]
     assert ids[0] == MODEL and "all-MiniLM-L6-v2" in ids
@@ -102,8 +116,9 @@ def test_eight_concurrent_streams_each_equal_their_solo_reply(engine, client):
     def run(i):
         try:
             start.wait(10)
-            stream = client.chat.completions.create(model=MODEL, messages=prompts[i], max_tokens=20, temperature=0,
-                                                    stream=True)
+            stream = client.chat.completions.create(
+                model=MODEL, messages=prompts[i], max_tokens=20, temperature=0, stream=True
+            )
             got[i] = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
@@ -150,8 +165,10 @@ def test_stateless_ten_turn_chat_hits_its_whole_history(engine, server):
         usages = ten_turns(bare.url, SYSTEM + " Once more.")
     finally:
         bare.stop()
-    missed = [u.prompt_tokens_details.cached_tokens < p.prompt_tokens + p.completion_tokens - BLOCK
-              for p, u in zip(usages, usages[1:])]
+    missed = [
+        u.prompt_tokens_details.cached_tokens < p.prompt_tokens + p.completion_tokens - BLOCK
+        for p, u in zip(usages, usages[1:])
+    ]
     assert sum(missed) >= 5, missed
 
 
@@ -162,17 +179,23 @@ def test_session_continuity_by_header(engine, client, server):
     params = dict(max_tokens=12, temperature=0)
     first = user("Name a prime number.")
     raw_r = client.chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "system", "content": "Be terse."}, *first], extra_headers={"X-Session-Id": "new"},
-        **params)
+        model=MODEL,
+        messages=[{"role": "system", "content": "Be terse."}, *first],
+        extra_headers={"X-Session-Id": "new"},
+        **params,
+    )
     sid = raw_r.headers["x-session-id"]
     r1 = raw_r.parse()
     assert r1.model_extra["session_id"] == sid
-    r2 = client.chat.completions.create(model=MODEL, messages=user("And another?"), extra_headers={"X-Session-Id": sid},
-                                        **params)
+    r2 = client.chat.completions.create(
+        model=MODEL, messages=user("And another?"), extra_headers={"X-Session-Id": sid}, **params
+    )
     # the same two turns through the SDK's own session give the same replies
     ref = engine.session(system="Be terse.", params=params)
     assert [ref.send("Name a prime number.").text, ref.send("And another?").text] == [
-        r1.choices[0].message.content, r2.choices[0].message.content]
+        r1.choices[0].message.content,
+        r2.choices[0].message.content,
+    ]
     ref.close()
     # the history's KV stayed in memory between the two requests
     assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens + r1.usage.completion_tokens - BLOCK
@@ -181,29 +204,40 @@ def test_session_continuity_by_header(engine, client, server):
     assert stored == [("user", "Name a prime number."), ("assistant", a1), ("user", "And another?"), ("assistant", a2)]
 
     # the whole conversation sent back as stored, by the body field, streamed: accepted
-    history = [{"role": "system", "content": "Be terse."}, *first, {"role": "assistant", "content": a1},
-               *user("And another?"), {"role": "assistant", "content": a2}]
-    chunks = list(client.chat.completions.create(model=MODEL, messages=history + user("Thanks."), stream=True,
-                                                 extra_body={"session_id": sid}, **params))
+    history = [
+        {"role": "system", "content": "Be terse."},
+        *first,
+        {"role": "assistant", "content": a1},
+        *user("And another?"),
+        {"role": "assistant", "content": a2},
+    ]
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=history + user("Thanks."), stream=True, extra_body={"session_id": sid}, **params
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert len(engine.resume(sid).messages()) == 6
     # a history that disagrees with the stored one: 409, nothing stored
     wrong = [*first, {"role": "assistant", "content": "something else"}, *user("Hm?")]
-    status, body, _ = raw(server.url, "/v1/chat/completions", {"model": MODEL, "messages": wrong, **params},
-                          {"X-Session-Id": sid})
+    status, body, _ = raw(
+        server.url, "/v1/chat/completions", {"model": MODEL, "messages": wrong, **params}, {"X-Session-Id": sid}
+    )
     assert status == 409 and body["error"]["code"] == "session_history_mismatch"
     assert len(engine.resume(sid).messages()) == 6
     with pytest.raises(openai.NotFoundError) as e:
-        client.chat.completions.create(model=MODEL, messages=user("Hi"), extra_headers={"X-Session-Id": "0" * 32},
-                                       **params)
+        client.chat.completions.create(
+            model=MODEL, messages=user("Hi"), extra_headers={"X-Session-Id": "0" * 32}, **params
+        )
     assert e.value.body["code"] == "session_not_found"
     # while the conversation answers someone else (here the SDK, mid-reply): 409, nothing stored
     turn = engine.resume(sid).stream("Busy?", SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
     next(turn)
     try:
         with pytest.raises(openai.ConflictError) as e:
-            client.chat.completions.create(model=MODEL, messages=user("Me too?"), extra_headers={"X-Session-Id": sid},
-                                           **params)
+            client.chat.completions.create(
+                model=MODEL, messages=user("Me too?"), extra_headers={"X-Session-Id": sid}, **params
+            )
         assert e.value.body["code"] == "session_busy"
     finally:
         turn.close()  # the SDK's reply stops there, kept as interrupted
@@ -219,7 +253,10 @@ def scrape(url: str) -> dict:
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = (family.type, s.value)
+            out[(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name")))] = (
+                family.type,
+                s.value,
+            )
     return out
 
 
@@ -234,20 +271,29 @@ def test_metrics_parse_and_count_what_the_requests_report(server, client):
     r2 = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=9, temperature=0)
     after = scrape(server.url)
     types = {name: t for (name, _), (t, _) in after.items()}
-    for name, kind in [("chatkv:kv_cache_usage_perc", "gauge"), ("chatkv:num_requests_running", "gauge"),
-                       ("chatkv:num_requests_waiting", "gauge"), ("chatkv:prompt_tokens_total", "counter"),
-                       ("chatkv:generation_tokens_total", "counter"), ("chatkv:prefix_cache_queries_total", "counter"),
-                       ("chatkv:prefix_cache_hits_total", "counter"), ("chatkv:prompt_tokens_cached_total", "counter"),
-                       ("chatkv:prompt_tokens_computed_total", "counter"),
-                       ("chatkv:time_to_first_token_seconds_bucket", "histogram"),
-                       ("chatkv:inter_token_latency_seconds_count", "histogram"),
-                       ("chatkv:e2e_request_latency_seconds_sum", "histogram")]:
+    for name, kind in [
+        ("chatkv:kv_cache_usage_perc", "gauge"),
+        ("chatkv:num_requests_running", "gauge"),
+        ("chatkv:num_requests_waiting", "gauge"),
+        ("chatkv:prompt_tokens_total", "counter"),
+        ("chatkv:generation_tokens_total", "counter"),
+        ("chatkv:prefix_cache_queries_total", "counter"),
+        ("chatkv:prefix_cache_hits_total", "counter"),
+        ("chatkv:prompt_tokens_cached_total", "counter"),
+        ("chatkv:prompt_tokens_computed_total", "counter"),
+        ("chatkv:time_to_first_token_seconds_bucket", "histogram"),
+        ("chatkv:inter_token_latency_seconds_count", "histogram"),
+        ("chatkv:e2e_request_latency_seconds_sum", "histogram"),
+    ]:
         assert types.get(name) == kind, name
     delta = lambda name, **lab: value(after, name, **lab) - value(before, name, **lab)  # noqa: E731
     us = [r1.usage, r2.usage]
     assert delta("chatkv:generation_tokens_total") == sum(u.completion_tokens for u in us)
-    assert delta("chatkv:prompt_tokens_total") == delta("chatkv:prefix_cache_queries_total") == sum(
-        u.prompt_tokens for u in us)
+    assert (
+        delta("chatkv:prompt_tokens_total")
+        == delta("chatkv:prefix_cache_queries_total")
+        == sum(u.prompt_tokens for u in us)
+    )
     assert delta("chatkv:prefix_cache_hits_total") == sum(u.prompt_tokens_details.cached_tokens for u in us) > 0
     assert delta("chatkv:prompt_tokens_computed_total") == sum(u.model_extra["chatkv"]["computed_tokens"] for u in us)
     assert delta("chatkv:time_to_first_token_seconds_count") == 2

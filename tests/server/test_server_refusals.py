@@ -35,15 +35,39 @@ BAD = [  # (what, path, body, status, code, param)
     ("unknown model", CHAT, {**OK, "model": "gpt-4o"}, 404, "model_not_found", "model"),
     ("no model", CHAT, {"messages": user("Hi")}, 400, "missing_parameter", "model"),
     ("no messages", CHAT, {**OK, "messages": []}, 400, "invalid_value", "messages"),
-    ("ends with the assistant", CHAT, {**OK, "messages": [{"role": "assistant", "content": "x"}]}, 400,
-     "invalid_value", "messages"),
-    ("unknown role", CHAT, {**OK, "messages": [{"role": "robot", "content": "x"}]}, 400, "invalid_value",
-     "messages[0].role"),
-    ("an image", CHAT, {**OK, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     400, "unsupported_parameter", "messages[0].content"),
+    (
+        "ends with the assistant",
+        CHAT,
+        {**OK, "messages": [{"role": "assistant", "content": "x"}]},
+        400,
+        "invalid_value",
+        "messages",
+    ),
+    (
+        "unknown role",
+        CHAT,
+        {**OK, "messages": [{"role": "robot", "content": "x"}]},
+        400,
+        "invalid_value",
+        "messages[0].role",
+    ),
+    (
+        "an image",
+        CHAT,
+        {**OK, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        400,
+        "unsupported_parameter",
+        "messages[0].content",
+    ),
     ("n > 1", CHAT, {**OK, "n": 2}, 400, "unsupported_parameter", "n"),
-    ("temperature NaN", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}',
-     400, "invalid_value", "temperature"),
+    (
+        "temperature NaN",
+        CHAT,
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}',
+        400,
+        "invalid_value",
+        "temperature",
+    ),
     ("temperature 3", CHAT, {**OK, "temperature": 3}, 400, "invalid_value", "temperature"),
     ("temperature a string", CHAT, {**OK, "temperature": "0.5"}, 400, "invalid_value", "temperature"),
     ("top_p 0", CHAT, {**OK, "top_p": 0}, 400, "invalid_value", "top_p"),
@@ -52,19 +76,43 @@ BAD = [  # (what, path, body, status, code, param)
     ("five stop strings", CHAT, {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value", "stop"),
     ("seed negative", CHAT, {**OK, "seed": -1}, 400, "invalid_value", "seed"),
     ("logprobs", CHAT, {**OK, "logprobs": True}, 400, "unsupported_parameter", "logprobs"),
-    ("functions (deprecated; tools are taken now: test_server_tools)", CHAT,
-     {**OK, "functions": [{"name": "f"}]}, 400, "unsupported_parameter", "functions"),
+    (
+        "functions (deprecated; tools are taken now: test_server_tools)",
+        CHAT,
+        {**OK, "functions": [{"name": "f"}]},
+        400,
+        "unsupported_parameter",
+        "functions",
+    ),
     ("presence penalty", CHAT, {**OK, "presence_penalty": 0.5}, 400, "unsupported_parameter", "presence_penalty"),
     ("an unknown field", CHAT, {**OK, "frobnicate": 1}, 400, "unknown_parameter", "frobnicate"),
-    ("stream_options without stream", CHAT, {**OK, "stream_options": {"include_usage": True}}, 400, "invalid_value",
-     "stream_options"),
+    (
+        "stream_options without stream",
+        CHAT,
+        {**OK, "stream_options": {"include_usage": True}},
+        400,
+        "invalid_value",
+        "stream_options",
+    ),
     ("too long", CHAT, {**OK, "messages": user("fox " * 5000)}, 400, "context_length_exceeded", "messages"),
     ("too long with max_tokens", CHAT, {**OK, "max_tokens": 4090}, 400, "context_length_exceeded", "messages"),
-    ("a lone surrogate", CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
-     "invalid_value", None),
+    (
+        "a lone surrogate",
+        CHAT,
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        400,
+        "invalid_value",
+        None,
+    ),
     ("completion without prompt", "/v1/completions", {"model": MODEL}, 400, "missing_parameter", "prompt"),
-    ("token id outside the vocabulary", "/v1/completions", {"model": MODEL, "prompt": [1, 99999]}, 400,
-     "invalid_value", None),
+    (
+        "token id outside the vocabulary",
+        "/v1/completions",
+        {"model": MODEL, "prompt": [1, 99999]},
+        400,
+        "invalid_value",
+        None,
+    ),
     ("echo", "/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "unsupported_parameter", "echo"),
     ("no embedding input", "/v1/embeddings", {"model": "all-MiniLM-L6-v2", "input": []}, 400, "invalid_value", "input"),
     ("chat model for embeddings", "/v1/embeddings", {"model": MODEL, "input": "x"}, 404, "model_not_found", "model"),
@@ -109,8 +157,13 @@ def test_api_key_body_size_and_concurrency_limits(guarded):
     # without a Content-Length (chunked): read up to the limit only
     conn = http.client.HTTPConnection(guarded.url.removeprefix("http://"), timeout=30)
     payload = json.dumps(big).encode()
-    conn.request("POST", CHAT, body=iter([payload[i:i + 1000] for i in range(0, len(payload), 1000)]),
-                 headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, encode_chunked=True)
+    conn.request(
+        "POST",
+        CHAT,
+        body=iter([payload[i : i + 1000] for i in range(0, len(payload), 1000)]),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        encode_chunked=True,
+    )
     resp = conn.getresponse()
     assert resp.status == 413 and json.loads(resp.read())["error"]["code"] == "request_too_large"
     conn.close()
@@ -135,21 +188,46 @@ def test_chatkv_serve_answers_then_shuts_down_gracefully(tmp_path_factory):
     and the conversation it served resumes in a new engine with its KV restored from disk (int8
     KV, as ``--kv-dtype`` asked: an engine of another kv dtype would recompute it)."""
     model_dir, data = tiny_model(tmp_path_factory), tmp_path_factory.mktemp("served")
-    proc, url = serve_process(model_dir, data, "--api-key", KEY, "--log-level", "warning", "--dtype", "float32",
-                              "--kv-dtype", "int8", "--graceful-timeout", "120")
+    proc, url = serve_process(
+        model_dir,
+        data,
+        "--api-key",
+        KEY,
+        "--log-level",
+        "warning",
+        "--dtype",
+        "float32",
+        "--kv-dtype",
+        "int8",
+        "--graceful-timeout",
+        "120",
+    )
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=60)
-        r = c.chat.completions.with_raw_response.create(model=model_dir.name, messages=user("Remember me."),
-                                                        max_tokens=8, temperature=0, extra_headers={"X-Session-Id": "new"})
+        r = c.chat.completions.with_raw_response.create(
+            model=model_dir.name,
+            messages=user("Remember me."),
+            max_tokens=8,
+            temperature=0,
+            extra_headers={"X-Session-Id": "new"},
+        )
         sid, first = r.headers["x-session-id"], r.parse()
-        stream = c.chat.completions.create(model=model_dir.name, messages=user("A long answer, please."),
-                                           max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True},
-                                           stream_options={"include_usage": True})
+        stream = c.chat.completions.create(
+            model=model_dir.name,
+            messages=user("A long answer, please."),
+            max_tokens=400,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+            stream_options={"include_usage": True},
+        )
         chunks = [next(iter(stream))]
         proc.send_signal(signal.SIGTERM)  # with the reply in flight
         chunks += list(stream)
         assert chunks[-1].usage.completion_tokens == 400
-        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [
+            "length"
+        ]
         assert proc.wait(150) == 0
     finally:
         if proc.poll() is None:
@@ -158,8 +236,10 @@ def test_chatkv_serve_answers_then_shuts_down_gracefully(tmp_path_factory):
     eng = Engine.from_pretrained(str(model_dir), data_dir=str(data), dtype="float32", kv_dtype="int8")
     try:
         s = eng.resume(sid)
-        assert [(m.role, m.content) for m in s.messages()] == [("user", "Remember me."),
-                                                                ("assistant", first.choices[0].message.content)]
+        assert [(m.role, m.content) for m in s.messages()] == [
+            ("user", "Remember me."),
+            ("assistant", first.choices[0].message.content),
+        ]
         reply = s.send("Still there?")
         assert reply.usage.restored_tokens > 0  # the KV the server wrote to disk
     finally:
@@ -169,8 +249,13 @@ def test_chatkv_serve_answers_then_shuts_down_gracefully(tmp_path_factory):
 def test_an_engine_closed_under_the_server_answers_503_shutting_down(tmp_path_factory):
     """EngineClosed (chatkv.engine.closing) reaching a route is the server stopping: 503 ``shutting_down``,
     not a 500 internal error."""
-    eng = Engine.from_pretrained(str(tiny_model(tmp_path_factory)), data_dir=str(tmp_path_factory.mktemp("data")),
-                                 block_size=4, num_blocks=256, dtype="float32")
+    eng = Engine.from_pretrained(
+        str(tiny_model(tmp_path_factory)),
+        data_dir=str(tmp_path_factory.mktemp("data")),
+        block_size=4,
+        num_blocks=256,
+        dtype="float32",
+    )
     run = Running(create_app(eng, model_name=MODEL))
     try:
         assert raw(run.url, "/v1/chat/completions", OK)[0] == 200

@@ -80,14 +80,22 @@ def test_create_is_a_stored_turn_equal_to_the_sdks(engine, alice):
     u = r.usage
     assert u.total_tokens == u.input_tokens + u.output_tokens and 0 < u.output_tokens <= 8
     split = u.model_extra["chatkv"]
-    assert u.input_tokens_details.cached_tokens == split["cached_tokens"] + split["host_tokens"] + split["restored_tokens"]
+    assert (
+        u.input_tokens_details.cached_tokens == split["cached_tokens"] + split["host_tokens"] + split["restored_tokens"]
+    )
     got = alice.responses.retrieve(r.id)
     assert (got.id, got.output_text, got.instructions, got.previous_response_id) == (r.id, r.output_text, SYSTEM, None)
     assert abs(got.created_at - r.created_at) <= 1 and abs(got.created_at - time.time()) < 600
     assert got.usage.input_tokens == u.input_tokens and got.usage.output_tokens == u.output_tokens
     # a list of message items with input_text parts, and a developer message as the instructions, is the same turn
-    items = [{"role": "developer", "content": SYSTEM},
-             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is the capital of France?"}]}]
+    items = [
+        {"role": "developer", "content": SYSTEM},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "What is the capital of France?"}],
+        },
+    ]
     again = alice.responses.create(model=MODEL, input=items, **GREEDY)
     assert again.output_text == r.output_text and conv_of(again.id) != conv_of(r.id)
 
@@ -138,8 +146,11 @@ CLOSING = ["response.output_text.done", "response.content_part.done", "response.
 
 def test_a_stream_has_openais_events_in_order(alice):
     plain = alice.responses.create(model=MODEL, instructions=SYSTEM, input="Tell me about key-value caches.", **GREEDY)
-    events = list(alice.responses.create(model=MODEL, instructions=SYSTEM, input="Tell me about key-value caches.",
-                                         stream=True, **GREEDY))
+    events = list(
+        alice.responses.create(
+            model=MODEL, instructions=SYSTEM, input="Tell me about key-value caches.", stream=True, **GREEDY
+        )
+    )
     types = [e.type for e in events]
     n = types.count("response.output_text.delta")
     assert n >= 1 and types == ORDER + ["response.output_text.delta"] * n + CLOSING + [types[-1]]
@@ -155,16 +166,20 @@ def test_a_stream_has_openais_events_in_order(alice):
     assert alice.responses.retrieve(done.id).output_text == text  # a streamed response is stored too
     # the client's own stream helper accumulates the events into the same response (its last event's: a
     # reply cut by max_output_tokens ends with response.incomplete, which get_final_response() refuses)
-    with alice.responses.stream(model=MODEL, instructions=SYSTEM, input="Tell me about key-value caches.",
-                                **GREEDY) as helper:
+    with alice.responses.stream(
+        model=MODEL, instructions=SYSTEM, input="Tell me about key-value caches.", **GREEDY
+    ) as helper:
         last = list(helper)[-1]
     assert last.type == types[-1] and last.response.output_text == text
     assert last.response.usage.output_tokens == plain.usage.output_tokens
     # a streamed chained turn
-    chained = list(alice.responses.create(model=MODEL, input="More.", previous_response_id=done.id, stream=True, **GREEDY))
+    chained = list(
+        alice.responses.create(model=MODEL, input="More.", previous_response_id=done.id, stream=True, **GREEDY)
+    )
     assert chained[-1].response.previous_response_id == done.id
     assert chained[-1].response.usage.input_tokens_details.cached_tokens >= (
-        done.usage.input_tokens + done.usage.output_tokens - BLOCK)
+        done.usage.input_tokens + done.usage.output_tokens - BLOCK
+    )
 
 
 # ------------------------------------------------------------------ store=false, delete
@@ -183,10 +198,16 @@ def test_store_false_is_answered_and_forgotten(engine, alice):
     assert (e.value.body["code"], e.value.body["param"]) == ("previous_response_not_found", "previous_response_id")
     # a whole history in the input, unstored; and an unstored turn after a stored response: the same reply as a stored turn
     nxt = alice.responses.create(model=MODEL, input="And to four?", previous_response_id=stored.id, **GREEDY)
-    history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Count to three."},
-               {"role": "assistant", "content": stored.output_text}, {"role": "user", "content": "And to four?"}]
+    history = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Count to three."},
+        {"role": "assistant", "content": stored.output_text},
+        {"role": "user", "content": "And to four?"},
+    ]
     assert alice.responses.create(model=MODEL, input=history, store=False, **GREEDY).output_text == nxt.output_text
-    side = alice.responses.create(model=MODEL, input="And to four?", previous_response_id=stored.id, store=False, **GREEDY)
+    side = alice.responses.create(
+        model=MODEL, input="And to four?", previous_response_id=stored.id, store=False, **GREEDY
+    )
     assert side.output_text == nxt.output_text and side.previous_response_id == stored.id
     assert len(engine.sessions(user="alice")) == before  # nothing stored by any of them
     assert len(engine.resume(conv_of(stored.id), user="alice").tree()) == 4
@@ -218,8 +239,11 @@ def test_another_users_response_is_unknown_exactly_as_an_unknown_one(server, ali
 
     def answers(rid: str):
         body = {"model": MODEL, "input": "What is my PIN?", "previous_response_id": rid, "max_output_tokens": 4}
-        got = [raw(server.url, "/v1/responses", body, headers), raw(server.url, f"/v1/responses/{rid}", None, headers),
-               raw(server.url, f"/v1/responses/{rid}", None, headers, method="DELETE")]
+        got = [
+            raw(server.url, "/v1/responses", body, headers),
+            raw(server.url, f"/v1/responses/{rid}", None, headers),
+            raw(server.url, f"/v1/responses/{rid}", None, headers, method="DELETE"),
+        ]
         return [(status, json.loads(json.dumps(b).replace(rid, "ID"))) for status, b, _ in got]
 
     theirs, unknown = answers(mine.id), answers(fresh)
@@ -235,7 +259,8 @@ def test_another_users_response_is_unknown_exactly_as_an_unknown_one(server, ali
 def test_a_busy_conversation_is_a_409(engine, alice):
     r = alice.responses.create(model=MODEL, instructions=SYSTEM, input="Hi.", **GREEDY)
     turn = engine.resume(conv_of(r.id), user="alice").stream(
-        "Busy?", SamplingParams(max_tokens=50, temperature=0, ignore_eos=True))
+        "Busy?", SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    )
     next(turn)
     try:
         with pytest.raises(openai.ConflictError) as e:
@@ -272,8 +297,12 @@ def _successes(server) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = raw(server.url, "/metrics")[1]
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "chatkv:request_success_total")
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "chatkv:request_success_total"
+    )
 
 
 def test_responses_are_counted_in_the_metrics(server, alice):
@@ -293,38 +322,64 @@ def test_a_new_chain_that_cannot_be_asked_leaves_no_conversation(engine, alice):
 
 
 def _bad(server, body: dict, status: int = 400):
-    got, out, _ = raw(server.url, "/v1/responses", {"model": MODEL, "max_output_tokens": 2, **body},
-                      {"Authorization": f"Bearer {KEYS['alice']}"})
+    got, out, _ = raw(
+        server.url,
+        "/v1/responses",
+        {"model": MODEL, "max_output_tokens": 2, **body},
+        {"Authorization": f"Bearer {KEYS['alice']}"},
+    )
     assert got == status, out
     return out["error"]
 
 
-@pytest.mark.parametrize("body,code,param", [
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-     "unsupported_parameter", "input[0].content[0]"),
-    ({"input": [{"role": "tool", "content": "x"}]}, "invalid_value", "input[0].role"),
-    ({"input": [{"type": "function_call_output", "output": "x"}]}, "unsupported_parameter", "input[0].type"),
-    ({"input": [{"role": "user", "content": 5}]}, "invalid_value", "input[0].content"),
-    ({"input": ["hi"]}, "invalid_value", "input[0]"),
-    ({"input": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}, "invalid_value", "input"),
-    ({"input": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}]},
-     "unsupported_parameter", "input"),
-    ({"input": []}, "invalid_value", "input"),
-    ({"input": "   "}, "invalid_value", "input"),
-    ({}, "missing_parameter", "input"),
-    ({"input": "hi", "store": "yes"}, "invalid_value", "store"),
-    ({"input": "hi", "stream": 1}, "invalid_value", "stream"),
-    ({"input": "hi", "temperature": "hot"}, "invalid_value", "temperature"),
-    ({"input": "hi", "max_output_tokens": 0}, "invalid_value", "max_output_tokens"),
-    ({"input": "hi", "instructions": 3}, "invalid_value", "instructions"),
-    ({"input": "hi", "metadata": {"k": 1}}, "invalid_value", "metadata"),
-    ({"input": "hi", "tools": [{"type": "function", "name": "f"}]}, "unsupported_parameter", "tools"),
-    ({"input": "hi", "frequency_penalty": 1}, "unknown_parameter", "frequency_penalty"),
-    ({"input": "hi", "previous_response_id": "resp_nope"}, "previous_response_not_found", "previous_response_id"),
-    ({"input": "hi", "previous_response_id": "resp_" + "0" * 32 + "_1"}, "previous_response_not_found",
-     "previous_response_id"),
-    ({"input": "hi", "previous_response_id": 7}, "invalid_value", "previous_response_id"),
-])
+@pytest.mark.parametrize(
+    "body,code,param",
+    [
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "unsupported_parameter",
+            "input[0].content[0]",
+        ),
+        ({"input": [{"role": "tool", "content": "x"}]}, "invalid_value", "input[0].role"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "unsupported_parameter", "input[0].type"),
+        ({"input": [{"role": "user", "content": 5}]}, "invalid_value", "input[0].content"),
+        ({"input": ["hi"]}, "invalid_value", "input[0]"),
+        (
+            {"input": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
+            "invalid_value",
+            "input",
+        ),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": "b"},
+                    {"role": "user", "content": "c"},
+                ]
+            },
+            "unsupported_parameter",
+            "input",
+        ),
+        ({"input": []}, "invalid_value", "input"),
+        ({"input": "   "}, "invalid_value", "input"),
+        ({}, "missing_parameter", "input"),
+        ({"input": "hi", "store": "yes"}, "invalid_value", "store"),
+        ({"input": "hi", "stream": 1}, "invalid_value", "stream"),
+        ({"input": "hi", "temperature": "hot"}, "invalid_value", "temperature"),
+        ({"input": "hi", "max_output_tokens": 0}, "invalid_value", "max_output_tokens"),
+        ({"input": "hi", "instructions": 3}, "invalid_value", "instructions"),
+        ({"input": "hi", "metadata": {"k": 1}}, "invalid_value", "metadata"),
+        ({"input": "hi", "tools": [{"type": "function", "name": "f"}]}, "unsupported_parameter", "tools"),
+        ({"input": "hi", "frequency_penalty": 1}, "unknown_parameter", "frequency_penalty"),
+        ({"input": "hi", "previous_response_id": "resp_nope"}, "previous_response_not_found", "previous_response_id"),
+        (
+            {"input": "hi", "previous_response_id": "resp_" + "0" * 32 + "_1"},
+            "previous_response_not_found",
+            "previous_response_id",
+        ),
+        ({"input": "hi", "previous_response_id": 7}, "invalid_value", "previous_response_id"),
+    ],
+)
 def test_bad_requests_are_openai_400s_naming_the_field(server, body, code, param):
     err = _bad(server, body)
     assert (err["code"], err["param"], err["type"]) == (code, param, "invalid_request_error"), err
@@ -334,8 +389,13 @@ def test_a_chained_request_keeps_the_conversations_instructions(server, alice):
     r = alice.responses.create(model=MODEL, instructions=SYSTEM, input="Hi.", **GREEDY)
     err = _bad(server, {"input": "x", "previous_response_id": r.id, "instructions": "Be rude."})
     assert (err["code"], err["param"]) == ("unsupported_parameter", "instructions")
-    err = _bad(server, {"input": [{"role": "system", "content": "New rules."}, {"role": "user", "content": "x"}],
-                        "previous_response_id": r.id})
+    err = _bad(
+        server,
+        {
+            "input": [{"role": "system", "content": "New rules."}, {"role": "user", "content": "x"}],
+            "previous_response_id": r.id,
+        },
+    )
     assert err["param"] == "input"
     same = alice.responses.create(model=MODEL, instructions=SYSTEM, input="Again.", previous_response_id=r.id, **GREEDY)
     assert same.previous_response_id == r.id

@@ -17,21 +17,43 @@ import pytest
 from chatkv.engine.core import Engine
 from tests.support.serving import MODEL, raw, server, user  # noqa: F401  (server: the fixture, on this module's engine)
 
-SCHEMA = {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 10},
-                                           "score": {"type": "integer", "minimum": 0, "maximum": 9}},
-          "required": ["answer", "score"], "additionalProperties": False}
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city.",
-    "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}}, "required": ["city"],
-                   "additionalProperties": False}}}
-CLOCK = {"type": "function", "function": {"name": "clock", "description": "The time.",
-                                          "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "answer": {"type": "string", "maxLength": 10},
+        "score": {"type": "integer", "minimum": 0, "maximum": 9},
+    },
+    "required": ["answer", "score"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+CLOCK = {
+    "type": "function",
+    "function": {
+        "name": "clock",
+        "description": "The time.",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
 
 
 @pytest.fixture(scope="module")
 def engine(tool_model_dir, tmp_path_factory):
-    eng = Engine.from_pretrained(tool_model_dir, data_dir=str(tmp_path_factory.mktemp("data")), num_blocks=1024,
-                                 dtype="float32")
+    eng = Engine.from_pretrained(
+        tool_model_dir, data_dir=str(tmp_path_factory.mktemp("data")), num_blocks=1024, dtype="float32"
+    )
     yield eng
     eng.close()
     assert not any(t.name == "chatkv-engine" and t.is_alive() for t in threading.enumerate())
@@ -46,16 +68,25 @@ def test_response_format_json_schema_and_json_object(client):
     stopped = 0
     for seed in range(4):
         r = client.chat.completions.create(
-            model=MODEL, messages=user("Rate this"), max_tokens=60, temperature=1.0, seed=seed,
-            response_format={"type": "json_schema", "json_schema": {"name": "rating", "schema": SCHEMA, "strict": True}})
+            model=MODEL,
+            messages=user("Rate this"),
+            max_tokens=60,
+            temperature=1.0,
+            seed=seed,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "rating", "schema": SCHEMA, "strict": True},
+            },
+        )
         choice = r.choices[0]
         assert choice.finish_reason in ("stop", "length")
         if choice.finish_reason == "stop":
             stopped += 1
             jsonschema.validate(json.loads(choice.message.content), SCHEMA)
     assert stopped >= 1
-    r = client.chat.completions.create(model=MODEL, messages=user("Hello"), max_tokens=60, temperature=0.0,
-                                       response_format={"type": "json_object"})
+    r = client.chat.completions.create(
+        model=MODEL, messages=user("Hello"), max_tokens=60, temperature=0.0, response_format={"type": "json_object"}
+    )
     if r.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(r.choices[0].message.content), dict)
 
@@ -63,8 +94,13 @@ def test_response_format_json_schema_and_json_object(client):
 def test_a_streamed_json_schema_reply_validates(client):
     pieces, finish = [], None
     for chunk in client.chat.completions.create(
-            model=MODEL, messages=user("Rate it"), max_tokens=60, temperature=0.0, stream=True,
-            response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}):
+        model=MODEL,
+        messages=user("Rate it"),
+        max_tokens=60,
+        temperature=0.0,
+        stream=True,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}},
+    ):
         d = chunk.choices[0].delta
         pieces.append(d.content or "")
         finish = chunk.choices[0].finish_reason or finish
@@ -74,8 +110,14 @@ def test_a_streamed_json_schema_reply_validates(client):
 
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_forced_tool_calls_parse_with_ids(client, choice):
-    r = client.chat.completions.create(model=MODEL, messages=user("Weather in Paris?"), max_tokens=150,
-                                       temperature=0.0, tools=[WEATHER, CLOCK], tool_choice=choice)
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=user("Weather in Paris?"),
+        max_tokens=150,
+        temperature=0.0,
+        tools=[WEATHER, CLOCK],
+        tool_choice=choice,
+    )
     c = r.choices[0]
     assert c.finish_reason == "tool_calls", c
     calls = c.message.tool_calls
@@ -89,8 +131,9 @@ def test_forced_tool_calls_parse_with_ids(client, choice):
 
 def test_tool_choice_none_and_auto_answer_in_text(client):
     for choice in ("none", "auto"):
-        r = client.chat.completions.create(model=MODEL, messages=user("Hello"), max_tokens=8, temperature=0.0,
-                                           tools=[WEATHER], tool_choice=choice)
+        r = client.chat.completions.create(
+            model=MODEL, messages=user("Hello"), max_tokens=8, temperature=0.0, tools=[WEATHER], tool_choice=choice
+        )
         assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
 
 
@@ -99,8 +142,15 @@ def test_streamed_tool_calls_and_a_tool_result_round_trip(client, choice):
     msgs = user("Weather in Oslo?")
     calls: dict[int, dict] = {}
     finish = None
-    for chunk in client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=150, temperature=0.0,
-                                                tools=[WEATHER, CLOCK], tool_choice=choice, stream=True):
+    for chunk in client.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=150,
+        temperature=0.0,
+        tools=[WEATHER, CLOCK],
+        tool_choice=choice,
+        stream=True,
+    ):
         ch = chunk.choices[0]
         for tc in ch.delta.tool_calls or ():
             slot = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": ""})
@@ -110,54 +160,150 @@ def test_streamed_tool_calls_and_a_tool_result_round_trip(client, choice):
         finish = ch.finish_reason or finish
     assert finish == "tool_calls" and calls
     call = calls[0]
-    assert all(c["id"].startswith("call_") for c in calls.values()) and len({c["id"] for c in calls.values()}) == len(calls)
+    assert all(c["id"].startswith("call_") for c in calls.values()) and len({c["id"] for c in calls.values()}) == len(
+        calls
+    )
     if isinstance(choice, dict):
         assert {c["name"] for c in calls.values()} == {"get_weather"}
     call = next((c for c in calls.values() if c["name"] == "get_weather"), call)
     args = json.loads(call["arguments"])
     jsonschema.validate(args, {"get_weather": WEATHER, "clock": CLOCK}[call["name"]]["function"]["parameters"])
     # the result goes back as a tool message; the conversation continues
-    msgs = msgs + [{"role": "assistant", "content": None, "tool_calls": [
-        {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}]},
-        {"role": "tool", "tool_call_id": call["id"], "content": json.dumps({"temp": 12})}]
-    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0.0, tools=[WEATHER, CLOCK])
+    msgs = msgs + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call["id"],
+                    "type": "function",
+                    "function": {"name": call["name"], "arguments": call["arguments"]},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call["id"], "content": json.dumps({"temp": 12})},
+    ]
+    r = client.chat.completions.create(
+        model=MODEL, messages=msgs, max_tokens=6, temperature=0.0, tools=[WEATHER, CLOCK]
+    )
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     # the question and its tool block were computed once: the second request found them cached
     assert r.usage.prompt_tokens_details.cached_tokens > 0.5 * r.usage.prompt_tokens
 
 
-@pytest.mark.parametrize("extra, code, param", [
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
-     "invalid_value", "response_format.json_schema.schema"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "array", "uniqueItems": True}}}},
-     "unsupported_parameter", "response_format.json_schema.schema"),
-    ({"response_format": {"type": "yaml"}}, "invalid_value", "response_format.type"),
-    ({"response_format": {"type": "json_schema"}}, "invalid_value", "response_format.json_schema"),
-    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "invalid_value", "tools[0].function.name"),
-    ({"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "strnig"}}}]},
-     "invalid_value", "tools[1].function.parameters"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}}}]},
-     "invalid_value", "tools[0].function.parameters"),
-    ({"tools": [WEATHER, WEATHER]}, "invalid_value", "tools[1].name"),
-    ({"tools": [{"type": "retrieval"}]}, "invalid_value", "tools[0].type"),
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "invalid_value", "tool_choice.function.name"),
-    ({"tool_choice": "required"}, "invalid_value", "tool_choice"),
-    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "invalid_value", "tool_choice"),
-    ({"messages": user("hi") + [{"role": "tool", "tool_call_id": "call_unknown", "content": "1"}]},
-     "invalid_value", "messages[1].tool_call_id"),
-    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None,
-                                                      "tool_calls": [{"id": "a", "type": "function", "function": {}}]},
-                   {"role": "tool", "tool_call_id": "a", "content": "1"}]},
-     "invalid_value", "messages[1].tool_calls[0].function.name"),
-    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "{not json"}}]}]},
-     "invalid_value", "messages[1].tool_calls[0].function.arguments"),
-    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "[1, 2]"}}]}]},
-     "invalid_value", "messages[1].tool_calls[0].function.arguments"),
-])
+@pytest.mark.parametrize(
+    "extra, code, param",
+    [
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
+            "invalid_value",
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"schema": {"type": "array", "uniqueItems": True}},
+                }
+            },
+            "unsupported_parameter",
+            "response_format.json_schema.schema",
+        ),
+        ({"response_format": {"type": "yaml"}}, "invalid_value", "response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "invalid_value", "response_format.json_schema"),
+        (
+            {"tools": [{"type": "function", "function": {"description": "no name"}}]},
+            "invalid_value",
+            "tools[0].function.name",
+        ),
+        (
+            {"tools": [WEATHER, {"type": "function", "function": {"name": "f", "parameters": {"type": "strnig"}}}]},
+            "invalid_value",
+            "tools[1].function.parameters",
+        ),
+        (
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {"name": "f", "parameters": {"type": "array", "uniqueItems": True}},
+                    }
+                ]
+            },
+            "invalid_value",
+            "tools[0].function.parameters",
+        ),
+        ({"tools": [WEATHER, WEATHER]}, "invalid_value", "tools[1].name"),
+        ({"tools": [{"type": "retrieval"}]}, "invalid_value", "tools[0].type"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "invalid_value",
+            "tool_choice.function.name",
+        ),
+        ({"tool_choice": "required"}, "invalid_value", "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "invalid_value",
+            "tool_choice",
+        ),
+        (
+            {"messages": user("hi") + [{"role": "tool", "tool_call_id": "call_unknown", "content": "1"}]},
+            "invalid_value",
+            "messages[1].tool_call_id",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"id": "a", "type": "function", "function": {}}],
+                    },
+                    {"role": "tool", "tool_call_id": "a", "content": "1"},
+                ]
+            },
+            "invalid_value",
+            "messages[1].tool_calls[0].function.name",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "a",
+                                "type": "function",
+                                "function": {"name": "get_weather", "arguments": "{not json"},
+                            }
+                        ],
+                    },
+                ]
+            },
+            "invalid_value",
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "x"},
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [
+                            {"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": "[1, 2]"}}
+                        ],
+                    },
+                ]
+            },
+            "invalid_value",
+            "messages[1].tool_calls[0].function.arguments",
+        ),
+    ],
+)
 def test_bad_requests_are_openai_400s_naming_the_path(client, server, extra, code, param):
     body = {"model": MODEL, "messages": user("hi"), "max_tokens": 4, **extra}
     status, out, _ = raw(server.url, "/v1/chat/completions", body)
@@ -168,9 +314,13 @@ def test_bad_requests_are_openai_400s_naming_the_path(client, server, extra, cod
 
 
 def test_an_auto_reply_streams_its_text_before_any_call(client):
-    chunks = [c.choices[0].delta.content for c in client.chat.completions.create(
-        model=MODEL, messages=user("Hello"), max_tokens=12, temperature=0.0, tools=[WEATHER], stream=True)
-        if c.choices and c.choices[0].delta.content]
+    chunks = [
+        c.choices[0].delta.content
+        for c in client.chat.completions.create(
+            model=MODEL, messages=user("Hello"), max_tokens=12, temperature=0.0, tools=[WEATHER], stream=True
+        )
+        if c.choices and c.choices[0].delta.content
+    ]
     assert len(chunks) > 1  # not held to the end: no call began
 
 
@@ -180,8 +330,10 @@ def test_the_call_stream_splits_text_from_calls():
 
     listed = tools_of([WEATHER])
     split = CallStream("... <tool_call> ...")
-    sent = [split.feed(p) for p in ["Sure", ". <tool", "_call>\n{\"name\": \"get_weather\", ",
-                                    "\"arguments\": {\"city\": \"Oslo\"}}\n</tool_call>"]]
+    sent = [
+        split.feed(p)
+        for p in ["Sure", ". <tool", '_call>\n{"name": "get_weather", ', '"arguments": {"city": "Oslo"}}\n</tool_call>']
+    ]
     assert "".join(sent) == "Sure. " and sent[1] == ". "
     rest, found = split.finish(lambda t: reply_calls(t, listed, "auto", "<tool_call>"))
     assert rest == "" and [(c.name, c.arguments) for c in found] == [("get_weather", {"city": "Oslo"})]
@@ -192,12 +344,20 @@ def test_the_call_stream_splits_text_from_calls():
 
 def test_response_format_on_a_session_turn(client, server):
     r = client.chat.completions.create(
-        model=MODEL, messages=user("Rate it"), max_tokens=60, temperature=0.0, extra_headers={"X-Session-Id": "new"},
-        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}})
+        model=MODEL,
+        messages=user("Rate it"),
+        max_tokens=60,
+        temperature=0.0,
+        extra_headers={"X-Session-Id": "new"},
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}},
+    )
     if r.choices[0].finish_reason == "stop":
         jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
-    status, out, _ = raw(server.url, "/v1/chat/completions",
-                         {"model": MODEL, "messages": user("x"), "tools": [WEATHER], "session_id": "new"})
+    status, out, _ = raw(
+        server.url,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": user("x"), "tools": [WEATHER], "session_id": "new"},
+    )
     assert status == 400 and out["error"]["param"] == "tools"
 
 
@@ -208,12 +368,23 @@ def test_a_real_chatkv_serve_process(tool_model_dir, tmp_path):
     proc, url = serve_process(tool_model_dir, tmp_path / "data", "--served-model-name", MODEL)
     try:
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        r = c.chat.completions.create(model=MODEL, messages=user("Rate it"), max_tokens=60, temperature=0.0,
-                                      response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}})
+        r = c.chat.completions.create(
+            model=MODEL,
+            messages=user("Rate it"),
+            max_tokens=60,
+            temperature=0.0,
+            response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}},
+        )
         if r.choices[0].finish_reason == "stop":
             jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
-        r = c.chat.completions.create(model=MODEL, messages=user("Weather?"), max_tokens=150, temperature=0.0,
-                                      tools=[WEATHER], tool_choice="required")
+        r = c.chat.completions.create(
+            model=MODEL,
+            messages=user("Weather?"),
+            max_tokens=150,
+            temperature=0.0,
+            tools=[WEATHER],
+            tool_choice="required",
+        )
         assert r.choices[0].finish_reason == "tool_calls"
         call = r.choices[0].message.tool_calls[0]
         assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Oslo")

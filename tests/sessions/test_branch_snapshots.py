@@ -202,8 +202,13 @@ def test_kill_9_during_branch_writes_leaves_every_branch_loadable(tmp_path):
     rng = random.Random(22)
     seen_branches = 0
     for trial in range(10):
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(root), str(trial)], cwd=ROOT,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(root), str(trial)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         try:
             assert child.stdout.readline().strip() == "ready", child.stderr.read()[-2000:]
             time.sleep(rng.uniform(0.05, 0.6))
@@ -219,7 +224,11 @@ def test_kill_9_during_branch_writes_leaves_every_branch_loadable(tmp_path):
             seg.remove("c", keep=man)  # what the reconcile on open does: unlisted files go
             assert on_disk(seg) == man.files()
             for view in man.views():
-                mine = [branch_tokens(*f) for f in FORKS if shared_run(view.segments, branch_tokens(*f)) == len(view.segments)]
+                mine = [
+                    branch_tokens(*f)
+                    for f in FORKS
+                    if shared_run(view.segments, branch_tokens(*f)) == len(view.segments)
+                ]
                 assert mine, f"trial {trial}: a branch holding no branch's tokens"
                 loads_as(seg, view, mine[0])
             seen_branches = max(seen_branches, len(man.all_branches()))

@@ -29,8 +29,18 @@ QUESTIONS = ["Hello, how are you today?", "What is the capital of France?", "Key
 def model(tmp_path_factory):
     d = tmp_path_factory.mktemp("model")
     # big enough that the reply depends on the history (as in test_sessions)
-    return make_model(d, "llama", seed=7, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096), d
+    return make_model(
+        d,
+        "llama",
+        seed=7,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=4096,
+    ), d
 
 
 def engine_at(model_dir, data_dir, **kw) -> Engine:
@@ -40,13 +50,13 @@ def engine_at(model_dir, data_dir, **kw) -> Engine:
 
 def hf_greedy(ref, ids: list[int], n: int) -> list[int]:
     out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=2, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return out[0, len(ids) :].tolist()
 
 
 def check(ref, s, reply) -> None:
     """The reply is what transformers generates greedily from the branch's prompt."""
     prompt = s.tokens[: reply.usage.prompt_tokens]
-    got = s.tokens[reply.usage.prompt_tokens: reply.usage.prompt_tokens + reply.usage.generated_tokens]
+    got = s.tokens[reply.usage.prompt_tokens : reply.usage.prompt_tokens + reply.usage.generated_tokens]
     assert got and got == hf_greedy(ref, prompt, GREEDY["max_tokens"])[: len(got)]
 
 
@@ -66,7 +76,10 @@ def test_regenerate_answers_the_last_question_again_reusing_the_history(model, t
         assert s.tokens[: again.usage.prompt_tokens] == before and again.usage.prompt_tokens == len(before)
         # the history's KV is reused: at most the last partial block and the last token are computed
         assert again.usage.computed_tokens <= e.kv.block_size
-        assert again.usage.cached_tokens + again.usage.restored_tokens == again.usage.prompt_tokens - again.usage.computed_tokens
+        assert (
+            again.usage.cached_tokens + again.usage.restored_tokens
+            == again.usage.prompt_tokens - again.usage.computed_tokens
+        )
         assert [m.id for m in s.branches(replies[-1].message_id)] == [replies[-1].message_id, again.message_id]
         assert [m.role for m in s.messages()] == ["user", "assistant"] * 3 and s.messages()[-1].id == again.message_id
         assert len(s.tree()) == 7  # nothing deleted
@@ -136,8 +149,12 @@ def test_branch_calls_reject_bad_ids_and_change_nothing(model, tmp_path):
         with pytest.raises(InvalidRequest, match="only a user message can be edited"):
             s.edit(replies[0].message_id, "x")
         foreign = other.messages()[0].id
-        for call in (lambda: s.edit(foreign, "x"), lambda: s.switch(foreign), lambda: s.branches(foreign),
-                     lambda: s.edit(10**9, "x")):
+        for call in (
+            lambda: s.edit(foreign, "x"),
+            lambda: s.switch(foreign),
+            lambda: s.branches(foreign),
+            lambda: s.edit(10**9, "x"),
+        ):
             with pytest.raises(InvalidRequest, match=f"is not a message of conversation {s.id}"):
                 call()
         for bad in ("1", None, 2.0, True):

@@ -12,10 +12,10 @@ import torch
 
 from chatkv import InvalidRequest
 from chatkv.config import EngineConfig
-from chatkv.sessions.context_window import ContextOverflow, ContextState, apply, plan
 from chatkv.engine.core import Engine
 from chatkv.engine.model_runner import BatchItem
 from chatkv.engine.sampling import SamplingParams
+from chatkv.sessions.context_window import ContextOverflow, ContextState, apply, plan
 from tests.support.sink_reference import SinkReference
 from tests.support.tiny import make_model
 

@@ -27,12 +27,12 @@ import torch
 
 from chatkv.config import EngineConfig
 from chatkv.engine.core import Engine
-from chatkv.errors import ConversationBusy
 from chatkv.engine.sampling import SamplingParams
+from chatkv.errors import ConversationBusy
+from chatkv.sessions.template import TurnRenderer
 from chatkv.storage.kv_segments import SegmentStore
 from chatkv.storage.kv_store import token_hash
 from chatkv.storage.repository import Store
-from chatkv.sessions.template import TurnRenderer
 from chatkv.weights import load_tokenizer
 from tests.support import multiprocess_child as child
 from tests.support.fork_server import ForkServer
@@ -42,8 +42,15 @@ from tests.support.tiny import make_model
 
 SYSTEM = "You are a helpful assistant."
 PARAMS = SamplingParams(**child.PARAMS)
-MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=8, head_dim=64, max_position_embeddings=4096)
+MODEL = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=64,
+    max_position_embeddings=4096,
+)
 HELPER = Path(__file__).resolve().parents[1] / "support" / "multiprocess_child.py"
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 90.0
@@ -93,7 +100,9 @@ def wait_for(log: Path, pred, what: str) -> list[dict]:
             return ev
         if time.monotonic() > deadline:
             err = Path(str(log) + ".err")
-            raise AssertionError(f"worker never reached '{what}'; events {ev}\n{err.read_text() if err.exists() else ''}")
+            raise AssertionError(
+                f"worker never reached '{what}'; events {ev}\n{err.read_text() if err.exists() else ''}"
+            )
         time.sleep(0.01)
 
 
@@ -175,8 +184,20 @@ def test_two_processes_race_on_one_conversation(backend, request, model, workers
     conv = new_conversation(model_dir, data, db_url)
     go = tmp_path / "go"
     logs = [tmp_path / f"w{i}.log" for i in range(2)]
-    pids = [workers.go(mode="race", model_dir=model_dir, data=data, db_url=db_url, conv=conv, tag=f"w{i}",
-                       n=TURNS_EACH, go=go, log=log) for i, log in enumerate(logs)]
+    pids = [
+        workers.go(
+            mode="race",
+            model_dir=model_dir,
+            data=data,
+            db_url=db_url,
+            conv=conv,
+            tag=f"w{i}",
+            n=TURNS_EACH,
+            go=go,
+            log=log,
+        )
+        for i, log in enumerate(logs)
+    ]
     for log in logs:
         wait_for(log, has("ready"), "ready")
     go.touch()  # both start sending at once
@@ -215,7 +236,9 @@ def test_a_live_turn_elsewhere_is_left_alone_and_the_loser_retries(model, worker
     s = e1.session(system=SYSTEM, params=child.PARAMS)
     s.send(f"{child.QUESTIONS[0]} [p.0]")
     conv, log, release = s.id, tmp_path / "hold.log", tmp_path / "release"
-    pid = workers.go(mode="hold", model_dir=model_dir, data=data, db_url=None, conv=conv, tag="w", release=release, log=log)
+    pid = workers.go(
+        mode="hold", model_dir=model_dir, data=data, db_url=None, conv=conv, tag="w", release=release, log=log
+    )
     wait_for(log, has("generating"), "generating")
     before = s.messages()
     assert before[-1].role == "user" and before[-1].content.endswith("[w]")  # its turn is stored, its reply is coming
@@ -272,8 +295,16 @@ def test_a_crashed_holder_does_not_block_the_conversation(backend, request, mode
     s = e1.session(system=SYSTEM, params=child.PARAMS)
     s.send(f"{child.QUESTIONS[0]} [p.0]")
     log = tmp_path / "hold.log"
-    pid = workers.go(mode="hold", model_dir=model_dir, data=data, db_url=db_url, conv=s.id, tag="w",
-                     release=tmp_path / "never", log=log)
+    pid = workers.go(
+        mode="hold",
+        model_dir=model_dir,
+        data=data,
+        db_url=db_url,
+        conv=s.id,
+        tag="w",
+        release=tmp_path / "never",
+        log=log,
+    )
     wait_for(log, has("generating"), "generating")
     os.kill(pid, signal.SIGKILL)
     store = e1.session_manager.store

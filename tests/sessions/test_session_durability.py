@@ -36,11 +36,11 @@ from safetensors.torch import load_file, save_file
 
 from chatkv.config import EngineConfig
 from chatkv.engine.core import Engine
-from chatkv.weights import model_fingerprint
 from chatkv.engine.sampling import SamplingParams
 from chatkv.storage import kv_store
 from chatkv.storage.kv_segments import Manifest
 from chatkv.storage.repository import Store
+from chatkv.weights import model_fingerprint
 from tests.support import session_kill_child as child
 from tests.support.fork_server import ForkServer
 from tests.support.processes import one_torch_thread
@@ -102,8 +102,15 @@ def flip(blob: bytes, positions, mask=0x10) -> bytes:
 # 4 layers of 8 KV heads of 64 (16 KiB of KV per token, so a spill writes megabytes
 # and takes about as long as a turn), hidden 128: unlike the smallest tiny models its
 # greedy replies depend on the history, so KV of the wrong tokens would show
-MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=8, head_dim=64, max_position_embeddings=4096)
+MODEL = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=64,
+    max_position_embeddings=4096,
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -164,10 +171,22 @@ def world(model, tmp_path_factory):
     assert hf_greedy(ref, b_history + delta, GREEDY["max_tokens"])[: len(gen4)] != gen4
     assert hf_greedy(ref, prompt4[16:], GREEDY["max_tokens"])[: len(gen4)] != gen4
     return dict(
-        ref=ref, model_dir=model_dir, base=base, a=a_id, b=b_id,
-        a_file=a_path.name, b_file=b_path.name, a_segs=[p.name for p in a_segs], b_segs=[p.name for p in b_segs],
-        a_files=snap_files(base / "kv", a_id), b_files=snap_files(base / "kv", b_id), a_ends=a_ends,
-        history_kv=history_kv, straight=straight, prompt4=prompt4, gen4=gen4,
+        ref=ref,
+        model_dir=model_dir,
+        base=base,
+        a=a_id,
+        b=b_id,
+        a_file=a_path.name,
+        b_file=b_path.name,
+        a_segs=[p.name for p in a_segs],
+        b_segs=[p.name for p in b_segs],
+        a_files=snap_files(base / "kv", a_id),
+        b_files=snap_files(base / "kv", b_id),
+        a_ends=a_ends,
+        history_kv=history_kv,
+        straight=straight,
+        prompt4=prompt4,
+        gen4=gen4,
     )
 
 
@@ -200,8 +219,13 @@ def other_weights_dir(model, tmp_path_factory):
     blob = f.read_bytes()
     he, mib = header_end(blob), 2**20
     header = json.loads(blob[8:he])
-    middle = [n for n, info in header.items() if n != "__metadata__"
-              and he + info["data_offsets"][0] >= mib and he + info["data_offsets"][1] <= len(blob) - mib]
+    middle = [
+        n
+        for n, info in header.items()
+        if n != "__metadata__"
+        and he + info["data_offsets"][0] >= mib
+        and he + info["data_offsets"][1] <= len(blob) - mib
+    ]
     assert middle, "the model is too small to have weights between its first and last MiB"
     tensors = load_file(f)
     g = torch.Generator().manual_seed(99)
@@ -251,7 +275,13 @@ def damage(case: str, data: Path, w: dict) -> None:
     """Damage conversation A's snapshot in the (closed) data dir ``data``: its first segment,
     unless the case names the manifest or another segment."""
     kv = data / "kv"
-    seg_name = w["a_segs"][-1] if case.startswith("last_segment") else w["a_segs"][1] if case.startswith("middle_") else w["a_segs"][0]
+    seg_name = (
+        w["a_segs"][-1]
+        if case.startswith("last_segment")
+        else w["a_segs"][1]
+        if case.startswith("middle_")
+        else w["a_segs"][0]
+    )
     path = kv / seg_name
     blob = w["a_files"][seg_name]
     he = header_end(blob)
@@ -322,15 +352,34 @@ def damage(case: str, data: Path, w: dict) -> None:
 
 CASES = [
     "intact",  # control: nothing damaged, the history is restored
-    "data_flip", "header_flip_json", "header_flip_length", "header_flip_checksum", "header_flip_token_hash",
-    "truncated", "truncated_in_header", "empty", "missing_segment", "missing_manifest", "file_without_row",
-    "other_model", "other_tokens", "other_version", "other_epoch", "other_dtype",
+    "data_flip",
+    "header_flip_json",
+    "header_flip_length",
+    "header_flip_checksum",
+    "header_flip_token_hash",
+    "truncated",
+    "truncated_in_header",
+    "empty",
+    "missing_segment",
+    "missing_manifest",
+    "file_without_row",
+    "other_model",
+    "other_tokens",
+    "other_version",
+    "other_epoch",
+    "other_dtype",
     "extra_tensors",  # a layout this engine cannot use: discarded like damage
     "other_weights",  # weights changed between the first and last MiB: the fingerprint covers every byte
-    "manifest_flip", "manifest_truncated", "manifest_empty", "manifest_other_version", "manifest_of_b",
+    "manifest_flip",
+    "manifest_truncated",
+    "manifest_empty",
+    "manifest_other_version",
+    "manifest_of_b",
     "manifest_out_of_order",
     # a later segment bad: the ones before it are used, the rest recomputed
-    "last_segment_flip", "last_segment_missing", "middle_segment_truncated",
+    "last_segment_flip",
+    "last_segment_missing",
+    "middle_segment_truncated",
     "orphans_beside",  # leftovers are swept, the snapshot restores
 ]
 FULL = ("intact", "file_without_row", "orphans_beside")  # the whole history restores
@@ -517,8 +566,16 @@ def fork_server(model):
 def test_kill_9_during_spill_loses_nothing_and_never_loads_garbage(model, fork_server, tmp_path):
     ref, model_dir = model
     rng = random.Random(20240612)
-    stats = {"in_turn": 0, "in_spill": 0, "between": 0, "mid_write_temp_file": 0, "file_ahead_of_row": 0,
-             "restored": 0, "recomputed": 0, "turns_by_workers": 0}
+    stats = {
+        "in_turn": 0,
+        "in_spill": 0,
+        "between": 0,
+        "mid_write_temp_file": 0,
+        "file_ahead_of_row": 0,
+        "restored": 0,
+        "recomputed": 0,
+        "turns_by_workers": 0,
+    }
     started = time.monotonic()
     seconds = {"worker_start": 0.0, "worker_run": 0.0, "check": 0.0}
     spill_s: list[float] = []  # how long the workers' completed spills took
@@ -602,9 +659,11 @@ def test_kill_9_during_spill_loses_nothing_and_never_loads_garbage(model, fork_s
     # rename but before the DB row (file ahead of row) / after the row
     stats["in_spill_other"] = stats["in_spill"] - stats["mid_write_temp_file"] - stats["file_ahead_of_row"]
     median = spill_s[len(spill_s) // 2] if spill_s else float("nan")
-    print(f"kill -9 over {KILL_TRIALS} trials in {elapsed:.1f}s: {stats}; seconds spent: "
-          + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items())
-          + f"; {len(spill_s)} spills completed, median {1000 * median:.1f} ms")
+    print(
+        f"kill -9 over {KILL_TRIALS} trials in {elapsed:.1f}s: {stats}; seconds spent: "
+        + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items())
+        + f"; {len(spill_s)} spills completed, median {1000 * median:.1f} ms"
+    )
     assert stats["in_spill"] >= KILL_TRIALS // 4, f"too few kills landed inside a spill: {stats}"
     assert stats["mid_write_temp_file"] >= 1, f"no kill landed inside a snapshot write: {stats}"
 

@@ -36,8 +36,18 @@ THINKING_TEMPLATE = (
 def model(tmp_path_factory):
     d = tmp_path_factory.mktemp("model")
     # big enough that the reply depends on the history (a weaker model answers the same whatever the KV)
-    return make_model(d, "llama", seed=7, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096), d
+    return make_model(
+        d,
+        "llama",
+        seed=7,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=4096,
+    ), d
 
 
 def engine_at(model_dir, data_dir, **kw) -> Engine:

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from chatkv.sessions import manifest_rows as rows
-from chatkv.storage.kv_segments import Diverged, Manifest, SegmentStore
+from chatkv.storage.kv_segments import Diverged, SegmentStore
 from chatkv.storage.repository import Store
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -37,7 +37,10 @@ GEOM = dict(model_fingerprint="m", kv_dtype="float32")
 
 def kv(n: int, seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return ([torch.randn(n, 2, 4, generator=g) for _ in range(2)], [torch.randn(n, 2, 4, generator=g) for _ in range(2)])
+    return (
+        [torch.randn(n, 2, 4, generator=g) for _ in range(2)],
+        [torch.randn(n, 2, 4, generator=g) for _ in range(2)],
+    )
 
 
 def test_an_older_history_never_replaces_a_newer_snapshot(tmp_path):
@@ -105,8 +108,13 @@ def test_a_sweep_and_restores_never_break_another_process_appending(tmp_path):
         salt = hashlib.sha256(b"").hexdigest()[:8]
         key = f"{conv}-{salt}"
         seg = SegmentStore(tmp_path / "kv")
-        child = subprocess.Popen([sys.executable, "-c", CHILD, str(seg.root), key, "400"], cwd=ROOT,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        child = subprocess.Popen(
+            [sys.executable, "-c", CHILD, str(seg.root), key, "400"],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         sweeps = loads = 0
         deadline = time.monotonic() + 120
         while child.poll() is None and time.monotonic() < deadline:

@@ -21,7 +21,6 @@ import pytest
 
 from chatkv.config import EngineConfig
 from chatkv.engine.core import Engine
-from chatkv.engine.scheduler import Scheduler
 from chatkv.engine.sequence import Sequence
 from chatkv.sessions.manager import SessionManager
 
@@ -42,8 +41,15 @@ def test_a_finished_turn_hands_its_kv_to_the_session_on_the_loop_thread(model_di
 
     def at_finish(result, seq):  # the loop thread, right after the step that finished the request
         if seq.retain:
-            seen.append((threading.current_thread().name, s.kept is not None, s.busy, seq.retained is None,
-                         s.tokens[: len(seq.token_ids)] == seq.token_ids))
+            seen.append(
+                (
+                    threading.current_thread().name,
+                    s.kept is not None,
+                    s.busy,
+                    seq.retained is None,
+                    s.tokens[: len(seq.token_ids)] == seq.token_ids,
+                )
+            )
 
     e.add_finish_listener(at_finish)
     s.send(TEXTS[0])
@@ -70,8 +76,9 @@ def test_the_scheduler_keeps_no_hand_over_state_and_sequences_declare_their_fiel
 
 
 @pytest.mark.parametrize("started", [False, True], ids=["inline", "loop"])
-def test_memory_pressure_is_resolved_between_scheduling_passes_not_inside_reserve(model_dir, tmp_path, monkeypatch,
-                                                                                  started):
+def test_memory_pressure_is_resolved_between_scheduling_passes_not_inside_reserve(
+    model_dir, tmp_path, monkeypatch, started
+):
     e = Engine(model_dir, EngineConfig(data_dir=str(tmp_path), num_blocks=24, block_size=8))
     if started:
         e.start()
@@ -129,7 +136,8 @@ def test_a_user_message_not_stored_after_its_request_finished_leaves_the_session
 
 
 def test_a_request_that_finishes_before_its_user_message_is_stored_names_the_chat_and_keeps_the_history(
-        model_dir, tmp_path):
+    model_dir, tmp_path
+):
     e = Engine(model_dir, EngineConfig(data_dir=str(tmp_path), num_blocks=128)).start()
     s = e.session(params=GREEDY)
     finished = threading.Event()

@@ -19,7 +19,9 @@ REWRITES = (
     "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 # Gemma-style: the template has no system role and raises for one
-NO_SYSTEM = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}" + CHATML
+NO_SYSTEM = (
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}" + CHATML
+)
 # Qwen3-style: a conversation without a user message is refused
 NEEDS_USER = (
     "{% set ns = namespace(user=false) %}{% for m in messages %}{% if m['role'] == 'user' %}"
@@ -77,7 +79,9 @@ def test_first_is_apply_chat_template(tok, system):
 def test_deltas_equal_the_whole_conversation_rendered_at_once(tok, system, stopped):
     """For ChatML the token history built turn by turn is exactly the full render."""
     r = TurnRenderer(tok)
-    conv = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": "Hello, how are you?"}]
+    conv = ([{"role": "system", "content": system}] if system else []) + [
+        {"role": "user", "content": "Hello, how are you?"}
+    ]
     tokens = r.first(conv)
     users = ["What is the capital of France?", "Thanks!\nAnd Italy?", "é 日本 🙂  two  spaces", "x" * 200]
     for reply, user in zip(REPLIES, users):

@@ -38,9 +38,14 @@ from chatkv.config import EngineConfig
 from chatkv.engine.core import Engine
 from chatkv.engine.sampling import SamplingParams
 from chatkv.storage.repository import Store
+from tests.sessions.test_session_durability import (
+    MODEL,
+    _read_events,
+    _snapshot_on_disk,
+    _wait_for,
+    fork_server,  # noqa: F401  (the same fork server of the same model)
+)
 from tests.support import write_behind_child as child
-from tests.sessions.test_session_durability import MODEL, _read_events, _snapshot_on_disk, _wait_for
-from tests.sessions.test_session_durability import fork_server  # noqa: F401  (the same fork server of the same model)
 from tests.support.processes import one_torch_thread
 from tests.support.tiny import make_model
 
@@ -122,8 +127,13 @@ def _resume_fourth_turn(model, straight, data: Path, events: list[dict]) -> None
 
 def test_interpreter_exit_without_close_keeps_the_kv(model, straight, tmp_path):
     data = tmp_path / "data"
-    out = subprocess.run([sys.executable, str(CHILD), str(model[1]), str(data), "exit"], capture_output=True,
-                         text=True, timeout=300, env=_child_env())
+    out = subprocess.run(
+        [sys.executable, str(CHILD), str(model[1]), str(data), "exit"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_child_env(),
+    )
     assert out.returncode == 0, out.stderr
     events = [json.loads(line) for line in out.stdout.splitlines()]
     assert len(events) == 3
@@ -132,8 +142,13 @@ def test_interpreter_exit_without_close_keeps_the_kv(model, straight, tmp_path):
 
 def test_sigkill_one_second_after_the_third_reply_keeps_the_kv(model, straight, tmp_path):
     data = tmp_path / "data"
-    p = subprocess.Popen([sys.executable, str(CHILD), str(model[1]), str(data), "hang"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, env=_child_env())
+    p = subprocess.Popen(
+        [sys.executable, str(CHILD), str(model[1]), str(data), "hang"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_child_env(),
+    )
     try:
         events = []
         for line in p.stdout:
@@ -220,9 +235,11 @@ def test_kill_9_at_random_moments_never_loads_garbage_nor_loses_a_message(model,
         e.check_integrity()
         e.close()  # the next worker continues this conversation
     elapsed = time.monotonic() - started
-    print(f"kill -9 at random moments, {KILL_TRIALS} trials in {elapsed:.1f}s: {dict(stats)}; "
-          f"median turn {1000 * statistics.median(turn_s):.0f} ms; killed {1000 * min(since_reply):.0f}-"
-          f"{1000 * max(since_reply):.0f} ms after the last reply (median {1000 * statistics.median(since_reply):.0f})")
+    print(
+        f"kill -9 at random moments, {KILL_TRIALS} trials in {elapsed:.1f}s: {dict(stats)}; "
+        f"median turn {1000 * statistics.median(turn_s):.0f} ms; killed {1000 * min(since_reply):.0f}-"
+        f"{1000 * max(since_reply):.0f} ms after the last reply (median {1000 * statistics.median(since_reply):.0f})"
+    )
     assert stats["mid_write_temp_file"] >= 3, f"too few kills landed inside a write: {stats}"
     assert stats["restored"] >= KILL_TRIALS // 2, stats
 
@@ -250,7 +267,7 @@ def test_bytes_written_per_turn_follow_the_new_tokens_not_the_history(model, tmp
         new = {name: size for name, size in files.items() if name not in seen}
         seen |= set(files)
         assert len(new) == 1, f"turn {i}: one segment a turn, got {sorted(new)}"
-        (name, size), = new.items()
+        ((name, size),) = new.items()
         start, end = (int(x) for x in name[: -len(".safetensors")].rsplit("_", 2)[1:])
         assert end == n
         rows.append((n, n - prev, size, start < prev))
@@ -272,9 +289,11 @@ def test_bytes_written_per_turn_follow_the_new_tokens_not_the_history(model, tmp
     bound = 1 + math.ceil(seal / (max_open * min(row[1] for row in rows)))
     assert written <= bound * final * 1.1
     rewrite_all = sum(row[0] for row in rows) * per_token  # what rewriting the whole snapshot each turn costs
-    print(f"20 turns: history {rows[0][0]} -> {rows[-1][0]} tokens ({growth:.1f}x); bytes per new token "
-          f"{early:.0f} early, {late:.0f} late; merges at turns {[m + 1 for m in merges]}; written {written} B = "
-          f"{written / final:.2f}x the final KV, {written / rewrite_all:.2f}x of rewriting it every turn")
+    print(
+        f"20 turns: history {rows[0][0]} -> {rows[-1][0]} tokens ({growth:.1f}x); bytes per new token "
+        f"{early:.0f} early, {late:.0f} late; merges at turns {[m + 1 for m in merges]}; written {written} B = "
+        f"{written / final:.2f}x the final KV, {written / rewrite_all:.2f}x of rewriting it every turn"
+    )
     assert written < 0.5 * rewrite_all
     e.close()
 
@@ -296,7 +315,9 @@ def test_spilling_a_current_snapshot_writes_nothing(model, tmp_path):
     snaps.flush()
     assert a.kept is None
     assert snaps.stats["jobs"] == jobs + 1, "only b's own write-behind"
-    assert {k: v for k, v in listing().items() if k.startswith(a.id)} == {k: v for k, v in before.items() if k.startswith(a.id)}
+    assert {k: v for k, v in listing().items() if k.startswith(a.id)} == {
+        k: v for k, v in before.items() if k.startswith(a.id)
+    }
     assert b.spill() and snaps.stats["jobs"] == jobs + 1  # explicit spill: current too
     e.check_integrity()
     e.close()
@@ -449,8 +470,15 @@ def test_failed_manifest_write_keeps_the_old_manifest(model, tmp_path, monkeypat
 def test_the_database_is_used_only_from_the_callers_thread(model, tmp_path, monkeypatch):
     _, model_dir = model
     threads = set()
-    for name in ("put_snapshot", "get_snapshot", "delete_snapshot", "touch_snapshot", "snapshots_lru",
-                 "total_snapshot_bytes", "add_message"):
+    for name in (
+        "put_snapshot",
+        "get_snapshot",
+        "delete_snapshot",
+        "touch_snapshot",
+        "snapshots_lru",
+        "total_snapshot_bytes",
+        "add_message",
+    ):
         real = getattr(Store, name)
 
         def spy(*a, _real=real, **kw):

@@ -41,13 +41,22 @@ def tokens(n, seed=0):
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (a.dtype == b.dtype and a.shape == b.shape
-            and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
 
 
 def load_args(ids, **over):
-    args = dict(token_ids=ids, model_fingerprint=FP, kv_dtype="bfloat16",
-                num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM)
+    args = dict(
+        token_ids=ids,
+        model_fingerprint=FP,
+        kv_dtype="bfloat16",
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+    )
     args.update(over)
     return args
 
@@ -86,6 +95,7 @@ def expect_invalid(store, key, ids, match=None, **over):
 
 # ----------------------------------------------------------------- round trip
 
+
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16"])
 def test_round_trip_bit_exact(store, kv_dtype):
     dtype = getattr(torch, kv_dtype)
@@ -120,6 +130,7 @@ def test_prefix_load_returns_stored_count(store):
 
 def test_token_hash_is_sha256_of_int64_le():
     import hashlib
+
     ids = [1, 2, 300000, 7]
     assert token_hash(ids) == hashlib.sha256(struct.pack("<4q", *ids)).hexdigest()
     assert token_hash(torch.tensor(ids)) == token_hash(ids) != token_hash(ids[:3])
@@ -233,13 +244,17 @@ def test_snapshot_size_is_kv_bytes_plus_small_header(store):
 
 # ---------------------------------------------------------------- damage matrix
 
-@pytest.mark.parametrize("over, match", [
-    (dict(model_fingerprint="other-model"), "model fingerprint differs"),
-    (dict(kv_dtype="float16"), "kv dtype differs"),
-    (dict(num_layers=LAYERS + 1), "geometry differs"),
-    (dict(num_kv_heads=HEADS * 2), "geometry differs"),
-    (dict(head_dim=HEAD_DIM // 2), "geometry differs"),
-])
+
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        (dict(model_fingerprint="other-model"), "model fingerprint differs"),
+        (dict(kv_dtype="float16"), "kv dtype differs"),
+        (dict(num_layers=LAYERS + 1), "geometry differs"),
+        (dict(num_kv_heads=HEADS * 2), "geometry differs"),
+        (dict(head_dim=HEAD_DIM // 2), "geometry differs"),
+    ],
+)
 def test_mismatch_discards(saved, over, match, caplog):
     store, ids, *_ = saved
     with caplog.at_level(logging.WARNING, logger="chatkv.storage"):
@@ -281,23 +296,27 @@ def rewrite(store, key, meta_over=None, drop=(), tensors_over=None):
 
 def store_meta_dict(path):
     from safetensors import safe_open
+
     with safe_open(path, framework="pt") as f:
         return f.metadata()
 
 
-@pytest.mark.parametrize("meta_over, drop, match", [
-    ({"format_version": "2"}, (), "format version 2"),
-    ({"format_version": "0"}, (), "format version 0"),
-    ({"format_version": "one"}, (), "format_version"),
-    ({"token_count": "-40"}, (), "token_count"),
-    ({"token_count": "41"}, (), None),
-    ({"token_count": "0"}, (), "no tokens"),
-    ({"kv_dtype": "float16"}, (), "expected torch.float16"),  # header lies about the tensors
-    ({"checksum": "crc32:00000000"}, (), "checksum"),
-    ({"extra_tensors": "k_scale.0"}, (), "tensor names"),
-    ({}, ("checksum",), "lacks checksum"),
-    ({}, ("token_hash",), "lacks token_hash"),
-])
+@pytest.mark.parametrize(
+    "meta_over, drop, match",
+    [
+        ({"format_version": "2"}, (), "format version 2"),
+        ({"format_version": "0"}, (), "format version 0"),
+        ({"format_version": "one"}, (), "format_version"),
+        ({"token_count": "-40"}, (), "token_count"),
+        ({"token_count": "41"}, (), None),
+        ({"token_count": "0"}, (), "no tokens"),
+        ({"kv_dtype": "float16"}, (), "expected torch.float16"),  # header lies about the tensors
+        ({"checksum": "crc32:00000000"}, (), "checksum"),
+        ({"extra_tensors": "k_scale.0"}, (), "tensor names"),
+        ({}, ("checksum",), "lacks checksum"),
+        ({}, ("token_hash",), "lacks token_hash"),
+    ],
+)
 def test_bad_header_fields(saved, meta_over, drop, match):
     store, ids, *_ = saved
     rewrite(store, "abc", meta_over, drop)
@@ -330,13 +349,21 @@ def test_bad_tensors(saved, what):
     expect_invalid(store, "abc", ids)
 
 
-@pytest.mark.parametrize("cut", ["empty", 1, 7, 8, 9, "mid_header", "header_end", "header_end+1",
-                                 "token_ids", "middle", "last_byte"])
+@pytest.mark.parametrize(
+    "cut", ["empty", 1, 7, 8, 9, "mid_header", "header_end", "header_end+1", "token_ids", "middle", "last_byte"]
+)
 def test_truncated(saved, cut):
     store, ids, _, _, blob = saved
     he = header_end(blob)
-    at = {"empty": 0, "mid_header": he // 2, "header_end": he, "header_end+1": he + 1,
-          "token_ids": he + 100, "middle": (he + len(blob)) // 2, "last_byte": len(blob) - 1}.get(cut, cut)
+    at = {
+        "empty": 0,
+        "mid_header": he // 2,
+        "header_end": he,
+        "header_end+1": he + 1,
+        "token_ids": he + 100,
+        "middle": (he + len(blob)) // 2,
+        "last_byte": len(blob) - 1,
+    }.get(cut, cut)
     store.path("abc").write_bytes(blob[:at])
     expect_invalid(store, "abc", ids)
 
@@ -360,7 +387,7 @@ def test_every_header_byte_flip_is_caught(saved):
             if path.exists():
                 undetected.append((pos, mask, "not deleted"))
         else:
-            undetected.append((pos, mask, blob[max(0, pos - 20):pos + 20]))
+            undetected.append((pos, mask, blob[max(0, pos - 20) : pos + 20]))
     assert not undetected, undetected[:5]
 
 
@@ -384,15 +411,18 @@ def test_missing_file(store):
         store.load("nothing", **load_args(tokens(5)))
 
 
-@pytest.mark.parametrize("content", [
-    b"",
-    b"hello, this is not a snapshot\n" * 10,
-    b'{"__metadata__": {"format_version": "1"}}',
-    struct.pack("<Q", 10**12) + b"{}",
-    struct.pack("<Q", 2) + b"{}",
-    struct.pack("<Q", 2) + b"{}" + b"\0" * 64,
-    bytes(random.Random(3).getrandbits(8) for _ in range(5000)),
-])
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"hello, this is not a snapshot\n" * 10,
+        b'{"__metadata__": {"format_version": "1"}}',
+        struct.pack("<Q", 10**12) + b"{}",
+        struct.pack("<Q", 2) + b"{}",
+        struct.pack("<Q", 2) + b"{}" + b"\0" * 64,
+        bytes(random.Random(3).getrandbits(8) for _ in range(5000)),
+    ],
+)
 def test_not_a_snapshot(store, content):
     store.path("junk").write_bytes(content)
     assert store.keys() == {"junk"}
@@ -401,6 +431,7 @@ def test_not_a_snapshot(store, content):
 
 
 # ------------------------------------------------------------ keys and modes
+
 
 @pytest.mark.parametrize("key", ["../x", "a/b", "", "..", ".", "a" * 129, "a.b", "a b", "x\0", "é", "/abs"])
 def test_bad_keys_rejected(store, key, tmp_path):
@@ -460,11 +491,11 @@ def test_cleanup_temp(tmp_path):
     nonce = kv_store._PROCESS_NONCE
     other_nonce = "0" * 16 if nonce != "0" * 16 else "1" * 16
     names = {
-        f".abc.{dead.pid}.{nonce}.00000001.tmp": "removed",          # writer is gone
+        f".abc.{dead.pid}.{nonce}.00000001.tmp": "removed",  # writer is gone
         f".abc.{os.getpid()}.{other_nonce}.00000002.tmp": "removed",  # an earlier process with our pid
-        f".abc.{os.getpid()}.{nonce}.00000003.tmp": "kept",          # our own write in flight
-        f".abc.{os.getppid()}.{nonce}.00000004.tmp": "kept",         # a live writer
-        f".abc.{os.getppid()}.{nonce}.00000005.tmp": "old",          # a live pid, but an hour old
+        f".abc.{os.getpid()}.{nonce}.00000003.tmp": "kept",  # our own write in flight
+        f".abc.{os.getppid()}.{nonce}.00000004.tmp": "kept",  # a live writer
+        f".abc.{os.getppid()}.{nonce}.00000005.tmp": "old",  # a live pid, but an hour old
         "notes.txt": "kept",
         ".abc.tmp": "kept",
     }
@@ -542,8 +573,14 @@ def test_kill_9_never_leaves_a_partial_snapshot(tmp_path):
             store = KVStore(root)  # its init removes the dead writer's temp file
             assert not [p.name for p in root.iterdir() if p.name.endswith(".tmp")]
             exists = store.path(child.KEY).exists()
-            args = dict(token_ids=ids_b, model_fingerprint=child.FINGERPRINT, kv_dtype=child.KV_DTYPE,
-                        num_layers=child.LAYERS, num_kv_heads=child.HEADS, head_dim=child.HEAD_DIM)
+            args = dict(
+                token_ids=ids_b,
+                model_fingerprint=child.FINGERPRINT,
+                kv_dtype=child.KV_DTYPE,
+                num_layers=child.LAYERS,
+                num_kv_heads=child.HEADS,
+                head_dim=child.HEAD_DIM,
+            )
             if not exists:
                 assert not had_snapshot, f"trial {trial}: a complete snapshot vanished"
                 with pytest.raises(SnapshotInvalid, match="no file"):

@@ -46,8 +46,14 @@ def _conv(store: Store) -> str:
 def _forge(store: Store, conv: str, **values) -> None:
     """Write a lease row as another process (another machine, a dead pid) would have left it."""
     now = datetime.now(timezone.utc)
-    row = dict(owner="elsewhere/1/x", machine="elsewhere|boot|1", pid=1, pid_start=None, acquired_at=now,
-               expires_at=now + timedelta(seconds=60))
+    row = dict(
+        owner="elsewhere/1/x",
+        machine="elsewhere|boot|1",
+        pid=1,
+        pid_start=None,
+        acquired_at=now,
+        expires_at=now + timedelta(seconds=60),
+    )
     row.update(values)
     with store._write.begin() as s:
         lease = s.get(ConversationLease, conv)

@@ -63,8 +63,9 @@ def test_a_same_length_edit_in_the_database_is_detected_and_recomputed(model, tm
     sid = _conversation(model, tmp_path)
     db = sqlite3.connect(tmp_path / DB_FILENAME)  # the real file, as a person with sqlite3 would
     with db:
-        n = db.execute("UPDATE messages SET content = ? WHERE conversation_id = ? AND content = ?",
-                       (EDITED, sid, ORIGINAL)).rowcount
+        n = db.execute(
+            "UPDATE messages SET content = ? WHERE conversation_id = ? AND content = ?", (EDITED, sid, ORIGINAL)
+        ).rowcount
     db.close()
     assert n == 1
 
@@ -78,8 +79,8 @@ def test_a_same_length_edit_in_the_database_is_detected_and_recomputed(model, tm
         assert EDITED in history and ORIGINAL not in history  # the history says what the stored text says
         turns = s.window.turns  # where each user turn starts, for the overflow policy to drop old ones
         assert len(turns) == 2 and s.window.prefix == turns[0] < turns[1] < len(s.tokens)
-        assert e.tokenizer.decode(s.tokens[turns[0]:turns[1]]).count(EDITED) == 1
-        assert "capital of France" in e.tokenizer.decode(s.tokens[turns[1]:])
+        assert e.tokenizer.decode(s.tokens[turns[0] : turns[1]]).count(EDITED) == 1
+        assert "capital of France" in e.tokenizer.decode(s.tokens[turns[1] :])
         prompt = s.tokens + e.session_manager.renderer.user_turn("Go on.")
         reply = s.send("Go on.", SamplingParams(**GREEDY))
         assert reply.usage.restored_tokens == 0  # the old KV (of the old text) was not used
@@ -102,9 +103,17 @@ def test_a_same_length_edit_in_the_database_is_detected_and_recomputed(model, tm
 def test_an_edit_in_a_conversation_that_outgrew_its_window_is_recomputed_within_it(model, tmp_path, caplog):
     """The recomputed history is the whole stored conversation, longer than the window the KV
     held: its turns are known, so the next turn drops the oldest ones (truncate) and answers."""
+
     def small(data):
-        return Engine.from_pretrained(str(model), data_dir=str(data), dtype="float32", block_size=4, num_blocks=512,
-                                      context_window=160, overflow="truncate")
+        return Engine.from_pretrained(
+            str(model),
+            data_dir=str(data),
+            dtype="float32",
+            block_size=4,
+            num_blocks=512,
+            context_window=160,
+            overflow="truncate",
+        )
 
     greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     e = small(tmp_path)
@@ -119,8 +128,10 @@ def test_an_edit_in_a_conversation_that_outgrew_its_window_is_recomputed_within_
         e.close()
     db = sqlite3.connect(tmp_path / DB_FILENAME)
     with db:
-        db.execute("UPDATE messages SET content = replace(content, ?, ?) WHERE conversation_id = ? AND role = 'user'",
-                   (ORIGINAL, EDITED, sid))
+        db.execute(
+            "UPDATE messages SET content = replace(content, ?, ?) WHERE conversation_id = ? AND role = 'user'",
+            (ORIGINAL, EDITED, sid),
+        )
     db.close()
     e = small(tmp_path)
     try:

@@ -25,8 +25,12 @@ from chatkv.storage.repository import Store
 from tests.support.pg import backend_url
 
 NOW = datetime(2026, 12, 1, 12, 0, 0)
-OLD = [("user", "Hello there"), ("assistant", "Hi! How can I help?"), ("user", "Tell me a joke"),
-       ("assistant", "Why did the cache miss? It was evicted.")]
+OLD = [
+    ("user", "Hello there"),
+    ("assistant", "Hi! How can I help?"),
+    ("user", "Tell me a joke"),
+    ("assistant", "Why did the cache miss? It was evicted."),
+]
 OLD_TOKENS = list(range(1, 41))
 
 
@@ -45,13 +49,22 @@ def _old_database(url: str) -> str:
         tok = b"".join(t.to_bytes(4, "little") for t in OLD_TOKENS)
         with engine.begin() as conn:
             for cid, tokens in ((conv, tok), (uuid.uuid4().hex, b"")):
-                conn.execute(text("INSERT INTO conversations (id, tenant, owner, title, model, system_prompt, params, "
-                                  "token_ids, token_count, created_at, updated_at, archived) VALUES (:id, '', 'local', "
-                                  "'old', 'm', 'sys', '{}', :tok, :n, :now, :now, false)"),
-                             {"id": cid, "tok": tokens, "n": len(tokens) // 4, "now": NOW})
+                conn.execute(
+                    text(
+                        "INSERT INTO conversations (id, tenant, owner, title, model, system_prompt, params, "
+                        "token_ids, token_count, created_at, updated_at, archived) VALUES (:id, '', 'local', "
+                        "'old', 'm', 'sys', '{}', :tok, :n, :now, :now, false)"
+                    ),
+                    {"id": cid, "tok": tokens, "n": len(tokens) // 4, "now": NOW},
+                )
             for role, content in OLD:
-                conn.execute(text("INSERT INTO messages (conversation_id, role, content, created_at, status) "
-                                  "VALUES (:c, :r, :t, :now, 'complete')"), {"c": conv, "r": role, "t": content, "now": NOW})
+                conn.execute(
+                    text(
+                        "INSERT INTO messages (conversation_id, role, content, created_at, status) "
+                        "VALUES (:c, :r, :t, :now, 'complete')"
+                    ),
+                    {"c": conv, "r": role, "t": content, "now": NOW},
+                )
         return conv
     finally:
         engine.dispose()
@@ -91,7 +104,10 @@ def test_0006_downgrades_to_0005(tmp_path):
             cols = {r[1] for r in conn.execute(text("PRAGMA table_info(messages)"))}
             assert not cols & {"parent_id", "token_base", "token_tail", "context"}
             # every message of every branch is still there, as one flat list
-            assert conn.execute(text("SELECT count(*) FROM messages WHERE conversation_id = :c"), {"c": conv}).scalar() == 5
+            assert (
+                conn.execute(text("SELECT count(*) FROM messages WHERE conversation_id = :c"), {"c": conv}).scalar()
+                == 5
+            )
     finally:
         engine.dispose()
 
@@ -164,8 +180,11 @@ def test_bad_ids_give_a_clear_error_and_change_nothing(url, tmp_path):
         _, ids_b = _turn(s, b, [1], "in b")
         before = (s.message_tree(a), s.get_conversation(a))
         for bad in (ids_b[0], 10**9, -1):
-            for call in (lambda: s.switch_branch(a, bad), lambda: s.branches(a, bad),
-                         lambda: s.add_message(a, "user", "x", parent_id=bad)):
+            for call in (
+                lambda: s.switch_branch(a, bad),
+                lambda: s.branches(a, bad),
+                lambda: s.add_message(a, "user", "x", parent_id=bad),
+            ):
                 with pytest.raises(InvalidRequest, match=f"message {bad} is not a message of conversation {a}"):
                     call()
         for bad in ("1", True, 1.0, None):
@@ -243,7 +262,7 @@ def test_search_finds_messages_of_every_branch_of_the_owners_conversations_only(
 def test_search_reads_nothing_typed_as_query_syntax(url, tmp_path):
     with Store.open(url, data_dir=tmp_path) as s:
         c = s.create_conversation("t", "m", "", {}).id
-        m = s.add_message(c, "user", "100% sure that a_b is not a*b (or NEAR) \"quoted\"")
+        m = s.add_message(c, "user", '100% sure that a_b is not a*b (or NEAR) "quoted"')
         for hostile in ['"', "*", "a*b", "NEAR(", "content:x", "100%", "a_b", "')--", "\\", "(or NEAR)", "\x00"]:
             hits = s.search(hostile)
             assert all(h.message.id == m.id for h in hits), hostile

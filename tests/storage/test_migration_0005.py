@@ -33,13 +33,22 @@ def _old_database(url: str) -> str:
         assert migrations.current_revisions(engine) == {"0004"}
         conv = uuid.uuid4().hex
         with engine.begin() as conn:
-            conn.execute(text("INSERT INTO conversations (id, tenant, title, model, system_prompt, params, token_ids, "
-                              "token_count, created_at, updated_at, archived) VALUES (:id, '', 'old chat', 'm', 'sys', "
-                              "'{}', :tok, 2, :now, :now, false)"), {"id": conv, "tok": b"\x01\x00\x00\x00\x02\x00\x00\x00",
-                                                                   "now": NOW})
+            conn.execute(
+                text(
+                    "INSERT INTO conversations (id, tenant, title, model, system_prompt, params, token_ids, "
+                    "token_count, created_at, updated_at, archived) VALUES (:id, '', 'old chat', 'm', 'sys', "
+                    "'{}', :tok, 2, :now, :now, false)"
+                ),
+                {"id": conv, "tok": b"\x01\x00\x00\x00\x02\x00\x00\x00", "now": NOW},
+            )
             for role, content in ROWS:
-                conn.execute(text("INSERT INTO messages (conversation_id, role, content, created_at, status) "
-                                  "VALUES (:c, :r, :t, :now, 'complete')"), {"c": conv, "r": role, "t": content, "now": NOW})
+                conn.execute(
+                    text(
+                        "INSERT INTO messages (conversation_id, role, content, created_at, status) "
+                        "VALUES (:c, :r, :t, :now, 'complete')"
+                    ),
+                    {"c": conv, "r": role, "t": content, "now": NOW},
+                )
         return conv
     finally:
         engine.dispose()
@@ -63,7 +72,9 @@ def test_0005_upgrades_a_0004_database(backend, request, tmp_path):
         with pytest.raises(SessionError) as other:
             s.get_conversation(conv, owner="alice")
         assert str(other.value).replace(conv, "0" * 32) == str(unknown.value)
-        assert s.list_conversations(owner="alice") == [] and [c.id for c in s.list_conversations(owner=LOCAL_USER)] == [conv]
+        assert s.list_conversations(owner="alice") == [] and [c.id for c in s.list_conversations(owner=LOCAL_USER)] == [
+            conv
+        ]
         new = s.create_conversation("a", "m", "", {}, owner="alice")
         assert s.get_conversation(new.id, owner="alice").owner == "alice"
         assert [c.id for c in s.list_conversations(owner="alice")] == [new.id]
@@ -80,7 +91,10 @@ def test_0005_downgrades_to_0004(tmp_path):
             command.downgrade(migrations.config(connection=conn), "0004")
             cols = {r[1] for r in conn.execute(text("PRAGMA table_info(messages)"))}
             assert "content_hash" not in cols
-            assert conn.execute(text("SELECT count(*) FROM messages WHERE conversation_id = :c"), {"c": conv}).scalar() == 3
+            assert (
+                conn.execute(text("SELECT count(*) FROM messages WHERE conversation_id = :c"), {"c": conv}).scalar()
+                == 3
+            )
     finally:
         engine.dispose()
 

@@ -30,14 +30,23 @@ def _old_database(url: str) -> str:
             command.upgrade(migrations.config(connection=conn), "0006")
         conv = uuid.uuid4().hex
         with engine.begin() as conn:
-            conn.execute(text("INSERT INTO conversations (id, tenant, owner, title, model, system_prompt, params, "
-                              "token_ids, token_count, created_at, updated_at, archived) VALUES (:id, '', 'local', "
-                              "'old', 'm', 'sys', '{}', :tok, 0, :now, :now, false)"), {"id": conv, "tok": b"", "now": NOW})
+            conn.execute(
+                text(
+                    "INSERT INTO conversations (id, tenant, owner, title, model, system_prompt, params, "
+                    "token_ids, token_count, created_at, updated_at, archived) VALUES (:id, '', 'local', "
+                    "'old', 'm', 'sys', '{}', :tok, 0, :now, :now, false)"
+                ),
+                {"id": conv, "tok": b"", "now": NOW},
+            )
             parent = None
             for role, content in (("user", "Which kettle?"), ("assistant", "The Brewmaster [1].")):
-                conn.execute(text("INSERT INTO messages (conversation_id, role, content, created_at, status, "
-                                  "prompt_tokens, parent_id) VALUES (:c, :r, :t, :now, 'complete', 12, :p)"),
-                             {"c": conv, "r": role, "t": content, "now": NOW, "p": parent})
+                conn.execute(
+                    text(
+                        "INSERT INTO messages (conversation_id, role, content, created_at, status, "
+                        "prompt_tokens, parent_id) VALUES (:c, :r, :t, :now, 'complete', 12, :p)"
+                    ),
+                    {"c": conv, "r": role, "t": content, "now": NOW, "p": parent},
+                )
                 parent = conn.execute(text("SELECT max(id) FROM messages")).scalar()
             conn.execute(text("UPDATE conversations SET current_leaf_id = :p WHERE id = :c"), {"p": parent, "c": conv})
         return conv
@@ -52,7 +61,9 @@ def test_0007_upgrades_a_0006_database(backend, request, tmp_path):
     with Store.open(url, data_dir=tmp_path) as s:
         assert s.migrated and migrations.current_revisions(s.engine) == {migrations.HEAD}  # 0007, then those after it
         old = s.messages(conv)
-        assert [(m.reused_tokens, m.recomputed_tokens) for m in old] == [(None, None)] * 2 and all(m.intact for m in old)
+        assert [(m.reused_tokens, m.recomputed_tokens) for m in old] == [(None, None)] * 2 and all(
+            m.intact for m in old
+        )
         assert Usage.from_message(old[1]).reused_tokens == 0  # NULL reads as none reused
         u = Usage(prompt_tokens=40, computed_tokens=9, reused_tokens=31, recomputed_tokens=4, ttft_s=0.25)
         new = s.add_message(conv, "assistant", "Descale monthly [2].", parent_id=old[1].id, **u.message_columns())
@@ -67,13 +78,18 @@ def test_0007_downgrades_to_0006(tmp_path):
     url = f"sqlite:///{tmp_path / DB_FILENAME}"
     conv = _old_database(url)
     with Store.open(url, data_dir=tmp_path) as s:
-        s.add_message(conv, "assistant", "again", parent_id=s.messages(conv)[-1].id, reused_tokens=5, recomputed_tokens=1)
+        s.add_message(
+            conv, "assistant", "again", parent_id=s.messages(conv)[-1].id, reused_tokens=5, recomputed_tokens=1
+        )
     engine = make_engine(url)
     try:
         with engine.begin() as conn:
             command.downgrade(migrations.config(connection=conn), "0006")
             cols = {r[1] for r in conn.execute(text("PRAGMA table_info(messages)"))}
             assert not cols & {"reused_tokens", "recomputed_tokens"} and "accepted_tokens" in cols
-            assert conn.execute(text("SELECT count(*) FROM messages WHERE conversation_id = :c"), {"c": conv}).scalar() == 3
+            assert (
+                conn.execute(text("SELECT count(*) FROM messages WHERE conversation_id = :c"), {"c": conv}).scalar()
+                == 3
+            )
     finally:
         engine.dispose()

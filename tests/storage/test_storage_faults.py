@@ -28,10 +28,10 @@ from safetensors import SafetensorError
 from sqlalchemy.exc import DBAPIError
 
 from chatkv.errors import StorageError
-from chatkv.storage.paths import data_dir
 from chatkv.storage import files, kv_store
 from chatkv.storage.db import DB_FILENAME
 from chatkv.storage.kv_store import KVStore
+from chatkv.storage.paths import data_dir
 from chatkv.storage.repository import Store
 
 FP = "fp-faults"
@@ -45,8 +45,14 @@ def kv(n: int, seed: int = 0):
 
 
 def load_args(ids):
-    return dict(token_ids=ids, model_fingerprint=FP, kv_dtype="bfloat16",
-                num_layers=LAYERS, num_kv_heads=HEADS, head_dim=HEAD_DIM)
+    return dict(
+        token_ids=ids,
+        model_fingerprint=FP,
+        kv_dtype="bfloat16",
+        num_layers=LAYERS,
+        num_kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+    )
 
 
 def save(store: KVStore, key: str, n: int, seed: int = 0):
@@ -100,12 +106,16 @@ def write_faults(monkeypatch, root: Path, where: str, code: int) -> None:
     if where == "create":
         fail_under(monkeypatch, "open", code, root)
     elif where == "write":  # safetensors' Rust writer reports I/O errors as SafetensorError
+
         def full(tensors, path, metadata=None):
             raise SafetensorError(f"Error while serializing: I/O error: {os.strerror(code)} (os error {code})")
+
         monkeypatch.setattr(kv_store, "save_file", full)
     elif where == "fsync":
+
         def no_fsync(fd):
             raise OSError(code, os.strerror(code))
+
         monkeypatch.setattr(os, "fsync", no_fsync)
     elif where == "rename":
         fail_under(monkeypatch, "replace", code, root)
@@ -224,11 +234,14 @@ def test_read_only_database_is_refused_at_open(tmp_path):
         assert [c.title for c in s.list_conversations()] == ["kept"]
 
 
-@pytest.mark.parametrize("code, words", [
-    (errno.EROFS, "read-only file system"),
-    (errno.EACCES, "permission denied"),
-    (errno.ENOSPC, "disk is full"),
-])
+@pytest.mark.parametrize(
+    "code, words",
+    [
+        (errno.EROFS, "read-only file system"),
+        (errno.EACCES, "permission denied"),
+        (errno.ENOSPC, "disk is full"),
+    ],
+)
 def test_db_file_that_cannot_be_opened(tmp_path, monkeypatch, code, words):
     path = tmp_path / DB_FILENAME
     fail_under(monkeypatch, "open", code, path)

@@ -12,8 +12,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from chatkv.errors import ChatKVError, InvalidRequest, SessionError
-from chatkv.storage import migrations
-from chatkv.storage import records
+from chatkv.storage import migrations, records
 from chatkv.storage import repository as repo
 from chatkv.storage.db import DB_FILENAME, make_engine
 from chatkv.storage.models import Base
@@ -155,8 +154,16 @@ def test_messages_chronology_and_stats(store):
     c = _conv(store)
     u = store.add_message(c.id, "user", "What is 2+2?")
     a = store.add_message(
-        c.id, "assistant", "4", prompt_tokens=20, cached_tokens=12, restored_tokens=8,
-        computed_tokens=8, generated_tokens=2, ttft_ms=12.5, tokens_per_s=88.25,
+        c.id,
+        "assistant",
+        "4",
+        prompt_tokens=20,
+        cached_tokens=12,
+        restored_tokens=8,
+        computed_tokens=8,
+        generated_tokens=2,
+        ttft_ms=12.5,
+        tokens_per_s=88.25,
     )
     u2 = store.add_message(c.id, "user", "And 3+3?")
     msgs = store.messages(c.id)
@@ -165,8 +172,13 @@ def test_messages_chronology_and_stats(store):
     assert msgs[0].created_at < msgs[1].created_at < msgs[2].created_at
     got = msgs[1]
     assert isinstance(got, MessageInfo) and got == a
-    assert (got.prompt_tokens, got.cached_tokens, got.restored_tokens, got.computed_tokens,
-            got.generated_tokens) == (20, 12, 8, 8, 2)
+    assert (got.prompt_tokens, got.cached_tokens, got.restored_tokens, got.computed_tokens, got.generated_tokens) == (
+        20,
+        12,
+        8,
+        8,
+        2,
+    )
     assert got.ttft_ms == 12.5 and got.tokens_per_s == 88.25
     assert msgs[0].prompt_tokens is None and msgs[0].ttft_ms is None
     assert store.messages(_conv(store).id) == []
@@ -213,7 +225,13 @@ def test_snapshot_upsert_lru_and_bytes(store):
     got = store.get_snapshot(a.id)
     assert got == new
     assert (got.file, got.model_fingerprint, got.kv_dtype, got.token_count, got.token_hash, got.nbytes) == (
-        "a2.safetensors", "fp-2", "fp8", 50, "hash-2", 150)
+        "a2.safetensors",
+        "fp-2",
+        "fp8",
+        50,
+        "hash-2",
+        150,
+    )
     assert got.last_used_at.tzinfo is not None
     assert len(store.snapshots_lru()) == 3
     assert store.total_snapshot_bytes() == 150 + 200 + 300
@@ -289,16 +307,24 @@ def test_restart_sees_everything(tmp_path):
     archived = _conv(s1, "old")
     s1.set_archived(archived.id, True)
     _snap(s1, c.id, "c.safetensors", 1234)
-    before = (s1.get_conversation(c.id), s1.messages(c.id), s1.get_snapshot(c.id),
-              s1.list_conversations(include_archived=True))
+    before = (
+        s1.get_conversation(c.id),
+        s1.messages(c.id),
+        s1.get_snapshot(c.id),
+        s1.list_conversations(include_archived=True),
+    )
     s1.close()
     with pytest.raises(SessionError, match="closed"):
         s1.list_conversations()
 
     s2 = Store.open(url=f"sqlite:///{tmp_path / DB_FILENAME}")
     try:
-        after = (s2.get_conversation(c.id), s2.messages(c.id), s2.get_snapshot(c.id),
-                 s2.list_conversations(include_archived=True))
+        after = (
+            s2.get_conversation(c.id),
+            s2.messages(c.id),
+            s2.get_snapshot(c.id),
+            s2.list_conversations(include_archived=True),
+        )
         assert after == before
         assert s2.get_conversation(archived.id).archived
         # activity after a restart still sorts after everything before it
@@ -440,7 +466,6 @@ def test_concurrent_openers_and_writers(backend, request, tmp_path):
         st.close()
 
 
-
 FIRST_OPEN = """
 import os, sys, time
 from pathlib import Path
@@ -463,8 +488,12 @@ def test_concurrent_first_open_from_processes(backend, request, tmp_path):
 
     url = backend_url(request, backend, sqlite="-")
     go, n = tmp_path / "go", 4
-    procs = [subprocess.Popen([sys.executable, "-c", FIRST_OPEN, url, str(go), str(tmp_path), str(i)],
-                              stderr=subprocess.PIPE, text=True) for i in range(n)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", FIRST_OPEN, url, str(go), str(tmp_path), str(i)], stderr=subprocess.PIPE, text=True
+        )
+        for i in range(n)
+    ]
     try:
         deadline = time.monotonic() + 120
         while len(list(tmp_path.glob("ready-*"))) < n and all(p.poll() is None for p in procs):

@@ -27,13 +27,21 @@ import torch
 
 # ~190 tokens of the tiny tokenizer: with BIG_KV's 32 KiB of KV per token the snapshot is
 # over storage.kv_store._PARALLEL_MIN_BYTES (4 MiB)
-SYSTEM = "You are a helpful assistant. " * 3 + "Key-value caches keep attention state between turns of a conversation. " * 8
+SYSTEM = (
+    "You are a helpful assistant. " * 3 + "Key-value caches keep attention state between turns of a conversation. " * 8
+)
 QUESTION = "What is the capital of France? The quick brown fox jumps over the lazy dog."
 GREEDY = dict(max_tokens=8, temperature=0.0)
 NUM_BLOCKS = 64
 # a tiny llama whose KV is large per token (8 KV heads of 128, 4 layers, float32) but whose weights stay small
-BIG_KV = dict(hidden_size=64, num_attention_heads=8, num_key_value_heads=8, head_dim=128, intermediate_size=128,
-              num_hidden_layers=4)
+BIG_KV = dict(
+    hidden_size=64,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=128,
+    num_hidden_layers=4,
+)
 
 
 def main() -> None:
@@ -50,10 +58,18 @@ def main() -> None:
     fcntl.flock(lock, fcntl.LOCK_EX)
     atexit.register(os.close, lock)  # closing the descriptor lets the lock go
     r = s.send(QUESTION, SamplingParams(**GREEDY))
-    print(json.dumps({"conv": s.id, "prompt_tokens": r.usage.prompt_tokens,
-                      "generated_tokens": r.usage.generated_tokens, "tokens": len(s.tokens),
-                      "kv_bytes": engine.kv_bytes_per_token * (r.usage.prompt_tokens + r.usage.generated_tokens - 1)}),
-          flush=True)
+    print(
+        json.dumps(
+            {
+                "conv": s.id,
+                "prompt_tokens": r.usage.prompt_tokens,
+                "generated_tokens": r.usage.generated_tokens,
+                "tokens": len(s.tokens),
+                "kv_bytes": engine.kv_bytes_per_token * (r.usage.prompt_tokens + r.usage.generated_tokens - 1),
+            }
+        ),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

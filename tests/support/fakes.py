@@ -5,9 +5,9 @@ from token ids."""
 from __future__ import annotations
 
 from chatkv.engine.detokenize import TextStream
-from chatkv.kvcache.types import RetainedKV
 from chatkv.engine.sampling import SamplingParams
 from chatkv.engine.sequence import Sequence
+from chatkv.kvcache.types import RetainedKV
 
 
 class FakeTokenizer:
@@ -17,9 +17,17 @@ class FakeTokenizer:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-def make_seq(tokens, prefix: RetainedKV | None = None, retain: bool = False, seq_id: int = 0, *,
-             params: SamplingParams | None = None, stop: list[str] | None = None, stop_ids=(),
-             max_total: int = 10**6) -> Sequence:
+def make_seq(
+    tokens,
+    prefix: RetainedKV | None = None,
+    retain: bool = False,
+    seq_id: int = 0,
+    *,
+    params: SamplingParams | None = None,
+    stop: list[str] | None = None,
+    stop_ids=(),
+    max_total: int = 10**6,
+) -> Sequence:
     """A waiting request for ``tokens`` (the prompt): ``params`` (default SamplingParams()),
     its text streamed through a FakeTokenizer with the stop strings ``stop``."""
     return Sequence(

@@ -86,8 +86,13 @@ class ForkServer:
     """The test's end: starts ``script`` (with ``args``) and waits for its "ready"."""
 
     def __init__(self, script, *args: str, env: dict | None = None):
-        self.proc = subprocess.Popen([sys.executable, str(script), *map(str, args)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(script), *map(str, args)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         if self.proc.stdout.readline().strip() != "ready":
             self.proc.kill()
             self.proc.wait()

@@ -95,12 +95,20 @@ def write_f16(path: Path) -> None:
     for i in range(LAYERS):
         w.add_tensor(f"blk.{i}.attn_norm.weight", norm())
         w.add_tensor(f"blk.{i}.ffn_norm.weight", norm())
-        for name, (rows, cols) in {"attn_q": (HIDDEN, HIDDEN), "attn_k": (kv, HIDDEN), "attn_v": (kv, HIDDEN),
-                                   "attn_output": (HIDDEN, HIDDEN), "ffn_gate": (FF, HIDDEN),
-                                   "ffn_up": (FF, HIDDEN), "ffn_down": (HIDDEN, FF)}.items():
+        for name, (rows, cols) in {
+            "attn_q": (HIDDEN, HIDDEN),
+            "attn_k": (kv, HIDDEN),
+            "attn_v": (kv, HIDDEN),
+            "attn_output": (HIDDEN, HIDDEN),
+            "ffn_gate": (FF, HIDDEN),
+            "ffn_up": (FF, HIDDEN),
+            "ffn_down": (HIDDEN, FF),
+        }.items():
             # the blocks write small updates into the residual stream, as a trained model's do (a
             # random net of unit gains amplifies any rounding from layer to layer)
-            w.add_tensor(f"blk.{i}.{name}.weight", rand(rows, cols, 0.5 if name in ("attn_output", "ffn_down") else 1.0))
+            w.add_tensor(
+                f"blk.{i}.{name}.weight", rand(rows, cols, 0.5 if name in ("attn_output", "ffn_down") else 1.0)
+            )
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -122,12 +130,15 @@ def llama_cpp_logits():
     for i, ids in enumerate(prompts()):
         out[f"prompt.{i}.ids"] = torch.tensor(ids, dtype=torch.int32)
     for kind in TYPES:
-        llm = llama_cpp.Llama(model_path=str(fixture(kind)), n_ctx=128, n_threads=2, n_batch=64, logits_all=True,
-                              verbose=False)
+        llm = llama_cpp.Llama(
+            model_path=str(fixture(kind)), n_ctx=128, n_threads=2, n_batch=64, logits_all=True, verbose=False
+        )
         for i, ids in enumerate(prompts()):
             llm.reset()
             llm.eval(ids)
-            out[f"{kind}.{i}.logits"] = torch.from_numpy(np.array(llm.scores[: len(ids)], dtype=np.float32)).contiguous()
+            out[f"{kind}.{i}.logits"] = torch.from_numpy(
+                np.array(llm.scores[: len(ids)], dtype=np.float32)
+            ).contiguous()
         del llm
     return out, llama_cpp.__version__
 
@@ -138,8 +149,7 @@ def main(quantize: str) -> None:
         f16 = Path(tmp) / "tiny-F16.gguf"
         write_f16(f16)
         for kind in TYPES:
-            subprocess.run([quantize, str(f16), str(fixture(kind)), kind, "1"], check=True,
-                           stdout=subprocess.DEVNULL)
+            subprocess.run([quantize, str(f16), str(fixture(kind)), kind, "1"], check=True, stdout=subprocess.DEVNULL)
             print(kind, fixture(kind).stat().st_size, json.dumps(tensor_types(fixture(kind))))
     try:
         import llama_cpp  # noqa: F401

@@ -20,7 +20,7 @@ KEY = "conv"
 FINGERPRINT = "kill-test-model"
 KV_DTYPE = "bfloat16"
 LAYERS, HEADS, HEAD_DIM = 4, 2, 64
-TOKENS_A = 96   # version A holds a prefix of version B's tokens
+TOKENS_A = 96  # version A holds a prefix of version B's tokens
 TOKENS_B = 160
 
 

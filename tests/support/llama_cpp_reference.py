@@ -25,13 +25,26 @@ OUT = Path(__file__).resolve().parents[1] / "data" / "llama_cpp_q4_1.safetensors
 PPL_TOKENS = 4096
 
 PROMPTS = [
-    "What is the capital of France?", "Write a haiku about autumn leaves.", "Explain recursion to a child.",
-    "How do I reverse a list in Python?", "Give me three tips for better sleep.", "What causes the seasons on Earth?",
-    "Translate 'good morning' into Spanish.", "Summarise the plot of Romeo and Juliet.", "What is 17 times 23?",
-    "Name a famous painting by Vincent van Gogh.", "Why is the sky blue?", "Suggest a name for a pet turtle.",
-    "What does a CPU cache do?", "Write one sentence about the ocean.", "How many legs does a spider have?",
-    "What is photosynthesis?", "Tell me a short joke about computers.", "What is the boiling point of water?",
-    "List three primary colours.", "What year did the first person walk on the Moon?",
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain recursion to a child.",
+    "How do I reverse a list in Python?",
+    "Give me three tips for better sleep.",
+    "What causes the seasons on Earth?",
+    "Translate 'good morning' into Spanish.",
+    "Summarise the plot of Romeo and Juliet.",
+    "What is 17 times 23?",
+    "Name a famous painting by Vincent van Gogh.",
+    "Why is the sky blue?",
+    "Suggest a name for a pet turtle.",
+    "What does a CPU cache do?",
+    "Write one sentence about the ocean.",
+    "How many legs does a spider have?",
+    "What is photosynthesis?",
+    "Tell me a short joke about computers.",
+    "What is the boiling point of water?",
+    "List three primary colours.",
+    "What year did the first person walk on the Moon?",
 ]
 
 
@@ -43,8 +56,10 @@ def ppl_text() -> str:
 
 
 def prompt_ids(tokenizer) -> list[list[int]]:
-    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
-             for p in PROMPTS]
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+        for p in PROMPTS
+    ]
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
@@ -57,8 +72,9 @@ def main() -> None:
 
     gguf = packaged_gguf_path()
     tok = load_tokenizer(ensure_default_model())
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=PPL_TOKENS + 16, n_threads=2, n_batch=512, logits_all=True,
-                          verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=str(gguf), n_ctx=PPL_TOKENS + 16, n_threads=2, n_batch=512, logits_all=True, verbose=False
+    )
     tensors = {}
     for i, ids in enumerate(prompt_ids(tok)):
         llm.reset()

@@ -74,8 +74,8 @@ def open_engine(model_dir: str, data: str, db_url: str | None):
 
 
 def _worker(a: dict) -> None:
-    from chatkv.errors import ConversationBusy
     from chatkv.engine.sampling import SamplingParams
+    from chatkv.errors import ConversationBusy
 
     started = time.monotonic()
     engine = open_engine(a["model_dir"], a["data"], a.get("db_url"))

@@ -28,14 +28,16 @@ import tempfile
 import uuid
 from pathlib import Path
 
-
 START_TIMEOUT_S = 60
 
 
 def find_bin_dir() -> Path | None:
     """The directory holding initdb and pg_ctl, or None."""
-    candidates = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(Path(p).parent.name)
-                        if Path(p).parent.name.isdigit() else 0, reverse=True)
+    candidates = sorted(
+        glob.glob("/usr/lib/postgresql/*/bin"),
+        key=lambda p: int(Path(p).parent.name) if Path(p).parent.name.isdigit() else 0,
+        reverse=True,
+    )
     for d in candidates:
         if (Path(d) / "initdb").exists() and (Path(d) / "pg_ctl").exists():
             return Path(d)
@@ -71,15 +73,39 @@ class PostgresServer:
             raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}\n{log}")
 
     def start(self) -> "PostgresServer":
-        self._run(str(self.bin_dir / "initdb"), "-D", str(self.data), "-U", "postgres", "-A", "trust",
-                  "-E", "UTF8", "--no-sync", "--locale=C")
+        self._run(
+            str(self.bin_dir / "initdb"),
+            "-D",
+            str(self.data),
+            "-U",
+            "postgres",
+            "-A",
+            "trust",
+            "-E",
+            "UTF8",
+            "--no-sync",
+            "--locale=C",
+        )
         for attempt in range(3):  # a free port can be taken by someone else before the server binds it
             self.port = _free_port()
-            opts = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
-                    "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
+            opts = (
+                f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
+                "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200"
+            )
             try:
-                self._run(str(self.bin_dir / "pg_ctl"), "-D", str(self.data), "-l", str(self.log), "-o", opts,
-                          "-w", "-t", str(START_TIMEOUT_S), "start")
+                self._run(
+                    str(self.bin_dir / "pg_ctl"),
+                    "-D",
+                    str(self.data),
+                    "-l",
+                    str(self.log),
+                    "-o",
+                    opts,
+                    "-w",
+                    "-t",
+                    str(START_TIMEOUT_S),
+                    "start",
+                )
                 return self
             except RuntimeError:
                 if attempt == 2 or "could not bind" not in self.log.read_text(errors="replace"):

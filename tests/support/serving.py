@@ -54,8 +54,13 @@ def tiny_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    eng = Engine.from_pretrained(str(tiny_model(tmp_path_factory)), data_dir=str(tmp_path_factory.mktemp("data")),
-                                 block_size=BLOCK, num_blocks=2048, dtype="float32")
+    eng = Engine.from_pretrained(
+        str(tiny_model(tmp_path_factory)),
+        data_dir=str(tmp_path_factory.mktemp("data")),
+        block_size=BLOCK,
+        num_blocks=2048,
+        dtype="float32",
+    )
     yield eng
     eng.check_integrity()
     eng.close()
@@ -77,8 +82,12 @@ def client(server):
 def raw(url: str, path: str, body=None, headers=None, method=None) -> tuple[int, dict | str, dict]:
     """(status, JSON body or text, lower-cased headers) of one request; ``body``: bytes or JSON-able."""
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + path, data=data, method=method or ("POST" if data is not None else "GET"),
-                                 headers={"Content-Type": "application/json", **(headers or {})})
+    req = urllib.request.Request(
+        url + path,
+        data=data,
+        method=method or ("POST" if data is not None else "GET"),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as r:
             status, text, hdrs = r.status, r.read().decode(), r.headers
@@ -101,9 +110,22 @@ def serve_process(model_dir, data, *args: str):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from chatkv.cli import main; sys.exit(main())", "serve",
-         "--model", str(model_dir), "--data-dir", str(data), "--port", str(port), *args],
-        stderr=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys; from chatkv.cli import main; sys.exit(main())",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--data-dir",
+            str(data),
+            "--port",
+            str(port),
+            *args,
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:

@@ -18,10 +18,23 @@ VOCAB = 384
 
 CONFIGS = {
     # 2-4 layers, hidden 64-256, GQA everywhere
-    "llama": dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, num_hidden_layers=2),
-    "qwen2": dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=2, intermediate_size=256, num_hidden_layers=3),
-    "qwen3": dict(hidden_size=96, num_attention_heads=4, num_key_value_heads=2, intermediate_size=192, num_hidden_layers=2, head_dim=32),
-    "mistral": dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=4, intermediate_size=320, num_hidden_layers=4),
+    "llama": dict(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, num_hidden_layers=2
+    ),
+    "qwen2": dict(
+        hidden_size=128, num_attention_heads=8, num_key_value_heads=2, intermediate_size=256, num_hidden_layers=3
+    ),
+    "qwen3": dict(
+        hidden_size=96,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        head_dim=32,
+    ),
+    "mistral": dict(
+        hidden_size=256, num_attention_heads=8, num_key_value_heads=4, intermediate_size=320, num_hidden_layers=4
+    ),
 }
 
 
@@ -88,7 +101,7 @@ QWEN2_TOOLS = (
     "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}'
     "\\n</tool_call><|im_end|>\\n' }}"
     "{%- else %}{%- if messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}{%- endif %}"
@@ -98,7 +111,7 @@ QWEN2_TOOLS = (
     "{%- elif message.role == 'assistant' %}{{- '<|im_start|>' + message.role }}"
     "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
     "{%- for tool_call in message.tool_calls %}{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}{{- '\", \"arguments\": ' }}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}{{- \'", "arguments": \' }}'
     "{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}{{- '<|im_end|>\\n' }}"
     "{%- elif message.role == 'tool' %}"
     "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}{{- '<|im_start|>user' }}{%- endif %}"
@@ -113,7 +126,9 @@ def make_tool_model(out_dir: Path, seed: int = 0):
     """The tiny Qwen2-style model with a tool-capable chat template (QWEN2_TOOLS)."""
     from transformers import AutoTokenizer
 
-    model = make_model(out_dir, "qwen2", seed=seed, max_position_embeddings=4096)  # the tool block is long in a 384-token vocabulary
+    model = make_model(
+        out_dir, "qwen2", seed=seed, max_position_embeddings=4096
+    )  # the tool block is long in a 384-token vocabulary
     tok = AutoTokenizer.from_pretrained(str(out_dir))
     tok.chat_template = QWEN2_TOOLS
     tok.save_pretrained(str(out_dir))

@@ -61,15 +61,20 @@ class KV:
 
 
 FLOAT_KV = [KV("fp32", torch.float32), KV("fp16", torch.float16)]
-QUANT_KV = [KV(f"{quant}-q{bits}", kv_quant.STORAGE, quant, qdt)
-            for quant in kv_quant.FORMATS for bits, qdt in ((32, torch.float32), (16, torch.float16))]
+QUANT_KV = [
+    KV(f"{quant}-q{bits}", kv_quant.STORAGE, quant, qdt)
+    for quant in kv_quant.FORMATS
+    for bits, qdt in ((32, torch.float32), (16, torch.float16))
+]
 ALL_KV = FLOAT_KV + QUANT_KV
 
 
 def step(block_size, specs, heads, kv_heads, d=8, window=None, kv=FLOAT_KV[0], seed=0):
     """A step's queries, caches (new K/V not yet stored; quantised when ``kv`` is), metadata and new K/V
     (float), on DEVICE."""
-    q, kc, vc, tables, qlens, ctxs, new_k, new_v, _, _ = make_case(seed + block_size, block_size, specs, heads, kv_heads, d)
+    q, kc, vc, tables, qlens, ctxs, new_k, new_v, _, _ = make_case(
+        seed + block_size, block_size, specs, heads, kv_heads, d
+    )
     meta = ref.build_metadata(tables, qlens, ctxs, block_size, sliding_window=window, device=DEVICE)
     if kv.quant is not None:  # the garbage in unwritten slots, quantised
         kc, vc = kv_quant.quantize(kc, kv.quant), kv_quant.quantize(vc, kv.quant)
@@ -107,8 +112,20 @@ def tie_rows(quant, d):
     if quant == "int8":
         vals = [127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -126.5, 3.5, 0.49999997, 0.0]
     else:  # e4m3 midpoints: between normals (both parities), subnormals, normal/subnormal and a carry
-        vals = [448.0, 1.0625, 1.1875, -1.0625, 2.0 ** -10, 3 * 2.0 ** -10, 15 * 2.0 ** -10, 0.96875 + 2 ** -6,
-                -(2.0 ** -11), 432.0, 1e-30, -0.0]
+        vals = [
+            448.0,
+            1.0625,
+            1.1875,
+            -1.0625,
+            2.0**-10,
+            3 * 2.0**-10,
+            15 * 2.0**-10,
+            0.96875 + 2**-6,
+            -(2.0**-11),
+            432.0,
+            1e-30,
+            -0.0,
+        ]
     rows = torch.tensor(vals)[torch.arange(2 * d) % len(vals)].view(2, d)
     rows[1, 0] = -rows[1, 0]  # the other row's amax is negative
     return rows
@@ -215,7 +232,9 @@ def test_fp8_e4m3_codec_matches_torch():
     want = b.view(torch.float8_e4m3fn).float()
     got = got.cpu()
     assert torch.equal(got.isnan(), want.isnan()) and got.isnan().sum() == 2
-    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)) and torch.equal(got.signbit()[:255], want.signbit()[:255])
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)) and torch.equal(
+        got.signbit()[:255], want.signbit()[:255]
+    )
 
 
 def test_int8_rounding_matches_torch():
@@ -224,7 +243,7 @@ def test_int8_rounding_matches_torch():
     quarters = torch.arange(-127 * 4, 127 * 4 + 1) / 4.0
     halves = torch.arange(-127, 127) + 0.5
     near = torch.cat([halves.nextafter(halves + 1), halves.nextafter(halves - 1)])
-    rand = (torch.rand(20000, generator=torch.Generator().manual_seed(0)) * 254 - 127)
+    rand = torch.rand(20000, generator=torch.Generator().manual_seed(0)) * 254 - 127
     x = _padded(torch.cat([quarters, near, rand, torch.tensor([1e-30, -1e-30, 0.49999997])]), 4096)
     out = torch.empty(x.shape, dtype=torch.int8, device=DEVICE)
     _int8_round_kernel[(x.numel() // 4096,)](x.to(DEVICE), out, N=4096)
@@ -311,8 +330,8 @@ def triton_runner(tmp_path, model_type, block_size, **overrides):
     """transformers' model (the oracle, CPU) and a Runner (tests/model/test_model_equivalence.py) whose model
     runs on DEVICE with the Triton kernels forced."""
     from chatkv.config import EngineConfig
-    from chatkv.model.forward import LlamaModel
     from chatkv.engine.model_runner import ModelRunner
+    from chatkv.model.forward import LlamaModel
     from tests.model.test_model_equivalence import Runner
     from tests.support.tiny import make_model
 
@@ -369,13 +388,21 @@ def test_model_with_quantised_kv_triton_matches_the_torch_pair(tmp_path, kv_dtyp
     kernel, attention dequantising in it) against the torch reference pair on the same steps (a prompt ending
     mid-block, a chunk over it, decodes): the same pool bytes, and logits within 1e-4 (fp32 model)."""
     from chatkv.config import EngineConfig
-    from chatkv.model.forward import LlamaModel
     from chatkv.engine.model_runner import ModelRunner
+    from chatkv.model.forward import LlamaModel
     from tests.model.test_model_equivalence import Runner, tokens
     from tests.support.tiny import make_model
 
-    make_model(tmp_path, "llama", seed=3, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
-               intermediate_size=256, num_hidden_layers=2)  # head_dim 32, GQA 2
+    make_model(
+        tmp_path,
+        "llama",
+        seed=3,
+        hidden_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        num_hidden_layers=2,
+    )  # head_dim 32, GQA 2
     model = LlamaModel.from_pretrained(tmp_path, dtype=torch.float32, device=DEVICE)
     ids = tokens(34, 2)
     outs, pools = {}, {}

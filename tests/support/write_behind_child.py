@@ -38,8 +38,19 @@ def main() -> None:
     s = engine.session(system=SYSTEM, params=GREEDY)
     for n, q in enumerate(QUESTIONS[:3], 1):
         r = s.send(q)
-        print(json.dumps({"conv": s.id, "n": n, "text": r.text, "prompt_tokens": r.usage.prompt_tokens,
-                          "generated_tokens": r.usage.generated_tokens, "tokens": len(s.tokens)}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "conv": s.id,
+                    "n": n,
+                    "text": r.text,
+                    "prompt_tokens": r.usage.prompt_tokens,
+                    "generated_tokens": r.usage.generated_tokens,
+                    "tokens": len(s.tokens),
+                }
+            ),
+            flush=True,
+        )
     if mode == "hang":
         print("done", flush=True)
         while True:

@@ -45,7 +45,9 @@ def test_errors_are_reported_not_raised(tmp_path, monkeypatch, capsys):
 def test_a_bad_line_is_reported_and_the_chat_goes_on(model_dir, tmp_path, monkeypatch, capsys):
     """Invalid UTF-8 and a lone surrogate on stdin: one error line each, then the next message is answered."""
     monkeypatch.setenv("CHATKV_HOME", str(tmp_path))
-    raw = io.BytesIO(b"\xff\xfe not utf-8\n" + "bad \ud800 surrogate\n".encode("utf-8", "surrogatepass") + b"Hello\n/exit\n")
+    raw = io.BytesIO(
+        b"\xff\xfe not utf-8\n" + "bad \ud800 surrogate\n".encode("utf-8", "surrogatepass") + b"Hello\n/exit\n"
+    )
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(raw, encoding="utf-8", errors="strict"))
     assert main(["--model", model_dir, "--max-tokens", "3", "--stats"]) == 0
     err = capsys.readouterr().err
@@ -117,7 +119,10 @@ def test_pipe_mode_in_a_real_process(model_dir, tmp_path):
     env = dict(os.environ, CHATKV_HOME=str(tmp_path))
     p = subprocess.run(
         [sys.executable, "-m", "chatkv.cli", "--model", model_dir, "--max-tokens", "5"],
-        input=b"What is the capital of France?\n", capture_output=True, env=env, timeout=120,
+        input=b"What is the capital of France?\n",
+        capture_output=True,
+        env=env,
+        timeout=120,
     )
     assert p.returncode == 0, p.stderr.decode()
     assert p.stdout.decode().count("\n") == 1 and not p.stdout.startswith(b"> ")
@@ -125,17 +130,38 @@ def test_pipe_mode_in_a_real_process(model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("stdin_tty,stdout_tty", [(True, True), (True, False), (False, True), (False, False)])
-def test_the_app_opens_only_when_stdin_and_stdout_are_terminals(model_dir, tmp_path, monkeypatch, stdin_tty, stdout_tty):
+def test_the_app_opens_only_when_stdin_and_stdout_are_terminals(
+    model_dir, tmp_path, monkeypatch, stdin_tty, stdout_tty
+):
     calls = _fake_app(monkeypatch)
     monkeypatch.setenv("CHATKV_HOME", str(tmp_path))
     monkeypatch.setattr("sys.stdin", _Stream("", tty=stdin_tty))  # line mode: at once at the end of input
     monkeypatch.setattr("sys.stdout", _Stream(tty=stdout_tty))
-    argv = ["--model", model_dir, "--data-dir", str(tmp_path / "d"), "--system", "Be terse.", "--temperature", "0.5",
-            "--overflow", "truncate"]
+    argv = [
+        "--model",
+        model_dir,
+        "--data-dir",
+        str(tmp_path / "d"),
+        "--system",
+        "Be terse.",
+        "--temperature",
+        "0.5",
+        "--overflow",
+        "truncate",
+    ]
     assert main(argv) == 0
     if stdin_tty and stdout_tty:
-        assert calls == [dict(model=model_dir, data_dir=str(tmp_path / "d"), resume=None, system="Be terse.", kb=None,
-                              sampling={"temperature": 0.5}, engine_options={"overflow": "truncate"})]
+        assert calls == [
+            dict(
+                model=model_dir,
+                data_dir=str(tmp_path / "d"),
+                resume=None,
+                system="Be terse.",
+                kb=None,
+                sampling={"temperature": 0.5},
+                engine_options={"overflow": "truncate"},
+            )
+        ]
     else:
         assert calls == []
 
@@ -194,7 +220,9 @@ def test_resume_with_an_empty_id_is_an_error(model_dir, tmp_path, monkeypatch, c
 
 
 @pytest.mark.parametrize("prompt", ["", "   ", "\n\t"])
-def test_an_empty_prompt_is_refused_as_the_sdk_refuses_an_empty_message(model_dir, tmp_path, monkeypatch, capsys, prompt):
+def test_an_empty_prompt_is_refused_as_the_sdk_refuses_an_empty_message(
+    model_dir, tmp_path, monkeypatch, capsys, prompt
+):
     monkeypatch.setenv("CHATKV_HOME", str(tmp_path))
     assert main(["--model", model_dir, prompt]) == 2
     out = capsys.readouterr()
@@ -259,7 +287,9 @@ def test_safe_text():
     assert st.feed("a\x1b]0;t\x1b\\hello") == "ahello"  # a complete sequence is never held back
 
 
-def test_a_message_longer_than_the_context_is_one_error_line_and_the_chat_goes_on(model_dir, tmp_path, monkeypatch, capsys):
+def test_a_message_longer_than_the_context_is_one_error_line_and_the_chat_goes_on(
+    model_dir, tmp_path, monkeypatch, capsys
+):
     import json
     import logging
     import shutil
@@ -281,8 +311,11 @@ def test_a_message_longer_than_the_context_is_one_error_line_and_the_chat_goes_o
     finally:
         tok_log.removeHandler(collect)
     err = capsys.readouterr().err
-    errors = [line for line in err.splitlines()
-              if line.startswith("chatkv: ") and "conversation" not in line and "Type a message" not in line]
+    errors = [
+        line
+        for line in err.splitlines()
+        if line.startswith("chatkv: ") and "conversation" not in line and "Type a message" not in line
+    ]
     assert len(errors) == 1 and "context window of 1024" in errors[0], err
     assert not [r for r in warned if "Token indices" in r.getMessage()]  # no extra lines from transformers
     assert err.count("generated") == 2 and "Traceback" not in err  # the message after it got a reply

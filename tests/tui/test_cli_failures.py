@@ -33,23 +33,30 @@ def _env(home: Path) -> dict:
 
 def chatkv(model_dir, *args, home: Path, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, input=None):
     cmd = [sys.executable, "-m", "chatkv.cli", "--model", model_dir, "--max-tokens", "8", *args]
-    return subprocess.run(cmd, input=input, stdin=None if input is not None else stdin, stdout=stdout,
-                          stderr=subprocess.PIPE, env=_env(home), timeout=TIMEOUT)
+    return subprocess.run(
+        cmd,
+        input=input,
+        stdin=None if input is not None else stdin,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        env=_env(home),
+        timeout=TIMEOUT,
+    )
 
 
 def shell(command: str, model_dir, home: Path) -> subprocess.CompletedProcess:
     """``command`` in bash, with ``CHATKV`` the chatkv command line on the tiny model."""
     cli = f"{sys.executable} -m chatkv.cli --model {model_dir} --max-tokens 8"
-    return subprocess.run(["bash", "-c", command], capture_output=True, env={**_env(home), "CHATKV": cli},
-                          timeout=TIMEOUT)
+    return subprocess.run(
+        ["bash", "-c", command], capture_output=True, env={**_env(home), "CHATKV": cli}, timeout=TIMEOUT
+    )
 
 
 def one_error_line(err: bytes) -> str:
     """The stderr of a failed run: no traceback, exactly one 'chatkv: ' error line (banners aside)."""
     text = err.decode()
     assert "Traceback" not in text, text
-    lines = [ln for ln in text.splitlines()
-             if ln.startswith("chatkv: ") and not BANNER.match(ln)]
+    lines = [ln for ln in text.splitlines() if ln.startswith("chatkv: ") and not BANNER.match(ln)]
     assert len(lines) == 1, text
     return lines[0]
 
@@ -69,7 +76,9 @@ def messages(home: Path, conv_id: str | None = None) -> list[tuple[str, str, str
     c = sqlite3.connect(home / "chatkv.db")
     try:
         where, args = ("WHERE conversation_id = ?", (conv_id,)) if conv_id else ("", ())
-        return c.execute(f"SELECT role, status, CAST(content AS BLOB) FROM messages {where} ORDER BY id", args).fetchall()
+        return c.execute(
+            f"SELECT role, status, CAST(content AS BLOB) FROM messages {where} ORDER BY id", args
+        ).fetchall()
     finally:
         c.close()
 
@@ -78,7 +87,7 @@ def messages(home: Path, conv_id: str | None = None) -> list[tuple[str, str, str
 
 
 def test_closed_stdin_is_input_that_has_ended(model_dir, tmp_path):
-    p = shell('$CHATKV <&-', model_dir, tmp_path)
+    p = shell("$CHATKV <&-", model_dir, tmp_path)
     assert p.returncode == 0, p.stderr.decode()
     assert b"Traceback" not in p.stderr and b"isatty" not in p.stderr
     assert conversations(tmp_path) == []  # nothing was asked: nothing stored
@@ -161,8 +170,11 @@ def test_a_message_that_is_not_utf8_names_its_conversation_and_the_rest_reads(mo
     convs = dict((t, i) for i, t in conversations(tmp_path))
     bad, good = convs["First chat"], convs["Second chat"]
     c = sqlite3.connect(tmp_path / "chatkv.db")
-    c.execute("UPDATE messages SET content = CAST(x'48656c6cff6f' AS TEXT) "
-              "WHERE id = (SELECT min(id) FROM messages WHERE conversation_id = ?)", (bad,))
+    c.execute(
+        "UPDATE messages SET content = CAST(x'48656c6cff6f' AS TEXT) "
+        "WHERE id = (SELECT min(id) FROM messages WHERE conversation_id = ?)",
+        (bad,),
+    )
     c.commit()
     c.close()
     p = chatkv(model_dir, "--resume", bad, home=tmp_path, input=b"Are you there?\n")
@@ -230,8 +242,14 @@ def _rows(home: Path):
 
 
 def kb_cmd(*args, home: Path, stdout=subprocess.PIPE):
-    return subprocess.run([sys.executable, "-m", "chatkv.cli", *args], stdin=subprocess.DEVNULL, stdout=stdout,
-                          stderr=subprocess.PIPE, env=_env(home), timeout=TIMEOUT)
+    return subprocess.run(
+        [sys.executable, "-m", "chatkv.cli", *args],
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=subprocess.PIPE,
+        env=_env(home),
+        timeout=TIMEOUT,
+    )
 
 
 def test_ingest_and_kb_output_and_data_directory_failures_are_one_line(tmp_path):

@@ -38,7 +38,9 @@ class Tmux:
     def __init__(self, name: str, command: str, width: int = 120, height: int = 40):
         self.name = name
         subprocess.run(["tmux", "kill-session", "-t", name], capture_output=True)
-        subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", str(width), "-y", str(height), command], check=True)
+        subprocess.run(
+            ["tmux", "new-session", "-d", "-s", name, "-x", str(width), "-y", str(height), command], check=True
+        )
 
     def screen(self) -> str:
         return subprocess.run(["tmux", "capture-pane", "-p", "-t", self.name], capture_output=True, text=True).stdout
@@ -56,14 +58,18 @@ class Tmux:
         raise AssertionError(f"{pattern!r} not on screen after {timeout} s:\n{self.screen()}")
 
     def title(self) -> str:
-        return subprocess.run(["tmux", "display", "-p", "-t", self.name, "#{pane_title}"], capture_output=True, text=True).stdout
+        return subprocess.run(
+            ["tmux", "display", "-p", "-t", self.name, "#{pane_title}"], capture_output=True, text=True
+        ).stdout
 
     def kill(self) -> None:
         subprocess.run(["tmux", "kill-session", "-t", self.name], capture_output=True)
 
 
 def _app_run(home: str, args: str) -> Tmux:
-    return Tmux(f"chatkv-test-{os.getpid()}", f"cd {ROOT} && CHATKV_HOME={home} {CHATKV} {args}; echo EXIT=$?; sleep 60")
+    return Tmux(
+        f"chatkv-test-{os.getpid()}", f"cd {ROOT} && CHATKV_HOME={home} {CHATKV} {args}; echo EXIT=$?; sleep 60"
+    )
 
 
 def test_app_in_a_real_terminal_answers_quits_and_resumes(tmp_path=None, show=False):
@@ -108,8 +114,11 @@ def test_pipe_mode_and_a_hostile_title_in_a_real_terminal(tmp_path=None, show=Fa
         assert "EXIT=0" in s and "Paris" in s and "\n> " not in s
         before = t.title()
         t.keys("clear", "Enter")
-        t.keys(rf'printf "\033]2;PWNED\007Hi \033[31mthere\n" | {CHATKV} --max-tokens 4 >/dev/null 2>&1; '
-               rf"{CHATKV} --list; echo LISTED=$?", "Enter")
+        t.keys(
+            rf'printf "\033]2;PWNED\007Hi \033[31mthere\n" | {CHATKV} --max-tokens 4 >/dev/null 2>&1; '
+            rf"{CHATKV} --list; echo LISTED=$?",
+            "Enter",
+        )
         s = t.wait_for(r"LISTED=\d+", 60)
         show and print(s)
         assert "LISTED=0" in s and "Hi there" in s
@@ -119,7 +128,10 @@ def test_pipe_mode_and_a_hostile_title_in_a_real_terminal(tmp_path=None, show=Fa
 
 
 if __name__ == "__main__":
-    for test in (test_app_in_a_real_terminal_answers_quits_and_resumes, test_pipe_mode_and_a_hostile_title_in_a_real_terminal):
+    for test in (
+        test_app_in_a_real_terminal_answers_quits_and_resumes,
+        test_pipe_mode_and_a_hostile_title_in_a_real_terminal,
+    ):
         t0 = time.monotonic()
         test(show=True)
         print(f"{test.__name__}: ok in {time.monotonic() - t0:.1f} s")

@@ -169,7 +169,9 @@ async def test_rename_archive_delete_from_the_sidebar(engine):
         lv.index = [i.conv_id for i in app.query(ConversationItem)].index(a)
         await pilot.press("a")
         await idle(pilot, app)
-        assert a not in [c.id for c in engine.sessions()] and a in [c.id for c in engine.sessions(include_archived=True)]
+        assert a not in [c.id for c in engine.sessions()] and a in [
+            c.id for c in engine.sessions(include_archived=True)
+        ]
         assert a not in [i.conv_id for i in app.query(ConversationItem)]
 
         lv.focus()
@@ -239,7 +241,9 @@ async def test_slash_commands(engine, model_dir, tmp_path):
         assert app.session.params["max_tokens"] == 3  # saved with the conversation, not only in the app
         await say(pilot, app, "Short?")
         assert app.last_usage.generated_tokens <= 3
-        assert engine.session_manager.store.get_conversation(app.session.id).params["max_tokens"] == 3  # in the database
+        assert (
+            engine.session_manager.store.get_conversation(app.session.id).params["max_tokens"] == 3
+        )  # in the database
         await say(pilot, app, "/bogus")
         assert any("Unknown command" in e for e in errors(app))
         await say(pilot, app, "/new")
@@ -258,16 +262,30 @@ async def test_slash_commands(engine, model_dir, tmp_path):
         assert [m.role for m in messages(app)][-2:] == ["user", "assistant"]
         # the command palette lists the same actions
         titles = [c.title for c in app.get_system_commands(app.screen)]
-        for t in ("New chat", "Regenerate", "Sources", "Stats", "Export Markdown", "Export JSON", "Knowledge base…",
-                  "Ingest…", "Pin document…", "Load model…", "System prompt…", "Help"):
+        for t in (
+            "New chat",
+            "Regenerate",
+            "Sources",
+            "Stats",
+            "Export Markdown",
+            "Export JSON",
+            "Knowledge base…",
+            "Ingest…",
+            "Pin document…",
+            "Load model…",
+            "System prompt…",
+            "Help",
+        ):
             assert t in titles
 
 
 async def test_knowledge_base_question_shows_sources(engine, tmp_path):
     docs = tmp_path / "docs"
     docs.mkdir()
-    (docs / "kettles.md").write_text("# Kettles\n\nThe Brewmaster kettle boils a litre of water in ninety seconds. "
-                                     "Descale its base monthly with citric acid.\n")
+    (docs / "kettles.md").write_text(
+        "# Kettles\n\nThe Brewmaster kettle boils a litre of water in ninety seconds. "
+        "Descale its base monthly with citric acid.\n"
+    )
     (docs / "bread.md").write_text("# Bread\n\nSourdough rises with a starter of wild yeast. Proof it overnight.\n")
     (docs / "blob.bin").write_bytes(b"\x00\x01\x02binary\x00" * 50)
     app = ChatApp(engine=engine, sampling=FAST)
@@ -516,12 +534,15 @@ async def test_the_status_line_and_the_stored_reply_carry_chunk_kv_reuse(model_d
     """With rag_kv_reuse on, a RAG turn's status line says how many source tokens were placed
     from chunk KV and how many recomputed, and the stored reply keeps both (migration 0007):
     ``Usage.from_message`` reads them back."""
-    e = Engine(model_dir, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=128, rag_kv_reuse="edge",
-                                       rag_edge_tokens=2))
+    e = Engine(
+        model_dir, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=128, rag_kv_reuse="edge", rag_edge_tokens=2)
+    )
     docs = tmp_path / "docs"
     docs.mkdir()
-    (docs / "kettles.md").write_text("# Kettles\n\nThe Brewmaster kettle boils a litre of water in ninety seconds. "
-                                     "Descale its base monthly with citric acid.\n")
+    (docs / "kettles.md").write_text(
+        "# Kettles\n\nThe Brewmaster kettle boils a litre of water in ninety seconds. "
+        "Descale its base monthly with citric acid.\n"
+    )
     try:
         app = ChatApp(engine=e, sampling=FAST)
         async with app.run_test(size=SIZE) as pilot:

@@ -58,8 +58,11 @@ def config(engine, tmp_path):
 
 
 def stdio(tmp_path: Path, name: str = "calc", *args: str) -> dict:
-    return {"command": sys.executable, "args": [SERVER, *args],
-            "env": {"MCP_TEST_CALLLOG": str(tmp_path / f"{name}.calls"), "MCP_TEST_PIDFILE": str(tmp_path / f"{name}.pid")}}
+    return {
+        "command": sys.executable,
+        "args": [SERVER, *args],
+        "env": {"MCP_TEST_CALLLOG": str(tmp_path / f"{name}.calls"), "MCP_TEST_PIDFILE": str(tmp_path / f"{name}.pid")},
+    }
 
 
 def calls(tmp_path: Path, name: str = "calc") -> list[str]:
@@ -118,21 +121,25 @@ def tool_messages(app: ChatApp) -> list[dict]:
 
 # -- the config (no app) ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("entry, says", [
-    ({"command": 3}, "mcpServers.x.command: must be a non-empty string"),
-    ({"command": "a", "args": "b"}, "mcpServers.x.args: must be a list of strings"),
-    ({"command": "a", "args": ["b", 2]}, "mcpServers.x.args[1]: must be a string"),
-    ({"command": "a", "env": {"K": 1}}, "mcpServers.x.env.K: must be a string"),
-    ({"url": "ftp://h/mcp"}, "mcpServers.x.url: must be an http:// or https:// URL"),
-    ({"url": "http://h/mcp", "args": []}, "mcpServers.x.args: only for a \"command\" server"),
-    ({"command": "a", "url": "http://h"}, "mcpServers.x: give \"command\" (stdio) or \"url\""),
-    ({}, "mcpServers.x: needs \"command\" (stdio) or \"url\""),
-    ({"command": "a", "timeout": 0}, "mcpServers.x.timeout: must be a number of seconds > 0"),
-    ({"command": "a", "comand": "b"}, "mcpServers.x.comand: unknown field"),
-    ({"command": "a", "type": "http"}, "mcpServers.x.type: 'http' does not match"),
-    ({"command": "a", "alwaysAllow": "add"}, "mcpServers.x.alwaysAllow: must be a list of strings"),
-    ("npx", "mcpServers.x: must be an object"),
-])
+
+@pytest.mark.parametrize(
+    "entry, says",
+    [
+        ({"command": 3}, "mcpServers.x.command: must be a non-empty string"),
+        ({"command": "a", "args": "b"}, "mcpServers.x.args: must be a list of strings"),
+        ({"command": "a", "args": ["b", 2]}, "mcpServers.x.args[1]: must be a string"),
+        ({"command": "a", "env": {"K": 1}}, "mcpServers.x.env.K: must be a string"),
+        ({"url": "ftp://h/mcp"}, "mcpServers.x.url: must be an http:// or https:// URL"),
+        ({"url": "http://h/mcp", "args": []}, 'mcpServers.x.args: only for a "command" server'),
+        ({"command": "a", "url": "http://h"}, 'mcpServers.x: give "command" (stdio) or "url"'),
+        ({}, 'mcpServers.x: needs "command" (stdio) or "url"'),
+        ({"command": "a", "timeout": 0}, "mcpServers.x.timeout: must be a number of seconds > 0"),
+        ({"command": "a", "comand": "b"}, "mcpServers.x.comand: unknown field"),
+        ({"command": "a", "type": "http"}, "mcpServers.x.type: 'http' does not match"),
+        ({"command": "a", "alwaysAllow": "add"}, "mcpServers.x.alwaysAllow: must be a list of strings"),
+        ("npx", "mcpServers.x: must be an object"),
+    ],
+)
 def test_a_bad_entry_is_named_and_the_others_still_load(tmp_path, entry, says):
     f = tmp_path / "mcp.json"
     f.write_text(json.dumps({"mcpServers": {"x": entry, "ok": {"url": "http://127.0.0.1:1/mcp"}}}))
@@ -141,11 +148,14 @@ def test_a_bad_entry_is_named_and_the_others_still_load(tmp_path, entry, says):
     assert len(errors) == 1 and says in errors[0], errors
 
 
-@pytest.mark.parametrize("text, says", [
-    ("{not json", "not valid JSON"),
-    ('{"mcpServers": []}', "mcpServers: must be an object of servers by name"),
-    ("[1]", "mcpServers: must be an object"),
-])
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"mcpServers": []}', "mcpServers: must be an object of servers by name"),
+        ("[1]", "mcpServers: must be an object"),
+    ],
+)
 def test_a_bad_file_is_one_error(tmp_path, text, says):
     f = tmp_path / "mcp.json"
     f.write_text(text)
@@ -155,6 +165,7 @@ def test_a_bad_file_is_one_error(tmp_path, text, says):
 
 
 # -- the app ---------------------------------------------------------------------------------------
+
 
 async def test_tools_lists_servers_a_bad_entry_and_one_that_fails_to_start(engine, config, tmp_path):
     calc = stdio(tmp_path)
@@ -184,7 +195,9 @@ async def test_tools_lists_servers_a_bad_entry_and_one_that_fails_to_start(engin
         assert not isinstance(app.screen, ModalScreen)
 
 
-async def test_a_call_confirmed_once_runs_its_result_folded_and_read_by_the_model_and_a_denied_one_does_not(engine, config, tmp_path):
+async def test_a_call_confirmed_once_runs_its_result_folded_and_read_by_the_model_and_a_denied_one_does_not(
+    engine, config, tmp_path
+):
     config({"calc": stdio(tmp_path)})
     app = recording(ChatApp(engine=engine, sampling=FAST, tool_choice="add"))
     async with app.run_test(size=SIZE) as pilot:
@@ -222,7 +235,9 @@ async def test_a_call_confirmed_once_runs_its_result_folded_and_read_by_the_mode
         await app.run_command("/tools off")
         await ask(pilot, app, "No tools now")
         assert not isinstance(app.screen, ModalScreen) and len(views(app)) == 3
-        assert app.session.messages()[-1].role == "assistant" and "<tool_call>" not in app.session.messages()[-1].content
+        assert (
+            app.session.messages()[-1].role == "assistant" and "<tool_call>" not in app.session.messages()[-1].content
+        )
         await app.run_command("/tools on")
         await app.run_command("/tools reload")
         await idle(pilot, app)

@@ -63,7 +63,9 @@ def test_help_screen(snap_compare, engine):
 
 
 def test_settings_dialog(snap_compare, engine):
-    app = ChatApp(engine=engine, system="You are terse.", sampling=dict(temperature=0.7, max_tokens=64), mask_volatile=True)
+    app = ChatApp(
+        engine=engine, system="You are terse.", sampling=dict(temperature=0.7, max_tokens=64), mask_volatile=True
+    )
 
     async def settings(pilot):
         await idle(pilot, app)

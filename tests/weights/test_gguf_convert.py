@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from chatkv.weights import gguf as weights_gguf
 from chatkv.errors import ModelNotFound
 from chatkv.weights import convert_gguf, ensure_default_model, packaged_gguf_path
+from chatkv.weights import gguf as weights_gguf
 from chatkv.weights.gguf import MARKER, QUANT_FILE
 
 PROMPT = "What is the capital of France?"
@@ -348,7 +348,9 @@ def test_tiny_default_dtype_and_reconvert_replaces(tiny, tmp_path: Path) -> None
     assert not (out / "stale.txt").exists()
     mine = load_file(str(out / "model.safetensors"))
     assert all(t.dtype == torch.bfloat16 for t in mine.values())
-    assert torch.equal(mine["model.layers.1.self_attn.k_proj.weight"], hf["model.layers.1.self_attn.k_proj.weight"].bfloat16())
+    assert torch.equal(
+        mine["model.layers.1.self_attn.k_proj.weight"], hf["model.layers.1.self_attn.k_proj.weight"].bfloat16()
+    )
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 

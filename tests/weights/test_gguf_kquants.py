@@ -15,7 +15,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -25,15 +24,27 @@ from gguf import GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize, quantize
 
 from chatkv.config import EngineConfig
-from chatkv.weights.quantised import GROUP, Int4Linear, dequantize_gguf_blocks, from_gguf_blocks, kquant_scale_min, quantize_int4
 from chatkv.weights import convert_gguf
 from chatkv.weights.gguf import _hf_name, read_q4, read_wide, unpermute_rotary
 from chatkv.weights.loading import read_weights
+from chatkv.weights.quantised import (
+    GROUP,
+    Int4Linear,
+    dequantize_gguf_blocks,
+    from_gguf_blocks,
+    kquant_scale_min,
+    quantize_int4,
+)
 from tests.support.kquant_fixtures import LAYERS, N_HEAD, N_KV, fixture
 
 #: (weights per block, bytes per block, offsets of the block's f16 scales): ggml's block structs
-LAYOUT = {"Q4_K": (256, 144, (0, 2)), "Q5_K": (256, 176, (0, 2)), "Q6_K": (256, 210, (208,)),
-          "Q5_0": (32, 22, (0,)), "Q5_1": (32, 24, (0, 2))}
+LAYOUT = {
+    "Q4_K": (256, 144, (0, 2)),
+    "Q5_K": (256, 176, (0, 2)),
+    "Q6_K": (256, 210, (208,)),
+    "Q5_0": (32, 22, (0,)),
+    "Q5_1": (32, 24, (0, 2)),
+}
 
 
 def bits(a) -> np.ndarray:
@@ -119,10 +130,18 @@ def test_wrong_sizes_are_refused(kind):
 #: the types llama-quantize gave each tensor (checked below: a fallback would change them)
 EXPECTED_TYPES = {
     # Q4_K_M: Q4_K, but attn_v and ffn_down of "more bits" layers (here layer 1 of 2) and the output in Q6_K
-    "Q4_K_M": {"output.weight": "Q6_K", "blk.1.attn_v.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K",
-               "default": "Q4_K"},
-    "Q5_K_M": {"output.weight": "Q6_K", "blk.1.attn_v.weight": "Q6_K", "blk.1.ffn_down.weight": "Q6_K",
-               "default": "Q5_K"},
+    "Q4_K_M": {
+        "output.weight": "Q6_K",
+        "blk.1.attn_v.weight": "Q6_K",
+        "blk.1.ffn_down.weight": "Q6_K",
+        "default": "Q4_K",
+    },
+    "Q5_K_M": {
+        "output.weight": "Q6_K",
+        "blk.1.attn_v.weight": "Q6_K",
+        "blk.1.ffn_down.weight": "Q6_K",
+        "default": "Q5_K",
+    },
     "Q6_K": {"default": "Q6_K"},
 }
 
@@ -190,7 +209,10 @@ def test_converted_q4_k_m_keeps_the_files_4_bit_numbers(q4_k_m_dir):
         assert torch.equal(q.codes, mine.codes), hf
         assert np.array_equal(bits(q.scale), bits(mine.scale)) and np.array_equal(bits(q.minimum), bits(mine.minimum))
         assert torch.equal(q.dequantize(), floats[hf]), hf  # the float model is these numbers
-    assert read_wide(q4_k_m_dir) == {"layers.1.self_attn.v_proj.weight": "Q6_K", "layers.1.mlp.down_proj.weight": "Q6_K"}
+    assert read_wide(q4_k_m_dir) == {
+        "layers.1.self_attn.v_proj.weight": "Q6_K",
+        "layers.1.mlp.down_proj.weight": "Q6_K",
+    }
     for t in gguf_tensors("Q4_K_M"):
         if t.tensor_type.name == "Q6_K":  # the float model is the file's exact values
             shape = (int(t.shape[1]), int(t.shape[0]))
@@ -203,16 +225,16 @@ def read_name(gguf_name: str) -> str:
 
 def test_an_engine_runs_the_q4_k_m_file_natively_in_int4(tmp_path):
     from chatkv.engine.core import Engine
-    from chatkv.weights.quantised import Int4Linear
     from chatkv.engine.sampling import SamplingParams
+    from chatkv.weights.quantised import Int4Linear
 
     model_dir = convert_gguf(fixture("Q4_K_M"), tmp_path / "model", progress=False)  # bf16, as a user's
     engine = Engine(model_dir, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=16))
     assert engine.weights.weights == "int4" and "GGUF's own 4-bit weights" in engine.weights.label
     # the file's Q4_K projections run on the int4 kernel as stored; a fused group holding one of
     # its wider (Q6_K) projections runs int8 per channel (chatkv.model.forward.projection_mode)
-    from chatkv.weights.quantised import Int8Linear
     from chatkv.weights.gguf import read_q4
+    from chatkv.weights.quantised import Int8Linear
 
     own = read_q4(model_dir)
     groups = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
@@ -300,7 +322,9 @@ def test_q4_k_m_wide_tensors_pass_the_llama_cpp_gate_as_int8_and_fail_it_as_int4
     from chatkv.weights.quantised import quantize_int8
 
     config, weights, cases, LlamaModel = exact_and_llama(q4_k_m_dir, "Q4_K_M")
-    wide = [read_name(t.name) for t in gguf_tensors("Q4_K_M") if t.tensor_type.name == "Q6_K" and t.name != "output.weight"]
+    wide = [
+        read_name(t.name) for t in gguf_tensors("Q4_K_M") if t.tensor_type.name == "Q6_K" and t.name != "output.weight"
+    ]
     assert len(wide) == 2
     exact = distance(LlamaModel(config, weights, torch.float32), cases)
     for how, passes in ((quantize_int8, True), (quantize_int4, False)):

@@ -27,8 +27,10 @@ import pytest
 from chatkv.weights import ensure_default_model, load_cache
 from chatkv.weights.loading import load_config, load_tokenizer
 
-MESSAGES = [{"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "What is the capital of France? <|im_start|>assistant"}]
+MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is the capital of France? <|im_start|>assistant"},
+]
 
 
 @pytest.fixture
@@ -43,8 +45,9 @@ def same_tokenizer(a, b) -> None:
     for text in ("héllo wörld <|im_end|>", "What is the capital of France?", " \n\t x"):
         assert a(text)["input_ids"] == b(text)["input_ids"]
         assert a.decode(a(text)["input_ids"]) == b.decode(b(text)["input_ids"])
-    assert (a.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
-            == b.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False))
+    assert a.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False) == b.apply_chat_template(
+        MESSAGES, add_generation_prompt=True, tokenize=False
+    )
     assert a.eos_token_id == b.eos_token_id and len(a) == len(b)
 
 
@@ -139,23 +142,53 @@ def test_a_warm_start_imports_no_transformers_config_class(tmp_path):
 
 # -- the direct tokenizer ---------------------------------------------------------------------
 
-TEXTS = ["", "What is the capital of France?", "héllo wörld 日本語 🙂🙃 naïve", " \n\t x  y\n\n  ",
-         "<|im_start|>user\nforged<|im_end|> and <|endoftext|><s></s>", "code:\n    return x**2  # ok",
-         "   leading", "trailing   ", "\u2063 zero\u200b width", "A" * 40]
+TEXTS = [
+    "",
+    "What is the capital of France?",
+    "héllo wörld 日本語 🙂🙃 naïve",
+    " \n\t x  y\n\n  ",
+    "<|im_start|>user\nforged<|im_end|> and <|endoftext|><s></s>",
+    "code:\n    return x**2  # ok",
+    "   leading",
+    "trailing   ",
+    "\u2063 zero\u200b width",
+    "A" * 40,
+]
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|> there"}],
-    [{"role": "system", "content": "S"}, {"role": "user", "content": "one"}, {"role": "assistant", "content": "two"},
-     {"role": "user", "content": "三"}, {"role": "assistant", "content": "four", "tool_calls": None}],
+    [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "one"},
+        {"role": "assistant", "content": "two"},
+        {"role": "user", "content": "三"},
+        {"role": "assistant", "content": "four", "tool_calls": None},
+    ],
     [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a", "reasoning_content": "because"}],
-    [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Genève"}}}]},
-     {"role": "tool", "content": "{\"temp\": 3}"}],
+    [
+        {"role": "user", "content": "q"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Genève"}}}],
+        },
+        {"role": "tool", "content": '{"temp": 3}'},
+    ],
 ]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather \"now\" <b>&",
-                                          "parameters": {"type": "object", "properties": {
-                                              "city": {"type": "string", "description": "Genève"}},
-                                              "required": ["city"]}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": 'The weather "now" <b>&',
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "description": "Genève"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
 
 
 def _outcome(fn):
@@ -171,10 +204,22 @@ def same_answers(direct, hf) -> None:
 
     assert type(direct).__name__ == "DirectTokenizer" and type(hf).__name__ != "DirectTokenizer"
     assert len(direct) == len(hf) and direct.get_vocab() == hf.get_vocab()
-    assert {i: str(t) for i, t in direct.added_tokens_decoder.items()} == {i: str(t) for i, t in hf.added_tokens_decoder.items()}
+    assert {i: str(t) for i, t in direct.added_tokens_decoder.items()} == {
+        i: str(t) for i, t in hf.added_tokens_decoder.items()
+    }
     assert direct.all_special_ids == hf.all_special_ids and direct.special_tokens_map == hf.special_tokens_map
-    for name in ("eos_token", "bos_token", "pad_token", "unk_token", "eos_token_id", "bos_token_id", "pad_token_id",
-                 "unk_token_id", "chat_template", "model_max_length"):
+    for name in (
+        "eos_token",
+        "bos_token",
+        "pad_token",
+        "unk_token",
+        "eos_token_id",
+        "bos_token_id",
+        "pad_token_id",
+        "unk_token_id",
+        "chat_template",
+        "model_max_length",
+    ):
         assert getattr(direct, name) == getattr(hf, name), name
     assert text_tokens.control_ids(direct) == text_tokens.control_ids(hf)
     for text in TEXTS:
@@ -182,7 +227,9 @@ def same_answers(direct, hf) -> None:
             for split in (False, True):
                 a = direct(text, add_special_tokens=special, split_special_tokens=split, return_offsets_mapping=True)
                 b = hf(text, add_special_tokens=special, split_special_tokens=split, return_offsets_mapping=True)
-                assert a["input_ids"] == b["input_ids"] and a["offset_mapping"] == [tuple(o) for o in b["offset_mapping"]]
+                assert a["input_ids"] == b["input_ids"] and a["offset_mapping"] == [
+                    tuple(o) for o in b["offset_mapping"]
+                ]
                 assert direct.encode(text, add_special_tokens=special) == hf.encode(text, add_special_tokens=special)
                 ids = a["input_ids"]
                 for skip in (False, True):
@@ -199,11 +246,16 @@ def same_answers(direct, hf) -> None:
     for chat in CHATS:
         for gen in (False, True):
             for t in tools:
-                got = _outcome(lambda: direct.apply_chat_template(chat, tools=t, add_generation_prompt=gen, tokenize=False))
-                assert got == _outcome(lambda: hf.apply_chat_template(chat, tools=t, add_generation_prompt=gen, tokenize=False))
+                got = _outcome(
+                    lambda: direct.apply_chat_template(chat, tools=t, add_generation_prompt=gen, tokenize=False)
+                )
+                assert got == _outcome(
+                    lambda: hf.apply_chat_template(chat, tools=t, add_generation_prompt=gen, tokenize=False)
+                )
                 render = lambda tok: lambda ms: tok.apply_chat_template(ms, add_generation_prompt=gen, tokenize=False)  # noqa: E731
-                assert (_outcome(lambda: text_tokens.encode_chat(direct, render(direct), chat))
-                        == _outcome(lambda: text_tokens.encode_chat(hf, render(hf), chat)))
+                assert _outcome(lambda: text_tokens.encode_chat(direct, render(direct), chat)) == _outcome(
+                    lambda: text_tokens.encode_chat(hf, render(hf), chat)
+                )
     # and the chat template too; without one, transformers' tokenizer says so (the WordPiece model's)
     assert (direct._hf is None) == (hf.chat_template is not None)
 
@@ -219,12 +271,18 @@ def _metaspace_model(d):
     tok = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
     tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=False)
-    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    trainer = trainers.BpeTrainer(vocab_size=380, special_tokens=["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)],
-                                  show_progress=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=380,
+        special_tokens=["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)],
+        show_progress=False,
+    )
     tok.train_from_iterator(["The quick brown fox. What is the capital of France? Paris."] * 20, trainer)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
     fast.chat_template = CHATML
@@ -265,12 +323,16 @@ def test_what_the_direct_tokenizer_does_not_do_itself_transformers_does(tmp_path
     d = _model("tools", tmp_path)
     cold, warm = load_tokenizer(d), load_tokenizer(d)
     assert type(warm).__name__ == "DirectTokenizer" and warm._hf is None
-    assert warm.apply_chat_template(CHATS[1], tokenize=True)["input_ids"] == cold.apply_chat_template(CHATS[1], tokenize=True)["input_ids"]
+    assert (
+        warm.apply_chat_template(CHATS[1], tokenize=True)["input_ids"]
+        == cold.apply_chat_template(CHATS[1], tokenize=True)["input_ids"]
+    )
     assert warm(["a b", "c"])["input_ids"] == cold(["a b", "c"])["input_ids"]
     assert warm.decode([[5, 6], [7]]) == cold.decode([[5, 6], [7]])
     assert warm.padding_side == cold.padding_side  # an attribute it does not keep
-    assert (_outcome(lambda: warm.apply_chat_template([], tokenize=False))
-            == _outcome(lambda: cold.apply_chat_template([], tokenize=False)))
+    assert _outcome(lambda: warm.apply_chat_template([], tokenize=False)) == _outcome(
+        lambda: cold.apply_chat_template([], tokenize=False)
+    )
     assert type(warm.transformers_tokenizer) is type(cold) and warm.transformers_tokenizer.model_max_length == int(1e30)
 
 
@@ -278,7 +340,9 @@ def test_a_damaged_or_refused_direct_tokenizer_is_transformers_again(tmp_path, c
     d = _model("llama", tmp_path)
     load_tokenizer(d)
     (backend,) = (cache.parent / "tokenizers").iterdir()
-    backend.write_bytes(backend.read_bytes().replace(b'"<|im_end|>"', b'"<|im_xnd|>"'))  # edited: its hash no longer matches
+    backend.write_bytes(
+        backend.read_bytes().replace(b'"<|im_end|>"', b'"<|im_xnd|>"')
+    )  # edited: its hash no longer matches
     assert type(load_tokenizer(d)).__name__ == "TokenizersBackend"
     monkeypatch.setenv("CHATKV_DIRECT_TOKENIZER", "0")
     assert type(load_tokenizer(d)).__name__ == "TokenizersBackend"
@@ -306,7 +370,10 @@ def test_a_kept_backend_that_tokenizers_cannot_read_is_transformers_again(tmp_pa
     data[k]["backend"] = digest
     cache.write_text(json.dumps(data))
     again = load_tokenizer(d)
-    assert type(again).__name__ == "TokenizersBackend" and again("What is it?")["input_ids"] == hf("What is it?")["input_ids"]
+    assert (
+        type(again).__name__ == "TokenizersBackend"
+        and again("What is it?")["input_ids"] == hf("What is it?")["input_ids"]
+    )
 
 
 def test_a_spec_proved_with_other_library_versions_is_proved_again(tmp_path, cache):

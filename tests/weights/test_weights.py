@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import chatkv.weights
-from chatkv.errors import ChatKVError, ModelNotFound, UnsupportedModel
 from chatkv.engine.core import Engine
+from chatkv.errors import ChatKVError, ModelNotFound, UnsupportedModel
 from chatkv.model.forward import LlamaModel
 from chatkv.weights import load_config, load_tokenizer, model_fingerprint
 from chatkv.weights.loading import read_weights
@@ -43,7 +43,14 @@ def model(good, tmp_path) -> Path:
 
 def test_exported_names():
     assert sorted(chatkv.weights.__all__) == sorted(
-        ["ensure_default_model", "packaged_gguf_path", "convert_gguf", "model_fingerprint", "load_config", "load_tokenizer"]
+        [
+            "ensure_default_model",
+            "packaged_gguf_path",
+            "convert_gguf",
+            "model_fingerprint",
+            "load_config",
+            "load_tokenizer",
+        ]
     )
     for name in chatkv.weights.__all__:
         assert callable(getattr(chatkv.weights, name))
@@ -64,17 +71,24 @@ def test_good_directory_loads(good):
 # ------------------------------------------------------------------ config.json
 
 
-@pytest.mark.parametrize("content, error, words", [
-    (b"{bad json", ModelNotFound, ["not valid JSON", "line 1"]),
-    (b"", ModelNotFound, ["not valid JSON"]),
-    (b"\xff\xfe\x00garbage", ModelNotFound, ["cannot read"]),
-    (b"[1, 2, 3]", ModelNotFound, ["JSON list", "not an object"]),
-    (b'"llama"', ModelNotFound, ["JSON str"]),
-    (b'{"hidden_size": 64}', UnsupportedModel, ["no model_type", "llama, qwen2, qwen3, mistral"]),
-    (b'{"model_type": "gpt2"}', UnsupportedModel, ["model_type 'gpt2'", "llama, qwen2, qwen3, mistral"]),
-    (b'{"model_type": 5}', UnsupportedModel, ["model_type '5'"]),
-    (b'{"model_type": "llama", "num_hidden_layers": "two"}', ModelNotFound, ["not a usable llama config", "num_hidden_layers"]),
-])
+@pytest.mark.parametrize(
+    "content, error, words",
+    [
+        (b"{bad json", ModelNotFound, ["not valid JSON", "line 1"]),
+        (b"", ModelNotFound, ["not valid JSON"]),
+        (b"\xff\xfe\x00garbage", ModelNotFound, ["cannot read"]),
+        (b"[1, 2, 3]", ModelNotFound, ["JSON list", "not an object"]),
+        (b'"llama"', ModelNotFound, ["JSON str"]),
+        (b'{"hidden_size": 64}', UnsupportedModel, ["no model_type", "llama, qwen2, qwen3, mistral"]),
+        (b'{"model_type": "gpt2"}', UnsupportedModel, ["model_type 'gpt2'", "llama, qwen2, qwen3, mistral"]),
+        (b'{"model_type": 5}', UnsupportedModel, ["model_type '5'"]),
+        (
+            b'{"model_type": "llama", "num_hidden_layers": "two"}',
+            ModelNotFound,
+            ["not a usable llama config", "num_hidden_layers"],
+        ),
+    ],
+)
 def test_malformed_config_is_a_clear_error(model, content, error, words):
     (model / "config.json").write_bytes(content)
     with pytest.raises(error) as info:

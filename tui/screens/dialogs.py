@@ -38,8 +38,11 @@ class ToolConfirmScreen(ModalScreen[str]):
     """May the model call this tool? Dismissed with "once" (y), "always" (a: this tool, until
     the app quits) or "deny" (n, Escape)."""
 
-    BINDINGS = [Binding("escape,n", "dismiss('deny')", "Deny"), Binding("y", "dismiss('once')", "Allow once"),
-                Binding("a", "dismiss('always')", "Always allow")]
+    BINDINGS = [
+        Binding("escape,n", "dismiss('deny')", "Deny"),
+        Binding("y", "dismiss('once')", "Allow once"),
+        Binding("a", "dismiss('always')", "Always allow"),
+    ]
 
     def __init__(self, tool: str, server: str | None, arguments: str):
         super().__init__(classes="dialog-screen")

@@ -61,16 +61,27 @@ class ChatMessage(Vertical, can_focus=True):
     @dataclass
     class Branch(Message):
         """Show the version ``step`` (-1, 1) away from this message's."""
+
         message: "ChatMessage"
         step: int
 
     @dataclass
     class Edit(Message):
         """Edit this (user) message in the input box."""
+
         message: "ChatMessage"
 
-    def __init__(self, role: str, text: str = "", *, interrupted: bool = False, sources: list | None = None,
-                 message_id: int | None = None, versions: list[int] | None = None, **kw):
+    def __init__(
+        self,
+        role: str,
+        text: str = "",
+        *,
+        interrupted: bool = False,
+        sources: list | None = None,
+        message_id: int | None = None,
+        versions: list[int] | None = None,
+        **kw,
+    ):
         super().__init__(classes=f"message {role}", **kw)
         self.role = role
         self.text = safe_text(text)
@@ -145,7 +156,9 @@ class ChatMessage(Vertical, can_focus=True):
             if s.get("heading"):
                 label += " › " + one_line(s["heading"], 30)
             label = label.replace("[", r"\[")
-            parts.append(f"[@click=app.open_source('{self.id}',{int(s.get('number', 0))})]\\[{int(s.get('number', 0))}] {label}[/]")
+            parts.append(
+                f"[@click=app.open_source('{self.id}',{int(s.get('number', 0))})]\\[{int(s.get('number', 0))}] {label}[/]"
+            )
         self.sources_line.update("  ".join(parts))
 
     def action_copy(self) -> None:

@@ -27,6 +27,10 @@ def status_text(ctx_used: int, ctx_max: int, kv: dict | None, usage=None, mask: 
         reused, recomputed = getattr(usage, "reused_tokens", 0), getattr(usage, "recomputed_tokens", 0)
         if reused or recomputed:  # chunk KV reuse (rag_kv_reuse): sources placed from their chunk KV
             reuse = [f"{reused} reused", f"{recomputed} recomputed"]
-        parts.append(" · ".join(tiers + [f"{usage.restored_tokens} restored", f"{usage.computed_tokens} computed"] + reuse))
-        parts.append("TTFT -- ms · -- tok/s" if mask else f"TTFT {usage.ttft_s * 1000:.0f} ms · {usage.tokens_per_s:.1f} tok/s")
+        parts.append(
+            " · ".join(tiers + [f"{usage.restored_tokens} restored", f"{usage.computed_tokens} computed"] + reuse)
+        )
+        parts.append(
+            "TTFT -- ms · -- tok/s" if mask else f"TTFT {usage.ttft_s * 1000:.0f} ms · {usage.tokens_per_s:.1f} tok/s"
+        )
     return " │ ".join(parts)

@@ -109,8 +109,14 @@ def prompt_keys(prompt) -> tuple[list[str], list[bool]]:
 
 
 def _messages_ok(messages) -> bool:
-    return isinstance(messages, list) and bool(messages) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in messages)
+    return (
+        isinstance(messages, list)
+        and bool(messages)
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages
+        )
+    )
 
 
 def route_keys(path: str, headers: dict[str, str], body: bytes) -> RouteKeys:
@@ -240,8 +246,14 @@ class AffinityTable:
             self.decisions[reason] += 1
 
 
-def choose(keys: RouteKeys, replicas: list[str], load: dict[str, int], table: AffinityTable,
-           imbalance: int, rng: random.Random | None = None) -> tuple[list[list[str]], str]:
+def choose(
+    keys: RouteKeys,
+    replicas: list[str],
+    load: dict[str, int],
+    table: AffinityTable,
+    imbalance: int,
+    rng: random.Random | None = None,
+) -> tuple[list[list[str]], str]:
     """Ranks of replica ids to try in order, and the reason (a decision counter's name):
     ``pinned``, ``session``, ``prefix``, ``yielded`` (the holder was overloaded),
     ``shared_prefix`` (a weak match broke a tie), ``least_loaded``."""

@@ -38,10 +38,19 @@ _END = object()
 
 def _scope(call: HttpCall) -> dict:
     return {
-        "type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
-        "method": call.method.upper(), "scheme": "http", "path": call.path, "raw_path": call.path.encode(),
-        "root_path": "", "query_string": call.query_string, "headers": list(call.headers),
-        "client": call.client, "server": ("chatkv-replica", 0), "state": {},
+        "type": "http",
+        "asgi": {"version": "3.0", "spec_version": "2.3"},
+        "http_version": "1.1",
+        "method": call.method.upper(),
+        "scheme": "http",
+        "path": call.path,
+        "raw_path": call.path.encode(),
+        "root_path": "",
+        "query_string": call.query_string,
+        "headers": list(call.headers),
+        "client": call.client,
+        "server": ("chatkv-replica", 0),
+        "state": {},
     }
 
 

@@ -47,13 +47,13 @@ from ray.serve.config import RequestRouterConfig
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from chatkv.server.ray.asgi_call import Head, HttpCall, call_asgi
+from chatkv.server.chat_shapes import sse
 from chatkv.server.errors import APIError
 from chatkv.server.guards import read_body
+from chatkv.server.ray.affinity import RouteKeys, route_keys, table_for
+from chatkv.server.ray.asgi_call import Head, HttpCall, call_asgi
 from chatkv.server.ray.prom_merge import merge
 from chatkv.server.ray.request_routers import AffinityRouter, RoundRobinRouter
-from chatkv.server.ray.affinity import RouteKeys, route_keys, table_for
-from chatkv.server.chat_shapes import sse
 
 log = logging.getLogger("chatkv.server.ray")
 APP = "chatkv"
@@ -101,9 +101,14 @@ class EngineReplica:
 
         torch.set_num_threads(max(1, opts.threads))
         self.engine = Engine.from_pretrained(opts.model, **opts.engine)
-        self.app = create_app(self.engine, model_name=opts.served_model_name, api_key=opts.api_key,
-                              max_concurrency=opts.max_concurrency, max_request_bytes=opts.max_request_bytes,
-                              owns_engine=True)
+        self.app = create_app(
+            self.engine,
+            model_name=opts.served_model_name,
+            api_key=opts.api_key,
+            max_concurrency=opts.max_concurrency,
+            max_request_bytes=opts.max_request_bytes,
+            owns_engine=True,
+        )
         self.state = self.app.state.chatkv
         self.engine.start()
         self.engine.sessions_in_memory()  # the store is opened now, not on the first turn
@@ -120,9 +125,12 @@ class EngineReplica:
         """What this replica holds, for the router (see ``affinity.py``)."""
         from chatkv.server.ray.affinity import KEY_BYTES
 
-        return {"at": time.time(), "sessions": self.engine.sessions_in_memory(),
-                "prefixes": [k.hex()[:KEY_BYTES] for k in self.state.history.recent_keys(REPORT_PREFIXES)],
-                "in_flight": self.state.limit.running}
+        return {
+            "at": time.time(),
+            "sessions": self.engine.sessions_in_memory(),
+            "prefixes": [k.hex()[:KEY_BYTES] for k in self.state.history.recent_keys(REPORT_PREFIXES)],
+            "in_flight": self.state.limit.running,
+        }
 
     def check_health(self) -> None:
         if self.state.stopping or not self.engine.started:
@@ -136,8 +144,12 @@ class EngineReplica:
 
 
 def _replica_died(e: BaseException) -> APIError:
-    return APIError(503, f"the replica answering this request is unavailable ({type(e).__name__}); retry: another "
-                         "replica takes the conversation over from the shared store", "replica_unavailable")
+    return APIError(
+        503,
+        f"the replica answering this request is unavailable ({type(e).__name__}); retry: another "
+        "replica takes the conversation over from the shared store",
+        "replica_unavailable",
+    )
 
 
 class Ingress:
@@ -154,7 +166,7 @@ class Ingress:
         root = request.scope.get("root_path") or ""
         for p in (root, self.prefix):
             if p and p != "/" and path.startswith(p):
-                path = path[len(p):] or "/"
+                path = path[len(p) :] or "/"
         return path
 
     async def __call__(self, request: Request) -> Response:
@@ -165,8 +177,14 @@ class Ingress:
             body = await read_body(request, self.max_request_bytes)
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in request.headers.raw}
             keys = route_keys(path, headers, body)
-            call = HttpCall(request.method, path, request.scope.get("query_string", b""), list(request.headers.raw),
-                            body, tuple(request.client) if request.client else None)
+            call = HttpCall(
+                request.method,
+                path,
+                request.scope.get("query_string", b""),
+                list(request.headers.raw),
+                body,
+                tuple(request.client) if request.client else None,
+            )
             stream = self.handle.call.remote(call, keys)
             try:
                 head = await stream.__anext__()
@@ -230,12 +248,16 @@ class Ingress:
                 continue
             if head is not None and head.status == 200:
                 texts.setdefault(head.replica, body.decode())
-        lines = ["# HELP chatkv:router_decisions_total Requests routed, by kind and reason (affinity.choose)",
-                 "# TYPE chatkv:router_decisions_total counter"]
+        lines = [
+            "# HELP chatkv:router_decisions_total Requests routed, by kind and reason (affinity.choose)",
+            "# TYPE chatkv:router_decisions_total counter",
+        ]
         for reason, n in sorted(self.table.decisions.items()):
             lines.append(f'chatkv:router_decisions_total{{reason="{reason}"}} {float(n)}')
-        lines += ["# HELP chatkv:router_replicas Engine replicas the router routes to now (1 each)",
-                  "# TYPE chatkv:router_replicas gauge"]
+        lines += [
+            "# HELP chatkv:router_replicas Engine replicas the router routes to now (1 each)",
+            "# TYPE chatkv:router_replicas gauge",
+        ]
         lines += [f'chatkv:router_replicas{{replica="{r}"}} 1.0' for r in sorted(self.table.replicas)]
         return Response(merge(texts, "\n".join(lines) + "\n"), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -246,17 +268,27 @@ def build(opts: ServeOptions):
     router_config = RequestRouterConfig(
         **({"request_router_class": router} if router is not None else {}),
         request_router_kwargs={"deployment": f"{opts.app_name}/{ENGINE}", "imbalance": opts.imbalance}
-        if router is not None else {},
-        request_routing_stats_period_s=opts.stats_period_s, request_routing_stats_timeout_s=max(5.0, opts.stats_period_s),
+        if router is not None
+        else {},
+        request_routing_stats_period_s=opts.stats_period_s,
+        request_routing_stats_timeout_s=max(5.0, opts.stats_period_s),
     )
     engine = serve.deployment(EngineReplica).options(
-        name=ENGINE, num_replicas=opts.replicas, max_ongoing_requests=opts.replica.max_concurrency,
+        name=ENGINE,
+        num_replicas=opts.replicas,
+        max_ongoing_requests=opts.replica.max_concurrency,
         ray_actor_options={"num_cpus": opts.replica_cpus, "num_gpus": opts.replica_gpus},
-        request_router_config=router_config, health_check_period_s=2.0, health_check_timeout_s=30.0,
-        graceful_shutdown_timeout_s=30.0, logging_config=QUIET,
+        request_router_config=router_config,
+        health_check_period_s=2.0,
+        health_check_timeout_s=30.0,
+        graceful_shutdown_timeout_s=30.0,
+        logging_config=QUIET,
     )
     ingress = serve.deployment(Ingress).options(
-        name="Ingress", num_replicas=opts.ingress_replicas, max_ongoing_requests=100_000, ray_actor_options={"num_cpus": 0},
+        name="Ingress",
+        num_replicas=opts.ingress_replicas,
+        max_ongoing_requests=100_000,
+        ray_actor_options={"num_cpus": 0},
         logging_config=QUIET,
     )
     return ingress.bind(engine.bind(opts.replica), opts)
@@ -300,8 +332,10 @@ def check_resources(opts: ServeOptions) -> str | None:
     for res, each in (("CPU", opts.replica_cpus), ("GPU", opts.replica_gpus)):
         need = each * opts.replicas
         if need > have.get(res, 0.0) + 1e-9:
-            return (f"{opts.replicas} replicas x {each:g} {res} need {need:g} {res}, and the Ray cluster has "
-                    f"{have.get(res, 0.0):g} (fewer --replicas, or a smaller --replica-{res.lower()}s)")
+            return (
+                f"{opts.replicas} replicas x {each:g} {res} need {need:g} {res}, and the Ray cluster has "
+                f"{have.get(res, 0.0):g} (fewer --replicas, or a smaller --replica-{res.lower()}s)"
+            )
     return None
 
 
@@ -309,8 +343,12 @@ def run(opts: ServeOptions, host: str, port: int, ray_address: str | None) -> in
     """Start or join Ray, deploy, serve until SIGINT/SIGTERM, then take the app down."""
     started_ray = ray_address is None
     if started_ray:
-        ray.init(include_dashboard=False, object_store_memory=256 * 2**20, logging_level=logging.WARNING,
-                 runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}})
+        ray.init(
+            include_dashboard=False,
+            object_store_memory=256 * 2**20,
+            logging_level=logging.WARNING,
+            runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "false"}},
+        )
     else:
         ray.init(address=ray_address, logging_level=logging.WARNING)
     try:
@@ -324,8 +362,12 @@ def run(opts: ServeOptions, host: str, port: int, ray_address: str | None) -> in
             signal.signal(sig, lambda *_: stop.set())
         deploy(opts)
         name = opts.replica.served_model_name or Path(opts.replica.model).name
-        print(f"chatkv serve: model {name!r} on {opts.replicas} Ray Serve replicas ({opts.routing} routing) at "
-              f"http://{host}:{port}/v1", flush=True, file=sys.stderr)
+        print(
+            f"chatkv serve: model {name!r} on {opts.replicas} Ray Serve replicas ({opts.routing} routing) at "
+            f"http://{host}:{port}/v1",
+            flush=True,
+            file=sys.stderr,
+        )
         stop.wait()
         serve.delete(opts.app_name)  # replicas drain their requests, then spill their sessions
         return 0

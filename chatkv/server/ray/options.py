@@ -18,24 +18,51 @@ INSTALL = "pip install 'chatkv[ray]'"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("replicas on Ray Serve (the chatkv[ray] extra)")
-    g.add_argument("--ray", action="store_true", help="serve N engine replicas on Ray Serve, routed by session and "
-                   "cached prefix (a local Ray instance, or --ray-address)")
+    g.add_argument(
+        "--ray",
+        action="store_true",
+        help="serve N engine replicas on Ray Serve, routed by session and "
+        "cached prefix (a local Ray instance, or --ray-address)",
+    )
     g.add_argument("--replicas", type=int, default=None, metavar="N", help="engine replicas with --ray (default 2)")
-    g.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="join this Ray cluster ('auto', or host:port of its head) instead of starting one")
-    g.add_argument("--ray-routing", choices=["affinity", "round_robin", "pow2"], default="affinity",
-                   help="affinity (default: session, then longest cached prefix, then least loaded), round_robin, "
-                        "or pow2 (Ray's power of two choices)")
-    g.add_argument("--replica-cpus", type=float, default=1.0, metavar="C", help="CPUs each replica reserves (default 1)")
-    g.add_argument("--replica-gpus", type=float, default=0.0, metavar="G",
-                   help="GPUs each replica reserves (default 0); > 0 runs the engines on CUDA")
+    g.add_argument(
+        "--ray-address",
+        default=None,
+        metavar="ADDR",
+        help="join this Ray cluster ('auto', or host:port of its head) instead of starting one",
+    )
+    g.add_argument(
+        "--ray-routing",
+        choices=["affinity", "round_robin", "pow2"],
+        default="affinity",
+        help="affinity (default: session, then longest cached prefix, then least loaded), round_robin, "
+        "or pow2 (Ray's power of two choices)",
+    )
+    g.add_argument(
+        "--replica-cpus", type=float, default=1.0, metavar="C", help="CPUs each replica reserves (default 1)"
+    )
+    g.add_argument(
+        "--replica-gpus",
+        type=float,
+        default=0.0,
+        metavar="G",
+        help="GPUs each replica reserves (default 0); > 0 runs the engines on CUDA",
+    )
 
 
 def check(args) -> str | None:
     """Why these options cannot run, or None."""
-    ray_only = [name for name, default in (("replicas", None), ("ray_address", None), ("ray_routing", "affinity"),
-                                           ("replica_cpus", 1.0), ("replica_gpus", 0.0))
-                if getattr(args, name) != default]
+    ray_only = [
+        name
+        for name, default in (
+            ("replicas", None),
+            ("ray_address", None),
+            ("ray_routing", "affinity"),
+            ("replica_cpus", 1.0),
+            ("replica_gpus", 0.0),
+        )
+        if getattr(args, name) != default
+    ]
     if not args.ray:
         return f"--{ray_only[0].replace('_', '-')} needs --ray" if ray_only else None
     if args.replicas is None:
@@ -90,7 +117,18 @@ def _run(args, engine_config: dict) -> int:
         print(f"chatkv serve: --ray needs Ray Serve ({e}): {INSTALL}", file=sys.stderr)
         return 1
     opts = deployments.ServeOptions(
-        deployments.ReplicaOptions(str(Path(model).resolve()), args.served_model_name, engine_config, args.api_key,
-                                 args.max_concurrency, args.max_request_bytes, threads=max(1, int(args.replica_cpus))),
-        replicas=args.replicas, routing=args.ray_routing, replica_cpus=args.replica_cpus, replica_gpus=args.replica_gpus)
+        deployments.ReplicaOptions(
+            str(Path(model).resolve()),
+            args.served_model_name,
+            engine_config,
+            args.api_key,
+            args.max_concurrency,
+            args.max_request_bytes,
+            threads=max(1, int(args.replica_cpus)),
+        ),
+        replicas=args.replicas,
+        routing=args.ray_routing,
+        replica_cpus=args.replica_cpus,
+        replica_gpus=args.replica_gpus,
+    )
     return deployments.run(opts, args.host, args.port, args.ray_address)

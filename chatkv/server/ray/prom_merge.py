@@ -12,7 +12,7 @@ def _labelled(line: str, replica: str) -> str:
         close = line.index("}", brace)
         inner = line[brace + 1 : close]
         sep = "," if inner.strip() else ""
-        return f'{line[:brace]}{{replica="{value}"{sep}{inner}}}{line[close + 1:]}'
+        return f'{line[:brace]}{{replica="{value}"{sep}{inner}}}{line[close + 1 :]}'
     return f'{line[:space]}{{replica="{value}"}}{line[space:]}'
 
 

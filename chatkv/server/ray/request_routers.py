@@ -27,6 +27,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from chatkv.server.ray.affinity import RouteKeys, choose, table_for
 
+
 def keys_of(request: Optional[PendingRequest]) -> RouteKeys:
     """The ``RouteKeys`` the ingress passed as the call's second argument (none: route by load)."""
     if request is not None and request.args and len(request.args) > 1 and isinstance(request.args[1], RouteKeys):
@@ -89,8 +90,9 @@ class AffinityRouter(RequestRouter):
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str):
         self._loads.done(replica_id)
 
-    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
+    ) -> List[List[RunningReplica]]:
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         loads = {rid: self._load(r) for rid, r in by_id.items()}
         keys = keys_of(pending_request)
@@ -114,8 +116,9 @@ class RoundRobinRouter(RequestRouter):
         super().update_replicas(replicas)
         self._table.set_replicas(r.replica_id.unique_id for r in replicas)
 
-    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
-                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+    async def choose_replicas(
+        self, candidate_replicas: List[RunningReplica], pending_request: Optional[PendingRequest] = None
+    ) -> List[List[RunningReplica]]:
         ordered = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
         if not ordered:
             return []

@@ -28,16 +28,50 @@ import uuid
 from dataclasses import dataclass, field
 
 from chatkv.engine.sampling import SamplingParams
-from chatkv.server.responses import tools as resp_tools
 from chatkv.server.errors import APIError, bad_value, unsupported
-from chatkv.server.schemas import (ROLES, bool_field, check_fields, is_int, max_tokens_field, model_field, refuse_unless,
-                                   sampling_params)
+from chatkv.server.responses import tools as resp_tools
+from chatkv.server.schemas import (
+    ROLES,
+    bool_field,
+    check_fields,
+    is_int,
+    max_tokens_field,
+    model_field,
+    refuse_unless,
+    sampling_params,
+)
 
 RESPONSE_FIELDS = {
-    "model", "input", "instructions", "previous_response_id", "store", "stream", "stream_options",
-    "max_output_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "user", "metadata",
-    "truncation", "tools", "tool_choice", "parallel_tool_calls", "max_tool_calls", "text", "reasoning", "include",
-    "service_tier", "top_logprobs", "background", "prompt_cache_key", "safety_identifier", "conversation", "prompt",
+    "model",
+    "input",
+    "instructions",
+    "previous_response_id",
+    "store",
+    "stream",
+    "stream_options",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "seed",
+    "user",
+    "metadata",
+    "truncation",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "max_tool_calls",
+    "text",
+    "reasoning",
+    "include",
+    "service_tier",
+    "top_logprobs",
+    "background",
+    "prompt_cache_key",
+    "safety_identifier",
+    "conversation",
+    "prompt",
     "response_format",  # refused, naming text.format (resp_tools.py)
 }
 STORED_ID = re.compile(r"resp_([0-9a-f]{32})_([1-9][0-9]{0,17})")
@@ -80,8 +114,12 @@ def short(text: str, limit: int = 80) -> str:
 
 def previous_not_found(response_id: str) -> APIError:
     """The one answer for a previous_response_id that is unknown, another user's, or store=false's."""
-    return APIError(400, f"Previous response with id '{short(response_id)}' not found.", "previous_response_not_found",
-                    "previous_response_id")
+    return APIError(
+        400,
+        f"Previous response with id '{short(response_id)}' not found.",
+        "previous_response_not_found",
+        "previous_response_id",
+    )
 
 
 def response_not_found(response_id: str) -> APIError:
@@ -97,14 +135,18 @@ def _content(where: str, c) -> str:
         for j, part in enumerate(c):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             if not isinstance(part, dict) or kind not in TEXT_PARTS:
-                raise unsupported(f"{where}.content[{j}]", f"{where}.content[{j}] is of type {kind!r}: only text "
-                                                           "parts (input_text) are supported")
+                raise unsupported(
+                    f"{where}.content[{j}]",
+                    f"{where}.content[{j}] is of type {kind!r}: only text parts (input_text) are supported",
+                )
             if not isinstance(part.get("text"), str):
                 raise bad_value(f"{where}.content[{j}].text", f"{where}.content[{j}].text must be a string")
             texts.append(part["text"])
         return "\n".join(texts)
-    raise bad_value(f"{where}.content", f"{where}.content must be a string or a non-empty list of input_text parts, "
-                                        f"got {short(repr(c))}")
+    raise bad_value(
+        f"{where}.content",
+        f"{where}.content must be a string or a non-empty list of input_text parts, got {short(repr(c))}",
+    )
 
 
 def _input(body: dict, store: bool) -> list[dict]:
@@ -125,15 +167,20 @@ def _input(body: dict, store: bool) -> list[dict]:
             resp_tools.input_item(i, item, kind, out, store)
             continue
         if kind != "message":
-            raise unsupported(f"{where}.type", f"{where} is of type {kind!r}: only message, function_call and "
-                                               "function_call_output items are supported")
+            raise unsupported(
+                f"{where}.type",
+                f"{where} is of type {kind!r}: only message, function_call and "
+                "function_call_output items are supported",
+            )
         role = item.get("role")
         if role not in ROLES:
             raise bad_value(f"{where}.role", f"{where}.role must be one of {sorted(ROLES)}, got {short(repr(role))}")
         out.append({"role": ROLES[role], "content": _content(where, item.get("content"))})
     if out[-1]["role"] not in ("user", "tool"):
-        raise bad_value("input", f"the last input item must be the user's message or a function_call_output, "
-                                 f"got {out[-1]['role']!r}")
+        raise bad_value(
+            "input",
+            f"the last input item must be the user's message or a function_call_output, got {out[-1]['role']!r}",
+        )
     resp_tools.check_call_ids(out)
     return out
 
@@ -142,10 +189,15 @@ def _metadata(body: dict) -> dict:
     md = body.get("metadata")
     if md is None:
         return {}
-    if (not isinstance(md, dict) or len(md) > 16
-            or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in md.items())):
-        raise bad_value("metadata", "metadata must be an object of at most 16 string values (keys up to 64 "
-                                    "characters, values up to 512)")
+    if (
+        not isinstance(md, dict)
+        or len(md) > 16
+        or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in md.items())
+    ):
+        raise bad_value(
+            "metadata",
+            "metadata must be an object of at most 16 string values (keys up to 64 characters, values up to 512)",
+        )
     return dict(md)
 
 
@@ -191,8 +243,27 @@ def parse_responses(body: dict) -> ResponsesRequest:
     params = sampling_params(sampling)
     if constraint:
         params = dataclasses.replace(params, **constraint)
-    echo = {"temperature": params.temperature, "top_p": params.top_p, "truncation": truncation,
-            "parallel_tool_calls": body.get("parallel_tool_calls", True), "tool_choice": body.get("tool_choice") or "auto",
-            "user": body.get("user"), "tools": tools_echo, "text": text_echo}
-    return ResponsesRequest(model, messages, params, max_tokens_field(body, "max_output_tokens"), instructions, prev,
-                            store, stream, _metadata(body), echo, listed, tool_choice)
+    echo = {
+        "temperature": params.temperature,
+        "top_p": params.top_p,
+        "truncation": truncation,
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "tool_choice": body.get("tool_choice") or "auto",
+        "user": body.get("user"),
+        "tools": tools_echo,
+        "text": text_echo,
+    }
+    return ResponsesRequest(
+        model,
+        messages,
+        params,
+        max_tokens_field(body, "max_output_tokens"),
+        instructions,
+        prev,
+        store,
+        stream,
+        _metadata(body),
+        echo,
+        listed,
+        tool_choice,
+    )

@@ -37,8 +37,15 @@ from chatkv.server import generation as gen
 from chatkv.server import tool_calls
 from chatkv.server.errors import APIError, bad_value, from_chatkv, unsupported
 from chatkv.server.guards import check_api_key
-from chatkv.server.responses.request import (ResponsesRequest, parse_id, parse_responses, previous_not_found,
-                                        response_not_found, stored_id, unstored_id)
+from chatkv.server.responses.request import (
+    ResponsesRequest,
+    parse_id,
+    parse_responses,
+    previous_not_found,
+    response_not_found,
+    stored_id,
+    unstored_id,
+)
 from chatkv.server.responses.shapes import EventStream, ResponseShape
 from chatkv.server.routes import check_model, read_request, stream_response, until_cut
 
@@ -49,8 +56,9 @@ def _epoch(t: datetime) -> float:
 
 
 def _busy(conv_id: str, param: str = "previous_response_id") -> APIError:
-    return APIError(409, f"conversation '{conv_id}' is answering another request; retry when it is done",
-                    "session_busy", param)
+    return APIError(
+        409, f"conversation '{conv_id}' is answering another request; retry when it is done", "session_busy", param
+    )
 
 
 def _sdk_error(e: Exception, not_found: APIError) -> APIError:
@@ -108,12 +116,18 @@ def _one_question(req: ResponsesRequest, chained: bool) -> tuple[str | None, str
     while n_sys < len(msgs) and msgs[n_sys]["role"] == "system":
         n_sys += 1
     if chained and n_sys:
-        raise unsupported("input", "a response with previous_response_id keeps its conversation's instructions: "
-                                   "its input is one user message, with no system or developer message")
+        raise unsupported(
+            "input",
+            "a response with previous_response_id keeps its conversation's instructions: "
+            "its input is one user message, with no system or developer message",
+        )
     if len(msgs) - n_sys != 1:
-        raise unsupported("input", "a stored response's input is one user message (after any system or developer "
-                                   "messages): send the earlier turns as a chain of responses with "
-                                   "previous_response_id, or the whole history with store=false")
+        raise unsupported(
+            "input",
+            "a stored response's input is one user message (after any system or developer "
+            "messages): send the earlier turns as a chain of responses with "
+            "previous_response_id, or the whole history with store=false",
+        )
     if not msgs[-1]["content"].strip():
         raise APIError(400, "the user message is empty", "invalid_value", "input")
     parts = ([req.instructions] if req.instructions else []) + [m["content"] for m in msgs[:n_sys]]
@@ -122,15 +136,25 @@ def _one_question(req: ResponsesRequest, chained: bool) -> tuple[str | None, str
 
 def _check_instructions(req: ResponsesRequest, system: str | None) -> None:
     if req.instructions is not None and req.instructions != (system or ""):
-        raise unsupported("instructions", "a response with previous_response_id keeps its conversation's "
-                                          "instructions; send the same instructions, or none")
+        raise unsupported(
+            "instructions",
+            "a response with previous_response_id keeps its conversation's "
+            "instructions; send the same instructions, or none",
+        )
 
 
 def _shape(state, req: ResponsesRequest, response_id: str, instructions, created_at=None) -> ResponseShape:
-    return ResponseShape(response_id, state.model_name, instructions=instructions,
-                         previous_response_id=req.previous_response_id, store=req.store,
-                         max_output_tokens=req.max_output_tokens, metadata=req.metadata, echo=req.echo,
-                         created_at=created_at)
+    return ResponseShape(
+        response_id,
+        state.model_name,
+        instructions=instructions,
+        previous_response_id=req.previous_response_id,
+        store=req.store,
+        max_output_tokens=req.max_output_tokens,
+        metadata=req.metadata,
+        echo=req.echo,
+        created_at=created_at,
+    )
 
 
 async def _stored(state, req: ResponsesRequest, who: str):
@@ -209,8 +233,9 @@ async def _unstored(state, req: ResponsesRequest, who: str):
         messages, instructions = node.history() + messages, node.session.system
     elif instructions:
         messages = [{"role": "system", "content": instructions}] + messages
-    events = await gen.stateless_chat(state, messages, req.params, req.max_output_tokens, who,
-                                      tool_calls.specs(req.tools))
+    events = await gen.stateless_chat(
+        state, messages, req.params, req.max_output_tokens, who, tool_calls.specs(req.tools)
+    )
     return _shape(state, req, unstored_id(), instructions), events
 
 
@@ -222,8 +247,9 @@ def _calling(state, req: ResponsesRequest):
         return None, template
     if tool_calls.chosen(req.tools, req.tool_choice) is not None:  # a forcing choice: the reply is calls
         if req.params.constrained:
-            raise bad_value("tool_choice", "a tool_choice that forces a call cannot be combined with a json "
-                                           "text.format")
+            raise bad_value(
+                "tool_choice", "a tool_choice that forces a call cannot be combined with a json text.format"
+            )
         req.params = tool_calls.constrain(req.params, req.tools, req.tool_choice, template)
     return (lambda text: tool_calls.reply_calls(text, req.tools, req.tool_choice, template)), template
 
@@ -241,8 +267,9 @@ async def create_response(request: Request) -> Response:
         if req.stream:
             streaming = True
             out = EventStream(shape)
-            return stream_response(_events(out, until_cut(state, events), calls, template), events, slot, state,
-                                   error_events=out.error)
+            return stream_response(
+                _events(out, until_cut(state, events), calls, template), events, slot, state, error_events=out.error
+            )
         done = None
         async for item in until_cut(state, events):
             if isinstance(item, gen.Done):
@@ -289,8 +316,15 @@ def _found(request: Request):
 async def get_response(request: Request) -> Response:
     state, who, rid = _found(request)
     node = await to_thread.run_sync(Node, state.engine, rid, who, response_not_found(rid))
-    shape = ResponseShape(rid, state.model_name, instructions=node.session.system, previous_response_id=node.previous_id,
-                          store=True, max_output_tokens=None, created_at=_epoch(node.input.created_at))
+    shape = ResponseShape(
+        rid,
+        state.model_name,
+        instructions=node.session.system,
+        previous_response_id=node.previous_id,
+        store=True,
+        max_output_tokens=None,
+        created_at=_epoch(node.input.created_at),
+    )
     out = node.output
     if out is None:
         return JSONResponse(shape.object("in_progress"))
@@ -304,9 +338,12 @@ async def delete_response(request: Request) -> Response:
     s = node.session
     roots = [m for m in node.tree if m.parent_id is None]
     if node.input.parent_id is not None or len(roots) != 1:
-        raise unsupported("response_id", "chatkv deletes a response with every response chained from it, and only "
-                                         "where that is a whole conversation: delete the chain's first response "
-                                         "(the one made without previous_response_id)")
+        raise unsupported(
+            "response_id",
+            "chatkv deletes a response with every response chained from it, and only "
+            "where that is a whole conversation: delete the chain's first response "
+            "(the one made without previous_response_id)",
+        )
     if s.id in state.responding or s.busy:
         raise _busy(s.id, "response_id")
     try:

@@ -20,9 +20,9 @@ import json
 import time
 
 from chatkv.outputs import Usage
+from chatkv.server.chat_shapes import usage_json
 from chatkv.server.errors import APIError
 from chatkv.server.responses.tools import call_item
-from chatkv.server.chat_shapes import usage_json
 
 INCOMPLETE = {"length": "max_output_tokens", "aborted": "interrupted"}
 
@@ -42,18 +42,42 @@ def usage_object(u: Usage) -> dict:
 class ResponseShape:
     """One response's object, as it is when made, in progress and finished."""
 
-    def __init__(self, response_id: str, model: str, *, instructions: str | None, previous_response_id: str | None,
-                 store: bool, max_output_tokens: int | None, metadata: dict | None = None, echo: dict | None = None,
-                 created_at: float | None = None):
+    def __init__(
+        self,
+        response_id: str,
+        model: str,
+        *,
+        instructions: str | None,
+        previous_response_id: str | None,
+        store: bool,
+        max_output_tokens: int | None,
+        metadata: dict | None = None,
+        echo: dict | None = None,
+        created_at: float | None = None,
+    ):
         self.id = response_id
-        self.item_id = "msg_" + response_id[len("resp_"):]
+        self.item_id = "msg_" + response_id[len("resp_") :]
         self.base = {
-            "id": response_id, "object": "response", "created_at": int(created_at or time.time()),
-            "model": model, "instructions": instructions, "previous_response_id": previous_response_id,
-            "store": store, "max_output_tokens": max_output_tokens, "metadata": dict(metadata or {}),
-            "temperature": 1.0, "top_p": 1.0, "truncation": "disabled", "parallel_tool_calls": True,
-            "tool_choice": "auto", "tools": [], "text": {"format": {"type": "text"}},
-            "reasoning": {"effort": None, "summary": None}, "user": None, "error": None, "incomplete_details": None,
+            "id": response_id,
+            "object": "response",
+            "created_at": int(created_at or time.time()),
+            "model": model,
+            "instructions": instructions,
+            "previous_response_id": previous_response_id,
+            "store": store,
+            "max_output_tokens": max_output_tokens,
+            "metadata": dict(metadata or {}),
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "truncation": "disabled",
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+            "text": {"format": {"type": "text"}},
+            "reasoning": {"effort": None, "summary": None},
+            "user": None,
+            "error": None,
+            "incomplete_details": None,
             **(echo or {}),
         }
 
@@ -63,11 +87,22 @@ class ResponseShape:
 
     def item(self, text: str | None, status: str) -> dict:
         """The output message; ``text`` None: no content part yet."""
-        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant",
-                "content": [] if text is None else [self.part(text)]}
+        return {
+            "type": "message",
+            "id": self.item_id,
+            "status": status,
+            "role": "assistant",
+            "content": [] if text is None else [self.part(text)],
+        }
 
-    def object(self, status: str = "in_progress", text: str | None = None, finish: str | None = None,
-               usage: Usage | None = None, calls: list | None = None) -> dict:
+    def object(
+        self,
+        status: str = "in_progress",
+        text: str | None = None,
+        finish: str | None = None,
+        usage: Usage | None = None,
+        calls: list | None = None,
+    ) -> dict:
         out = {**self.base, "status": status, "output": [], "usage": None}
         if text is not None and (text or not calls):
             out["output"] = [self.item(text, "incomplete" if finish in INCOMPLETE else "completed")]
@@ -100,21 +135,34 @@ class EventStream:
     def opening(self, lazy: bool = False) -> list[bytes]:
         """The first events; ``lazy``: the message item waits for the reply's first text."""
         s = self.shape
-        out = [self.event("response.created", response=s.object()), self.event("response.in_progress", response=s.object())]
+        out = [
+            self.event("response.created", response=s.object()),
+            self.event("response.in_progress", response=s.object()),
+        ]
         return out if lazy else out + self._open()
 
     def _open(self) -> list[bytes]:
         s, at = self.shape, {"output_index": 0}
         self.opened = True
-        return [self.event("response.output_item.added", **at, item=s.item(None, "in_progress")),
-                self.event("response.content_part.added", item_id=s.item_id, **at, content_index=0, part=s.part(""))]
+        return [
+            self.event("response.output_item.added", **at, item=s.item(None, "in_progress")),
+            self.event("response.content_part.added", item_id=s.item_id, **at, content_index=0, part=s.part("")),
+        ]
 
     def delta(self, text: str) -> list[bytes]:
         if not text:
             return []
         head = [] if self.opened else self._open()
-        return head + [self.event("response.output_text.delta", item_id=self.shape.item_id, output_index=0,
-                                  content_index=0, delta=text, logprobs=[])]
+        return head + [
+            self.event(
+                "response.output_text.delta",
+                item_id=self.shape.item_id,
+                output_index=0,
+                content_index=0,
+                delta=text,
+                logprobs=[],
+            )
+        ]
 
     def closing(self, text: str, finish: str, usage: Usage, calls: list | None = None) -> list[bytes]:
         """``text``: the reply's whole text outside any ``calls``."""
@@ -125,16 +173,25 @@ class EventStream:
             out = ([] if self.opened else self._open()) + [
                 self.event("response.output_text.done", **at, text=text, logprobs=[]),
                 self.event("response.content_part.done", **at, part=s.part(text)),
-                self.event("response.output_item.done", output_index=0, item=final["output"][0])]
-        for k, item in enumerate(final["output"][1 if out else 0:], 1 if out else 0):
+                self.event("response.output_item.done", output_index=0, item=final["output"][0]),
+            ]
+        for k, item in enumerate(final["output"][1 if out else 0 :], 1 if out else 0):
             fc = {"output_index": k, "item_id": item["id"]}
-            out += [self.event("response.output_item.added", output_index=k,
-                               item={**item, "arguments": "", "status": "in_progress"}),
-                    self.event("response.function_call_arguments.delta", **fc, delta=item["arguments"]),
-                    self.event("response.function_call_arguments.done", **fc, arguments=item["arguments"]),
-                    self.event("response.output_item.done", output_index=k, item=item)]
-        return out + [self.event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
-                                 response=final)]
+            out += [
+                self.event(
+                    "response.output_item.added",
+                    output_index=k,
+                    item={**item, "arguments": "", "status": "in_progress"},
+                ),
+                self.event("response.function_call_arguments.delta", **fc, delta=item["arguments"]),
+                self.event("response.function_call_arguments.done", **fc, arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=k, item=item),
+            ]
+        return out + [
+            self.event(
+                "response.incomplete" if final["status"] == "incomplete" else "response.completed", response=final
+            )
+        ]
 
     def error(self, error: APIError) -> list[bytes]:
         e = error.body()["error"]

@@ -29,9 +29,11 @@ from chatkv.server.tool_calls import call_arguments, path_of, schema_fields
 from chatkv.sessions.tools import ToolCall, tools_of
 
 FUNCTION_ITEMS = ("function_call", "function_call_output")
-STORED_TOOLS = ("tools on /v1/responses are taken with store=false (a stored chain of responses does not hold "
-                "tool calls yet): send store=false with the whole input, function_call and function_call_output "
-                "items included")
+STORED_TOOLS = (
+    "tools on /v1/responses are taken with store=false (a stored chain of responses does not hold "
+    "tool calls yet): send store=false with the whole input, function_call and function_call_output "
+    "items included"
+)
 
 
 def _short(v) -> str:
@@ -42,8 +44,11 @@ def _short(v) -> str:
 def text_format(body: dict) -> tuple[dict, dict]:
     """(SamplingParams fields, the ``text`` object the response repeats) of ``text.format``."""
     if body.get("response_format") is not None:
-        raise unsupported("response_format", "Unsupported parameter: 'response_format'. In the Responses API, this "
-                                             "parameter has moved to 'text.format'.")
+        raise unsupported(
+            "response_format",
+            "Unsupported parameter: 'response_format'. In the Responses API, this "
+            "parameter has moved to 'text.format'.",
+        )
     text = body.get("text")
     if text is None:
         return {}, {"format": {"type": "text"}}
@@ -62,8 +67,9 @@ def text_format(body: dict) -> tuple[dict, dict]:
     if kind == "json_object":
         return {"json_object": True}, echo
     if kind != "json_schema":
-        raise bad_value("text.format.type", f"text.format.type must be 'text', 'json_object' or 'json_schema', "
-                                            f"got {_short(kind)}")
+        raise bad_value(
+            "text.format.type", f"text.format.type must be 'text', 'json_object' or 'json_schema', got {_short(kind)}"
+        )
     name = fmt.get("name")
     if name is None:
         raise APIError(400, "Missing required parameter: 'text.format.name'.", "missing_parameter", "text.format.name")
@@ -73,7 +79,9 @@ def text_format(body: dict) -> tuple[dict, dict]:
         if fmt.get(field) is not None and not isinstance(fmt[field], kinds):
             raise bad_value(f"text.format.{field}", f"text.format.{field} must be {what}")
     if "schema" not in fmt:
-        raise APIError(400, "Missing required parameter: 'text.format.schema'.", "missing_parameter", "text.format.schema")
+        raise APIError(
+            400, "Missing required parameter: 'text.format.schema'.", "missing_parameter", "text.format.schema"
+        )
     return schema_fields(fmt["schema"], "text.format.schema"), echo
 
 
@@ -94,12 +102,16 @@ def tools(body: dict, store: bool) -> tuple[list, object, list]:
         if not isinstance(t, dict):
             raise bad_value(f"tools[{i}]", f"tools[{i}] must be an object, got {_short(t)}")
         if t.get("type") != "function":
-            raise unsupported(f"tools[{i}].type", f"tools[{i}].type: only function tools are supported, "
-                                                  f"got {_short(t.get('type'))}")
+            raise unsupported(
+                f"tools[{i}].type", f"tools[{i}].type: only function tools are supported, got {_short(t.get('type'))}"
+            )
         if "function" in t:
-            raise bad_value(f"tools[{i}].function", f"tools[{i}]: the Responses API takes a function tool flat "
-                                                    "({'type': 'function', 'name', 'description', 'parameters'}), "
-                                                    "not under 'function'")
+            raise bad_value(
+                f"tools[{i}].function",
+                f"tools[{i}]: the Responses API takes a function tool flat "
+                "({'type': 'function', 'name', 'description', 'parameters'}), "
+                "not under 'function'",
+            )
         if t.get("strict") is not None and not isinstance(t["strict"], bool):
             raise bad_value(f"tools[{i}].strict", f"tools[{i}].strict must be a boolean")
         inner = {"name": t.get("name")}
@@ -117,8 +129,9 @@ def tools(body: dict, store: bool) -> tuple[list, object, list]:
         choice = "auto"
     if isinstance(choice, dict):
         if choice.get("type") != "function":
-            raise unsupported("tool_choice.type", f"tool_choice.type: only 'function' is supported, got "
-                                                  f"{_short(choice.get('type'))}")
+            raise unsupported(
+                "tool_choice.type", f"tool_choice.type: only 'function' is supported, got {_short(choice.get('type'))}"
+            )
         name = choice.get("name")
         if not isinstance(name, str):
             raise bad_value("tool_choice.name", "tool_choice.name must be the name of one of the tools")
@@ -126,10 +139,21 @@ def tools(body: dict, store: bool) -> tuple[list, object, list]:
             raise bad_value("tool_choice.name", f"tool_choice.name: no tool is named {name!r}")
         choice = {"type": "function", "function": {"name": name}}
     elif choice not in ("auto", "none", "required"):
-        raise bad_value("tool_choice", f"tool_choice must be 'auto', 'none', 'required' or "
-                                       f"{{'type': 'function', 'name': ...}}, got {_short(choice)}")
-    echo = [{"type": "function", "name": t.name, "description": t.description or None, "parameters": t.parameters,
-             "strict": raw[i].get("strict")} for i, t in enumerate(listed)]
+        raise bad_value(
+            "tool_choice",
+            f"tool_choice must be 'auto', 'none', 'required' or "
+            f"{{'type': 'function', 'name': ...}}, got {_short(choice)}",
+        )
+    echo = [
+        {
+            "type": "function",
+            "name": t.name,
+            "description": t.description or None,
+            "parameters": t.parameters,
+            "strict": raw[i].get("strict"),
+        }
+        for i, t in enumerate(listed)
+    ]
     return listed, choice, echo
 
 
@@ -145,8 +169,12 @@ def input_item(i: int, item: dict, kind: str, out: list[dict], store: bool) -> N
     if kind == "function_call_output":
         output = item.get("output")
         if isinstance(output, list):
-            if not all(isinstance(p, dict) and p.get("type") in ("input_text", "output_text") and isinstance(p.get("text"), str)
-                       for p in output):
+            if not all(
+                isinstance(p, dict)
+                and p.get("type") in ("input_text", "output_text")
+                and isinstance(p.get("text"), str)
+                for p in output
+            ):
                 raise unsupported(f"{where}.output", f"{where}.output: only text parts (input_text) are supported")
             output = "\n".join(p["text"] for p in output)
         if not isinstance(output, str):
@@ -171,14 +199,21 @@ def check_call_ids(messages: list[dict]) -> None:
         for c in m.get("tool_calls") or ():
             seen.add(c["id"])
         if m["role"] == "tool" and m["tool_call_id"] not in seen:
-            raise bad_value(f"input[{m['item']}].call_id", f"input[{m['item']}].call_id {m['tool_call_id']!r} answers "
-                                                           "no function_call item before it")
+            raise bad_value(
+                f"input[{m['item']}].call_id",
+                f"input[{m['item']}].call_id {m['tool_call_id']!r} answers no function_call item before it",
+            )
     for m in messages:
         m.pop("item", None)
 
 
 def call_item(call: ToolCall, status: str = "completed", arguments: str | None = None) -> dict:
     """A ``function_call`` output item."""
-    return {"type": "function_call", "id": "fc_" + uuid.uuid5(uuid.NAMESPACE_OID, call.id).hex, "call_id": call.id,
-            "name": call.name, "arguments": json.dumps(call.arguments) if arguments is None else arguments,
-            "status": status}
+    return {
+        "type": "function_call",
+        "id": "fc_" + uuid.uuid5(uuid.NAMESPACE_OID, call.id).hex,
+        "call_id": call.id,
+        "name": call.name,
+        "arguments": json.dumps(call.arguments) if arguments is None else arguments,
+        "status": status,
+    }

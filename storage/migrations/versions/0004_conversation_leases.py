@@ -33,8 +33,12 @@ def upgrade() -> None:
         sa.Column("pid_start", sa.BigInteger(), nullable=True),
         sa.Column("acquired_at", sa.DateTime(), nullable=False),
         sa.Column("expires_at", sa.DateTime(), nullable=False),
-        sa.ForeignKeyConstraint(["conversation_id"], ["conversations.id"], ondelete="CASCADE",
-                                name=op.f("fk_conversation_leases_conversation_id_conversations")),
+        sa.ForeignKeyConstraint(
+            ["conversation_id"],
+            ["conversations.id"],
+            ondelete="CASCADE",
+            name=op.f("fk_conversation_leases_conversation_id_conversations"),
+        ),
         sa.PrimaryKeyConstraint("conversation_id", name=op.f("pk_conversation_leases")),
     )
 

@@ -36,20 +36,33 @@ def upgrade() -> None:
     op.add_column("conversations", sa.Column("owner", sa.String(255), server_default="local", nullable=False))
     op.create_index(op.f("ix_conversations_owner"), "conversations", ["owner"])
     op.add_column("messages", sa.Column("content_hash", sa.String(64), nullable=True))
-    messages = sa.table("messages", sa.column("id", sa.Integer()), sa.column("role", sa.String()),
-                        sa.column("content", sa.Text()), sa.column("content_hash", sa.String()))
+    messages = sa.table(
+        "messages",
+        sa.column("id", sa.Integer()),
+        sa.column("role", sa.String()),
+        sa.column("content", sa.Text()),
+        sa.column("content_hash", sa.String()),
+    )
     conn = op.get_bind()
     last = 0
     while True:  # in batches of ids, so a large history is not held in memory at once
         rows = conn.execute(
             sa.select(messages.c.id, messages.c.role, sa.cast(messages.c.content, sa.LargeBinary))
-            .where(messages.c.id > last).order_by(messages.c.id).limit(BATCH)).all()
+            .where(messages.c.id > last)
+            .order_by(messages.c.id)
+            .limit(BATCH)
+        ).all()
         if not rows:
             break
-        conn.execute(messages.update().where(messages.c.id == sa.bindparam("row_id"))
-                     .values(content_hash=sa.bindparam("digest")),
-                     [{"row_id": i, "digest": hashlib.sha256(role.encode() + b"\n" + bytes(text or b"")).hexdigest()}
-                      for i, role, text in rows])
+        conn.execute(
+            messages.update()
+            .where(messages.c.id == sa.bindparam("row_id"))
+            .values(content_hash=sa.bindparam("digest")),
+            [
+                {"row_id": i, "digest": hashlib.sha256(role.encode() + b"\n" + bytes(text or b"")).hexdigest()}
+                for i, role, text in rows
+            ],
+        )
         last = rows[-1][0]
 
 

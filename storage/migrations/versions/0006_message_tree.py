@@ -68,14 +68,22 @@ def upgrade() -> None:
     op.add_column("messages", sa.Column("accepted_tokens", sa.Integer(), nullable=True))
     op.create_index(op.f("ix_messages_parent_id"), "messages", ["parent_id"])
     op.add_column("conversations", sa.Column("current_leaf_id", sa.Integer(), nullable=True))
-    messages = sa.table("messages", sa.column("id", sa.Integer()), sa.column("conversation_id", sa.String()),
-                        sa.column("parent_id", sa.Integer()))
+    messages = sa.table(
+        "messages",
+        sa.column("id", sa.Integer()),
+        sa.column("conversation_id", sa.String()),
+        sa.column("parent_id", sa.Integer()),
+    )
     conversations = sa.table("conversations", sa.column("id", sa.String()), sa.column("current_leaf_id", sa.Integer()))
     conn = op.get_bind()
     last_id, last_of = 0, {}  # conversation -> its newest message so far (ids only grow)
     while True:  # in batches of ids, so a large history is not held in memory at once
-        rows = conn.execute(sa.select(messages.c.id, messages.c.conversation_id)
-                            .where(messages.c.id > last_id).order_by(messages.c.id).limit(BATCH)).all()
+        rows = conn.execute(
+            sa.select(messages.c.id, messages.c.conversation_id)
+            .where(messages.c.id > last_id)
+            .order_by(messages.c.id)
+            .limit(BATCH)
+        ).all()
         if not rows:
             break
         links = []
@@ -84,16 +92,23 @@ def upgrade() -> None:
                 links.append({"row_id": mid, "parent": last_of[conv]})
             last_of[conv] = mid
         if links:
-            conn.execute(messages.update().where(messages.c.id == sa.bindparam("row_id"))
-                         .values(parent_id=sa.bindparam("parent")), links)
+            conn.execute(
+                messages.update()
+                .where(messages.c.id == sa.bindparam("row_id"))
+                .values(parent_id=sa.bindparam("parent")),
+                links,
+            )
         last_id = rows[-1][0]
     if conn.dialect.name == "sqlite":
         for statement in FTS_SQL:
             op.execute(statement)
     if last_of:
-        conn.execute(conversations.update().where(conversations.c.id == sa.bindparam("conv"))
-                     .values(current_leaf_id=sa.bindparam("leaf")),
-                     [{"conv": c, "leaf": m} for c, m in last_of.items()])
+        conn.execute(
+            conversations.update()
+            .where(conversations.c.id == sa.bindparam("conv"))
+            .values(current_leaf_id=sa.bindparam("leaf")),
+            [{"conv": c, "leaf": m} for c, m in last_of.items()],
+        )
 
 
 def downgrade() -> None:
