@@ -92,8 +92,10 @@ def main() -> None:
     print(f"model {model_dir.name}; 4 chats decoding while a {args.prompt}-token prompt arrives")
     for name, r in rows.items():
         print(
-            f"  {name:8s} long-prompt TTFT {r['ttft_long_ms']:7.0f} ms | decode gap before {r['gap_before_p50_ms']:5.1f} ms, "
-            f"during: max {r['gap_during_max_ms']:7.1f} ms, p90 {r['gap_during_p90_ms']:7.1f} ms ({r['gaps_during']} gaps)"
+            f"  {name:8s} long-prompt TTFT {r['ttft_long_ms']:7.0f} ms | "
+            f"decode gap before {r['gap_before_p50_ms']:5.1f} ms, "
+            f"during: max {r['gap_during_max_ms']:7.1f} ms, p90 {r['gap_during_p90_ms']:7.1f} ms "
+            f"({r['gaps_during']} gaps)"
         )
     c, w = rows["chunked"], rows["whole"]
     print(

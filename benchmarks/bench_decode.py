@@ -340,7 +340,9 @@ def main() -> None:
     print(
         f"transformers bf16: {hf_rate:.1f} tok/s batch 1, {hf_b:.1f} batch 8"
         + (
-            f"; llama.cpp ({Path(args.gguf).name if args.gguf else 'the packaged GGUF, Q4_1'}): {lc_rate:.1f} tok/s batch 1, memory peak / after {mib_pair(mem['llama.cpp']) if 'llama.cpp' in mem else '-'} MiB"
+            f"; llama.cpp ({Path(args.gguf).name if args.gguf else 'the packaged GGUF, Q4_1'}): "
+            f"{lc_rate:.1f} tok/s batch 1, memory peak / after "
+            f"{mib_pair(mem['llama.cpp']) if 'llama.cpp' in mem else '-'} MiB"
             if lc_rate
             else "; llama.cpp: llama_cpp not importable, skipped (pip install llama-cpp-python==0.3.36)"
         )

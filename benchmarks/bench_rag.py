@@ -16,9 +16,10 @@ Reported:
 With ``--reuse edge,blend`` the same sessions run again, in the same process, on an
 engine per ``rag_kv_reuse`` mode, every chunk's KV computed ahead of time (``kb.add(...,
 precompute_kv=True)``, as ``chatkv ingest --kv`` does: each chunk, and each document whole for
-pinning, so a first turn places the pinned documents too): the table gains each mode's TTFT at turns 1, 5 and 10 against caching off on the
-same prompt and against ``rag_kv_reuse=off`` (prefix caching alone, the first table's baseline,
-whatever the engine's default mode) at the same turn, with the chunk tokens reused.
+pinning, so a first turn places the pinned documents too): the table gains each mode's TTFT
+at turns 1, 5 and 10 against caching off on the same prompt and against ``rag_kv_reuse=off``
+(prefix caching alone, the first table's baseline, whatever the engine's default mode) at the
+same turn, with the chunk tokens reused.
 
     CHATKV_HOME=/tmp/ckrag .venv/bin/python benchmarks/bench_rag.py [--threads 2] [--sessions 5] [--turns 10]
                                                                     [--reuse edge,blend] [--recompute-ratio R]
@@ -121,7 +122,8 @@ def main() -> None:
     sec = report.seconds
     print(
         f"\ningest: {len(report.added)} documents, {report.chunks} chunks in {ingest_s:.2f} s = "
-        f"{report.chunks / ingest_s:.1f} chunks/s (parse {sec.get('parse', 0):.2f} s, embed {sec.get('embed', 0):.2f} s, "
+        f"{report.chunks / ingest_s:.1f} chunks/s (parse {sec.get('parse', 0):.2f} s, "
+        f"embed {sec.get('embed', 0):.2f} s, "
         f"index {sec.get('index', 0):.2f} s); {len(report.skipped)} skipped"
     )
 
@@ -142,7 +144,8 @@ def main() -> None:
         t1 = time.perf_counter()
         n = kbm.add([str(home / "corpus")], precompute_kv=True).kv_chunks  # as chatkv ingest --kv: chunks + documents
         print(
-            f"{mode}: chunk KV of every chunk and document ahead of time ({n} computed) in {time.perf_counter() - t1:.1f} s"
+            f"{mode}: chunk KV of every chunk and document ahead of time ({n} computed) "
+            f"in {time.perf_counter() - t1:.1f} s"
         )
         by_mode[mode] = run_sessions(e, kbm, e.session_manager.renderer, pinned, questions, args)[1]
         kbm.close()
@@ -196,14 +199,16 @@ def main() -> None:
             ]
         )
     print_table(
-        f"TTFT on {len(measured)} turns (1, {args.turns // 2}, {args.turns} of sessions 1 and {args.sessions}), median ms",
+        f"TTFT on {len(measured)} turns (1, {args.turns // 2}, {args.turns} of sessions 1 and {args.sessions}), "
+        "median ms",
         ["case", "TTFT ms", "chatkv is faster by"],
         rows,
     )
     print("per turn (prompt tokens: chatkv / caching off / transformers ms):")
     for (prompt, *_), ck, of, hf_t in zip(measured, ck_ttft, off_ttft, hf_ttft):
         print(
-            f"  {len(prompt):5d}: {ck * 1e3:6.0f} / {of * 1e3:6.0f} / {hf_t * 1e3:6.0f}  ({of / ck:.1f}x, {hf_t / ck:.1f}x)"
+            f"  {len(prompt):5d}: {ck * 1e3:6.0f} / {of * 1e3:6.0f} / {hf_t * 1e3:6.0f}  "
+            f"({of / ck:.1f}x, {hf_t / ck:.1f}x)"
         )
     for mode, mr in mode_rows.items():
         print(

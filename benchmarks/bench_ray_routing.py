@@ -316,7 +316,8 @@ def main() -> None:
             if a and b:
                 print(
                     f"{'sessions' if sessions else 'stateless'}: affinity / {other}: in-memory hit ratio "
-                    f"{a['memory'] / max(b['memory'], 1e-9):.2f}x ({a['memory']:.1%} vs {b['memory']:.1%}), tokens computed "
+                    f"{a['memory'] / max(b['memory'], 1e-9):.2f}x ({a['memory']:.1%} vs {b['memory']:.1%}), "
+                    "tokens computed "
                     f"{a['computed'] / max(b['computed'], 1):.2f}x, tok/s {a['tok/s'] / b['tok/s']:.2f}x"
                 )
     print(f"\nload average {load_average()}; {load} (Ray's own processes included)")

@@ -102,7 +102,8 @@ def main() -> None:
         base = whole.usage.model_extra["chatkv"]["ttft_s"]
         print(
             f"turn 4: {four.usage.input_tokens} input tokens, {ratio:.1%} cached (restored from disk): "
-            f"goal >= 80% {'MET' if ratio >= 0.8 else 'not met'}; TTFT {ttft * 1000:.0f} ms vs {base * 1000:.0f} ms recomputed "
+            f"goal >= 80% {'MET' if ratio >= 0.8 else 'not met'}; "
+            f"TTFT {ttft * 1000:.0f} ms vs {base * 1000:.0f} ms recomputed "
             f"({base / ttft:.2f}x)"
         )
     print(f"\n{cpu_line()}\nload average {load_average()}; {load}")

@@ -30,7 +30,8 @@ On a 2-core machine any other busy process makes every parallel region wait for 
 slice and inflates latencies several-fold; the run prints the share of CPU time other
 processes took and warns above 10%. ``--profile`` adds a cProfile of one restored turn.
 
-    CHATKV_HOME=/tmp/ckhome .venv/bin/python benchmarks/bench_session_restore.py [--repeats 3] [--history 2100] [--profile] [--snapshot-only]
+    CHATKV_HOME=/tmp/ckhome .venv/bin/python benchmarks/bench_session_restore.py [--repeats 3] [--history 2100]
+                                                                                [--profile] [--snapshot-only]
 """
 
 from __future__ import annotations
@@ -59,27 +60,45 @@ TOPICS = {
     "history": [
         "The printing press spread through Europe within a few decades of its invention in Mainz.",
         "Roman roads were built in layers of gravel, sand and fitted stone, and many are still walkable today.",
-        "The Silk Road was never a single road but a shifting web of caravan routes between China and the Mediterranean.",
-        "Medieval guilds controlled prices, training and quality, and apprentices often worked seven years before becoming masters.",
+        (
+            "The Silk Road was never a single road but a shifting web of caravan routes "
+            "between China and the Mediterranean."
+        ),
+        (
+            "Medieval guilds controlled prices, training and quality, and apprentices often worked seven years "
+            "before becoming masters."
+        ),
         "The Hanseatic League linked trading towns around the Baltic and North Sea for almost four centuries.",
     ],
     "cooking": [
-        "Bread dough rises because yeast ferments sugars and releases carbon dioxide, which gluten traps in small pockets.",
+        (
+            "Bread dough rises because yeast ferments sugars and releases carbon dioxide, "
+            "which gluten traps in small pockets."
+        ),
         "A good stock simmers slowly for hours; boiling it hard makes the fat emulsify and the liquid turn cloudy.",
         "Salt draws moisture out of vegetables, which is why cucumbers are salted before they go into a salad.",
         "Caramelisation begins around one hundred and sixty degrees, when sugar molecules break apart and recombine.",
         "Resting a roast lets the juices settle back into the meat instead of running onto the cutting board.",
     ],
     "astronomy": [
-        "Light from the Sun takes a little over eight minutes to reach the Earth, so we always see it slightly in the past.",
-        "Jupiter's Great Red Spot is a storm wider than the Earth that has been observed for more than three hundred years.",
+        (
+            "Light from the Sun takes a little over eight minutes to reach the Earth, "
+            "so we always see it slightly in the past."
+        ),
+        (
+            "Jupiter's Great Red Spot is a storm wider than the Earth that has been observed "
+            "for more than three hundred years."
+        ),
         "Neutron stars are so dense that a teaspoon of their material would weigh about as much as a mountain.",
         "The Moon is slowly drifting away from the Earth, by roughly four centimetres every year.",
         "Comets grow their tails only near the Sun, when its heat turns their ice directly into gas.",
     ],
     "gardening": [
         "Tomatoes need warm nights to set fruit, and they sulk when the temperature drops below ten degrees.",
-        "Compost works best with a mix of green material, such as grass clippings, and brown material, such as dry leaves.",
+        (
+            "Compost works best with a mix of green material, such as grass clippings, "
+            "and brown material, such as dry leaves."
+        ),
         "Mulch keeps the soil moist, suppresses weeds and slowly feeds the worms that aerate the ground.",
         "Many herbs, like rosemary and thyme, prefer poor, well-drained soil and lose flavour when overwatered.",
         "Crop rotation stops soil diseases from building up and balances the nutrients each plant family takes.",
@@ -469,7 +488,8 @@ def main() -> None:
             )
             extra = report_snapshot_size(lay, kv_bpt, geometry)
             print(
-                f"  snapshot = tokens x KV bytes + headers + int64 token ids: {extra - lay['tokens'] * 8} bytes beyond that"
+                "  snapshot = tokens x KV bytes + headers + int64 token ids: "
+                f"{extra - lay['tokens'] * 8} bytes beyond that"
             )
             return
         t0 = time.perf_counter()
@@ -686,7 +706,8 @@ def main() -> None:
     )
     print(
         f"            (d) restore {ms([t.get('restore', 0) for t in d_timers])} "
-        f"kv.load {ms([t.get('kv.load', 0) for t in d_timers])} import_kv {ms([t.get('import_kv', 0) for t in d_timers])}"
+        f"kv.load {ms([t.get('kv.load', 0) for t in d_timers])} "
+        f"import_kv {ms([t.get('import_kv', 0) for t in d_timers])}"
     )
     rt = {k: med([t.get(k) for t in d_timers]) for k in ("restore", "kv.load", "import_kv")}
     print(
@@ -726,7 +747,8 @@ def main() -> None:
         print(f"  chatkv restored vs llama.cpp restore: {F / D:.2f}x (goal >= 1x, no slower)  {verdict(D <= F)}")
     print(f"  chatkv restored / in memory: {D / A:.2f}x (goal <= 1.3x)  {verdict(D / A <= 1.3)}")
     print(
-        f"  restored_tokens == history with KV: {du.restored_tokens} vs {cached}  {verdict(du.restored_tokens == cached)}"
+        f"  restored_tokens == history with KV: {du.restored_tokens} vs {cached}  "
+        f"{verdict(du.restored_tokens == cached)}"
     )
     ids_bytes, kv_bytes = lay["tokens"] * 8, lay["tokens"] * kv_bpt
     other = extra - ids_bytes

@@ -111,7 +111,8 @@ def measure(rows, tokens, quant, stored_bytes, dense_bytes, args, dtype, peak, s
     t_sdpa = bench(lambda: torch.nn.functional.scaled_dot_product_attention(qd, kd, vd, scale=scale, enable_gqa=True))
     gbs = [stored_bytes / t_tri / 1e6, stored_bytes / t_ref / 1e6, dense_bytes / t_sdpa / 1e6]
     return (
-        f"{quant or args.dtype:>8} {rows:>4} {tokens:>6} {stored_bytes / 1e6:>8.0f} | {t_tri * 1e3:>9.1f} {gbs[0]:>6.0f} "
+        f"{quant or args.dtype:>8} {rows:>4} {tokens:>6} {stored_bytes / 1e6:>8.0f} | "
+        f"{t_tri * 1e3:>9.1f} {gbs[0]:>6.0f} "
         f"{100 * gbs[0] / peak:>5.0f} {(100 * gbs[0] / spec) if spec else float('nan'):>5.0f} | "
         f"{t_ref * 1e3:>9.1f} {gbs[1]:>6.0f} | {t_sdpa * 1e3:>8.1f} {gbs[2]:>6.0f} | "
         f"{t_ref / t_tri:>7.2f} {t_sdpa / t_tri:>6.2f} | {err:.1e}"

@@ -10,8 +10,9 @@
 
 - ``--beside-suite``: the same warm chat once more while the project's own tests run beside it
   (pytest on ``SUITE_FILES``, restarted until the chat ends: a CPU-bound multi-threaded load, under
-  which an app whose threads wait on each other decodes at 1.0-1.2 tok/s), and the app's decode tok/s of both runs side by side
-  (reply tokens / (done - first piece shown), turns 2..n) with the ratio.
+  which an app whose threads wait on each other decodes at 1.0-1.2 tok/s), and the app's decode
+  tok/s of both runs side by side (reply tokens / (done - first piece shown), turns 2..n) with the
+  ratio.
 
     .venv/bin/python benchmarks/bench_tui.py [--model DIR] [--turns 6] [--no-cold] [--threads 2] [--beside-suite]
 """
@@ -113,7 +114,8 @@ def main() -> None:
         )
         if warm["tok_s"][1:]:
             print(
-                f"decode while streaming, turns 2..{a.turns} (median): the app shows {statistics.median(warm['tok_s'][1:]):.1f} "
+                f"decode while streaming, turns 2..{a.turns} (median): "
+                f"the app shows {statistics.median(warm['tok_s'][1:]):.1f} "
                 f"tok/s, the SDK reports {statistics.median(warm['sdk_tok_s'][1:]):.1f} tok/s for the same turns"
             )
         if a.beside_suite:
@@ -125,7 +127,8 @@ def main() -> None:
                 f"({b / q:.2f}x of quiet); TTFT quiet {ms(app_t)}, beside the suite {ms(busy['app_ttft'][1:])}"
             )
             print(
-                f"the SDK's own decode tok/s in the same turns: quiet {sq:.1f}, beside the suite {sb:.1f} ({sb / sq:.2f}x)"
+                f"the SDK's own decode tok/s in the same turns: quiet {sq:.1f}, "
+                f"beside the suite {sb:.1f} ({sb / sq:.2f}x)"
             )
 
 

@@ -17,8 +17,9 @@ Reported, per split:
   answer) and the share of replies citing anything. The metrics are benchmarks/rag_metrics.py.
 
 - with ``--reuse``: chunk KV reuse's quality gate (benchmarks/rag_reuse_eval.py): every
-  ``rag_kv_reuse`` mode and recompute ratio (blend 0/5/15/30/45/60%, edge 4 tokens; ``--reuse-configs`` picks others) against full
-  prefill on the same prompts: EM, F1, citation precision, teacher-forced top-1 agreement.
+  ``rag_kv_reuse`` mode and recompute ratio (blend 0/5/15/30/45/60%, edge 4 tokens;
+  ``--reuse-configs`` picks others) against full prefill on the same prompts: EM, F1, citation
+  precision, teacher-forced top-1 agreement.
 
     .venv/bin/python benchmarks/rag_eval.py [--split all|tune|heldback] [--limit N] [--no-answers] [--no-peer]
                                             [--reuse]

@@ -84,9 +84,15 @@ _RST_CODE = re.compile(r"\s*\.\. (code-block|code|sourcecode)::")
 _DEFS = {
     "python": r"(async\s+def|def|class)\s",
     "javascript": r"(export\s+)?(default\s+)?(async\s+)?(function|class|const|let|var)\b",
-    "typescript": r"(export\s+)?(default\s+)?(declare\s+)?(async\s+)?(function|class|const|let|var|interface|type|enum|namespace)\b",
+    "typescript": (
+        r"(export\s+)?(default\s+)?(declare\s+)?(async\s+)?"
+        r"(function|class|const|let|var|interface|type|enum|namespace)\b"
+    ),
     "go": r"(func|type|var|const)\b",
-    "rust": r"(pub(\([^)]*\))?\s+)?(async\s+|unsafe\s+|const\s+)?(fn|struct|enum|impl|trait|mod|static|type|union|macro_rules!)\W",
+    "rust": (
+        r"(pub(\([^)]*\))?\s+)?(async\s+|unsafe\s+|const\s+)?"
+        r"(fn|struct|enum|impl|trait|mod|static|type|union|macro_rules!)\W"
+    ),
     "ruby": r"(def|class|module)\b",
     "shell": r"(function\s+\w+|[\w-]+\s*\(\)\s*\{?)",
     "sql": r"(?i:create|alter|drop|insert|select|with|update|delete)\b",

@@ -13,7 +13,8 @@ Contracts:
   ``FileError`` each) unless ``follow_symlinks=True``, and even then a link that resolves
   outside every given path is skipped with its reason. A path named explicitly is always
   taken, wherever it points (naming it is the opt-in). Hard links and bind mounts look like
-  ordinary files and directories to the OS and are read as such (docs/how-to/rag.md, "RAG: knowledge bases and cited answers").
+  ordinary files and directories to the OS and are read as such (docs/how-to/rag.md,
+  "RAG: knowledge bases and cited answers").
 - ``load_file(path)`` returns a ``Document`` or raises ``DocumentError`` naming the file and one
   clear reason. A file over ``max_bytes`` is refused from its size alone, before it is opened.
 - ``Document.text`` is plain text with "\\n" line ends. HTML keeps visible text only, headings as

@@ -10,10 +10,11 @@ tiny model, chosen with the ``tiny_model`` marker); ``tool_model_dir`` and ``too
 tiny Qwen2-style model with a tool template, and a module's engine on it); ``postgres`` (one
 real PostgreSQL server for the run, a fresh database per ``database()`` call); ``anyio_backend``
 (asyncio, for the Textual Pilot tests); ``default_model_dir`` (the packaged default model,
-converted once for the run) and ``default_model_home`` (a CHATKV_HOME that already holds it). Plain helpers that are not fixtures are modules of
-tests/: ``tests.support.tiny`` (the tiny models), ``tests.support.fakes`` (a fake tokenizer and request for the
-KV manager and scheduler tests), ``tests.support.pilot`` (driving the Textual app), ``tests.support.pg`` (the
-PostgreSQL server itself)."""
+converted once for the run) and ``default_model_home`` (a CHATKV_HOME that already holds it).
+Plain helpers that are not fixtures are modules of tests/: ``tests.support.tiny`` (the tiny
+models), ``tests.support.fakes`` (a fake tokenizer and request for the KV manager and scheduler
+tests), ``tests.support.pilot`` (driving the Textual app), ``tests.support.pg`` (the PostgreSQL
+server itself)."""
 
 from __future__ import annotations
 

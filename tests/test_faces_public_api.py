@@ -3,9 +3,10 @@
 Every face file is read with ``ast``, never imported. An import of a chatkv module (at module
 level or inside a function, relative ones resolved, ``importlib.import_module`` with a literal
 name too) must be of another face, of ``chatkv`` itself for a name in its ``__all__``, or of a
-public module below (and then never of a ``_name``). The engine's internals (``chatkv.engine.core``:
-``from chatkv import Engine``; ``chatkv.sessions.template``, ``chatkv.sessions.context_window``, ``chatkv.engine.text_tokens``,
-``chatkv.sessions.manager``, ``chatkv.storage.*``, ``chatkv.weights.*``...) are not.
+public module below (and then never of a ``_name``). The engine's internals
+(``chatkv.engine.core``: ``from chatkv import Engine``; ``chatkv.sessions.template``,
+``chatkv.sessions.context_window``, ``chatkv.engine.text_tokens``, ``chatkv.sessions.manager``,
+``chatkv.storage.*``, ``chatkv.weights.*``...) are not.
 
 Attribute access to a ``_name`` of an SDK object is refused where it can be seen simply: ``x._y``
 or ``getattr(x, "_y")`` where ``x`` is a name or attribute that holds one of the SDK's objects by

@@ -374,7 +374,8 @@ def test_every_upward_import_is_still_there(graph):
 
 
 def test_nothing_imports_the_faces(graph):
-    """DESIGN.md: the faces (tui/, chatkv/server/, and chatkv/cli.py that picks one) call the SDK; the SDK never calls them."""
+    """DESIGN.md: the faces (tui/, chatkv/server/, and chatkv/cli.py that picks one) call the SDK; the
+    SDK never calls them."""
     _, edges, _ = graph
     faces = ["chatkv.tui", "chatkv.server", "chatkv.cli"]
     bad = [
@@ -440,11 +441,16 @@ def test_checker_finds_lazy_relative_and_type_checking_imports(tmp_path):
         {
             "chatkv/__init__": "from chatkv.errors import E\n",
             "chatkv/errors": "class E(Exception): pass\n",
-            "chatkv/a": "from . import b\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from chatkv.c import C\n",
+            "chatkv/a": (
+                "from . import b\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from chatkv.c import C\n"
+            ),
             "chatkv/b": "import os\ndef f():\n    from .sub.d import g\n    return g\n",
             "chatkv/c": "import chatkv.a\n",
             "chatkv/sub/__init__": "from .. import errors\nfrom chatkv import nothing_here\n",
-            "chatkv/sub/d": "from chatkv import a\nfrom ..errors import E\nimport importlib\nm = importlib.import_module('chatkv.c')\n",
+            "chatkv/sub/d": (
+                "from chatkv import a\nfrom ..errors import E\n"
+                "import importlib\nm = importlib.import_module('chatkv.c')\n"
+            ),
         },
     )
     edges, missing = [], []

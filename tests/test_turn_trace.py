@@ -71,7 +71,8 @@ ON_PATH = {
     "chatkv/engine/model_runner.py": "the flattened batch and its attention metadata, the forward",
     "chatkv/model/forward.py": "the model's forward",
     "kernels/attention.py": "paged attention over the block tables, storing the new KV",
-    "chatkv/kvcache/manager.py": "attach the retained prefix, reserve blocks, release/retain at finish, export for disk",
+    "chatkv/kvcache/manager.py": "attach the retained prefix, reserve blocks, release/retain at finish, "
+    "export for disk",
     "chatkv/kvcache/block_pool.py": "the blocks and their reference counts",
     "chatkv/kvcache/radix.py": "the prefix tree: match, insert, lock",
     "chatkv/kvcache/hiradix.py": "host_cache_bytes (default 256 MiB): the tree's host-tier residency on match/insert",

@@ -130,7 +130,8 @@ def _parser() -> argparse.ArgumentParser:
         choices=KV_DTYPES,
         default=None,
         help="how the KV cache is stored: auto (default: the model's dtype), bf16, fp16, fp32, int8 or fp8 "
-        "(int8/fp8: about half the memory and snapshot bytes of bf16; see docs/reference/kv-dtypes.md for their quality)",
+        "(int8/fp8: about half the memory and snapshot bytes of bf16; "
+        "see docs/reference/kv-dtypes.md for their quality)",
     )
     p.epilog = (
         "other commands: chatkv serve (an OpenAI-compatible HTTP server), chatkv ingest PATH... --kb NAME, "

@@ -11,8 +11,9 @@ cores, the step runs at the speed of the cores it has.
 reads the CPU time the CPUs of this process's affinity mask spent (``/proc/stat``'s ``cpuN``
 lines) and this process spent (``/proc/self/stat``) since its last look. Other processes'
 load is the difference, the free cores are ``allowed - load`` (``allowed``: the affinity
-mask's size, at most the configured threads), and the thread count follows them: down at once, up after two looks in a row (a
-burst of another process must not make the step oscillate). Reading both files takes ~30 us.
+mask's size, at most the configured threads), and the thread count follows them: down at once,
+up after two looks in a row (a burst of another process must not make the step oscillate).
+Reading both files takes ~30 us.
 Where /proc is not there (not Linux), nothing changes. The first look is made when the
 governor is made (the engine makes it before it loads the model), so the first step decides.
 

@@ -255,7 +255,10 @@ def load_checked(model_dir: Path, choice, config, tokenizer, base_fingerprint: s
                     "tensors (Q5/Q6/Q8) in int8",
                 )
             return model, choice
-        what = f"weights {choice.weights} (output matrix {choice.head}) failed their check on this CPU ({cpu_model()}): {verdict.reason}"
+        what = (
+            f"weights {choice.weights} (output matrix {choice.head}) failed their check on this CPU "
+            f"({cpu_model()}): {verdict.reason}"
+        )
         if explicit:
             raise WeightCheckFailed(f"{what}. Use --weights bf16 (or int8) on this machine.")
         weights = FALLBACK.get(choice.weights, "float")

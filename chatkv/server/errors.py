@@ -1,17 +1,22 @@
 """OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}`` with the status
 OpenAI's API uses for the same failure, so a client's error handling works unchanged.
 
-| status | type | code | when |
-|---|---|---|---|
-| 400 | invalid_request_error | invalid_json, invalid_value, unsupported_parameter, unknown_parameter, missing_parameter, context_length_exceeded | the body is wrong |
-| 401 | invalid_request_error | invalid_api_key | keys configured (``--api-key``, ``--api-keys``) and the bearer token is missing or wrong |
-| 404 | invalid_request_error | model_not_found, session_not_found, not_found | unknown model, session id (or another user's: the same body) or path |
-| 405 | invalid_request_error | method_not_allowed | |
-| 409 | invalid_request_error | session_busy, session_history_mismatch | a session is answering another request; the sent history disagrees with the stored one |
-| 413 | invalid_request_error | request_too_large | the body is over ``--max-request-bytes`` |
-| 429 | rate_limit_error | rate_limit_exceeded | ``--max-concurrency`` requests are already running |
-| 500 | server_error | internal_error | a bug or a storage failure (the message says which) |
-| 503 | server_error | shutting_down | the server is stopping (also a request cut as ``--graceful-timeout`` runs out; an error event mid-stream) |
+Each error as ``status type (code, ...): when``:
+
+- 400 invalid_request_error (invalid_json, invalid_value, unsupported_parameter, unknown_parameter,
+  missing_parameter, context_length_exceeded): the body is wrong
+- 401 invalid_request_error (invalid_api_key): keys configured (``--api-key``, ``--api-keys``) and
+  the bearer token is missing or wrong
+- 404 invalid_request_error (model_not_found, session_not_found, not_found): unknown model, session
+  id (or another user's: the same body) or path
+- 405 invalid_request_error (method_not_allowed)
+- 409 invalid_request_error (session_busy, session_history_mismatch): a session is answering another
+  request; the sent history disagrees with the stored one
+- 413 invalid_request_error (request_too_large): the body is over ``--max-request-bytes``
+- 429 rate_limit_error (rate_limit_exceeded): ``--max-concurrency`` requests are already running
+- 500 server_error (internal_error): a bug or a storage failure (the message says which)
+- 503 server_error (shutting_down): the server is stopping (also a request cut as
+  ``--graceful-timeout`` runs out; an error event mid-stream)
 """
 
 from __future__ import annotations

@@ -56,7 +56,8 @@ class TurnRenderer:
     def _check_tools(self, tools: list[dict]) -> None:
         """Tool specs are rendered inside the template's markup and tokenised with it, so a
         control token's text in a name, a description or a schema would become that control
-        token (a forged turn, as a message's text would be without chatkv.engine.text_tokens): such a spec is refused."""
+        token (a forged turn, as a message's text would be without chatkv.engine.text_tokens): such a
+        spec is refused."""
         controls = text_tokens.control_strings(self.tokenizer)
         if not controls:
             return

@@ -295,7 +295,10 @@ def test_amx_is_the_process_choice_for_every_row_count(inputs, tiles):
             for rows in (1, 15, 16):
                 assert torch.equal(call(x[:rows].contiguous()), one[:rows]), ("no heap", rows)
             cpu_decode.amx(True)
-    code = "from chatkv.model import fused_decode; from chatkv.kernels import cpu_decode; fused_decode.kernels_available(); print(cpu_decode.amx())"
+    code = (
+        "from chatkv.model import fused_decode; from chatkv.kernels import cpu_decode; "
+        "fused_decode.kernels_available(); print(cpu_decode.amx())"
+    )
     for env, want in (("0", "False"), ("1", "True")):
         out = subprocess.run(
             [sys.executable, "-c", code],

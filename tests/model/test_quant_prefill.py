@@ -1,13 +1,14 @@
 """Prefill in the quantised modes without a resident bf16 copy: chatkv.model.prefill.
 
-- torch's int4 packing is read back exactly, and chatkv's vectorised packing (chatkv.weights.quantised.pack_int4,
-  which keeps the packing out of most of a model's load time) makes the same bytes;
+- torch's int4 packing is read back exactly, and chatkv's vectorised packing
+  (chatkv.weights.quantised.pack_int4, which keeps the packing out of most of a model's load
+  time) makes the same bytes;
 - the scratch path computes with the decode kernel's own numbers, ``(code - 8) * s + z`` with its
   bfloat16 s and z, rounded once to bfloat16 (int4), and with the resident copy's numbers bit for
   bit (int8);
 - one buffer per model and thread, the size of the largest projection (and its int8
-  temporaries), no dequantising below SCRATCH_ROWS rows, and no bf16 weights kept: the int4 model's projections hold about 4.5 bits a parameter (5 with the kernel's bf16 scales
-  and zeros);
+  temporaries), no dequantising below SCRATCH_ROWS rows, and no bf16 weights kept: the int4
+  model's projections hold about 4.5 bits a parameter (5 with the kernel's bf16 scales and zeros);
 - a build whose packing is not one this module reads falls back to the int4 kernel, still
   without a copy.
 

@@ -655,10 +655,11 @@ def test_chatkv_ingest_kv_computes_the_chunk_kv_a_chat_then_reads_from_disk(
 def test_placement_in_a_quantised_pool_against_the_same_dtype_full_prefill(model_dir, tmp_path, kv_dtype, gate):
     """int8/fp8 KV: placement compared with the engine's own full prefill into a pool of the same
     dtype (dequantised rows). Every chunk token recomputed: every layer within 1e-5 (the same
-    math, forwards of other lengths), but for a rare element rounded to the neighbouring code. None recomputed: layer 0's values are the same bytes and
-    its re-rotated keys are within ``gate`` of each row's largest element, two quantisation
-    roundings (canonical, then after the rotation) against one: int8 two steps of max/127, fp8
-    two half-ulps of 2^-4 (e4m3's 3 mantissa bits); a later layer is not (no cross-attention)."""
+    math, forwards of other lengths), but for a rare element rounded to the neighbouring code. None
+    recomputed: layer 0's values are the same bytes and its re-rotated keys are within ``gate`` of
+    each row's largest element, two quantisation roundings (canonical, then after the rotation)
+    against one: int8 two steps of max/127, fp8 two half-ulps of 2^-4 (e4m3's 3 mantissa
+    bits); a later layer is not (no cross-attention)."""
     from chatkv.engine.sampling import SamplingParams
     from chatkv.kernels import kv_quant
 

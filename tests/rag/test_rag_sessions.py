@@ -15,10 +15,13 @@ pytestmark = pytest.mark.tiny_model("llama", seed=21, max_position_embeddings=10
 GREEDY = dict(max_tokens=4, temperature=0.0)
 DOCS = {
     "kettles.md": "# Kettles\n\nThe Brewmaster kettle boils a litre of water in ninety seconds. "
-    "Its base must be descaled monthly with citric acid.\n\n## Safety\n\nNever run it dry; the sensor cuts power at 120 C.",
+    "Its base must be descaled monthly with citric acid.\n\n## Safety\n\n"
+    "Never run it dry; the sensor cuts power at 120 C.",
     "telescopes.md": "# Telescopes\n\nA refractor uses lenses, a reflector uses mirrors. "
-    "Collimate a reflector before each observing night.\n\n## Eyepieces\n\nShort focal lengths give high magnification.",
-    "bread.md": "# Bread\n\nSourdough rises with a starter of wild yeast. Proof the dough overnight in a cool place.\n\n"
+    "Collimate a reflector before each observing night.\n\n## Eyepieces\n\n"
+    "Short focal lengths give high magnification.",
+    "bread.md": "# Bread\n\nSourdough rises with a starter of wild yeast. "
+    "Proof the dough overnight in a cool place.\n\n"
     "## Baking\n\nBake at 230 C with steam for the first twenty minutes.",
 }
 

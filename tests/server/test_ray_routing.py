@@ -214,7 +214,8 @@ def test_ray_without_the_extra_names_the_fix():
 
 
 def test_options_for_serve_s_own_tools():
-    """``serve run chatkv.server.ray.deployments:app_builder model=DIR replicas=3 ...`` (strings, as Serve passes them)."""
+    """``serve run chatkv.server.ray.deployments:app_builder model=DIR replicas=3 ...`` (strings, as
+    Serve passes them)."""
     from chatkv.server.ray.deployments import app_builder, options_from_args
 
     o = options_from_args(

@@ -196,7 +196,8 @@ def test_store_false_is_answered_and_forgotten(engine, alice):
     with pytest.raises(openai.BadRequestError) as e:
         alice.responses.create(model=MODEL, input="Go on.", previous_response_id=r.id, **GREEDY)
     assert (e.value.body["code"], e.value.body["param"]) == ("previous_response_not_found", "previous_response_id")
-    # a whole history in the input, unstored; and an unstored turn after a stored response: the same reply as a stored turn
+    # a whole history in the input, unstored; and an unstored turn after a stored response: the same
+    # reply as a stored turn
     nxt = alice.responses.create(model=MODEL, input="And to four?", previous_response_id=stored.id, **GREEDY)
     history = [
         {"role": "system", "content": SYSTEM},

@@ -348,8 +348,9 @@ async def test_quitting_mid_reply_saves_what_was_produced(engine):
 
 async def test_a_message_typed_while_the_model_loads_is_answered_once_it_is_ready(model_dir, tmp_path, monkeypatch):
     """While the model converts, a question typed at once must not land in the sidebar's filter
-    box and go unasked: the input box has the focus from the first frame; what is sent before the model is ready waits, then is answered.
-    The load is a real one; it is only held until the question has been typed."""
+    box and go unasked: the input box has the focus from the first frame; what is sent before the
+    model is ready waits, then is answered. The load is a real one; it is only held until the
+    question has been typed."""
     import threading
 
     typed = threading.Event()

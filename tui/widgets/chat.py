@@ -157,7 +157,8 @@ class ChatMessage(Vertical, can_focus=True):
                 label += " › " + one_line(s["heading"], 30)
             label = label.replace("[", r"\[")
             parts.append(
-                f"[@click=app.open_source('{self.id}',{int(s.get('number', 0))})]\\[{int(s.get('number', 0))}] {label}[/]"
+                f"[@click=app.open_source('{self.id}',{int(s.get('number', 0))})]"
+                f"\\[{int(s.get('number', 0))}] {label}[/]"
             )
         self.sources_line.update("  ".join(parts))
 
