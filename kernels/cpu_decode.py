@@ -2,6 +2,9 @@
 system's C compiler at first use (or by scripts/install.sh) and cached per source, compiler and
 CPU; called with ctypes.
 
+(Past ~400 lines on purpose: the build, its cache key, the ctypes signatures and the Python
+wrappers of one C library change together.)
+
 Why: at batch 1 the default model's decode step was ~4,900 torch ops (~160 a layer around its 4
 matmuls: RMSNorm alone is ~13 ops on CPU, RoPE 8, the KV store 4, attention ~20), each 1-3 us of
 dispatch and allocation for a few hundred numbers; measured on one thread, the step without its

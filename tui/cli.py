@@ -25,6 +25,9 @@ stdout that cannot be written (``> /dev/full``) is one line on stderr and exit s
 data directory that cannot be used is one line naming it, before any model loads. Line mode
 opens its new conversation at the first message, so input that ends before one
 (``chatkv </dev/null``) leaves nothing stored.
+
+(Past 400 lines on purpose: one argument parser and the three modes it picks between, which
+share its options and its error handling.)
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Speculative decoding from the request's own tokens (prompt lookup), exact, in continuous batching.
 
+(A few lines past 400 on purpose: the proposer, the verifier and the policy share one step's
+cost model and are read together.)
+
 A decoding sequence whose recent text continues something it has already seen (a source being
 quoted, code being rewritten, a pinned document, its own reply) gets up to ``k`` proposed
 tokens. The scheduler reserves KV for ``[last token + proposals]`` and the model runner

@@ -6,6 +6,9 @@ in the radix tree and its own partial last block. When idle (or when memory runs
 short) the KV is spilled to a safetensors snapshot and released; the next turn
 loads it back instead of recomputing. Messages live in the database and are
 committed before the turn reports done.
+
+(A few lines past 400: the Session handle's public methods, each a short checked hand-off to
+the session manager.)
 """
 
 from __future__ import annotations

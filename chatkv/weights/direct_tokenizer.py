@@ -1,5 +1,8 @@
 """A warm start's tokenizer without transformers: its own backend and chat template, proved equal at the cold load.
 
+(Past ~400 lines on purpose: what the cold load keeps, how a warm start checks it and the
+tokenizer it then is form one contract, read in one place.)
+
 ``import transformers`` is about a third of a warm one-shot's CPU time, and
 what a fast tokenizer does for chatkv is the ``tokenizers`` library's backend plus a Jinja
 template. So the first (cold) load, through transformers, keeps in the cache directory:
