@@ -268,61 +268,31 @@ def test_no_import_cycles(graph):
 # Who may import whom: each package of the distribution, and what it may import from chatkv
 # besides itself (docs/explanation/architecture.md, "The tree"). Read bottom-up: a package imports only
 # packages further down, so the layers have no circles even where modules could.
-PACKAGES = {
+LAYERS = {  # package: the packages it imports directly; PACKAGES adds what those import in turn
     "chatkv.errors": set(),
     "chatkv.config": {"chatkv.errors"},
     "chatkv.outputs": {"chatkv.errors"},
     "chatkv.kernels": {"chatkv.errors"},
     "chatkv.storage": {"chatkv.errors"},
-    "chatkv.retrieval": {"chatkv.errors", "chatkv.storage"},
-    "chatkv.weights": {"chatkv.errors", "chatkv.config", "chatkv.kernels", "chatkv.storage"},
-    "chatkv.kvcache": {"chatkv.errors", "chatkv.config", "chatkv.kernels", "chatkv.storage"},
-    "chatkv.model": {
-        "chatkv.errors",
-        "chatkv.config",
-        "chatkv.kernels",
-        "chatkv.storage",
-        "chatkv.weights",
-        "chatkv.kvcache",
-    },
-    "chatkv.engine": {
-        "chatkv.errors",
-        "chatkv.config",
-        "chatkv.outputs",
-        "chatkv.kernels",
-        "chatkv.storage",
-        "chatkv.retrieval",
-        "chatkv.weights",
-        "chatkv.kvcache",
-        "chatkv.model",
-    },
-    "chatkv.rag": {
-        "chatkv.errors",
-        "chatkv.config",
-        "chatkv.outputs",
-        "chatkv.kernels",
-        "chatkv.storage",
-        "chatkv.retrieval",
-        "chatkv.weights",
-        "chatkv.kvcache",
-        "chatkv.model",
-        "chatkv.engine",
-    },
-    "chatkv.sessions": {
-        "chatkv.errors",
-        "chatkv.config",
-        "chatkv.outputs",
-        "chatkv.kernels",
-        "chatkv.storage",
-        "chatkv.retrieval",
-        "chatkv.weights",
-        "chatkv.kvcache",
-        "chatkv.model",
-        "chatkv.engine",
-        "chatkv.rag",
-    },
-    "chatkv.conversations": {"chatkv.errors", "chatkv.storage"},
+    "chatkv.retrieval": {"chatkv.storage"},
+    "chatkv.weights": {"chatkv.config", "chatkv.kernels", "chatkv.storage"},
+    "chatkv.kvcache": {"chatkv.config", "chatkv.kernels", "chatkv.storage"},
+    "chatkv.model": {"chatkv.weights", "chatkv.kvcache"},
+    "chatkv.engine": {"chatkv.model", "chatkv.retrieval", "chatkv.outputs"},
+    "chatkv.rag": {"chatkv.engine"},
+    "chatkv.sessions": {"chatkv.rag"},
+    "chatkv.conversations": {"chatkv.storage"},
 }
+
+
+def _below(package: str) -> set[str]:
+    out: set[str] = set()
+    for dep in LAYERS[package]:
+        out |= {dep} | _below(dep)
+    return out
+
+
+PACKAGES = {package: _below(package) for package in LAYERS}
 # The imports that point up a layer, each inside a function or under TYPE_CHECKING, and why.
 UPWARD = {
     ("chatkv.engine.core", "chatkv.sessions.manager"): "Engine.sessions builds the session layer on first use",
