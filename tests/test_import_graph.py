@@ -266,7 +266,7 @@ def test_no_import_cycles(graph):
 
 
 # Who may import whom: each package of the distribution, and what it may import from chatkv
-# besides itself (docs/explanation/architecture.md, "The tree"). Read bottom-up: a package imports only
+# besides itself (docs/architecture.md, "The tree"). Read bottom-up: a package imports only
 # packages further down, so the layers have no circles even where modules could.
 LAYERS = {  # package: the packages it imports directly; PACKAGES adds what those import in turn
     "chatkv.errors": set(),
