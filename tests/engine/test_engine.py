@@ -197,3 +197,27 @@ def test_bad_input_raises_clear_errors_and_engine_keeps_serving(llama, tmp_path)
     p = prompt_ids(15, 3)
     assert engine.generate(p, GREEDY).token_ids == hf_greedy(ref, p, 32)
     engine.check_integrity()
+
+
+def test_from_chatkv_engine_import_engine_is_the_sdks_engine_loaded_on_first_use():
+    """``chatkv.engine`` is a package: importing it loads none of its modules, and its ``Engine``
+    (the name programs took from the module ``chatkv.engine`` was) is the SDK's, loaded when asked."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, chatkv.engine as e\n"
+        "assert 'chatkv.engine.core' not in sys.modules and 'torch' not in sys.modules\n"
+        "from chatkv.engine import Engine\n"
+        "import chatkv\n"
+        "assert Engine is chatkv.Engine and Engine.__module__ == 'chatkv.engine.core'\n"
+        "try:\n"
+        "    e.Nothing\n"
+        "except AttributeError as x:\n"
+        "    assert 'Nothing' in str(x)\n"
+        "else:\n"
+        "    raise SystemExit('no AttributeError')\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
