@@ -28,6 +28,7 @@ __all__ = [
     "LOCAL_USER",
     "data_dir",
     "ensure_default_model",
+    "ensure_gguf_model",
     "ChatKVError",
     "ContextOverflow",
     "ConversationBusy",
@@ -78,4 +79,8 @@ def __getattr__(name: str):
         from chatkv.weights import ensure_default_model
 
         return ensure_default_model
+    if name == "ensure_gguf_model":  # a GGUF file given as the model, prepared once into a data directory
+        from chatkv.weights.prepared import ensure_gguf_model
+
+        return ensure_gguf_model
     raise AttributeError(f"module 'chatkv' has no attribute {name!r}")

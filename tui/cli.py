@@ -9,6 +9,7 @@
     chatkv --search "paris trip"    # messages of every saved conversation (every branch) holding those words
     chatkv --resume [ID]            # continue one (no id: the latest); its KV comes back from disk
     chatkv --model ./my-llama-dir --temperature 0.7 "Tell me a joke"
+    chatkv --model ~/models/my-model.Q4_K_M.gguf "Hi"    # a GGUF file, prepared once into the data dir
     chatkv --data-dir DIR           # conversations, knowledge bases and snapshots in DIR
     chatkv --kb python-docs [--sources 4] [--pin docs/intro.md]   # chat over a knowledge base
 
@@ -56,7 +57,11 @@ def _parser() -> argparse.ArgumentParser:
         "app when stdin and stdout are terminals, else it chats line by line (replies on stdout).",
     )
     p.add_argument("prompt", nargs="?", help="ask once and exit; without it, chat")
-    p.add_argument("--model", help="a local Hugging Face model directory (default: packaged SmolLM2-135M-Instruct)")
+    p.add_argument(
+        "--model",
+        help="a local Hugging Face model directory or a GGUF file, prepared once into the data directory "
+        "(default: packaged SmolLM2-135M-Instruct)",
+    )
     p.add_argument(
         "--data-dir",
         metavar="DIR",

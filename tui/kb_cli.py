@@ -1,7 +1,7 @@
 """``chatkv ingest`` and ``chatkv kb``: knowledge bases from the command line (no chat model loaded).
 
 chatkv ingest docs/ notes.md --kb python-docs [--include '*.md'] [--exclude 'drafts/*'] [--follow-symlinks]
-              [--kv [--model DIR]]
+              [--kv [--model DIR|FILE.gguf]]
 chatkv kb list
 chatkv kb info python-docs
 chatkv kb search python-docs "how do decorators work?" [-k 5] [--mode hybrid|dense|lexical]
@@ -43,9 +43,9 @@ def parser() -> argparse.ArgumentParser:
     )
     ing.add_argument(
         "--model",
-        metavar="DIR",
+        metavar="PATH",
         default=None,
-        help="with --kv: the chat model to compute it with, a local Hugging Face directory (default: "
+        help="with --kv: the chat model to compute it with, a local Hugging Face directory or a GGUF file (default: "
         "the packaged default model); chunk KV is kept per model and KV dtype, so name the model "
         "you chat with",
     )

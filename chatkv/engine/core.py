@@ -43,6 +43,7 @@ from chatkv.model.self_check import load_checked
 from chatkv.outputs import EngineStats, GenerationResult
 from chatkv.storage.paths import LOCAL_USER  # not storage.models: no SQLAlchemy until a store is opened
 from chatkv.weights import ensure_default_model, load_config, load_tokenizer, model_fingerprint
+from chatkv.weights.prepared import ensure_gguf_model
 
 if TYPE_CHECKING:  # imported when sessions are first used: the store (SQLAlchemy) is not a one-shot's
     from chatkv.sessions.manager import SessionManager
@@ -107,12 +108,16 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, **config) -> "Engine":
-        """Load ``model`` (a local Hugging Face directory; None = the packaged default chat model)."""
+        """Load ``model``: a local Hugging Face directory, a GGUF file (prepared once into the data
+        directory, chatkv.weights.prepared), or None for the packaged default chat model."""
         cfg = EngineConfig.from_kwargs(**config)
+        home = Path(cfg.data_dir) if cfg.data_dir else None
         if model is None:  # converted once into the data directory this engine uses
-            model = ensure_default_model(Path(cfg.data_dir) if cfg.data_dir else None)
+            model = ensure_default_model(home)
         elif not Path(model).exists():
             raise ModelNotFound(f"model path '{model}' does not exist (chatkv never downloads weights)")
+        elif Path(model).is_file():
+            model = ensure_gguf_model(model, home)
         return cls(model, cfg)
 
     def _context_window(self) -> int:

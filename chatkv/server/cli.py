@@ -35,7 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model",
         default=None,
-        help="a local Hugging Face model directory (default: the packaged SmolLM2-135M-Instruct)",
+        help="a local Hugging Face model directory or a GGUF file, prepared once into the data directory "
+        "(default: the packaged SmolLM2-135M-Instruct)",
     )
     p.add_argument(
         "--served-model-name", default=None, help="the model id clients send (default: the model directory's name)"

@@ -39,6 +39,7 @@ __all__ = [
     "convert_gguf",
     "ensure_default_model",
     "default_model_dir",
+    "dtype_name",
     "read_q4",
     "read_wide",
     "MARKER",
@@ -111,7 +112,7 @@ def packaged_gguf_path() -> Path:
     raise ModelNotFound(f"package {PACKAGE!r} holds no .gguf file in {locations[0]}; reinstall it with: {INSTALL_HINT}")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _DTYPE_NAMES[dtype]
     except KeyError:
@@ -128,7 +129,7 @@ def default_model_dir(
         home = data_dir()
     if gguf_stem is None:
         gguf_stem = packaged_gguf_path().stem
-    return Path(home) / "models" / f"{gguf_stem}-{_dtype_name(dtype)}"
+    return Path(home) / "models" / f"{gguf_stem}-{dtype_name(dtype)}"
 
 
 # --------------------------------------------------------------------------- GGUF metadata
@@ -314,13 +315,20 @@ def _save_tokenizer(gguf_path: Path, meta: dict[str, Any], out: Path) -> None:
         (out / "chat_template.jinja").write_text(template, encoding="utf-8")
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bfloat16, progress: bool = True) -> Path:
+def convert_gguf(
+    gguf_path: Path,
+    out_dir: Path,
+    dtype: torch.dtype = torch.bfloat16,
+    progress: bool = True,
+    source_sha256: str | None = None,
+) -> Path:
     """Dequantise a llama-family GGUF into a Hugging Face directory at ``out_dir``.
 
     Writes config.json, model.safetensors (HF tensor names; no lm_head when tied),
     tokenizer files with the GGUF's chat template, generation_config.json and a
     completion marker. Built in a temporary sibling and renamed into place; an
-    existing ``out_dir`` is replaced. Returns ``out_dir``.
+    existing ``out_dir`` is replaced. Returns ``out_dir``. ``source_sha256``, the file's digest
+    when the caller took it, is recorded in the marker (chatkv.weights.prepared compares it).
     """
     from gguf import GGUFReader
     from safetensors.torch import save_file
@@ -328,7 +336,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bflo
 
     gguf_path = Path(gguf_path)
     out_dir = Path(out_dir)
-    _dtype_name(dtype)
+    dtype_name(dtype)
     if not gguf_path.is_file():
         raise ModelNotFound(f"GGUF file not found: {gguf_path}")
     try:
@@ -402,6 +410,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, dtype: torch.dtype = torch.bflo
                 "dtype": _DTYPE_JSON[dtype],
                 "general.name": meta.get("general.name"),
                 "file_type": meta.get("general.file_type"),
+                "source_sha256": source_sha256,
             },
         )
         chmod_tree_private(tmp)

@@ -71,8 +71,8 @@ def check(args) -> str | None:
         return f"--replicas must be between 1 and {MAX_REPLICAS}, got {args.replicas}"
     if args.replica_cpus < 0 or args.replica_gpus < 0 or args.replica_cpus + args.replica_gpus == 0:
         return "--replica-cpus and --replica-gpus must be >= 0, and one of them > 0"
-    if args.model is not None and not Path(args.model).is_dir():
-        return f"model path '{args.model}' is not a directory (chatkv never downloads weights)"
+    if args.model is not None and not (Path(args.model).is_dir() or Path(args.model).is_file()):
+        return f"model path '{args.model}' is not a directory or a GGUF file (chatkv never downloads weights)"
     if not _installed("ray") or not _installed("ray.serve"):
         return f"--ray needs Ray Serve, which is not installed: {INSTALL}"
     return None
@@ -111,6 +111,10 @@ def _run(args, engine_config: dict) -> int:
         from chatkv import ensure_default_model
 
         model = str(ensure_default_model(Path(engine_config["data_dir"])))
+    elif Path(model).is_file():  # a GGUF file: prepared once, here, for every replica
+        from chatkv import ensure_gguf_model
+
+        model = str(ensure_gguf_model(model, Path(engine_config["data_dir"])))
     try:
         from chatkv.server.ray import deployments
     except ImportError as e:
