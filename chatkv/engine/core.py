@@ -43,6 +43,7 @@ from chatkv.model.self_check import load_checked
 from chatkv.outputs import EngineStats, GenerationResult
 from chatkv.storage.paths import LOCAL_USER  # not storage.models: no SQLAlchemy until a store is opened
 from chatkv.weights import ensure_default_model, load_config, load_tokenizer, model_fingerprint
+from chatkv.weights.loading import with_chat_template
 from chatkv.weights.prepared import ensure_gguf_model
 
 if TYPE_CHECKING:  # imported when sessions are first used: the store (SQLAlchemy) is not a one-shot's
@@ -60,6 +61,7 @@ class Engine:
         self.threads = ThreadGovernor(c.threads, enabled=c.adaptive_threads)  # its first look: before the load
         self.weights = choose_weights(c.weights, c.head_weights, c.dtype, c.device, self.model_dir)
         self.tokenizer = load_tokenizer(self.model_dir)
+        self.default_chat_template = with_chat_template(self.tokenizer, self.model_dir)  # ChatML, warned once
         base = model_fingerprint(self.model_dir, self.config.data_dir or os.environ.get("CHATKV_HOME"))
         # a quantised mode proves itself on this CPU first (cached verdict), else falls back
         self.model, self.weights = load_checked(

@@ -259,6 +259,29 @@ def load_tokenizer(model_dir: str | Path):
     return tok
 
 
+# The chat template a model without one is given: ChatML, as llama-server falls back to. Its
+# markers are the model's special tokens where the vocabulary has them (Qwen, SmolLM2); elsewhere
+# they are plain text, and then a message that types them reads as markup to the model.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def with_chat_template(tokenizer, model_dir) -> bool:
+    """Give ``tokenizer`` ChatML (``DEFAULT_CHAT_TEMPLATE``) when the model has no chat template,
+    with one warning naming the model; True if it was given."""
+    if getattr(tokenizer, "chat_template", None):
+        return False
+    log.warning(
+        "the model in '%s' has no chat template; chatkv renders its conversations as ChatML "
+        "(<|im_start|>role ... <|im_end|>), as llama-server does",
+        model_dir,
+    )
+    tokenizer.chat_template = DEFAULT_CHAT_TEMPLATE
+    return True
+
+
 def _no_tokenizer(model_dir) -> str:
     return (
         f"no tokenizer in '{model_dir}': it has none of {', '.join(_TOKENIZER_FILES)}; "
