@@ -28,6 +28,7 @@ from textual.app import App
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
+from textual.screen import Screen
 from textual.widgets import Footer, Label, ProgressBar
 
 from chatkv.errors import ChatKVError
@@ -63,6 +64,14 @@ class _NotifyHandler(logging.Handler):
             self.app.post_message(Notice(safe_text(record.getMessage()), "warning"))
         except Exception:  # never let logging break a turn
             pass
+
+
+class _ChatScreen(Screen):
+    """The app's main screen. Its first focus is the message box, not the first focusable widget
+    (the sidebar's filter): keys typed before the app has drawn, read from the terminal once it
+    starts, land there. Dialogs keep Textual's own first focus."""
+
+    AUTO_FOCUS = "#input"
 
 
 class ChatApp(TurnsMixin, ToolsMixin, BranchesMixin, ConversationsMixin, CommandsMixin, App):
@@ -132,6 +141,9 @@ class ChatApp(TurnsMixin, ToolsMixin, BranchesMixin, ConversationsMixin, Command
 
     # -- layout ---------------------------------------------------------------
 
+    def get_default_screen(self) -> Screen:
+        return _ChatScreen(id="_default")
+
     def compose(self):
         with Horizontal(id="body"):
             yield Sidebar(mask=self.mask_volatile, id="sidebar")
@@ -172,7 +184,9 @@ class ChatApp(TurnsMixin, ToolsMixin, BranchesMixin, ConversationsMixin, Command
             try:
                 from chatkv import Engine
 
-                self.engine = await self.worker_thread.call(Engine.from_pretrained, self.model_path, **kw)
+                self.engine = await self.worker_thread.call(
+                    Engine.from_pretrained, self.model_path, progress=self._loading_progress, **kw
+                )
             except Exception as e:  # noqa: BLE001 - any load failure is a message, never a traceback
                 self.query_one("#loading-label", Label).update(f"The model could not be loaded: {safe_text(str(e))}")
                 self.query_one("#loading-bar").display = False
@@ -191,6 +205,10 @@ class ChatApp(TurnsMixin, ToolsMixin, BranchesMixin, ConversationsMixin, Command
             await self._refresh_sidebar()
         await self._refresh_status()
         await self._send_early()
+
+    def _loading_progress(self, done: int, total: int) -> None:
+        """A first run's conversion, tensor by tensor (on the loading thread): the bar's percentage."""
+        self.call_from_thread(self.query_one("#loading-bar", ProgressBar).update, total=total, progress=done)
 
     async def _send_early(self) -> None:
         """Answer, in order, the messages sent while the model loaded (and any sent meanwhile);

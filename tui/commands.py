@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from textual.app import SystemCommand
-from textual.widgets import Label
+from textual.widgets import Label, ProgressBar
 
 from chatkv.engine.sampling import SamplingParams
 from chatkv.errors import ChatKVError
@@ -71,8 +71,9 @@ class CommandsMixin:
         kw.update(self.engine_options)
         self.query_one("#loading").display = True
         self.query_one("#loading-label", Label).update(f"Loading {safe_text(arg)}…")
+        self.query_one("#loading-bar", ProgressBar).update(total=None, progress=0)  # until a conversion reports
         try:
-            engine = await self._call(Engine.from_pretrained, arg, what="Model", **kw)
+            engine = await self._call(Engine.from_pretrained, arg, what="Model", progress=self._loading_progress, **kw)
         finally:
             self.query_one("#loading").display = False
         if engine is None:

@@ -109,17 +109,19 @@ class Engine:
         self._open_lock = threading.Lock()  # the store and knowledge bases open once, whichever thread asks first
 
     @classmethod
-    def from_pretrained(cls, model: str | Path | None = None, **config) -> "Engine":
+    def from_pretrained(cls, model: str | Path | None = None, *, progress=True, **config) -> "Engine":
         """Load ``model``: a local Hugging Face directory, a GGUF file (prepared once into the data
-        directory, chatkv.weights.prepared), or None for the packaged default chat model."""
+        directory, chatkv.weights.prepared), or None for the packaged default chat model.
+        ``progress`` reports a first run's conversion: True a bar on the terminal, False nothing,
+        or ``fn(done, total)`` after each tensor."""
         cfg = EngineConfig.from_kwargs(**config)
         home = Path(cfg.data_dir) if cfg.data_dir else None
         if model is None:  # converted once into the data directory this engine uses
-            model = ensure_default_model(home)
+            model = ensure_default_model(home, progress=progress)
         elif not Path(model).exists():
             raise ModelNotFound(f"model path '{model}' does not exist (chatkv never downloads weights)")
         elif Path(model).is_file():
-            model = ensure_gguf_model(model, home)
+            model = ensure_gguf_model(model, home, progress=progress)
         return cls(model, cfg)
 
     def _context_window(self) -> int:

@@ -25,7 +25,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -319,7 +319,7 @@ def convert_gguf(
     gguf_path: Path,
     out_dir: Path,
     dtype: torch.dtype = torch.bfloat16,
-    progress: bool = True,
+    progress: bool | Callable[[int, int], None] = True,
     source_sha256: str | None = None,
 ) -> Path:
     """Dequantise a llama-family GGUF into a Hugging Face directory at ``out_dir``.
@@ -327,7 +327,9 @@ def convert_gguf(
     Writes config.json, model.safetensors (HF tensor names; no lm_head when tied),
     tokenizer files with the GGUF's chat template, generation_config.json and a
     completion marker. Built in a temporary sibling and renamed into place; an
-    existing ``out_dir`` is replaced. Returns ``out_dir``. ``source_sha256``, the file's digest
+    existing ``out_dir`` is replaced. Returns ``out_dir``. ``progress``: True for a bar on the
+    terminal (tqdm), False for none, or ``fn(done, total)`` called after each tensor (the app's
+    loading bar). ``source_sha256``, the file's digest
     when the caller took it, is recorded in the marker (chatkv.weights.prepared compares it).
     """
     from gguf import GGUFReader
@@ -356,8 +358,11 @@ def convert_gguf(
         tensors: dict[str, torch.Tensor] = {}
         q4: dict[str, torch.Tensor] = {}
         wide: dict[str, str] = {}  # projections of a wider type (not in QUANT_FILE) -> their GGUF type
-        bar = tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=not progress)
-        for tensor in bar:
+        report = progress if callable(progress) else None
+        bar = tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=progress is not True)
+        for done, tensor in enumerate(bar):
+            if report is not None:
+                report(done, len(reader.tensors))
             hf = _hf_name(tensor.name)
             w = _dequantize(tensor)
             heads = None
@@ -378,6 +383,8 @@ def convert_gguf(
             elif w.ndim == 2 and _BLOCK_RE.match(tensor.name):
                 wide[hf.removeprefix("model.")] = tensor.tensor_type.name
         bar.close()
+        if report is not None:
+            report(len(reader.tensors), len(reader.tensors))
         _check_complete(tensors, config)
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         del tensors
@@ -464,7 +471,9 @@ def _replace_dir(tmp: Path, out_dir: Path) -> None:
 # --------------------------------------------------------------------------- default model
 
 
-def ensure_default_model(home: Path | None = None, dtype: torch.dtype = torch.bfloat16) -> Path:
+def ensure_default_model(
+    home: Path | None = None, dtype: torch.dtype = torch.bfloat16, progress: bool | Callable[[int, int], None] = True
+) -> Path:
     """Return the converted default model's directory, converting the packaged GGUF once.
 
     A directory holding the completion marker is returned at once: the GGUF is
@@ -479,7 +488,7 @@ def ensure_default_model(home: Path | None = None, dtype: torch.dtype = torch.bf
     out_dir = default_model_dir(home, dtype, gguf_path.stem)
     if _marker_version(out_dir) == FORMAT_VERSION:
         return out_dir
-    return convert_gguf(gguf_path, out_dir, dtype=dtype)
+    return convert_gguf(gguf_path, out_dir, dtype=dtype, progress=progress)
 
 
 def _marker_version(out_dir: Path) -> int | None:

@@ -28,6 +28,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError
@@ -94,9 +95,13 @@ def _rewrite_marker(out_dir: Path, marker: dict) -> None:
 
 
 def ensure_gguf_model(
-    gguf_path: str | Path, home: Path | None = None, dtype: torch.dtype = torch.bfloat16, progress: bool = True
+    gguf_path: str | Path,
+    home: Path | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    progress: bool | Callable[[int, int], None] = True,
 ) -> Path:
-    """The prepared directory of the GGUF file ``gguf_path``, preparing it first if needed."""
+    """The prepared directory of the GGUF file ``gguf_path``, preparing it first if needed
+    (``progress`` as ``convert_gguf`` takes it)."""
     path = Path(gguf_path).expanduser()
     if not path.is_file():
         raise ModelNotFound(f"model path '{gguf_path}' is not a file or directory (chatkv never downloads weights)")

@@ -6,7 +6,9 @@ the suite wherever tmux and the installed ``chatkv`` (scripts/install.sh) are pr
     .venv/bin/python -m pytest -q tests/tui/test_cli_tmux.py
     .venv/bin/python tests/tui/test_cli_tmux.py        # the same, printing each screen
 
-Start ``chatkv``, ask "What is the capital of France?", see "Paris", quit; start ``chatkv --resume``,
+Start ``chatkv`` and type "What is the capital of France?" at once, before it has drawn: the
+question waits in the message box while the model is converted (a percentage on the loading
+bar), then is sent; see "Paris", quit; start ``chatkv --resume``,
 see the history, ask again and see a turn whose KV was restored from disk. Then pipe mode
 (``echo ... | chatkv``: the answer alone on stdout, exit 0) and a hostile first message whose
 title must not retitle the terminal when ``chatkv --list`` prints it.
@@ -76,9 +78,14 @@ def test_app_in_a_real_terminal_answers_quits_and_resumes(tmp_path=None, show=Fa
     home = str(tmp_path or tempfile.mkdtemp(prefix="chatkv-tmux-"))
     t = _app_run(home, "")
     try:
-        t.wait_for(r"ctx \d+", 180)  # cold: the default model is converted first
+        # typed at once, before the app has drawn: the keys wait in the terminal and land in the
+        # message box (not the sidebar's filter, the first focusable widget)
         t.keys("What is the capital of France?")
-        time.sleep(0.3)
+        t.wait_for(r"\b\d{1,3}%", 120)  # cold: the default model is converted first, with a real percentage
+        s = t.wait_for(r"ctx \d+", 180)
+        box = [line for line in s.splitlines() if "capital of France" in line]
+        assert box and all("Filter" not in line for line in box), s
+        assert "Filter conversations" in s  # the filter is still empty (its placeholder shows)
         t.keys("Enter")
         s = t.wait_for(r"\d+ computed", 60)  # the status line after the reply (tok/s may be cut at 80 columns)
         show and print(s)

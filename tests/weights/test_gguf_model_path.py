@@ -81,6 +81,14 @@ def test_a_second_start_prepares_nothing_and_a_touched_file_is_hashed_not_conver
     assert _prepared(data) == [first]
 
 
+def test_a_first_preparation_reports_each_tensor_to_a_progress_function(tmp_path):
+    """What the app's loading bar shows: ``fn(done, total)`` from 0 to every tensor, in order."""
+    seen: list[tuple[int, int]] = []
+    prep.ensure_gguf_model(_copy("Q4_K_M", tmp_path), tmp_path / "data", progress=lambda d, t: seen.append((d, t)))
+    total = seen[0][1]
+    assert total > 1 and seen == [(i, total) for i in range(total + 1)]
+
+
 def test_another_file_under_the_same_name_gets_its_own_directory(tmp_path):
     data = tmp_path / "data"
     a = prep.ensure_gguf_model(_copy("Q4_K_M", tmp_path / "a"), data, progress=False)
