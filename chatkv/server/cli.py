@@ -127,6 +127,20 @@ def _loopback(host: str) -> bool:
         return host == "localhost"
 
 
+class _ProgressLines:
+    """A first run's model conversion as log lines on stderr, one each 10% (a server's log has no
+    bar to redraw)."""
+
+    def __init__(self) -> None:
+        self.said = -1
+
+    def __call__(self, done: int, total: int) -> None:
+        tenth = done * 10 // max(total, 1)
+        if tenth > self.said:
+            self.said = tenth
+            print(f"chatkv serve: preparing the model: {tenth * 10}% ({done} of {total} tensors)", file=sys.stderr)
+
+
 def main(argv: list[str]) -> int:
     args = _parser().parse_args(argv)
     if not 0 <= args.port <= 65535:
@@ -177,7 +191,7 @@ def main(argv: list[str]) -> int:
     if args.ray:
         return ray_options.run(args, config)
     try:
-        engine = Engine.from_pretrained(args.model, **config)
+        engine = Engine.from_pretrained(args.model, progress=_ProgressLines(), **config)
     except ChatKVError as e:
         print(f"chatkv serve: {e}", file=sys.stderr)
         return 1

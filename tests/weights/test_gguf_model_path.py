@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -199,3 +200,34 @@ def test_chatkv_model_takes_a_gguf_file(tmp_path):
     assert p.returncode == 0, p.stderr.decode()
     assert p.stdout.decode().strip() and b"Traceback" not in p.stderr
     assert len(_prepared(tmp_path / "home")) == 1
+
+
+def test_chatkv_serve_takes_a_gguf_file_and_logs_its_preparation(tmp_path):
+    """``chatkv serve --model X.gguf``: log lines of the preparation (a server has no bar), then it
+    answers; the same file at the next start is not prepared again."""
+    from tests.support.serving import raw, serve_process, user
+
+    gguf = _copy("Q4_K_M", tmp_path / "downloads")
+    data = tmp_path / "data"
+    for start in ("first", "second"):
+        proc, url = serve_process(gguf, data)
+        try:
+            model = raw(url, "/v1/models")[1]["data"][0]["id"]
+            body = {"model": model, "messages": user("Hello"), "max_tokens": 3}
+            status, reply, _ = raw(url, "/v1/chat/completions", body)
+            assert status == 200 and reply["usage"]["completion_tokens"] == 3, reply
+        finally:
+            proc.terminate()
+            err = proc.communicate(timeout=60)[1]
+        said = [line for line in err.splitlines() if "preparing the model" in line]
+        if start == "first":
+            first, last = (
+                re.fullmatch(r"chatkv serve: preparing the model: (\d+)% \((\d+) of (\d+) tensors\)", x)
+                for x in (said[0], said[-1])
+            )
+            assert first and last, err
+            assert first.groups()[:2] == ("0", "0") and last.group(1) == "100" and last.group(2) == last.group(3)
+            assert len(said) == 11, err  # one line each 10%
+        else:
+            assert said == [], err
+    assert len(_prepared(data)) == 1
