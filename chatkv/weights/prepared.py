@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable
 
@@ -34,6 +32,7 @@ import torch
 from safetensors import SafetensorError
 
 from chatkv.errors import ChatKVError, ModelNotFound, StorageError
+from chatkv.storage.files import atomic_write
 from chatkv.weights.gguf import FORMAT_VERSION, MARKER, convert_gguf, dtype_name
 
 MAGIC = b"GGUF"
@@ -83,13 +82,10 @@ def _marker(out_dir: Path) -> dict:
 
 
 def _rewrite_marker(out_dir: Path, marker: dict) -> None:
-    """Replace the marker whole (a temporary file renamed over it); a failure only means the
-    next start hashes the file again."""
+    """Replace the marker whole (storage's atomic_write); a failure only means the next start
+    hashes the file again."""
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{MARKER}.", dir=out_dir)
-        with os.fdopen(fd, "w") as f:
-            json.dump(marker, f)
-        os.replace(tmp, out_dir / MARKER)
+        atomic_write(out_dir / MARKER, lambda tmp: tmp.write_text(json.dumps(marker)), durable=False)
     except OSError:
         pass
 
