@@ -12,6 +12,9 @@ This module holds the app's layout, state, start-up, shared helpers, event routi
 quitting; the rest is mixed in: turns (tui/chat_turns.py), conversations (tui/conversations.py),
 branches (the versions of a message, edit, switch: tui/branches.py), slash commands, actions and
 the command palette (tui/commands.py); the engine thread is tui/engine_thread.py.
+
+(Past 400 lines on purpose: what is left is the one App class the mixins share, its layout,
+start-up and event routing; splitting it further would spread one object's state over files.)
 """
 
 from __future__ import annotations
