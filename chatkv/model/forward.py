@@ -40,7 +40,6 @@ from chatkv.kernels import AttentionMetadata, attention_backend, kv_quant
 from chatkv.model import fused_decode
 from chatkv.model.cpu_threads import one_thread
 from chatkv.model.prefill import Scratch, ScratchInt8, scratch_int4
-from chatkv.weights.gguf import read_q4
 from chatkv.weights.loading import load_config, read_weights, release_freed_memory
 from chatkv.weights.quantised import (
     GROUP,
@@ -136,7 +135,22 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
-AnyLinear = Linear | Int4Linear | Int8Linear
+class LazyLinear:
+    """``y = x @ weight.T + bias`` for the fused projections whose weights ``makes`` make, each made
+    for the call and dropped after its product (plain ``F.linear``): a model that computes each
+    projection once, as a reference does, holds one projection's weight at a time."""
+
+    __slots__ = ("makes", "bias", "out_features")
+
+    def __init__(self, makes, bias: torch.Tensor | None = None):
+        self.makes, self.bias, self.out_features = makes, bias, None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([F.linear(x, make()) for make in self.makes], dim=-1)
+        return y if self.bias is None else y + self.bias
+
+
+AnyLinear = Linear | Int4Linear | Int8Linear | LazyLinear
 
 
 class ExactTop:
@@ -234,6 +248,7 @@ class LlamaModel:
         pack: bool = True,
         consume: bool = False,
         dense: str = "scratch",
+        lazy: bool = False,
     ):
         """``weights_mode``/``head_mode``: how the layers' projections / the output matrix are
         stored and computed (``WEIGHT_MODES``; the quantised ones need bfloat16 on CPU); ``q4``:
@@ -245,7 +260,10 @@ class LlamaModel:
         ``pack``: False computes the float weights with plain ``F.linear`` (no oneDNN prepacking:
         chatkv.model.self_check's reference); ``consume``: the dicts are the caller's to give away,
         each projection's tensors are removed once stored (start-up peak memory: the float
-        weights and their stored form are not all held at once)."""
+        weights and their stored form are not all held at once); ``lazy``: each float projection
+        reads its weight from ``weights`` when it computes and drops it after (``LazyLinear``), the
+        embeddings stay in their own dtype, and the output matrix is left to the caller
+        (chatkv.model.self_check's reference: one layer's float32 weights in memory at a time)."""
         for what, mode in (("weights", weights_mode), ("head", head_mode)):
             if mode not in WEIGHT_MODES:
                 raise ValueError(f"{what} mode {mode!r} unknown; use one of {', '.join(WEIGHT_MODES)}")
@@ -290,22 +308,41 @@ class LlamaModel:
             out = _proj(names, bias, mode, dense_rows)
             if consume:
                 for n in names:
-                    weights.pop(n, None)
+                    if n in weights:
+                        del weights[n]  # without reading it (a converted GGUF's would be decoded first)
                     if n in q4:
                         del q4[n]  # without reading it (chatkv.weights.gguf.Q4File)
             return out
 
         def _proj(names: list[str], bias: torch.Tensor | None, mode: str, dense_rows: int) -> AnyLinear:
+            if mode == "int4" and getattr(q4, "checkpoint", None) and all(n in q4 for n in names):
+                # a GPTQ/AWQ checkpoint's own 4-bit weights (chatkv.weights.gptq_awq), fused where the
+                # parts share their input order; an act order's Int4Linear permutes its input for every
+                # path, so its resident copy is the weight in the Q4Weight's column order
+                from chatkv.weights.gptq_awq import JoinedLinear, fused
+
+                lins = []
+                for q, b in fused([q4[n] for n in names], bias):
+                    lin = Int4Linear(q, b, None, dense_rows)
+                    if dense_rows and dense == "copy":
+                        lin.dense = Linear(Q4Weight(q.codes, q.scale, q.minimum).dequantize().to(dtype), b)
+                    elif dense_rows:
+                        lin.dense = scratch_int4(lin, self.scratch)  # None: the int4 kernel for every step
+                    lins.append(lin)
+                return lins[0] if len(lins) == 1 else JoinedLinear(lins)
             for n in names:
                 if n not in weights:
                     raise ModelNotFound(f"weight '{n}' missing from the model's safetensors")
-            if mode == "int4" and all(weights[n].shape[1] % GROUP == 0 for n in names):
-                # a converted GGUF's float weights are its 4-bit numbers dequantised
-                # (chatkv.weights.gguf): those are the copy, with nothing to dequantise
-                own = all(n in q4 and weights[n].dtype == dtype for n in names)
+            # a GGUF's own 4-bit weights are read from its 4-bit file; ``weights[n]`` would decode them to
+            # float (chatkv.weights.gguf) only to be dropped again
+            all_q4 = all(n in q4 for n in names)
+            if mode == "int4" and (all_q4 or all(weights[n].shape[1] % GROUP == 0 for n in names)):
                 copy_wanted = bool(dense_rows) and dense == "copy"
+                # a converted GGUF's float weights are its 4-bit numbers dequantised: with a resident
+                # copy wanted, those are the copy, with nothing to dequantise
+                own = copy_wanted and all_q4 and all(weights[n].dtype == dtype for n in names)
                 lin = None
-                if hasattr(q4, "nibbles") and all(n in q4 for n in names) and (own or not copy_wanted):
+                if hasattr(q4, "nibbles") and all_q4 and (own or not copy_wanted):
                     lin = int4_from_nibbles(
                         [q4.nibbles(n) for n in names], bias, dense_rows
                     )  # the file's bytes repacked
@@ -329,6 +366,8 @@ class LlamaModel:
                         else Linear(q8.dequantize().to(dtype), bias)
                     )
                 return lin
+            if lazy:
+                return LazyLinear([lambda n=n: w(n) for n in names], bias)
             return Linear(torch.cat([w(n) for n in names]), bias, pack)
 
         windows = _layer_windows(config)
@@ -366,10 +405,12 @@ class LlamaModel:
                     window=windows[i],
                 )
             )
-        self.embed = w("embed_tokens.weight")
+        self.embed = weights["embed_tokens.weight"] if lazy else w("embed_tokens.weight")  # rows read in their dtype
         self.norm = w("norm.weight")
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
-        if head_mode == "float":
+        if lazy:
+            self.lm_head = None  # the caller's (chatkv.model.self_check.reference_model)
+        elif head_mode == "float":
             matrix = self.embed if tied else w("lm_head.weight")
             self.lm_head: AnyLinear | ExactTop = exact_top(Linear(matrix, pack=pack), matrix)
         else:
@@ -407,7 +448,10 @@ class LlamaModel:
             dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
             if isinstance(dtype, str):
                 dtype = getattr(torch, dtype)
-        q4 = read_q4(model_dir) if weights_mode == "int4" else None
+        from chatkv.weights.gptq_awq import read_int4
+
+        # the directory's own 4-bit weights: a GPTQ/AWQ checkpoint's, else a converted GGUF's (read_q4)
+        q4 = read_int4(model_dir) if weights_mode == "int4" else None
         with one_thread():  # copies and repackings, bound by memory (chatkv.model.cpu_threads.one_thread)
             model = cls(
                 config,

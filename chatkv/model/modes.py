@@ -5,7 +5,9 @@
   (bfloat16 activations, CPU only). ``auto``: ``int4`` when the model is a converted GGUF
   whose projections are 4-bit (its own numbers are computed, nothing is lost that the file
   had not lost already, and it passed the quality gate against llama.cpp's own logits:
-  tests/model/test_quant_weights.py); otherwise the float model in the ``dtype`` option's dtype.
+  tests/model/test_quant_weights.py), or a GPTQ/AWQ checkpoint (chatkv.weights.gptq_awq: its own
+  codes, scales and zeros, likewise; its float weights would only be those numbers dequantised);
+  otherwise the float model in the ``dtype`` option's dtype.
   Quantising a float model is never chosen by ``auto``: it costs quality, so it is asked for.
 - ``head_weights``: ``auto | float | int8 | int4`` for the output matrix (tied to the
   embeddings or not). ``auto``: ``int8`` (per output channel) with a GGUF's own int4
@@ -29,6 +31,7 @@ import torch
 from chatkv.config import HEADS, WEIGHTS
 from chatkv.errors import InvalidRequest
 from chatkv.weights.gguf import QUANT_FILE
+from chatkv.weights.gptq_awq import checkpoint_kind
 from chatkv.weights.quantised import int4_supported, int8_supported
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -58,11 +61,13 @@ def choose(weights: str, head: str, dtype: str, device: str, model_dir: Path) ->
     want = None if dtype == "auto" else _DTYPES[dtype]
     cpu = torch.device(device).type == "cpu"
     gguf_q4 = (Path(model_dir) / QUANT_FILE).is_file()
+    own_q4 = checkpoint_kind(model_dir)  # "GPTQ"/"AWQ": a checkpoint of 4-bit projections
     auto_head = head == "auto"
     head = "float" if auto_head else head
     if weights == "auto":
-        if gguf_q4 and cpu and want in (None, torch.bfloat16) and int4_supported():
-            weights, label = "int4", "int4 (the GGUF's own 4-bit weights)"
+        if (gguf_q4 or own_q4) and cpu and want in (None, torch.bfloat16) and int4_supported():
+            weights = "int4"
+            label = f"int4 (the checkpoint's own {own_q4} weights)" if own_q4 else "int4 (the GGUF's own 4-bit weights)"
         else:
             label = "the float model in " + ("its own dtype" if want is None else dtype)
             return _quantised_head(WeightChoice(want, "float", head, label), cpu, want)

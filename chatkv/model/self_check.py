@@ -29,8 +29,11 @@ off by the std's order.
 
 The verdict is cached in ``<cache dir>/weight-checks.json`` keyed by the CPU (model name and
 flags), the torch version and ISA, the model's fingerprint, and the mode, so a start-up
-after the first pays nothing. The reference model is built only when a verdict is missing:
-float32 weights, transiently 4 bytes a parameter (540 MB for the default model).
+after the first pays nothing. The reference model is built only when a verdict is missing, and
+streams: each projection's float32 weight is made from the model's files when the reference's
+single batched step reaches it and dropped after, and its output matrix is computed in chunks of
+rows, so the check adds about one layer's float32 weights to the loaded model's memory, whatever
+the model's size.
 """
 
 from __future__ import annotations
@@ -148,20 +151,68 @@ def group_modes(config, mode: str, q4: dict) -> dict[str, str]:
     return out
 
 
-def reference_model(config, weights: dict, q4: dict, mode: str, head: str):
-    """The float32 model computing exactly the numbers ``mode``/``head`` store, with plain F.linear."""
-    from chatkv.model.forward import Linear, LlamaModel
+class _ReferenceWeights(dict):
+    """The reference's weights by name, each read from the model's files when asked for and not
+    kept: a projection as the float32 of the numbers its mode computes with (``reference_weight``),
+    anything else in its stored dtype. A dict subclass only for ``in`` and the names."""
+
+    def __init__(self, weights, q4: dict, modes: dict[str, str]):
+        super().__init__(dict.fromkeys(weights))
+        self.weights, self.q4, self.modes = weights, q4, modes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self:
+            raise KeyError(name)
+        how = self.modes.get(name, "float")
+        if name.endswith(_PROJ):
+            if how == "int4" and name in self.q4:
+                return self.q4[name].dequantize()  # the file's own 4-bit numbers, not the float weight
+            return reference_weight(name, self.weights.read(name), how, self.q4)
+        return self.weights.read(name)
+
+
+class ChunkedHead:
+    """The reference's output matrix: float32 rows made ``CHUNK`` at a time from ``rows(a, b)`` and
+    dropped after their logits (a vocabulary of 128k x 4096 is 2 GiB in float32)."""
+
+    CHUNK = 8192
+
+    def __init__(self, rows, vocab: int):
+        self.rows, self.vocab, self.bias, self.out_features = rows, vocab, None, vocab
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], self.vocab, dtype=torch.float32)
+        for a in range(0, self.vocab, self.CHUNK):
+            b = min(a + self.CHUNK, self.vocab)
+            out[:, a:b] = x.float() @ self.rows(a, b).t()
+        return out
+
+
+def reference_model(config, weights, q4: dict, mode: str, head: str, embed: torch.Tensor | None = None):
+    """The float32 model computing exactly the numbers ``mode``/``head`` store, with plain F.linear,
+    holding one projection's float32 weight at a time: each is made from the model's files when the
+    single batched step computes it (chatkv.model.forward.LazyLinear) and dropped after, and the
+    output matrix is computed in chunks of rows. ``weights``: chatkv.weights.loading.read_weights of
+    the model; ``embed``: the checked model's own embedding matrix (the same numbers, not read again)."""
+    from chatkv.model.forward import LlamaModel
+    from chatkv.weights.quantised import quantize_int4, quantize_int8
 
     modes = group_modes(config, mode, q4)
-    ref = {
-        n: reference_weight(n, t, modes.get(n, mode), q4) if n.endswith(_PROJ) else t.float()
-        for n, t in weights.items()
-    }
-    model = LlamaModel(config, ref, torch.float32, pack=False)
-    if head != "float":
-        tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
-        name = "embed_tokens.weight" if tied else "lm_head.weight"
-        model.lm_head = Linear(reference_weight(name, weights[name], head, {}), pack=False)
+    model = LlamaModel(config, _ReferenceWeights(weights, q4, modes), torch.float32, pack=False, lazy=True)
+    tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
+    if embed is not None:
+        model.embed = embed
+    matrix = model.embed if tied else weights.read("lm_head.weight")
+
+    def rows(a: int, b: int) -> torch.Tensor:
+        part = matrix[a:b]
+        if head == "int8":
+            return quantize_int8(part).dequantize()  # per row: a chunk's rows are quantised as the whole's
+        if head == "int4" and part.shape[1] % 32 == 0:
+            return quantize_int4(part).dequantize()  # per group of 32 within a row: the same
+        return part.float()
+
+    model.lm_head = ChunkedHead(rows, matrix.shape[0])
     return model
 
 
@@ -272,8 +323,8 @@ def load_checked(model_dir: Path, choice, config, tokenizer, base_fingerprint: s
 
 def verify(model, model_dir: Path, fingerprint: str, tokenizer, dense_rows: int, dense: str = "scratch") -> Verdict:
     """The cached or fresh verdict on ``model`` (a quantised LlamaModel) on this machine."""
-    from chatkv.weights.gguf import read_q4
-    from chatkv.weights.loading import load_config, read_weights
+    from chatkv.weights.gptq_awq import read_int4
+    from chatkv.weights.loading import load_config, read_weights, release_freed_memory
 
     key = f"{machine_key()}|{fingerprint}|{mode_name(model.weights_mode, model.head_mode, dense_rows, dense)}"
     if getattr(model, "fused_decode", False):  # its decode path is the fused C ops: a verdict per their source
@@ -285,12 +336,18 @@ def verify(model, model_dir: Path, fingerprint: str, tokenizer, dense_rows: int,
         hit = _load_cache(f).get(key)
         if isinstance(hit, dict) and isinstance(hit.get("ok"), bool):
             return Verdict(hit["ok"], str(hit.get("reason", "")), dict(hit.get("paths") or {}), 0.0)
-        q4 = read_q4(model_dir) if model.weights_mode == "int4" else {}
+        q4 = read_int4(model_dir) if model.weights_mode == "int4" else {}
         reference = reference_model(
-            load_config(model_dir), read_weights(model_dir), q4 or {}, model.weights_mode, model.head_mode
+            load_config(model_dir),
+            read_weights(model_dir),
+            q4 or {},
+            model.weights_mode,
+            model.head_mode,
+            model.embed,
         )
         verdict = run_check(model, reference, prompt_ids(tokenizer))
         del reference
+        release_freed_memory()  # the reference's float32 weights, made and freed one at a time
         log.info(
             "weight check (%s) on %s: %s in %.1f s",
             mode_name(model.weights_mode, model.head_mode, dense_rows, dense),

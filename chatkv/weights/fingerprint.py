@@ -63,8 +63,9 @@ def model_fingerprint(model_dir: str | Path, cache_dir: str | Path | None = None
         f = path / name
         if f.is_file():
             h.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
-    for f in sorted(path.glob("*.safetensors")):
-        h.update(f"{f.name}:{_file_digest(f, cache)}\0".encode())
+    # a converted GGUF's quantised tensors are in quantized/ (chatkv.weights.gguf_tensors)
+    for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("quantized/*.safetensors")):
+        h.update(f"{f.relative_to(path)}:{_file_digest(f, cache)}\0".encode())
     if cache != before:
         try:  # best effort: a cache that cannot be written only costs the next start a re-hash
             make_private_dir(cache_file.parent)

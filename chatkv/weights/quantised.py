@@ -68,25 +68,36 @@ _FEW_ROWS = [os.environ.get("CHATKV_FEW_ROW_KERNELS", "1").strip() != "0"]
 
 @dataclass
 class Q4Weight:
-    """``w[n, k] = codes[n, k] * scale[n, k // 32] + minimum[n, k // 32]``."""
+    """``w[n, k] = codes[n, k] * scale[n, k // 32] + minimum[n, k // 32]``.
+
+    ``perm``: where the columns are not the inputs in order (a GPTQ checkpoint's act order:
+    chatkv.weights.gptq_awq), column ``j`` multiplies input ``perm[j]``, so the weight's product
+    with ``x`` is ``x[:, perm] @ w.T``; ``dequantize`` gives the weight in input order."""
 
     codes: torch.Tensor  # uint8 [N, K], 0..15
     scale: torch.Tensor  # float32 [N, K / 32]
     minimum: torch.Tensor  # float32 [N, K / 32]
     centred: bool = False  # Q4_0: minimum == -8 * scale, dequantised as (q - 8) * scale
+    perm: torch.Tensor | None = None  # long [K]: the input each column stands for; None: column k is input k
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [N, K], computed as gguf's reference does (Q4_1: ``d * q + m``; Q4_0:
-        ``d * (q - 8)``; each op rounded). The two agree but for the sign of a zero."""
+        """float32 [N, K] in input order, computed as gguf's reference does (Q4_1: ``d * q + m``;
+        Q4_0: ``d * (q - 8)``; each op rounded). The two agree but for the sign of a zero."""
         n, k = self.codes.shape
         q = self.codes.float().view(n, k // GROUP, GROUP)
         if self.centred:
-            return (self.scale[..., None] * (q - 8)).view(n, k)
-        return (self.scale[..., None] * q + self.minimum[..., None]).view(n, k)
+            w = (self.scale[..., None] * (q - 8)).view(n, k)
+        else:
+            w = (self.scale[..., None] * q + self.minimum[..., None]).view(n, k)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
 
     def rows(self, order: np.ndarray | torch.Tensor) -> "Q4Weight":
         idx = torch.as_tensor(np.asarray(order), dtype=torch.long)
-        return Q4Weight(self.codes[idx], self.scale[idx], self.minimum[idx], self.centred)
+        return Q4Weight(self.codes[idx], self.scale[idx], self.minimum[idx], self.centred, self.perm)
 
 
 @dataclass
@@ -138,7 +149,14 @@ _BLOCK = {
     "Q4_K": (QK_K, 144),
     "Q5_K": (QK_K, 176),
     "Q6_K": (QK_K, 210),
+    "IQ4_NL": (32, 18),
+    "IQ4_XS": (QK_K, 136),
 }
+
+#: IQ4_NL/IQ4_XS: the 16 values a 4-bit index stands for (ggml's kvalues_iq4nl), as float32
+_IQ4_VALUES = torch.tensor([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]).float()
+#: byte b -> (value of its low nibble, value of its high nibble): one lookup per byte, no unpacking
+_IQ4_PAIRS = torch.stack((_IQ4_VALUES[torch.arange(256) & 0x0F], _IQ4_VALUES[torch.arange(256) >> 4]), dim=-1)
 
 
 def kquant_scale_min(packed: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,11 +236,33 @@ def dequantize_gguf_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -
       weight ``32 * i + l`` (i = 0..3, l = 0..31) has low bits ``ql[l + 32 * (i % 2)]`` (low
       nibble for i < 2, high nibble otherwise) and high bits ``(qh[l] >> 2 * i) & 3``;
       ``w = (d * sc) * (q - 32)``.
+
+    And the non-linear 4-bit ones, whose indices pick from ``_IQ4_VALUES`` (one table lookup per byte:
+    about twice as fast as gguf's numpy reference on one core, and a file of them is decoded at every load):
+    - IQ4_NL: f16 d, 16 bytes of indices (as Q4_0's nibbles); ``w = d * value[i]``.
+    - IQ4_XS: super-block of 256 = f16 d, a little-endian uint16 of high scale bits, 4 bytes of low
+      scale nibbles, 128 bytes of indices (sub-block of 32 after sub-block, each as IQ4_NL's).
+      Sub-block j's 6-bit scale has its low 4 bits in the nibble j % 2 of byte j // 2 and its top
+      2 bits at bit 2 * j of the uint16; ``w = (d * (scale - 32)) * value[i]``.
     """
     n, k = shape
     if kind in ("Q4_0", "Q4_1", "Q8_0", "Q4_K"):
         return from_gguf_blocks(kind, raw, shape).dequantize()
     blocks = _blocks(kind, raw, shape)
+    if kind in ("IQ4_NL", "IQ4_XS"):
+        head = 2 if kind == "IQ4_NL" else 8
+        qs = torch.from_numpy(blocks[..., head:].copy())  # [N, B, 16 * sub-blocks]
+        pairs = _IQ4_PAIRS.index_select(0, qs.flatten().int()).view(*qs.shape[:2], -1, 16, 2)
+        values = pairs.transpose(-1, -2)  # [N, B, sub-blocks, 2, 16]: the 16 low nibbles', then the high ones'
+        d = _f16(blocks[..., 0:2])
+        if kind == "IQ4_NL":
+            return (d[..., None, None, None] * values).reshape(n, k)
+        low = torch.from_numpy(blocks[..., 4:8].copy())  # [N, S, 4]: sub-blocks 2b and 2b + 1
+        low = torch.stack((low & 0x0F, low >> 4), dim=-1).flatten(-2).int()  # [N, S, 8]
+        high = torch.from_numpy(blocks[..., 2:4].copy().view("<u2").astype(np.int32))  # [N, S, 1]
+        high = (high >> torch.arange(0, 16, 2, dtype=torch.int32)) & 3  # [N, S, 8]
+        dl = d[..., None] * ((low | (high << 4)) - 32).float()
+        return (dl[..., None, None] * values).reshape(n, k)
     if kind in ("Q5_0", "Q5_1"):
         head = 2 if kind == "Q5_0" else 4
         d = _f16(blocks[..., 0:2])[..., None]
@@ -391,10 +431,12 @@ class Int4Linear:
     bf16 weights do not stay in cache, unlike a matmul timed alone): aggregate decode of 8
     sequences 523 tok/s 4-bit vs 455 dense, 16: 635 vs 612, 32: 792 vs 700; so 16."""
 
-    __slots__ = ("packed", "scales_zeros", "bias", "out_features", "dense", "dense_rows", "_native")
+    __slots__ = ("packed", "scales_zeros", "bias", "out_features", "dense", "dense_rows", "_native", "perm")
 
     def __init__(self, q: Q4Weight, bias: torch.Tensor | None = None, dense=None, dense_rows: int = 16):
         self._set(pack_int4(q.codes), q.scale, q.minimum, bias, dense, dense_rows)
+        # ``q.perm`` (a GPTQ act order): every path, ``dense`` included, computes over x[:, perm]
+        self.perm = q.perm
 
     @classmethod
     def from_packed(
@@ -419,6 +461,7 @@ class Int4Linear:
         self.scales_zeros = torch.stack((scale.t(), zero.t()), dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
         self.bias = None if bias is None else bias.to(torch.bfloat16)
         self._native = None  # int4_mm's call for this weight, once asked (``few_rows``)
+        self.perm = None  # the inputs in order (``__init__`` takes a Q4Weight's own)
 
     def few_rows(self):
         """``int4_mm``'s call for this weight (chatkv.kernels.cpu_decode: each weight tile decoded
@@ -432,7 +475,9 @@ class Int4Linear:
         """The dense path for ``dense_rows`` rows or more; else ``int4_mm`` where ``_few_rows``
         gives it, torch's int4 kernel otherwise. The choice depends only on the row count and the
         machine, and ``int4_mm`` computes each row alone, so a verified proposal computes as its
-        plain decode does."""
+        plain decode does. With ``perm`` the inputs are selected first, for every path."""
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
         if self.dense is not None and x.shape[0] >= self.dense_rows:
             return self.dense(x)
         x = x.contiguous()

@@ -29,10 +29,12 @@ def test_each_weight_is_read_when_asked_for_and_is_the_files_numbers(model_dir, 
     name = "layers.3.mlp.down_proj.weight"
     with safe_open(str(model_dir / QUANT_FILE), framework="pt") as st:
         packed = st.get_tensor(name + ".codes")  # two codes a byte: element 2j low, 2j + 1 high
-        scale, minimum = st.get_tensor(name + ".scale"), st.get_tensor(name + ".minimum")
+        d, m = st.get_tensor(name + ".d"), st.get_tensor(name + ".m")  # Q4_1's own f16 fields, as the GGUF has them
+        assert sorted(k for k in st.keys() if k.startswith(name + ".")) == [name + p for p in (".codes", ".d", ".m")]
+    assert d.dtype == m.dtype == torch.float16 and d.shape == (576, 1536 // 32)
     got = q4[name]
     assert torch.equal(got.codes[:, 0::2], packed & 0x0F) and torch.equal(got.codes[:, 1::2], packed >> 4)
-    assert torch.equal(got.scale, scale) and torch.equal(got.minimum, minimum)
+    assert torch.equal(got.scale, d.float()) and torch.equal(got.minimum, m.float())  # w = d * q + m
     assert torch.equal(q4.get(name).codes, got.codes) and q4.get("nothing") is None
     with pytest.raises(KeyError):
         q4["nothing"]

@@ -53,6 +53,15 @@ def converted(gguf_file: Path, home: Path) -> Path:
     return ensure_default_model(home, dtype=torch.float32)
 
 
+def stored(out: Path) -> dict[str, torch.Tensor]:
+    """Every tensor a converted directory gives chatkv (chatkv.weights.loading.read_weights: its
+    quantised files decoded), under the Hugging Face names of model.safetensors."""
+    from chatkv.weights.loading import read_weights
+
+    weights = read_weights(out)
+    return {(n if n.startswith("lm_head.") else "model." + n): weights.read(n) for n in list(weights)}
+
+
 @pytest.fixture(scope="module")
 def oracle(gguf_file: Path, converted: Path):
     """transformers' own GGUF loader on the same file, float32: (config, tensors, model).
@@ -104,10 +113,8 @@ def gguf_tokenizer(gguf_file: Path):
 
 
 def test_state_dict_equals_transformers_gguf_loader(converted: Path, oracle) -> None:
-    from safetensors.torch import load_file
-
     _, reference, _ = oracle
-    mine = load_file(str(converted / "model.safetensors"))
+    mine = stored(converted)
     assert set(mine) == set(reference)
     assert "lm_head.weight" not in mine  # tied: this GGUF has no output.weight
     assert len(mine) == 2 + 30 * 9
@@ -151,10 +158,10 @@ def test_config_matches_gguf_metadata(converted: Path, oracle) -> None:
 
 
 def test_logits_equal_transformers_gguf_model(converted: Path, oracle, gguf_tokenizer) -> None:
-    from transformers import AutoModelForCausalLM
+    from chatkv.weights.loading import transformers_model
 
     _, _, reference = oracle
-    model = AutoModelForCausalLM.from_pretrained(str(converted)).eval()
+    model = transformers_model(converted)
     assert model.dtype == torch.float32
     text = gguf_tokenizer.apply_chat_template(
         [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
@@ -313,12 +320,13 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
 
 
 def test_tiny_untied_recovers_original_weights(tiny, tmp_path: Path) -> None:
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from chatkv.weights.loading import transformers_model
 
     path, hf = tiny
     out = convert_gguf(path, tmp_path / "out", dtype=torch.float32, progress=False)
-    mine = load_file(str(out / "model.safetensors"))
+    mine = stored(out)
     assert set(mine) == set(hf)  # lm_head present: the GGUF has output.weight
     for name, ref in hf.items():
         assert torch.equal(mine[name], ref), name
@@ -327,7 +335,7 @@ def test_tiny_untied_recovers_original_weights(tiny, tmp_path: Path) -> None:
     assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (N_HEAD, N_KV, HEAD_DIM)
     assert (cfg["vocab_size"], cfg["num_hidden_layers"], cfg["max_position_embeddings"]) == (261, LAYERS, 256)
     assert cfg["rms_norm_eps"] == 1e-6
-    model = AutoModelForCausalLM.from_pretrained(str(out))
+    model = transformers_model(out)
     assert not model.config.tie_word_embeddings
     assert torch.equal(model.lm_head.weight.detach(), hf["lm_head.weight"])
     tok = AutoTokenizer.from_pretrained(str(out))
@@ -338,15 +346,13 @@ def test_tiny_untied_recovers_original_weights(tiny, tmp_path: Path) -> None:
 
 
 def test_tiny_default_dtype_and_reconvert_replaces(tiny, tmp_path: Path) -> None:
-    from safetensors.torch import load_file
-
     path, hf = tiny
     out = tmp_path / "out"
     out.mkdir()
     (out / "stale.txt").write_text("from an older conversion")
     convert_gguf(path, out, progress=False)  # bfloat16 by default; replaces the old dir
     assert not (out / "stale.txt").exists()
-    mine = load_file(str(out / "model.safetensors"))
+    mine = stored(out)
     assert all(t.dtype == torch.bfloat16 for t in mine.values())
     assert torch.equal(
         mine["model.layers.1.self_attn.k_proj.weight"], hf["model.layers.1.self_attn.k_proj.weight"].bfloat16()
@@ -410,14 +416,14 @@ def test_missing_package_raises_model_not_found(monkeypatch, tmp_path: Path) -> 
 
 
 def test_a_directory_converted_by_an_older_format_is_converted_again(tiny, tmp_path: Path, monkeypatch) -> None:
-    """Format 2 added the 4-bit numbers (weights=int4): a format-1 directory is rebuilt once."""
+    """A directory of an earlier layout (format 2 kept a float copy of every quantised tensor) is rebuilt once."""
     path, _ = tiny
     monkeypatch.setattr(weights_gguf, "packaged_gguf_path", lambda: path)
     first = ensure_default_model(tmp_path)
     marker = json.loads((first / MARKER).read_text())
-    assert marker["format_version"] == weights_gguf.FORMAT_VERSION == 2
-    (first / MARKER).write_text(json.dumps({**marker, "format_version": 1}))
+    assert marker["format_version"] == weights_gguf.FORMAT_VERSION == 3
+    (first / MARKER).write_text(json.dumps({**marker, "format_version": 2}))
     mtime = (first / "model.safetensors").stat().st_mtime_ns
     assert ensure_default_model(tmp_path) == first
-    assert json.loads((first / MARKER).read_text())["format_version"] == 2
+    assert json.loads((first / MARKER).read_text())["format_version"] == 3
     assert (first / "model.safetensors").stat().st_mtime_ns != mtime
