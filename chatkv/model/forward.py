@@ -50,6 +50,7 @@ from chatkv.weights.quantised import (
     quantize_int4,
     quantize_int8,
 )
+from chatkv.weights.quantised_cache import QuantisedCache
 
 # oneDNN prepacked linear (CPU). Batch-1 decode is bound by streaming the weights, and
 # measured on the default model (SmolLM2-135M, 2 AVX-512 cores, benchmarks/README.md) a
@@ -249,6 +250,7 @@ class LlamaModel:
         consume: bool = False,
         dense: str = "scratch",
         lazy: bool = False,
+        cache: QuantisedCache | None = None,
     ):
         """``weights_mode``/``head_mode``: how the layers' projections / the output matrix are
         stored and computed (``WEIGHT_MODES``; the quantised ones need bfloat16 on CPU); ``q4``:
@@ -263,7 +265,9 @@ class LlamaModel:
         weights and their stored form are not all held at once); ``lazy``: each float projection
         reads its weight from ``weights`` when it computes and drops it after (``LazyLinear``), the
         embeddings stay in their own dtype, and the output matrix is left to the caller
-        (chatkv.model.self_check's reference: one layer's float32 weights in memory at a time)."""
+        (chatkv.model.self_check's reference: one layer's float32 weights in memory at a time);
+        ``cache``: where what is quantised here is read from, or kept for the next load
+        (chatkv.weights.quantised_cache)."""
         for what, mode in (("weights", weights_mode), ("head", head_mode)):
             if mode not in WEIGHT_MODES:
                 raise ValueError(f"{what} mode {mode!r} unknown; use one of {', '.join(WEIGHT_MODES)}")
@@ -314,6 +318,18 @@ class LlamaModel:
                         del q4[n]  # without reading it (chatkv.weights.gguf.Q4File)
             return out
 
+        def quantised(name: str, how: str, names: list[str] | None = None):
+            """Weight ``name`` (int8: the fused ``names``) quantised for ``how``, or read from ``cache``."""
+            if how == "int4":
+                make = lambda: quantize_int4(weights[name])  # noqa: E731
+            else:
+                make = lambda: quantize_int8(  # noqa: E731
+                    weights[names[0]] if len(names) == 1 else torch.cat([weights[n] for n in names])
+                )
+            if cache is None:
+                return make()
+            return cache.int4(name, make) if how == "int4" else cache.int8(name, make)
+
         def _proj(names: list[str], bias: torch.Tensor | None, mode: str, dense_rows: int) -> AnyLinear:
             if mode == "int4" and getattr(q4, "checkpoint", None) and all(n in q4 for n in names):
                 # a GPTQ/AWQ checkpoint's own 4-bit weights (chatkv.weights.gptq_awq), fused where the
@@ -336,7 +352,8 @@ class LlamaModel:
             # a GGUF's own 4-bit weights are read from its 4-bit file; ``weights[n]`` would decode them to
             # float (chatkv.weights.gguf) only to be dropped again
             all_q4 = all(n in q4 for n in names)
-            if mode == "int4" and (all_q4 or all(weights[n].shape[1] % GROUP == 0 for n in names)):
+            cached = cache is not None and all(n in q4 or cache.has(n) for n in names)
+            if mode == "int4" and (all_q4 or cached or all(weights[n].shape[1] % GROUP == 0 for n in names)):
                 copy_wanted = bool(dense_rows) and dense == "copy"
                 # a converted GGUF's float weights are its 4-bit numbers dequantised: with a resident
                 # copy wanted, those are the copy, with nothing to dequantise
@@ -347,7 +364,7 @@ class LlamaModel:
                         [q4.nibbles(n) for n in names], bias, dense_rows
                     )  # the file's bytes repacked
                 if lin is None:
-                    parts = [q4[n] if n in q4 else quantize_int4(weights[n]) for n in names]
+                    parts = [q4[n] if n in q4 else quantised(n, "int4") for n in names]
                     cat = lambda f: torch.cat([getattr(x, f) for x in parts])  # noqa: E731
                     q = Q4Weight(cat("codes"), cat("scale"), cat("minimum"))
                     lin = Int4Linear(q, bias, None, dense_rows)
@@ -357,7 +374,7 @@ class LlamaModel:
                     lin.dense = scratch_int4(lin, self.scratch)  # None: the int4 kernel for every step
                 return lin
             if mode == "int8":
-                q8 = quantize_int8(weights[names[0]] if len(names) == 1 else torch.cat([weights[n] for n in names]))
+                q8 = quantised("+".join(names), "int8", names)
                 lin = Int8Linear(q8, bias, None, dense_rows)
                 if dense_rows:
                     lin.dense = (
@@ -452,6 +469,8 @@ class LlamaModel:
 
         # the directory's own 4-bit weights: a GPTQ/AWQ checkpoint's, else a converted GGUF's (read_q4)
         q4 = read_int4(model_dir) if weights_mode == "int4" else None
+        quantising = weights_mode != "float" or head_mode != "float"
+        cache = QuantisedCache(model_dir, f"weights {weights_mode}, head {head_mode}") if quantising else None
         with one_thread():  # copies and repackings, bound by memory (chatkv.model.cpu_threads.one_thread)
             model = cls(
                 config,
@@ -464,7 +483,10 @@ class LlamaModel:
                 dense_rows,
                 consume=True,
                 dense=dense,
+                cache=cache,
             )
+        if cache is not None:
+            cache.save()  # what this load quantised, for the next one
         release_freed_memory()  # what loading freed on the heaps, not held resident
         return model
 
