@@ -12,7 +12,10 @@ its own, the peak RSS from ``os.wait4`` (``ru_maxrss`` of the child) and the wal
 
 and the time to read the file once (``cat FILE``, from the page cache: the floor of any first load).
 
-Also the prepared directory's size on disk against the file's. The child reports the load's own
+Also the prepared directory's size on disk against the file's. ``--before DIR`` runs the same loads
+with an earlier chatkv installed into DIR (``git worktree add /tmp/old REV && .venv/bin/pip install
+--no-deps --no-build-isolation --target DIR /tmp/old``), this checkout's editable install taken off
+the import path (bench_startup.py does the same). The child reports the load's own
 time (``Engine.from_pretrained``) apart from the answer's.
 
     .venv/bin/python benchmarks/bench_gguf_load.py FILE.gguf [--llama-bin DIR] [--repeats 2]
@@ -32,7 +35,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CHILD = """
-import json, sys, time
+import json, os, sys, time
+if os.environ.get("BENCH_BEFORE"):  # an earlier chatkv (pip install --target DIR), this checkout's off the path
+    sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
+    sys.path.insert(0, os.environ["BENCH_BEFORE"])
 t = time.perf_counter()
 from chatkv.engine.core import Engine
 from chatkv.engine.sampling import SamplingParams
@@ -66,6 +72,7 @@ def main() -> None:
     ap.add_argument("gguf")
     ap.add_argument("--llama-bin", default=None, help="llama.cpp's build/bin (llama-cli)")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--before", default=None, help="a directory holding an earlier chatkv (pip install --target)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from common import cpu_line, load_average
@@ -79,6 +86,8 @@ def main() -> None:
     for r in range(args.repeats):
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
             env = dict(os.environ, CHATKV_HOME=f"{tmp}/home", CHATKV_CACHE_DIR=f"{tmp}/cache")
+            if args.before:
+                env["BENCH_BEFORE"] = args.before
             cmd = [sys.executable, "-c", CHILD, str(gguf), f"{tmp}/home"]
             wall, rss, out = run(cmd, env)
             info = json.loads(out.strip().splitlines()[-1])

@@ -301,8 +301,19 @@ def decoded_weights(model_dir: str | Path) -> dict[str, Callable[[], torch.Tenso
     q4_path, blocks_path = model_dir / QUANT_FILE, model_dir / BLOCKS_FILE
     if q4_path.is_file():
         q4 = Q4File(q4_path, model_dir)
+
+        def q4_float(name: str) -> torch.Tensor:
+            packed, scale, minimum = q4.parts(name)
+            n = packed.shape[0]
+            out = torch.empty(n, packed.shape[1] * 2, dtype=dtype)
+            for a in range(0, n, DECODE_ROWS):  # in row chunks, as ``read`` below
+                b = min(a + DECODE_ROWS, n)
+                codes = torch.stack((packed[a:b] & 0x0F, packed[a:b] >> 4), dim=-1).reshape(b - a, -1)
+                out[a:b] = Q4Weight(codes, scale[a:b], minimum[a:b]).dequantize()
+            return out
+
         for name in q4.keys():
-            out[name] = lambda name=name: q4.weight(name).dequantize().to(dtype)
+            out[name] = lambda name=name: q4_float(name)
     if blocks_path.is_file():
         try:
             with safe_open(str(blocks_path), framework="pt") as st:
@@ -391,7 +402,9 @@ class Q4File:
             f"delete '{self.model_dir}' to convert the model again"
         )
 
-    def _parts(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def parts(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``name``'s codes two a byte (as ``nibbles``), float32 scale and minimum, whether or not
+        the name was forgotten."""
         try:
             with self._open() as st:  # copies out of the mapping, closed with it
                 parts = {k[len(name) :]: st.get_tensor(k).clone() for k in self._parts_of[name]}
@@ -406,7 +419,7 @@ class Q4File:
     def weight(self, name: str) -> Q4Weight:
         """``name``'s Q4Weight, read whether or not the name was forgotten (a float weight decoded
         from it: ``decoded_weights``)."""
-        packed, scale, minimum = self._parts(name)
+        packed, scale, minimum = self.parts(name)
         codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
         return Q4Weight(codes, scale, minimum)
 
@@ -421,7 +434,7 @@ class Q4File:
         (chatkv.weights.quantised.repack_nibbles packs them for the kernel without unpacking them)."""
         if name not in self._names:
             raise KeyError(name)
-        return self._parts(name)
+        return self.parts(name)
 
     def get(self, name: str, default=None):
         return self[name] if name in self._names else default
