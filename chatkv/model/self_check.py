@@ -202,17 +202,17 @@ def reference_model(config, weights, q4: dict, mode: str, head: str, embed: torc
     tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
     if embed is not None:
         model.embed = embed
-    matrix = model.embed if tied else weights.read("lm_head.weight")
 
     def rows(a: int, b: int) -> torch.Tensor:
-        part = matrix[a:b]
+        # an untied output matrix is read a chunk of rows at a time too (decoded alone where quantised)
+        part = model.embed[a:b] if tied else weights.read("lm_head.weight", rows=(a, b))
         if head == "int8":
             return quantize_int8(part).dequantize()  # per row: a chunk's rows are quantised as the whole's
         if head == "int4" and part.shape[1] % 32 == 0:
             return quantize_int4(part).dequantize()  # per group of 32 within a row: the same
         return part.float()
 
-    model.lm_head = ChunkedHead(rows, matrix.shape[0])
+    model.lm_head = ChunkedHead(rows, config.vocab_size if not tied else model.embed.shape[0])
     return model
 
 

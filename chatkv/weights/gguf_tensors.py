@@ -288,6 +288,19 @@ def decode_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> torch.T
     return torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[kind]), dtype=np.float32).reshape(shape))
 
 
+class _Decoded:
+    """A quantised tensor's decoding to float: ``()`` for the whole, ``(rows=(a, b))`` for rows
+    ``a:b`` alone (chatkv.weights.loading's ``read(name, rows)``)."""
+
+    takes_rows = True
+
+    def __init__(self, decode: Callable[..., torch.Tensor], name: str):
+        self.decode, self.name = decode, name
+
+    def __call__(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        return self.decode(self.name, rows)
+
+
 def decoded_weights(model_dir: str | Path) -> dict[str, Callable[[], torch.Tensor]]:
     """Every tensor of a converted directory's ``QUANT_FILE`` and ``BLOCKS_FILE`` (names without
     ``model.``) -> a function that reads it and decodes it to the directory's float dtype; empty
@@ -302,18 +315,18 @@ def decoded_weights(model_dir: str | Path) -> dict[str, Callable[[], torch.Tenso
     if q4_path.is_file():
         q4 = Q4File(q4_path, model_dir)
 
-        def q4_float(name: str) -> torch.Tensor:
+        def q4_float(name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
             packed, scale, minimum = q4.parts(name)
-            n = packed.shape[0]
-            out = torch.empty(n, packed.shape[1] * 2, dtype=dtype)
-            for a in range(0, n, DECODE_ROWS):  # in row chunks, as ``read`` below
-                b = min(a + DECODE_ROWS, n)
+            lo, hi = rows or (0, packed.shape[0])
+            result = torch.empty(hi - lo, packed.shape[1] * 2, dtype=dtype)
+            for a in range(lo, hi, DECODE_ROWS):  # in row chunks, as ``read`` below
+                b = min(a + DECODE_ROWS, hi)
                 codes = torch.stack((packed[a:b] & 0x0F, packed[a:b] >> 4), dim=-1).reshape(b - a, -1)
-                out[a:b] = Q4Weight(codes, scale[a:b], minimum[a:b]).dequantize()
-            return out
+                result[a - lo : b - lo] = Q4Weight(codes, scale[a:b], minimum[a:b]).dequantize()
+            return result
 
         for name in q4.keys():
-            out[name] = lambda name=name: q4_float(name)
+            out[name] = _Decoded(q4_float, name)
     if blocks_path.is_file():
         try:
             with safe_open(str(blocks_path), framework="pt") as st:
@@ -322,26 +335,27 @@ def decoded_weights(model_dir: str | Path) -> dict[str, Callable[[], torch.Tenso
         except Exception as e:  # SafetensorError, OSError, bad JSON
             raise _unreadable(blocks_path, model_dir, e) from e
 
-        def read(name: str) -> torch.Tensor:
+        def read(name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
             kind, n, k = types[name]
-            n, k = int(n), int(k)
+            lo, hi = rows or (0, int(n))
+            k = int(k)
             try:
                 with safe_open(str(blocks_path), framework="np") as st:
-                    raw = st.get_tensor(name)
+                    raw = st.get_slice(name)[lo:hi]  # whole rows of blocks: each row decodes alone
                 # in row chunks straight into the result: decoding a 128k-row embedding whole makes
                 # several float32 temporaries of its full size
-                out = torch.empty(n, k, dtype=dtype)
-                for a in range(0, n, DECODE_ROWS):
-                    b = min(a + DECODE_ROWS, n)
-                    out[a:b] = decode_blocks(kind, raw[a:b], (b - a, k))
+                result = torch.empty(hi - lo, k, dtype=dtype)
+                for a in range(0, hi - lo, DECODE_ROWS):
+                    b = min(a + DECODE_ROWS, hi - lo)
+                    result[a:b] = decode_blocks(kind, raw[a:b], (b - a, k))
             except Exception as e:  # changed or damaged since it was opened, an unknown type
                 raise _unreadable(blocks_path, model_dir, e) from e
-            return out
+            return result
 
         for name in sorted(names):
             if name not in types:
                 raise _unreadable(blocks_path, model_dir, KeyError(f"{name} has no type"))
-            out[name] = lambda name=name: read(name)
+            out[name] = _Decoded(read, name)
     return out
 
 

@@ -196,20 +196,24 @@ class _FileWeights(MutableMapping):
             self._read[name] = t
         return t
 
-    def read(self, name: str) -> torch.Tensor:
-        """``name`` read from its file again, not kept (a caller that holds one tensor at a time)."""
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """``name`` read from its file again, not kept (a caller that holds one tensor at a time);
+        ``rows=(a, b)``: only its rows ``a:b``, read or decoded alone where the source allows it."""
         t = self._read.get(name)
         if t is not None:
-            return t
+            return t if rows is None else t[rows[0] : rows[1]]
         source = self._where[name]  # KeyError for a name the files do not have, as a dict
-        if callable(source):  # a quantised tensor, decoded (chatkv.weights.gguf_tensors)
-            return source()
+        if callable(source):  # a quantised tensor, decoded (chatkv.weights.gguf_tensors, gptq_awq)
+            if rows is not None and getattr(source, "takes_rows", False):
+                return source(rows)
+            t = source()
+            return t if rows is None else t[rows[0] : rows[1]].clone()
         f, key = source
         from safetensors import safe_open
 
         try:
-            with safe_open(str(f), framework="pt") as st:
-                return st.get_tensor(key).clone()  # out of the mapping, which closes with the view
+            with safe_open(str(f), framework="pt") as st:  # copies out of the mapping, which closes with the view
+                return st.get_tensor(key).clone() if rows is None else st.get_slice(key)[rows[0] : rows[1]].clone()
         except Exception as e:  # noqa: BLE001 - changed or damaged since it was opened
             raise ModelNotFound(f"weights file '{f}' is unreadable: {_why(e)}") from e
 
