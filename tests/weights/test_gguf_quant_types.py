@@ -168,14 +168,11 @@ def shipped(kind: str, data: Path, **options):
     return Engine.from_pretrained(fixture(kind), data_dir=str(data), num_blocks=16, progress=False, **options)
 
 
-#: Q4_0: the int8-per-channel output matrix that ``auto`` picks with a GGUF's int4 weights takes the
-#: max past 1.5x on this file (measured 1.46x mean, 1.53x max): test_q4_0s_int8_output_matrix_* below
-HEAD_OUTSIDE_THE_GATE = pytest.mark.xfail(
-    strict=True, reason="int8 per channel output matrix (Q6_K in the file) is outside the max gate on Q4_0"
-)
-
-
-@pytest.mark.parametrize("kind", [pytest.param("Q4_0", marks=HEAD_OUTSIDE_THE_GATE)] + list(TYPES[1:]))
+#: Not Q4_0: the int8-per-channel output matrix that ``auto`` picks with a GGUF's int4 weights takes
+#: the max past 1.5x on that file (measured 1.46x mean, 1.53x max on an Intel Xeon, close enough to the
+#: bound to fall on either side on another CPU); test_q4_0s_int8_output_matrix_is_what_leaves_the_gate
+#: holds what is known of it instead: the int4 projections pass, the int8 output matrix alone does not.
+@pytest.mark.parametrize("kind", list(TYPES[1:]))
 def test_the_engine_as_shipped_passes_the_llama_cpp_gate(kind, exact, tmp_path):
     """What ``auto`` runs on each file (int4 as stored for Q4_0/Q4_1/Q4_K with an int8 output matrix
     and int8 groups for wider tensors; the bf16 float model otherwise) within 1.5x of the exact
