@@ -263,8 +263,8 @@ class LlamaModel:
         chatkv.model.self_check's reference); ``consume``: the dicts are the caller's to give away,
         each projection's tensors are removed once stored (start-up peak memory: the float
         weights and their stored form are not all held at once); ``lazy``: each float projection
-        reads its weight from ``weights`` when it computes and drops it after (``LazyLinear``), the
-        embeddings stay in their own dtype, and the output matrix is left to the caller
+        reads its weight from ``weights`` when it computes and drops it after (``LazyLinear``), and
+        the embeddings and the output matrix are left to the caller
         (chatkv.model.self_check's reference: one layer's float32 weights in memory at a time);
         ``cache``: where what is quantised here is read from, or kept for the next load
         (chatkv.weights.quantised_cache)."""
@@ -422,7 +422,7 @@ class LlamaModel:
                     window=windows[i],
                 )
             )
-        self.embed = weights["embed_tokens.weight"] if lazy else w("embed_tokens.weight")  # rows read in their dtype
+        self.embed = None if lazy else w("embed_tokens.weight")  # lazy: the caller's (rows read in their dtype)
         self.norm = w("norm.weight")
         tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
         if lazy:

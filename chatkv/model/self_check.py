@@ -200,8 +200,7 @@ def reference_model(config, weights, q4: dict, mode: str, head: str, embed: torc
     modes = group_modes(config, mode, q4)
     model = LlamaModel(config, _ReferenceWeights(weights, q4, modes), torch.float32, pack=False, lazy=True)
     tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
-    if embed is not None:
-        model.embed = embed
+    model.embed = embed if embed is not None else weights.read("embed_tokens.weight")  # its own dtype
 
     def rows(a: int, b: int) -> torch.Tensor:
         # an untied output matrix is read a chunk of rows at a time too (decoded alone where quantised)
