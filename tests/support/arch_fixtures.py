@@ -318,8 +318,15 @@ def _check_exact(f16: Path, q8: Path) -> None:
 
 
 def llama_cpp_logits(tree: Path, names) -> dict:
-    """llama.cpp's logits on each (name, type) fixture for each of ``prompts()``, computed by
-    tests/support/llama_logits.c (llama.cpp's C API) built against ``tree``."""
+    """llama.cpp's logits on each (name, type) fixture for each of ``prompts()``."""
+    files = {f"{name}-{kind}": fixture(name, kind) for name, kind in names}
+    return logits_of_files(tree, files, prompts())
+
+
+def logits_of_files(tree: Path, files: dict[str, Path], cases: list[list[int]]) -> dict:
+    """``{"<key>.<i>.logits": [T, vocab]}``: llama.cpp's logits after every token of each of ``cases``
+    on each file of ``files`` (key -> GGUF), computed by tests/support/llama_logits.c (llama.cpp's C
+    API) built against ``tree``."""
     import torch
 
     out = {}
@@ -331,16 +338,12 @@ def llama_cpp_logits(tree: Path, names) -> dict:
             + [f"-I{tree / 'include'}", f"-I{tree / 'ggml' / 'include'}", f"-L{lib}", "-lllama", f"-Wl,-rpath,{lib}"],
             check=True,
         )
-        for name, kind in names:
-            for i, ids in enumerate(prompts()):
+        for key, path in files.items():
+            for i, ids in enumerate(cases):
                 dump = Path(tmp) / "logits.f32"
-                subprocess.run(
-                    [str(exe), str(fixture(name, kind)), str(dump), *map(str, ids)],
-                    check=True,
-                    stderr=subprocess.DEVNULL,
-                )
+                subprocess.run([str(exe), str(path), str(dump), *map(str, ids)], check=True, stderr=subprocess.DEVNULL)
                 logits = np.fromfile(dump, dtype=np.float32).reshape(len(ids), -1)
-                out[f"{name}-{kind}.{i}.logits"] = torch.from_numpy(logits.copy())
+                out[f"{key}.{i}.logits"] = torch.from_numpy(logits.copy())
     return out
 
 

@@ -28,9 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
-from tests.support.arch_fixtures import _tree_version
+from tests.support.arch_fixtures import _tree_version, logits_of_files
 from tests.support.kquant_fixtures import DATA, prompts, tensor_types, write_f16
 
 TYPES = ("Q4_0", "Q4_1", "Q4_K_S", "Q5_K_S", "Q8_0", "IQ4_NL", "IQ4_XS")
@@ -43,26 +41,7 @@ def fixture(kind: str) -> Path:
 
 def llama_cpp_logits(tree: Path) -> dict:
     """llama.cpp's logits on each of ``TYPES``' fixtures for each prompt (tests/support/llama_logits.c)."""
-    import torch
-
-    out = {}
-    lib = tree / "build" / "bin"
-    with tempfile.TemporaryDirectory() as tmp:
-        exe = Path(tmp) / "llama_logits"
-        subprocess.run(
-            ["gcc", "-O1", "-o", str(exe), str(Path(__file__).with_name("llama_logits.c"))]
-            + [f"-I{tree / 'include'}", f"-I{tree / 'ggml' / 'include'}", f"-L{lib}", "-lllama", f"-Wl,-rpath,{lib}"],
-            check=True,
-        )
-        for kind in TYPES:
-            for i, ids in enumerate(prompts()):
-                dump = Path(tmp) / "logits.f32"
-                subprocess.run(
-                    [str(exe), str(fixture(kind)), str(dump), *map(str, ids)], check=True, stderr=subprocess.DEVNULL
-                )
-                logits = np.fromfile(dump, dtype=np.float32).reshape(len(ids), -1)
-                out[f"{kind}.{i}.logits"] = torch.from_numpy(logits.copy())
-    return out
+    return logits_of_files(tree, {kind: fixture(kind) for kind in TYPES}, prompts())
 
 
 def main(tree: Path) -> None:
