@@ -1,6 +1,10 @@
 """A GGUF file's tensors as a converted directory keeps them: the file's own numbers, written one
 tensor at a time, and decoded to float only when a float weight is asked for.
 
+(Past ~400 lines on purpose: the directory's three tensor files are one layout, written by
+``write_tensors`` and read back by ``decoded_weights`` and ``Q4File``; split, each half would
+restate the other's names, dtypes and scale fields.)
+
 A converted directory (chatkv.weights.gguf.convert_gguf) holds three tensor files:
 
 - ``model.safetensors``: the float tensors (F32/F16/BF16 in the file: the norms, any float
@@ -48,6 +52,7 @@ __all__ = [
     "read_q4",
     "read_wide",
     "Q4File",
+    "ForgettableWeights",
 ]
 
 #: The GGUF's 4-bit projection weights as stored (codes, scale, minimum per group of 32; rows in
@@ -387,7 +392,54 @@ def read_q4(model_dir: str | Path) -> "Q4File | dict[str, Q4Weight]":
     return Q4File(path, model_dir)
 
 
-class Q4File:
+class ForgettableWeights:
+    """4-bit weights by name, each read from its files by ``weight(name)`` when asked for and never
+    kept, with the names a loader may forget once it is done with one (``del``, ``pop``). The
+    mapping part of ``Q4File`` and chatkv.weights.gptq_awq's ``CheckpointQ4``; a subclass fills
+    ``_names`` and gives ``weight``."""
+
+    _names: dict[str, None]
+
+    def weight(self, name: str) -> Q4Weight:
+        raise NotImplementedError
+
+    def __getitem__(self, name: str) -> Q4Weight:
+        if name not in self._names:
+            raise KeyError(name)
+        return self.weight(name)
+
+    def get(self, name: str, default=None):
+        return self[name] if name in self._names else default
+
+    def pop(self, name: str, *default):
+        value = self[name] if name in self._names or not default else default[0]
+        self._names.pop(name, None)
+        return value
+
+    def __delitem__(self, name: str) -> None:
+        """Forget ``name`` without reading it (a loader done with it)."""
+        del self._names[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self):
+        return iter(list(self._names))
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def keys(self):
+        return list(self._names)
+
+    def items(self):
+        return [(n, self[n]) for n in list(self._names)]
+
+    def values(self):
+        return [self[n] for n in list(self._names)]
+
+
+class Q4File(ForgettableWeights):
     """The 4-bit weights of a ``QUANT_FILE``, read one at a time: ``q4[name]`` reads that weight's
     codes (two a byte in the file), scales and minimums; ``pop`` also forgets the name. Nothing is
     cached: each access opens the file, copies that weight's tensors out of its mapping and closes
@@ -437,11 +489,6 @@ class Q4File:
         codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], -1)
         return Q4Weight(codes, scale, minimum)
 
-    def __getitem__(self, name: str) -> Q4Weight:
-        if name not in self._names:
-            raise KeyError(name)
-        return self.weight(name)
-
     def nibbles(self, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``name``'s codes as the file holds them (uint8 ``[N, K / 2]``, byte ``j`` holding code
         ``2j`` in its low nibble and ``2j + 1`` in its high one), scale and minimum
@@ -449,33 +496,3 @@ class Q4File:
         if name not in self._names:
             raise KeyError(name)
         return self.parts(name)
-
-    def get(self, name: str, default=None):
-        return self[name] if name in self._names else default
-
-    def pop(self, name: str, *default):
-        value = self[name] if name in self._names or not default else default[0]
-        self._names.pop(name, None)
-        return value
-
-    def __delitem__(self, name: str) -> None:
-        """Forget ``name`` without reading it (a loader done with it)."""
-        del self._names[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
-    def __iter__(self):
-        return iter(list(self._names))
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    def keys(self):
-        return list(self._names)
-
-    def items(self):
-        return [(n, self[n]) for n in list(self._names)]
-
-    def values(self):
-        return [self[n] for n in list(self._names)]

@@ -49,6 +49,7 @@ from pathlib import Path
 import torch
 
 from chatkv.errors import ModelNotFound, UnsupportedModel
+from chatkv.weights.gguf_tensors import ForgettableWeights, read_q4
 from chatkv.weights.quantised import GROUP, Q4Weight
 
 __all__ = [
@@ -246,7 +247,7 @@ def _expected_shapes(raw: dict) -> dict[str, tuple[int, int]]:
     return out
 
 
-class CheckpointQ4:
+class CheckpointQ4(ForgettableWeights):
     """A GPTQ/AWQ checkpoint's quantised projections as ``Q4Weight``s by name (without ``model.``,
     ``layers.0.self_attn.q_proj.weight``), each read from its file when asked for and not kept, as
     chatkv.weights.gguf's Q4File: a loader taking one projection at a time never holds them all.
@@ -374,41 +375,6 @@ class CheckpointQ4:
             out[name] = lambda name=name: self.weight(name).dequantize()
         return out
 
-    def __getitem__(self, name: str) -> Q4Weight:
-        if name not in self._names:
-            raise KeyError(name)
-        return self.weight(name)
-
-    def get(self, name: str, default=None):
-        return self[name] if name in self._names else default
-
-    def pop(self, name: str, *default):
-        value = self[name] if name in self._names or not default else default[0]
-        self._names.pop(name, None)
-        return value
-
-    def __delitem__(self, name: str) -> None:
-        """Forget ``name`` without reading it (a loader done with it)."""
-        del self._names[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._names
-
-    def __iter__(self):
-        return iter(list(self._names))
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    def keys(self):
-        return list(self._names)
-
-    def items(self):
-        return [(n, self[n]) for n in list(self._names)]
-
-    def values(self):
-        return [self[n] for n in list(self._names)]
-
 
 def read_checkpoint_q4(model_dir: str | Path) -> CheckpointQ4 | None:
     """The GPTQ/AWQ checkpoint's 4-bit projections (``CheckpointQ4``), or None for another model."""
@@ -427,8 +393,6 @@ def read_int4(model_dir: str | Path):
     own = read_checkpoint_q4(model_dir)
     if own is not None:
         return own
-    from chatkv.weights.gguf_tensors import read_q4
-
     return read_q4(model_dir)
 
 
