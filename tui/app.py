@@ -167,13 +167,16 @@ class ChatApp(TurnsMixin, ToolsMixin, BranchesMixin, ConversationsMixin, Command
         logging.getLogger("chatkv").addHandler(self._log_handler)
         self.query_one("#sources").display = False
         self.query_one("#ingest").display = False
-        box = self.query_one(ChatInput)
-        if self.mask_volatile:
-            box.cursor_blink = False  # steady screens for snapshots
-        box.focus()
+        self.query_one(ChatInput).focus()
         self._loading = self.engine is None  # from the first frame: what is typed waits for the model
         self.run_worker(self._start(), exclusive=False)
         self.run_worker(self._start_mcp(), exclusive=False)  # mcp.json's servers, beside the model's loading
+
+    def on_descendant_focus(self, event) -> None:
+        # steady screens for snapshots: a focused box (the chat input, a dialog's fields) whose
+        # cursor blinks is drawn with or without it depending on how long the screenshot took
+        if self.mask_volatile and hasattr(event.widget, "cursor_blink"):
+            event.widget.cursor_blink = False
 
     async def _start(self) -> None:
         if self.engine is None:

@@ -4,6 +4,8 @@ come from a seeded tiny model decoded greedily, so they repeat. Update with --sn
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 pytest.importorskip("pytest_textual_snapshot")
@@ -71,6 +73,8 @@ def test_settings_dialog(snap_compare, engine):
         await idle(pilot, app)
         app.action_settings()
         await idle(pilot, app)
+        await asyncio.sleep(0.6)  # past a cursor blink (0.5 s): the focused field's cursor stays drawn
+        await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=settings)
 
