@@ -82,6 +82,7 @@ _SIGNATURES = {
     "int4_weight_t": [_P, _P, _P, _I, _I, _I, ctypes.c_int],
     "int4_mm": [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
     "int8_mm": [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int],
+    "int8_weight": [_P, _P, _P, _I, _I, ctypes.c_int],
 }
 INT4_MM_ROWS = 16  # the most rows int4_mm takes (INT4_MM_ROWS in the C)
 INT4_MM_GROUPS = 1024  # the most groups of 32 inputs it takes (INT4_MM_GROUPS in the C)
@@ -313,6 +314,24 @@ def int4_weight_t(packed: torch.Tensor, scales_zeros: torch.Tensor, out: torch.T
         n,
         k,
         block,
+        torch.get_num_threads(),
+    )
+    return out
+
+
+def int8_weight(codes: torch.Tensor, scale: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Per-channel int8 ``codes`` ``[N, K]`` times their float32 ``scale`` (``N`` numbers) into
+    ``out`` (bfloat16 ``[N, K]``), rounded as ``torch.mul(codes, scale[:, None], out=out)`` rounds
+    it (the product in float32, then bfloat16), on the current threads."""
+    n, k = codes.shape
+    if scale.numel() != n or out.shape != (n, k):
+        raise ValueError(f"int8_weight: codes {tuple(codes.shape)}, scale {tuple(scale.shape)}, out {tuple(out.shape)}")
+    library().int8_weight(
+        _check(codes, torch.int8, "codes"),
+        _check(scale, torch.float32, "scale"),
+        _check(out, torch.bfloat16, "out"),
+        n,
+        k,
         torch.get_num_threads(),
     )
     return out

@@ -23,6 +23,7 @@ import threading
 import pytest
 import torch
 
+from chatkv.kernels import cpu_decode
 from chatkv.model import prefill as quant_prefill
 from chatkv.model.forward import Linear, LlamaModel
 from chatkv.model.prefill import Scratch, ScratchInt4, ScratchInt8, scratch_int4
@@ -139,6 +140,26 @@ def test_the_int8_scratch_path_is_the_resident_copys_numbers_bit_for_bit():
     x = torch.randn(32, 1536, generator=g).to(torch.bfloat16)
     copy = Linear(q8.dequantize().to(torch.bfloat16), pack=False)
     assert torch.equal(path(x), copy(x))  # the same numbers through the same F.linear
+
+
+@pytest.mark.parametrize("n, k", [(6144, 2048), (2048, 8192), (14336, 4096), (37, 100)])
+def test_the_native_int8_dequantising_is_torchs_numbers_at_the_products_shapes(n, k):
+    """The C pass a many-row int8 step dequantises with (a GGUF's Q6_K/Q8_0 projections at the
+    1.7B and 8B shapes; k = 100 runs its scalar tail) against torch.mul's rounding, over every
+    code and scales from subnormal to near overflow."""
+    from chatkv.model import fused_decode
+
+    assert fused_decode.kernels_available()  # built at install on this machine class
+    g = torch.Generator().manual_seed(n)
+    codes = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=g)
+    scale = torch.rand(n, generator=g) * 0.02
+    scale[:4] = torch.tensor([1e-40, 3e38 / 127, 0.0, -0.5])  # subnormal, near overflow, zero, negative
+    out = torch.empty(n, k, dtype=torch.bfloat16)
+    assert torch.equal(cpu_decode.int8_weight(codes, scale, out), torch.mul(codes, scale[:, None]).to(torch.bfloat16))
+    assert torch.equal(
+        ScratchInt8(codes, scale[:, None], None, Scratch()).weight(),
+        torch.mul(codes, scale[:, None]).to(torch.bfloat16),
+    )
 
 
 def test_one_buffer_per_thread_shared_by_every_projection_and_no_bf16_weights_kept(model_dir):
