@@ -19,7 +19,8 @@ The numbers are the ones the quantised kernels compute with, rounded once to bfl
   float32 scale and minimum instead: the two differ by the kernel's bfloat16 rounding of s and z,
   at most 2^-9 of a weight, the size of bfloat16's own rounding.)
 - int8 (``ScratchInt8``): ``code * scale`` with the float32 per-channel scale, rounded: bit for
-  bit the resident copy's numbers.
+  bit the resident copy's numbers (one C pass, ``cpu_decode.int8_weight``, where the fused ops are
+  built: torch's mixed-dtype multiply takes ~15x a copy's time).
 
 Reading the int4 kernel's packing depends on its layout, which torch documents only in its
 source and which differs by ISA: ``chatkv.weights.quantised.int4pack_block`` finds it by packing known codes once.
