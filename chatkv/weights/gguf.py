@@ -19,11 +19,13 @@ data.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -249,9 +251,12 @@ def convert_gguf(
     reader = _weights_only(reader)
 
     make_private_dir(out_dir.parent)
+    remove_abandoned(out_dir)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    owner = None
     try:
         os.chmod(tmp, 0o700)
+        owner = _own(tmp)
         report = progress if callable(progress) else None
         total = len(reader.tensors)
         bar = tqdm(total=total, desc=f"converting {gguf_path.name}", unit="tensor", disable=progress is not True)
@@ -298,18 +303,76 @@ def convert_gguf(
                 "source_sha256": source_sha256,
             },
         )
+        (tmp / OWNER).unlink()  # not part of the result (the lock itself stays held until closed below)
         chmod_tree_private(tmp)
         fsync_tree(tmp)
         _replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if owner is not None:
+            os.close(owner)
     try:
         fsync_dir(out_dir.parent)
     except OSError:  # the directory is complete; at worst a crash now means converting again
         pass
     release_freed_memory()  # each tensor's decoding, freed, not left on the heaps for the load that follows
     return out_dir
+
+
+OWNER = ".owner"  # in a conversion's temporary directory: locked while its process converts
+ABANDONED_S = 600  # a temporary directory without that lock and untouched this long is a dead run's
+
+
+def _own(tmp: Path) -> int:
+    """Lock ``tmp`` as this process's work in progress (``remove_abandoned`` leaves it alone while
+    the lock is held; the kernel drops it when the process ends, kill -9 included)."""
+    fd = os.open(tmp / OWNER, os.O_CREAT | os.O_RDWR, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def remove_abandoned(out_dir: Path) -> list[Path]:
+    """Remove what conversions into ``out_dir`` that died left beside it (kill -9, power loss):
+    their temporary directories (``.<name>.tmp-*``) whose owner lock nobody holds, and the
+    previous conversions moved aside (``.<name>.old-*``) that no live rename still needs (the
+    same age rule). A conversion running in another process keeps its lock and is left alone.
+    Returns what was removed."""
+    removed = []
+    for path in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):
+        if path.is_dir() and not path.is_symlink() and _abandoned(path):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    for path in out_dir.parent.glob(f".{out_dir.name}.old-*"):
+        if not path.is_symlink() and _older_than(path, ABANDONED_S):
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def _abandoned(tmp: Path) -> bool:
+    try:
+        fd = os.open(tmp / OWNER, os.O_RDWR)
+    except FileNotFoundError:  # a run that died before locking, or between its last steps: by age
+        return _older_than(tmp, ABANDONED_S)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held: its process is converting now
+        return False
+    finally:
+        os.close(fd)
+    return True
+
+
+def _older_than(path: Path, seconds: float) -> bool:
+    try:
+        st = path.lstat()  # a rename sets the ctime (a directory moved aside keeps its old mtime)
+        return time.time() - max(st.st_mtime, st.st_ctime) > seconds
+    except OSError:
+        return False
 
 
 def _check_complete(tensors: set[str], config: dict[str, Any]) -> None:
