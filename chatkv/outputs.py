@@ -50,6 +50,17 @@ class Usage:
 
 
 @dataclass
+class TokenLogprob:
+    """One generated token's log probability (``SamplingParams.logprobs``): the float32
+    log-softmax of the model's raw logits at that step, before logit bias, penalties,
+    temperature and any constraint's mask, as OpenAI and vLLM report them."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # the most likely tokens, best first
+
+
+@dataclass
 class GenerationResult:
     """A finished request."""
 
@@ -59,6 +70,8 @@ class GenerationResult:
     finish_reason: str  # "stop" | "length" | "aborted"
     usage: Usage
     preemptions: int = 0
+    # with SamplingParams.logprobs: one per generated token, the stop token excluded (None: not asked)
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

@@ -234,6 +234,7 @@ class Engine:
         params.validate()
         if isinstance(priority, bool) or not isinstance(priority, int) or not -1000 <= priority <= 1000:
             raise InvalidRequest(f"priority must be an int in [-1000, 1000], got {priority!r}")
+        params.check_vocab(self.model.embed.shape[0])
         ids = self._to_ids(prompt)
         limit = min(self.max_context, max_context or self.max_context)
         if len(ids) >= limit:
@@ -296,6 +297,17 @@ class Engine:
     @property
     def started(self) -> bool:
         return self._loop.running
+
+    @property
+    def open(self) -> bool:
+        """Not closing or closed."""
+        return self._gate.state == "open"
+
+    @property
+    def idle(self) -> bool:
+        """Open, no session turn running and no request to step: low-priority background work
+        (a chunk's KV made for later turns, chatkv.rag.background) may use the machine."""
+        return self._gate.state == "open" and self._gate.turns <= 0 and not self.scheduler.has_work()
 
     def on_loop(self, fn):
         """Run ``fn()`` where the engine's state may be touched, in a round of the engine loop

@@ -261,6 +261,11 @@ class RequestStream:
         if self.seq.error is not None:
             raise self.seq.error
 
+    def token_logprobs(self, start: int = 0):
+        """The logprobs (``chatkv.outputs.TokenLogprob``) of the tokens generated so far, from
+        ``start`` on (None unless the request's ``SamplingParams.logprobs`` asked for them)."""
+        return self.seq.token_logprobs(start)
+
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the request finished; False if ``timeout`` seconds passed first."""
         return self._until(lambda: self._done, timeout)

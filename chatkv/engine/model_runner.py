@@ -12,7 +12,9 @@ accepts. They go in as ``1 + len(draft)`` one-token items over the same block ta
 at position ``start + i``, seeing the keys the items before it stored in the same layer), not as
 one ``logits="all"`` chunk: so each row takes the decode attention path a plain decode step
 takes, and its logits are a plain decode's, bit for bit, also in bf16 (a chunk would take the
-prefill path, whose rounding differs and flips near-tied greedy picks).
+prefill path, whose rounding differs and flips near-tied greedy picks). A sequence that asks for
+``logprobs`` gets each emitted token's (``sampling.token_logprobs``) from its rows' raw logits, kept
+before any mask or penalty: a verified token's are its plain decode's, since its row is.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from chatkv.config import EngineConfig
-from chatkv.engine.sampling import mask_rows, sample
+from chatkv.engine.sampling import mask_rows, sample, token_logprobs
 from chatkv.engine.sequence import Sequence
 from chatkv.engine.speculative import verify
 from chatkv.kernels import AttentionMetadata, build_metadata, kv_quant
@@ -103,6 +105,16 @@ def _report_step(plan: list[tuple[Sequence, int]], seconds: float) -> None:
         cost.record(len(plan), sum(n for _, n in plan), seconds)
     else:
         cost.skip()
+
+
+def _record_logprobs(seq: Sequence, raw: torch.Tensor, tokens: list[int]) -> None:
+    """Append the logprobs of ``tokens`` (row ``i`` of ``raw`` picked ``tokens[i]``) to ``seq.logprobs``.
+    The scheduler may append fewer of them (a verified run cut at a stop): the entries past the
+    sequence's generated tokens are never read (``Sequence.token_logprobs``)."""
+    if seq.logprobs is None:
+        seq.logprobs = []
+    del seq.logprobs[seq.num_generated :]  # a previous verified run's entries past its stop
+    seq.logprobs.extend(token_logprobs(raw, tokens, seq.params.logprobs))
 
 
 class ModelRunner:
@@ -191,18 +203,27 @@ class ModelRunner:
         out: dict[Sequence, int | list[int] | Exception] = {}
         if verifying:  # the rows in batch order: split them into the samplers' and the verifiers'
             logits, verify_rows = self._split_rows(plan, logits)
+        raw = {seq: logits[row].clone() for row, seq in enumerate(samplers) if seq.params.logprobs is not None}
         masked = mask_rows(logits, [seq.matcher for seq in samplers])  # constrained rows only
         for row, seq in enumerate(samplers):
             if masked[row] is not None:  # its constraint's matcher failed
                 out[seq] = masked[row]
                 continue
             try:
-                out[seq] = sample(logits[row], seq.params, seq.token_ids, seq.generator)
+                out[seq] = sample(logits[row], seq.params, seq.token_ids, seq.generator, seq.num_prompt_tokens)
+                if seq in raw:
+                    _record_logprobs(seq, raw[seq][None], [out[seq]])
             except (RuntimeError, ValueError) as err:  # e.g. non-finite logits from broken weights
                 out[seq] = err
         for seq in verifying:
             try:
-                out[seq] = verify(verify_rows[seq], seq.draft, seq.params, seq.token_ids, seq.generator, seq.matcher)
+                rows = verify_rows[seq]
+                before = rows.clone() if seq.params.logprobs is not None else None  # verify masks rows in place
+                out[seq] = verify(
+                    rows, seq.draft, seq.params, seq.token_ids, seq.generator, seq.matcher, seq.num_prompt_tokens
+                )
+                if before is not None:
+                    _record_logprobs(seq, before, out[seq])
             except (RuntimeError, ValueError) as err:
                 out[seq] = err
         _report_step(plan, time.perf_counter() - began)

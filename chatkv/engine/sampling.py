@@ -1,4 +1,9 @@
-"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, repetition penalty, seed)."""
+"""Sampling parameters and the sampler (greedy, temperature, top-k, top-p, repetition, presence and
+frequency penalties, logit bias, seed), and the log probabilities of the tokens sampled.
+
+(A few lines past 400 on purpose: the parameters, their validation and the sampler that reads
+them are one contract, read together.)
+"""
 
 from __future__ import annotations
 
@@ -11,8 +16,13 @@ from typing import Any, Mapping, Protocol, Sequence
 import torch
 
 from chatkv.errors import InvalidRequest
+from chatkv.outputs import TokenLogprob
 
 SEED_LIMIT = 2**63  # seeds are stored with the conversation (SQLite integers are signed 64-bit)
+MAX_LOGPROBS = 20  # the most likely alternatives reported per token at most (OpenAI's top_logprobs bound)
+MAX_LOGIT_BIAS = 1024  # logit_bias entries at most
+LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100] (OpenAI's)
+PENALTY_RANGE = 2.0  # presence_penalty and frequency_penalty in [-2, 2] (OpenAI's)
 _F32_MAX = torch.finfo(torch.float32).max
 
 
@@ -45,6 +55,16 @@ class SamplingParams:
     - ``top_k``: an int >= 0; 0 = off.
     - ``top_p``: a finite real in (0, 1]; 1 = off.
     - ``repetition_penalty``: a finite real > 0; 1 = off (transformers' semantics).
+    - ``presence_penalty``, ``frequency_penalty``: finite reals in [-2, 2]; 0 = off. As OpenAI
+      documents them: ``logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty``,
+      ``count[j]`` the times token ``j`` was generated so far in this reply (the prompt not counted).
+    - ``logit_bias``: None or a mapping of token id (an int >= 0; the engine also checks it is in
+      the vocabulary) to a finite real in [-100, 100], added to that token's logit; at most 1024
+      entries. Applied first (vLLM's order: bias, then the repetition penalty, then presence and
+      frequency, then temperature, top-k, top-p).
+    - ``logprobs``: None (off) or an int in [0, 20]: each generated token's log probability is
+      reported (``GenerationResult.logprobs``) with this many most likely alternatives. It is the
+      float32 log-softmax of the raw logits, before bias, penalties, temperature and constraint.
     - ``seed``: None (a fresh random seed) or an int in [0, 2**63).
     - ``stop``: a list (or tuple) of non-empty str, each encodable as UTF-8 (no lone surrogates).
     - ``stop_token_ids``: a list (or tuple) of ints >= 0 (an id the vocabulary lacks never matches).
@@ -60,7 +80,8 @@ class SamplingParams:
       where the constraint may end.
 
     Build from untrusted key/value input with ``SamplingParams.from_dict``, which also names
-    unknown keys instead of raising ``TypeError``.
+    unknown keys instead of raising ``TypeError`` and reads ``logit_bias`` keys that are strings
+    of digits (JSON's, as OpenAI sends them and a session's stored settings hold them) as ids.
     """
 
     max_tokens: int = 256
@@ -77,6 +98,10 @@ class SamplingParams:
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from every token generated so far
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per time a token was generated so far
+    logit_bias: Mapping[int, float] | None = None  # token id -> added to its logit
+    logprobs: int | None = None  # report each token's logprob and this many alternatives (None: off)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "SamplingParams":
@@ -90,6 +115,9 @@ class SamplingParams:
                 f"unknown sampling parameter{'s' if len(unknown) > 1 else ''}: {', '.join(unknown)} "
                 f"(known: {', '.join(sorted(known))})"
             )
+        bias = d.get("logit_bias")
+        if isinstance(bias, Mapping) and len(bias) <= MAX_LOGIT_BIAS:  # JSON keys: token ids as strings
+            d = {**d, "logit_bias": {_token_key(k): v for k, v in bias.items()}}
         params = cls(**d)
         params.validate()
         return params
@@ -130,7 +158,44 @@ class SamplingParams:
             raise bad("stop_token_ids", "a list of ints >= 0")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "a bool")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_finite(v) or not -PENALTY_RANGE <= v <= PENALTY_RANGE:
+                raise bad(name, "a number in [-2, 2] (0 = off)")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", f"None or an int in [0, {MAX_LOGPROBS}] (the alternatives reported per token)")
+        self._validate_logit_bias()
         self._validate_constraint(bad)
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, Mapping):
+            raise InvalidRequest(f"logit_bias must be a mapping of token id to bias, got {type(bias).__name__}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        for k, v in bias.items():
+            if not _is_int(k) or k < 0:
+                raise InvalidRequest(f"logit_bias keys must be token ids (ints >= 0), got {_short(k)}")
+            if not _is_finite(v) or not -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE:
+                raise InvalidRequest(f"logit_bias[{k}] must be a number in [-100, 100], got {_short(v)}")
+
+    def check_vocab(self, vocab: int) -> None:
+        """``InvalidRequest`` when a ``logit_bias`` token id is outside the vocabulary ``[0, vocab)``."""
+        bad = sorted(k for k in self.logit_bias or () if k >= vocab)
+        if bad:
+            raise InvalidRequest(f"logit_bias token id(s) {bad[:5]} outside the vocabulary [0, {vocab})")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when anything but temperature, top-k and top-p changes the logits before a pick."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or bool(self.logit_bias)
+        )
 
     @property
     def constrained(self) -> bool:
@@ -182,6 +247,16 @@ class SamplingParams:
         check(constraint_of(self))
 
 
+def _token_key(k: Any) -> Any:
+    """A ``logit_bias`` key as JSON gives it ("42") as the token id it names; anything else as it is."""
+    return int(k) if isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10 else k
+
+
+def _short(value: Any) -> str:
+    shown = repr(value)
+    return shown if len(shown) <= 80 else shown[:77] + "..."
+
+
 def make_generator(params: SamplingParams) -> torch.Generator | None:
     if params.temperature == 0:
         return None
@@ -207,17 +282,38 @@ def _penalize(logits: torch.Tensor, history: list[int], penalty: float) -> torch
     return out
 
 
-def probabilities(logits: torch.Tensor, params: SamplingParams, history: list[int]) -> torch.Tensor:
+def adjust(logits: torch.Tensor, params: SamplingParams, history: list[int], num_prompt: int = 0) -> torch.Tensor:
+    """The logits a pick is made from: ``logit_bias`` added, then the repetition penalty (over all of
+    ``history``), then the presence and frequency penalties over the tokens generated so far
+    (``history[num_prompt:]``), as vLLM orders them. ``logits`` itself is never changed; with none of
+    them set it is returned as it is."""
+    if params.logit_bias:
+        ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+        bias = torch.tensor([float(v) for v in params.logit_bias.values()], dtype=logits.dtype)
+        logits = logits.index_add(0, ids, bias)
+    if params.repetition_penalty != 1.0 and history:
+        logits = _penalize(logits, history, params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and len(history) > num_prompt:
+        generated = torch.tensor(history[num_prompt:], dtype=torch.long)
+        ids, counts = torch.unique(generated, return_counts=True)
+        cut = counts.to(logits.dtype) * float(params.frequency_penalty) + float(params.presence_penalty)
+        logits = logits.index_add(0, ids, -cut)
+    return logits
+
+
+def probabilities(
+    logits: torch.Tensor, params: SamplingParams, history: list[int], num_prompt: int = 0
+) -> torch.Tensor:
     """The distribution ``sample`` draws from when ``temperature > 0`` (float64 ``[vocab]``).
 
-    transformers' order: repetition penalty, temperature, top-k, top-p. Computed as
+    ``adjust``'s logit bias and penalties (``num_prompt``: how many leading tokens of ``history``
+    are the prompt), then temperature, top-k, top-p. Computed as
     ``softmax((x - max x) / T)`` in float64, so any finite temperature gives finite
     probabilities: a huge one tends to uniform over the tokens top-k/top-p keep, a tiny one to
     the argmax. Logits the model made nan never get picked; if some are +inf, the draw is
     uniform over those; if every token is -inf, uniform over the vocabulary.
     """
-    if params.repetition_penalty != 1.0 and history:
-        logits = _penalize(logits, history, params.repetition_penalty)
+    logits = adjust(logits, params, history, num_prompt)
     x = logits.double()
     neg_inf = float("-inf")
     x = torch.where(torch.isnan(x), neg_inf, x)
@@ -270,18 +366,35 @@ def sample(
     params: SamplingParams,
     history: list[int],
     generator: torch.Generator | None,
+    num_prompt: int = 0,
 ) -> int:
-    """Pick the next token from float32 ``logits [vocab]`` of one sequence.
+    """Pick the next token from float32 ``logits [vocab]`` of one sequence (``history``: its
+    tokens so far, the first ``num_prompt`` of them its prompt).
 
-    ``temperature == 0``: the argmax after the repetition penalty (what transformers' greedy
-    search picks). Otherwise one draw, with ``generator``, from ``probabilities(...)``.
+    ``temperature == 0``: the argmax after ``adjust``'s bias and penalties (with the repetition
+    penalty alone, what transformers' greedy search picks). Otherwise one draw, with
+    ``generator``, from ``probabilities(...)``.
     """
     if params.temperature == 0:
-        if params.repetition_penalty != 1.0 and history:
-            logits = _penalize(logits, history, params.repetition_penalty)
+        if params.adjusts_logits:
+            logits = adjust(logits, params, history, num_prompt)
         return int(torch.argmax(logits))
-    probs = probabilities(logits, params, history)
+    probs = probabilities(logits, params, history, num_prompt)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """``TokenLogprob`` of ``tokens[i]`` picked from row ``i`` of ``logits [rows, vocab]`` (the raw
+    model logits, before ``adjust`` and any constraint's mask): the float32 log-softmax, with the
+    ``top`` most likely tokens of the row, best first."""
+    lp = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    picked = lp[torch.arange(len(tokens)), torch.tensor(list(tokens), dtype=torch.long)].tolist()
+    if top > 0:
+        values, ids = torch.topk(lp, min(top, lp.shape[-1]), dim=-1)
+        alts = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        alts = [[] for _ in tokens]
+    return [TokenLogprob(int(t), p, a) for t, p, a in zip(tokens, picked, alts)]
 
 
 class RowMask(Protocol):

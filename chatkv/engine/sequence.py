@@ -12,7 +12,7 @@ import torch
 from chatkv.engine.detokenize import TextStream
 from chatkv.engine.sampling import SamplingParams
 from chatkv.kvcache.types import BlockTable
-from chatkv.outputs import GenerationResult, Usage
+from chatkv.outputs import GenerationResult, TokenLogprob, Usage
 
 if TYPE_CHECKING:
     from chatkv.engine.speculative import SpecState
@@ -63,6 +63,9 @@ class Sequence:
         default_factory=list
     )  # tokens proposed for this step's verification (chatkv.engine.speculative)
     spec: SpecState | None = None  # its speculation state: proposer, acceptance, counts (None: never speculated)
+    # with params.logprobs: each sampled token's (the model runner appends them before the scheduler
+    # appends the tokens, so it may briefly hold more entries than tokens; token_logprobs reads it)
+    logprobs: list[TokenLogprob] | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -130,6 +133,18 @@ class Sequence:
             accepted_tokens=self.spec.accepted if self.spec is not None else 0,
         )
 
+    def token_logprobs(self, start: int = 0) -> list[TokenLogprob] | None:
+        """The logprobs of the generated tokens from ``start`` on, a stop token that ended the
+        sequence excluded (None unless ``params.logprobs`` asked for them). Safe to call from any
+        thread while the loop runs: it reads only tokens already appended."""
+        if self.params.logprobs is None:
+            return None
+        entries = self.logprobs or []
+        n = min(self.num_generated, len(entries))
+        if n and n == self.num_generated and self.token_ids[self.num_prompt_tokens + n - 1] in self.stop_ids:
+            n -= 1  # a stop token ends the sequence: not part of its text
+        return entries[start:n]
+
     def result(self) -> GenerationResult:
         return GenerationResult(
             request_id=self.seq_id,
@@ -138,4 +153,5 @@ class Sequence:
             finish_reason=self.finish_reason or "aborted",
             usage=self.usage(),
             preemptions=self.preemptions,
+            logprobs=self.token_logprobs(),
         )

@@ -269,18 +269,20 @@ def verify(
     history: list[int],
     generator: torch.Generator | None,
     matcher: Any = None,
+    num_prompt: int = 0,
 ) -> list[int]:
     """The tokens a verification step emits, from ``logits [len(draft) + 1, vocab]`` (row ``i``:
     the target's logits after the history and ``draft[:i]``): the accepted proposals, then the
     target's own token at the first disagreement (or after all of them). See the module doc.
     ``matcher``: a constrained request's; row ``i`` is masked in place as plain decoding would
-    mask it, and the matcher is left where it was."""
+    mask it, and the matcher is left where it was. ``num_prompt``: the leading tokens of ``history``
+    that are the prompt (presence and frequency penalties count the rest, as ``sample`` does)."""
     out: list[int] = []
     try:
         for i in range(len(draft) + 1):
             if matcher is not None:
                 matcher.mask_into(logits[i])
-            token = sample(logits[i], params, history + out if out else history, generator)
+            token = sample(logits[i], params, history + out if out else history, generator, num_prompt)
             if matcher is not None and not matcher.advance(token):
                 raise RuntimeError(f"token {token} breaks the request's constraint")
             out.append(token)
