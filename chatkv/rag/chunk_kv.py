@@ -77,6 +77,7 @@ class ChunkKV:
         self._lock = threading.Lock()
         # lifetime counters: entries found in memory, read from disk, computed, evicted from memory
         self.hits = self.loaded = self.computed = self.evicted = 0
+        self.filler = None  # chatkv.rag.background.Filler: chunks queued to be made when the engine is idle
 
     def key(self, text: str) -> str:
         return chunk_key(text_hash(text), self.fingerprint, self.kv_dtype, self.frame)

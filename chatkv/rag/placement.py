@@ -1,15 +1,24 @@
 """Placing retrieved chunks' KV into a turn's prompt, then a selective recompute.
 
+(Past 400 lines on purpose: matching the shared prefix, finding the stored chunks, moving the
+conversation into its private namespace and building the KV are one sequence whose order and
+fallbacks are read in one place; ``blend`` and ``background`` are the parts that stand alone.)
+
 A RAG turn's user message holds its sources (chatkv.rag.context). With ``rag_kv_reuse`` on, the
 turn's KV up to its prompt's last token is built here, before the request is added:
 
-1. each source's text, as the prompt quotes it with its label (``rag.source_texts``), and on
-   a first turn each pinned document's (``rag.pinned_texts``), is found as a run of the
-   prompt's tokens (its own tokenisation; one not in the prompt as one run is computed);
-2. its KV in the canonical frame comes from the chunk owner (chatkv.rag.chunk_kv: memory, then
-   disk, else computed now, all missing chunks in one forward) and is copied into the
-   request's blocks with its keys re-rotated to the positions it takes (``rotate_keys``);
-3. one forward then computes, over everything, what is not reused: the tokens between and
+1. the shared prefix first: the longest prefix of the prompt the shared radix tree holds (the
+   system prompt, pinned documents, earlier turns) is matched; only sources after it are
+   placed. Pinned documents are never placed: computed once, they are every session's;
+2. each source's text, as the prompt quotes it with its label (``rag.source_texts``), is found
+   as a run of the prompt's tokens (its own tokenisation; one not in the prompt as one run is
+   computed);
+3. its KV in the canonical frame comes from the chunk owner (chatkv.rag.chunk_kv: memory, then
+   disk) and is copied into the request's blocks with its keys re-rotated to the positions it
+   takes (``rotate_keys``). A turn places only what is stored: a chunk without stored KV is
+   computed in the turn as prefix caching alone computes it (never more tokens than ``off``)
+   and queued for chatkv.rag.background, which makes its KV when the engine is idle;
+4. one forward then computes, over everything, what is not reused: the tokens between and
    after the sources (for a turn, through the prompt's last token but one when that tail fits
    one step's ``max_batch_tokens``: the scheduler then computes only the last, in a decode
    step) and the chunk tokens chosen for recompute:
@@ -23,9 +32,12 @@ turn's KV up to its prompt's last token is built here, before the request is add
    each computed row replaces the reused row in its layer before that layer's attention, so
    a later token sees it, as in a from-scratch forward. With every chunk token chosen the
    forward is one ordinary prefill chunk: the KV is full prefill's.
-4. the result becomes the conversation's RetainedKV in the conversation's private radix
+5. the result becomes the conversation's RetainedKV in the conversation's private radix
    namespace (``ContextState.private``, as a moved sink window's): KV built from reused
    chunks is never matched by, nor shared with, a from-scratch computation of those tokens.
+   The private namespace begins where placed KV begins: the whole blocks before the first
+   placed source are computed into the shared tree (as ``off`` computes them), and the private
+   namespace holds a copy of them (a block lives in one namespace of the tree).
 
 The scheduler computes the rest (a turn's last prompt token) as usual. Anything that fails
 here falls back to computing (a slower turn, never a wrong one).
@@ -44,6 +56,7 @@ from chatkv.engine.model_runner import BatchItem
 from chatkv.errors import OutOfBlocks
 from chatkv.kvcache.types import BlockTable
 from chatkv.rag import blend as chunk_blend
+from chatkv.rag.background import Filler
 from chatkv.rag.chunk_kv import ChunkEntry, ChunkKV
 
 if TYPE_CHECKING:
@@ -105,6 +118,13 @@ def chunk_store(engine) -> ChunkKV:
     return kv.chunks
 
 
+def filler(engine, store: ChunkKV) -> Filler:
+    """The engine's background filler (chatkv.rag.background), made on first use, held by its chunk store."""
+    if store.filler is None:
+        store.filler = Filler(engine, store, lambda text, ids: entries(engine, store, [text], [ids]))
+    return store.filler
+
+
 def chunk_ids(tokenizer, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -146,7 +166,7 @@ def entries(engine, store: ChunkKV, texts: Sequence[str], ids: Sequence[list[int
 
 def precompute(engine, texts: Sequence[str], batch: int = 8, progress=None) -> int:
     """Compute ahead of time the chunk KV of ``texts`` (as a prompt quotes them:
-    ``rag.source_texts``, ``rag.pinned_texts``) that the store has neither in memory nor on
+    ``rag.source_texts``) that the store has neither in memory nor on
     disk, ``batch`` chunks a forward, on the engine's loop; ``progress(done, total)`` after
     each batch. Returns how many were computed."""
     store = chunk_store(engine)
@@ -220,18 +240,26 @@ def place(
     full_as_prefill: bool = True,
     upto: int | None = None,
     check_layers: int | None = None,
+    compute_missing: bool = True,
 ) -> Placed:
-    """Build the KV of ``tokens`` up to the end of the last source found in ``tokens[start:]``,
+    """Build the KV of ``tokens`` up to the end of the last source placed in ``tokens[start:]``,
     or up to ``upto`` when that is further by at most ``max_batch_tokens`` (what one step
     computes: a longer tail would hold other requests back; the scheduler computes it in its
     chunks). A turn passes its prompt's length less one: the tokens after the sources are
     computed in the same forward, and the scheduler computes only the last, for its logits, in
     a decode step: one pass over the weights less per turn. ``texts``: the sources' texts as the
     prompt holds them. The KV is built in radix ``namespace``, continuing
-    ``kept`` (the history's KV). With ``migrate`` the history lives in ``old_namespace``: it, and
-    what the shared tree holds of the prompt there (a system prompt, pinned documents), is copied
-    into ``namespace`` first. ``kept`` is ended; the Placed's handle replaces it (``private``:
-    it is in ``namespace``; else nothing was placed and it is in the namespace it was).
+    ``kept`` (the history's KV). With ``migrate`` the history lives in ``old_namespace`` (the
+    shared tree): the longest prefix of ``tokens`` it holds (a system prompt, pinned documents,
+    earlier turns) is matched first and only sources after it are placed; the whole blocks
+    before the first placed source that it lacks are computed into it first (as prefix caching
+    alone would), then copied into ``namespace``: what is private begins where placed KV
+    begins. ``kept`` is ended; the Placed's handle replaces it
+    (``private``: it is in ``namespace``; else nothing was placed and it is in the namespace it was).
+
+    A source whose chunk KV is not stored is left to be computed as any prompt token is; without
+    ``compute_missing`` (a turn) it is queued for chatkv.rag.background, which makes its KV
+    when the engine is idle, so a turn never computes more than prefix caching alone would.
 
     When every chunk token would be recomputed (``blend`` at 100%, ``edge`` at least as long
     as every chunk) nothing is placed (``full_as_prefill``): the scheduler computes the prompt
@@ -248,33 +276,40 @@ def place(
         return Placed(kept, private=not migrate)
     if full_as_prefill and recomputes_all(spans, mode, edge_tokens, ratio):
         return Placed(kept, recomputed=sum(n for *_, n in spans), private=not migrate)
-    threads = getattr(engine, "threads", None)
-    if threads is not None:  # between steps: as many threads as there are free cores, as a step has
-        threads.adjust()
+    shared_ns = old_namespace if migrate else namespace
+    shared = max(kv.cached_len(tokens, shared_ns), kept.kv_len if kept is not None else 0)
+    spans = [sp for sp in spans if sp[1] >= shared]  # before it: in the tree already, nothing to place
     store = chunk_store(engine)
     try:
-        found = entries(engine, store, [texts[i] for i, *_ in spans], [ids[i] for i, *_ in spans])
+        if compute_missing:
+            found = entries(engine, store, [texts[i] for i, *_ in spans], [ids[i] for i, *_ in spans])
+        else:
+            found = [store.get(texts[i], ids[i]) for i, *_ in spans]
     except Exception as e:  # noqa: BLE001 - nothing moved: the sources are computed as usual
         log.warning("the sources' chunk KV is unavailable (%s: %s); computing them instead", type(e).__name__, e)
         return Placed(kept, private=not migrate)
+    missing = [i for (i, *_), e in zip(spans, found) if e is None]
+    if missing:  # computed in this turn as any prompt token; their KV made when the engine is idle
+        filler(engine, store).add([texts[i] for i in missing], [ids[i] for i in missing])
+    pairs = [(sp, e) for sp, e in zip(spans, found) if e is not None]
+    if not pairs:
+        return Placed(kept, private=not migrate)
+    spans, found = [sp for sp, _ in pairs], [e for _, e in pairs]
+    threads = getattr(engine, "threads", None)
+    if threads is not None:  # between steps: as many threads as there are free cores, as a step has
+        threads.adjust()
     end = spans[-1][1] + spans[-1][3]
     if upto is not None and 0 < min(upto, len(tokens) - 1) - end <= engine.config.max_batch_tokens:
         end = min(upto, len(tokens) - 1)  # a longer tail is the scheduler's, in its chunks between steps
-    if migrate:  # the history's KV and the shared prefix, copied into the private namespace
-        r0 = _Req(tokens[: spans[0][1] + 1], old_namespace, prefix=kept)  # up to the first source
-        kv.attach(r0)
-        kept = kv.release(r0, retain=True)
-        if kept is not None:
-            try:
-                k, v = kv.export_kv(kept)
-                moved = kv.import_kv(tokens, kept.kv_len, k, v, namespace=namespace)
-            except OutOfBlocks as e:
-                log.warning("no room to copy a conversation's KV for its sources' chunk KV (%s)", e)
-                return Placed(kept, private=False)
-            kv.drop(kept)
-            kept = moved
-    req = _Req(tokens, namespace, prefix=kept)
-    kv.attach(req)
+    if migrate:
+        try:
+            req, shared_computed = _continue_privately(engine, kept, tokens, spans[0][1], old_namespace, namespace)
+        except OutOfBlocks as e:
+            log.warning("no room to copy a conversation's KV for its sources' chunk KV (%s)", e)
+            return Placed(None, private=False)
+    else:
+        req, shared_computed = _Req(tokens, namespace, prefix=kept), 0
+        kv.attach(req)
     try:
         if not kv.reserve(req.kv, end - req.kv.num_computed):
             raise OutOfBlocks(f"no room for the KV of a {end}-token prompt's sources")
@@ -290,6 +325,7 @@ def place(
             engine.config.rag_check_layers if check_layers is None else check_layers,
         )
         req.kv.num_computed = max(end, req.kv.num_computed)
+        out.computed += shared_computed
     except Exception as e:  # noqa: BLE001 - the history's KV is kept; the rest is computed as usual
         log.warning("placing the sources' chunk KV failed (%s: %s); computing them instead", type(e).__name__, e)
         out = Placed(None)
@@ -298,11 +334,49 @@ def place(
     return out
 
 
+def _continue_privately(
+    engine, kept: RetainedKV | None, tokens: list[int], first: int, old_ns, namespace
+) -> tuple[_Req, int]:
+    """A request for ``tokens`` in ``namespace`` (a conversation's private one, empty) holding
+    the longest prefix the shared tree (``old_ns``) has of them, with the history's own tail
+    (``kept``, ended). The whole blocks before ``first`` (the first placed source) that the
+    tree lacks are computed into the shared tree first, as prefix caching alone computes
+    them, so the next session with the same system prompt and pinned documents finds them;
+    the private namespace gets a copy (a block lives in one namespace of the tree).
+    Returns the request and how many tokens it computed. OutOfBlocks (``kept`` ended, nothing
+    held) when there is no room."""
+    kv, runner, bs = engine.kv, engine.runner, engine.kv.block_size
+    upto = first // bs * bs
+    r0 = _Req(tokens, old_ns, prefix=kept)
+    kv.attach(r0)
+    t0, computed = r0.kv, 0
+    try:
+        if t0.num_computed < upto:
+            if not kv.reserve(t0, upto - t0.num_computed):
+                raise OutOfBlocks(f"no room for the KV of a {upto}-token shared prefix")
+            at = t0.num_computed
+            runner.forward(runner.build_batch([BatchItem(tokens[at:upto], at, t0.blocks, "none")]))
+            t0.num_computed, computed = upto, upto - at
+    finally:
+        held = kv.release(r0, retain=True)
+    moved = None
+    if held is not None:
+        try:
+            k, v = kv.export_kv(held)
+            moved = kv.import_kv(tokens, held.kv_len, k, v, namespace=namespace)
+        finally:
+            kv.drop(held)
+    req = _Req(tokens, namespace, prefix=moved)
+    kv.attach(req)
+    return req, computed
+
+
 def for_turn(turn, kept: RetainedKV | None, context: list[int]) -> RetainedKV | None:
-    """The hook of ``Turn._admit`` (loop thread): place the turn's sources (and on a first turn
-    the pinned documents, each one chunk: ``rag.pinned_texts``), making the
-    conversation's KV private (a new window epoch) the first time; ``turn.placed`` says what was
-    done. Returns the KV the request continues from."""
+    """The hook of ``Turn._admit`` (loop thread): place the turn's sources whose chunk KV is
+    stored, after the longest prefix the shared tree holds (pinned documents are part of that
+    prefix: computed once, then shared by every session that pins them, never placed), making
+    the conversation's KV private (a new window epoch) the first time one is placed;
+    ``turn.placed`` says what was done. Returns the KV the request continues from."""
     m, s, st, cfg = turn.m, turn.s, turn.st, turn.engine.config
     if not turn.engine.kv.sharing:  # placed KV reaches the request through the tree: none without caching
         return kept
@@ -313,8 +387,6 @@ def for_turn(turn, kept: RetainedKV | None, context: list[int]) -> RetainedKV | 
     from chatkv.rag import context as rag
 
     texts = rag.source_texts(turn.hits)  # each with its label: only its number "[n] " is left to compute
-    if not context and s.documents and s.knowledge is not None:  # a first prompt: the system message's pinned documents
-        texts = rag.pinned_texts([(d, s.knowledge.chunks_of(d)) for d in s.documents]) + texts
     prompt = context + turn.delta
     placed = place(
         turn.engine,
@@ -329,6 +401,7 @@ def for_turn(turn, kept: RetainedKV | None, context: list[int]) -> RetainedKV | 
         cfg.rag_edge_tokens,
         cfg.rag_recompute_ratio,
         upto=len(prompt) - 1,
+        compute_missing=False,
     )
     if not placed.private and migrate:
         st.private, st.epoch = False, st.epoch - 1

@@ -52,9 +52,10 @@ if the jug runs dry.
 
 
 def test_rag_on_the_default_model_sources_shared_documents_and_restart(tmp_path, monkeypatch, default_model_home):
-    """A RAG reply carries its sources; a second session with the same pinned document places it
-    from the chunk KV the first one computed (the default, ``rag_kv_reuse="blend"`` at 45%);
-    after a restart the conversation's KV comes back restored from disk, not recomputed."""
+    """A RAG reply carries its sources; a second session with the same system prompt and pinned
+    document finds every whole block of them cached (the shared prefix, in every
+    ``rag_kv_reuse`` mode); after a restart the conversation's KV comes back restored from
+    disk, not recomputed."""
     monkeypatch.setenv("CHATKV_HOME", str(default_model_home(tmp_path)))
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "kettle.md").write_text(MANUAL)
@@ -66,14 +67,12 @@ def test_rag_on_the_default_model_sources_shared_documents_and_restart(tmp_path,
     ra = a.send("How often should I descale the kettle?")
     assert ra.sources and all("kettle.md" in s.source for s in ra.sources)
     b = e.session(system="Answer from the documents.", knowledge=kb, documents=["kettle.md"], params=greedy)
-    assert e.config.rag_kv_reuse == "blend" and e.config.rag_recompute_ratio == 0.45
-    hits = e.kv.stats()["chunk_hits"]
+    assert e.config.rag_kv_reuse == "off"
     rb = b.send("How many watts does it draw?")
     doc_tokens = len(e.session_manager.renderer.system_prefix(a.system_content))
     assert doc_tokens > 100
-    assert e.kv.stats()["chunk_hits"] > hits  # the pinned document's chunk KV, which a's turn computed
     u = rb.usage
-    assert u.reused_tokens >= doc_tokens // 2 and u.recomputed_tokens > 0, u
+    assert u.cached_tokens >= doc_tokens // 16 * 16, u
     assert u.prompt_tokens == u.cached_tokens + u.host_tokens + u.restored_tokens + u.computed_tokens + u.reused_tokens
     a_id = a.id
     e.close()

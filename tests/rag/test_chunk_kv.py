@@ -268,13 +268,20 @@ def test_blend_filters_gradually_each_check_layer_choosing_on_its_own_deviation(
         e.close()
 
 
-def _replies(model_dir, data_dir, corpus, **kw):
+def _replies(model_dir, data_dir, corpus, ahead=False, settle=False, **kw):
+    """Both questions in one session: the replies, the session's tokens and the KV stats.
+    ``ahead``: every chunk's KV computed first (``precompute_kv``); ``settle``: the chunk KV
+    queued by the turns made (chatkv.rag.background) before the stats are taken."""
+    from chatkv.rag import background
+
     e = engine_at(model_dir, data_dir, **kw)
     try:
         kb = e.knowledge_base("docs")
-        kb.add([str(corpus)])
+        kb.add([str(corpus)], precompute_kv=ahead)
         s = e.session(knowledge=kb, top_k=2, params=GREEDY)
         out = [s.send(q) for q in QUESTIONS]
+        if settle:
+            assert background.settle(e, timeout=120)
         e.check_integrity()
         return out, list(s.tokens), e.kv.stats()
     finally:
@@ -301,7 +308,7 @@ def test_full_recompute_gives_full_prefills_greedy_tokens_and_usage_counts(model
     assert [r.usage.computed_tokens for r in got] == [r.usage.computed_tokens for r in off]
     if dtype == "bfloat16":
         return
-    edge, _, stats = _replies(model_dir, tmp_path / "edge", corpus, rag_kv_reuse="edge", rag_edge_tokens=2)
+    edge, _, stats = _replies(model_dir, tmp_path / "edge", corpus, ahead=True, rag_kv_reuse="edge", rag_edge_tokens=2)
     for r in edge:
         u = r.usage
         assert u.reused_tokens > 0 and u.recomputed_tokens == 2 * len(r.sources)
@@ -316,7 +323,7 @@ def test_placed_kv_is_never_shared_under_from_scratch_token_ids(model_dir, corpu
     e = engine_at(model_dir, tmp_path, rag_kv_reuse="blend", rag_recompute_ratio=0.2)
     try:
         kb = e.knowledge_base("docs")
-        kb.add([str(corpus)])
+        kb.add([str(corpus)], precompute_kv=True)
         s = e.session(knowledge=kb, top_k=2, params=GREEDY)
         r = s.send(QUESTIONS[0])
         assert r.usage.reused_tokens > 0
@@ -358,7 +365,7 @@ def test_a_turn_places_through_its_last_prompt_token_but_one(model_dir, corpus, 
     seen = _placements(monkeypatch)
     try:
         kb = e.knowledge_base("docs")
-        kb.add([str(corpus)])
+        kb.add([str(corpus)], precompute_kv=True)
         s = e.session(knowledge=kb, top_k=2, params=GREEDY)
         for q in QUESTIONS:  # a first turn, then one after a history
             r = s.send(q)
@@ -374,11 +381,11 @@ def test_a_tail_longer_than_a_step_is_left_to_the_scheduler(model_dir, corpus, t
     """Placement runs on the loop between steps: it computes the instruction and question after
     the sources only when they fit one step's budget (``max_batch_tokens``); a longer tail is
     the scheduler's, in its chunks, and placement ends at the last source as before."""
-    e = engine_at(model_dir, tmp_path, rag_recompute_ratio=0.3, max_batch_tokens=8)
+    e = engine_at(model_dir, tmp_path, rag_kv_reuse="blend", rag_recompute_ratio=0.3, max_batch_tokens=8)
     seen = _placements(monkeypatch)
     try:
         kb = e.knowledge_base("docs")
-        kb.add([str(corpus)])
+        kb.add([str(corpus)], precompute_kv=True)
         s = e.session(knowledge=kb, top_k=2, params=GREEDY)
         r = s.send(QUESTIONS[0] + " Please answer in one short sentence with the source's number.")
         tokens, end, computed = seen.pop()
@@ -393,7 +400,9 @@ def test_a_tail_longer_than_a_step_is_left_to_the_scheduler(model_dir, corpus, t
 
 
 def test_chunk_kv_comes_back_from_disk_after_a_restart(model_dir, corpus, tmp_path):
-    _, _, first = _replies(model_dir, tmp_path, corpus, rag_kv_reuse="edge")
+    """The chunk KV the background made after the first engine's turns is on disk: a second
+    engine's turns place it, reading it back rather than computing it."""
+    _, _, first = _replies(model_dir, tmp_path, corpus, settle=True, rag_kv_reuse="edge")
     assert first["chunk_computed"] >= 2 and first["chunk_loaded"] == 0
     assert list((tmp_path / "chunk_kv").glob("chunk-*.safetensors"))
     _, _, second = _replies(model_dir, tmp_path, corpus, rag_kv_reuse="edge")
@@ -527,7 +536,7 @@ def test_a_conversation_with_placed_kv_resumes_from_its_snapshot(model_dir, corp
     e = engine_at(model_dir, tmp_path, rag_kv_reuse="edge")
     try:
         kb = e.knowledge_base("docs")
-        kb.add([str(corpus)])
+        kb.add([str(corpus)], precompute_kv=True)
         s = e.session(knowledge=kb, top_k=2, params=GREEDY)
         assert s.send(QUESTIONS[0]).usage.reused_tokens > 0
         conv, tokens = s.id, list(s.tokens)
@@ -597,29 +606,33 @@ def test_one_item_recomputing_scattered_tokens_gives_full_prefills_kv(model_dir,
         e.close()
 
 
-def test_pinned_documents_are_placed_from_their_chunk_kv_on_the_first_turn(model_dir, corpus, tmp_path):
-    """A first turn's pinned documents (the system message) are chunk KV too, computed by
-    precompute_kv like the sources: the first turn computes neither, only what lies between
-    and after them and each chunk's first tokens."""
-    from chatkv.rag import context as rag
-
+def test_pinned_documents_are_the_shared_prefix_and_sources_are_placed_after_them(model_dir, corpus, tmp_path):
+    """Pinned documents are never placed, even with their KV precomputed: the first turn
+    computes them into the shared tree (as ``off`` does) and places only the sources after
+    them; the next session with the same system prompt and document finds them cached."""
     pinned = [str(corpus / "bread.md")]
     e = engine_at(model_dir, tmp_path, rag_kv_reuse="edge", rag_edge_tokens=2)
     try:
         kb = e.knowledge_base("docs")
-        report = kb.add([str(corpus)], precompute_kv=True)
-        assert report.kv_chunks == sum(len(kb.chunks_of(d.source)) + 1 for d in kb.documents())  # + each document whole
-        s = e.session(system="Answer briefly.", knowledge=kb, documents=pinned, top_k=2, params=GREEDY)
-        first, second = s.send(QUESTIONS[0]).usage, s.send(QUESTIONS[1])
-        doc = rag.pinned_texts([(pinned[0], kb.chunks_of(pinned[0]))])[0]
-        assert e.kv.stats()["chunk_computed"] == report.kv_chunks  # no turn computed chunk KV of its own
-        assert first.reused_tokens >= len(cp.chunk_ids(e.tokenizer, doc))  # the pinned document was placed
-        assert first.recomputed_tokens == 2 * 3  # the first 2 tokens of the document and of each of 2 sources
-        assert first.computed_tokens < first.prompt_tokens // 2
-        assert second.usage.recomputed_tokens == 2 * len(second.sources)  # later turns: the history has the document
+        kb.add([str(corpus)], precompute_kv=True)
+        prefix = None
+        for _ in range(2):
+            s = e.session(system="Answer briefly.", knowledge=kb, documents=pinned, top_k=2, params=GREEDY)
+            r = s.send(QUESTIONS[0])
+            prefix = len(e.session_manager.renderer.system_prefix(s.system_content))
+            spans = cp.find_spans(s.tokens, 0, [cp.chunk_ids(e.tokenizer, t) for t in rag_texts(r.sources)])
+            assert spans[0][1] > prefix  # the first placed run is a source, after the system message
+            assert r.usage.recomputed_tokens == 2 * len(r.sources)  # each source's first 2 tokens: no document
+        assert r.usage.cached_tokens >= prefix // 16 * 16  # the second session: the whole blocks, cached
         e.check_integrity()
     finally:
         e.close()
+
+
+def rag_texts(sources):
+    from chatkv.rag import context as rag
+
+    return rag.source_texts(sources)
 
 
 def test_chatkv_ingest_kv_computes_the_chunk_kv_a_chat_then_reads_from_disk(

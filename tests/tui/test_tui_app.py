@@ -551,6 +551,11 @@ async def test_the_status_line_and_the_stored_reply_carry_chunk_kv_reuse(model_d
             await say(pilot, app, "/kb manuals")
             await say(pilot, app, f"/ingest {docs}")
             await say(pilot, app, "How often should the kettle be descaled?")
+            assert app.last_usage.reused_tokens == 0  # first seen: computed as off would; its KV made when idle
+            from chatkv.rag import background
+
+            assert background.settle(e, timeout=120)
+            await say(pilot, app, "And how often should the kettle be descaled, again?")
             u = app.last_usage
             assert u.reused_tokens > 0 and u.recomputed_tokens == 2 * len(messages(app)[-1].sources)
             assert f"{u.reused_tokens} reused · {u.recomputed_tokens} recomputed" in status(app)
