@@ -11,7 +11,10 @@ the sampled token, ``is_done`` says the constraint can only end now (the request
 request has no matcher and costs nothing: no mask is computed, no row touched.
 
 JSON is generated compact (", " and ": ", no free whitespace), so a model cannot run away in
-whitespace; a schema may override that with llguidance's ``x-guidance`` options.
+whitespace; a schema may override that with llguidance's ``x-guidance`` options. Numbers are
+bounded (16 integer digits, 10 after the point) and a schema with no finite instance (a ``$ref``
+loop with no way out) is refused up front: ``schema_bounds.py``; the same holds for the
+``%json`` schemas of a lark grammar (a forced tool call's).
 
 Why llguidance, not xgrammar (benchmarks/bench_constraints.py compares them on the default
 model's tokenizer): xgrammar's masks are cheaper to compute, but the guarantee that matters is
@@ -42,6 +45,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from chatkv.engine.schema_bounds import ANY_OBJECT, bounded, no_finite_instance
 from chatkv.errors import InvalidRequest
 
 KINDS = ("json_schema", "regex", "choice", "grammar", "json_object")
@@ -88,13 +92,41 @@ def _grammar(c: Constraint) -> str:
     """llguidance's grammar for ``c``; ValueError naming the problem if it cannot be built."""
     from llguidance import LLMatcher, grammar_from
 
-    if c.kind in ("json_schema", "json_object"):
-        return LLMatcher.grammar_from_json_schema(c.text, defaults=_JSON_OPTIONS)
+    if c.kind == "json_schema":  # numbers bounded to what a small model can close (schema_bounds.py)
+        return LLMatcher.grammar_from_json_schema(json.dumps(bounded(json.loads(c.text))), defaults=_JSON_OPTIONS)
+    if c.kind == "json_object":
+        return LLMatcher.grammar_from_json_schema(json.dumps(ANY_OBJECT), defaults=_JSON_OPTIONS)
     if c.kind == "regex":
         return LLMatcher.grammar_from_regex(c.text)
     if c.kind == "choice":
         return grammar_from("choice", c.text)
-    return grammar_from("grammar", c.text)  # lark, or GBNF (converted to lark)
+    return grammar_from("grammar", _bound_lark_json(c.text))  # lark, or GBNF (converted to lark)
+
+
+def _lark_json(text: str) -> list[tuple[int, int, Any]]:
+    """(start, end, schema) of each ``%json {...}`` of a lark grammar (a forced tool call's)."""
+    found, at, dec = [], 0, json.JSONDecoder()
+    while (at := text.find("%json", at)) >= 0:
+        start = at + len("%json")
+        while start < len(text) and text[start] in " \t":
+            start += 1
+        try:
+            schema, end = dec.raw_decode(text, start)
+        except ValueError:  # not JSON: llguidance names the problem
+            at = start
+            continue
+        found.append((start, end, schema))
+        at = end
+    return found
+
+
+def _bound_lark_json(text: str) -> str:
+    """``text`` with each ``%json`` schema's numbers bounded as a json_schema's are."""
+    out, pos = [], 0
+    for start, end, schema in _lark_json(text):
+        out += [text[pos:start], json.dumps(bounded(schema))]
+        pos = end
+    return "".join(out) + text[pos:]
 
 
 _WHAT = {
@@ -107,7 +139,7 @@ _WHAT = {
 
 
 def _refused(c: Constraint, why: str) -> InvalidRequest:
-    why = why.strip()
+    why = why.strip().split("\n", 1)[0]  # the first line: what follows is llguidance's parser state
     if len(why) > 400:
         why = why[:397] + "..."
     return InvalidRequest(f"{_WHAT[c.kind]}: {why}")
@@ -118,6 +150,13 @@ def _check(c: Constraint) -> str:
     """The error llguidance reports for ``c`` without a tokenizer ("" if none)."""
     from llguidance import LLMatcher
 
+    schemas = [json.loads(c.text)] if c.kind == "json_schema" else []
+    if c.kind == "grammar":
+        schemas = [schema for _, _, schema in _lark_json(c.text)]
+    for schema in schemas:
+        why = no_finite_instance(schema)
+        if why:
+            return why
     try:
         g = _grammar(c)
     except ValueError as err:

@@ -175,19 +175,34 @@ def encode_rendered(tokenizer, rendered: Rendered, start: int = 0) -> list[int]:
         return _encode_pieces(tokenizer, text, spans)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), enc["offset_mapping"]
-
-    def in_content(a: int, b: int) -> bool:
-        return any(a < e and b > s for s, e in spans)
-
-    if not any(t in ctrl and in_content(a, b) for t, (a, b) in zip(ids, offsets)):
+    inside = _control_in_content(ids, offsets, spans, ctrl)
+    if not any(inside):
         return ids
     out, pos = [], 0
-    for t, (a, b) in zip(ids, offsets):
-        if t in ctrl and not in_content(a, b):
+    for k, (t, (a, b)) in enumerate(zip(ids, offsets)):
+        if t in ctrl and not inside[k]:
             out += encode_text(tokenizer, text[pos:a])
             out.append(t)
             pos = b
     out += encode_text(tokenizer, text[pos:])
+    return out
+
+
+def _control_in_content(ids, offsets, spans: list[tuple[int, int]], ctrl) -> list[bool]:
+    """For each token: whether it is a control token overlapping a content span. One walk over
+    the tokens and the spans together (both in text order), so the work is linear in the
+    conversation's length, not tokens times messages."""
+    out, j, last = [False] * len(ids), 0, 0
+    for k, (t, (a, b)) in enumerate(zip(ids, offsets)):
+        if t not in ctrl:
+            continue
+        if a < last:  # offsets out of order (not seen from a fast tokenizer): walk again from the start
+            j = 0
+        last = a
+        while j < len(spans) and spans[j][1] <= a:  # spans ending before this token: passed for good
+            j += 1
+        # spans are sorted and disjoint: only the first one ending after ``a`` can overlap [a, b)
+        out[k] = j < len(spans) and spans[j][0] < b
     return out
 
 

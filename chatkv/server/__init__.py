@@ -16,7 +16,9 @@ Modules: ``app`` (the app, its state and lifespan), ``routes`` (the handlers), `
 (canonical tokens for clients that re-send their history), ``responses`` (OpenAI's shapes,
 SSE), ``resp_routes``, ``resp_request`` and ``resp_shapes`` (the Responses API: its routes, its
 bodies and ids, its objects and stream events), ``guards`` (API keys and the users they are, body
-size, concurrency), ``errors`` (OpenAI's error JSON), ``cli`` (the options, the engine, uvicorn).
+size, concurrency), ``limits`` (bounds on a request's work: JSON depth, message counts, text size),
+``tokens`` (``/tokenize``, ``/detokenize``), ``errors`` (OpenAI's error JSON), ``cli`` (the options,
+the engine, uvicorn).
 Metrics live in ``chatkv.engine.metrics``. ``chatkv serve --ray`` (replicas on Ray Serve) is the
 subpackage ``chatkv.server.ray``; nothing here imports it but ``cli``, through ``ray.options``. Only the public SDK is
 used (``tests/test_faces_public_api.py``).

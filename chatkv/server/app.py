@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from chatkv.engine.metrics import EngineMetrics
-from chatkv.server import routes
+from chatkv.server import routes, tokens
 from chatkv.server.errors import APIError
 from chatkv.server.guards import ConcurrencyLimit, Users
 from chatkv.server.history import HistoryTokens
@@ -42,10 +42,14 @@ class ServerState:
         history_tokens: int,
         embedder,
         owns_engine: bool,
+        aliases: list[str] | None = None,
+        strict_model_names: bool = False,
     ):
         self.engine = engine
         self.model_name = model_name
-        self.model_names = {model_name, engine.model_dir.name, str(engine.model_dir)}
+        self.aliases = [a for a in dict.fromkeys(aliases or []) if a != model_name]  # listed by /v1/models too
+        self.model_names = {model_name, *self.aliases, engine.model_dir.name, str(engine.model_dir)}
+        self.strict_model_names = strict_model_names  # off: any model name reaches the served model
         self.users = users
         self.limit = ConcurrencyLimit(max_concurrency)
         self.max_request_bytes = max_request_bytes
@@ -153,6 +157,8 @@ def create_app(
     history_tokens: int = 4_000_000,
     embedder=None,
     owns_engine: bool = False,
+    aliases: list[str] | None = None,
+    strict_model_names: bool = False,
 ) -> Starlette:
     """The OpenAI-compatible app serving ``engine`` (a ``chatkv.Engine``; started with the app).
 
@@ -162,6 +168,12 @@ def create_app(
     ``owns_engine``: close the engine when the app shuts down. ``history_tokens``: the
     canonical-token map's bound (``history.py``; 0 turns it off). ``embedder``: a
     ``chatkv.retrieval.Embedder`` for /v1/embeddings (default: the packaged one, on first use).
+    ``aliases``: more names of the model (``--served-model-name`` given again), listed by
+    /v1/models. ``strict_model_names``: a request naming another model is a 404; without it any
+    name reaches the served model, as llama-server answers clients written for another server.
+
+    Every route answers with and without its ``/v1`` prefix (``/chat/completions`` too), and
+    ``/tokenize`` and ``/detokenize`` (``tokens.py``) are there with and without it.
     """
     if max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
@@ -178,6 +190,8 @@ def create_app(
         history_tokens,
         embedder,
         owns_engine,
+        aliases,
+        strict_model_names,
     )
 
     @contextlib.asynccontextmanager
@@ -190,15 +204,21 @@ def create_app(
             if state.owns_engine:
                 await to_thread.run_sync(engine.close)  # spills the open sessions, joins the loop
 
+    api = [  # each also without /v1, as llama-server and vLLM answer them
+        ("/v1/chat/completions", routes.chat_completions, "POST"),
+        ("/v1/completions", routes.completions, "POST"),
+        ("/v1/responses", resp_routes.create_response, "POST"),
+        ("/v1/responses/{response_id}", resp_routes.get_response, "GET"),
+        ("/v1/responses/{response_id}", resp_routes.delete_response, "DELETE"),
+        ("/v1/embeddings", routes.embeddings, "POST"),
+        ("/v1/models", routes.models, "GET"),
+        ("/v1/tokenize", tokens.tokenize, "POST"),
+        ("/v1/detokenize", tokens.detokenize, "POST"),
+    ]
     app = Starlette(
         routes=[
-            Route("/v1/chat/completions", routes.chat_completions, methods=["POST"]),
-            Route("/v1/completions", routes.completions, methods=["POST"]),
-            Route("/v1/responses", resp_routes.create_response, methods=["POST"]),
-            Route("/v1/responses/{response_id}", resp_routes.get_response, methods=["GET"]),
-            Route("/v1/responses/{response_id}", resp_routes.delete_response, methods=["DELETE"]),
-            Route("/v1/embeddings", routes.embeddings, methods=["POST"]),
-            Route("/v1/models", routes.models, methods=["GET"]),
+            *(Route(path, fn, methods=[method]) for path, fn, method in api),
+            *(Route(path.removeprefix("/v1"), fn, methods=[method]) for path, fn, method in api),
             Route("/health", routes.health, methods=["GET"]),
             Route("/metrics", routes.metrics, methods=["GET"]),
         ],

@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="chatkv serve",
         description="Serve a model over an OpenAI-compatible HTTP API "
-        "(/v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /health, /metrics).",
+        "(/v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /v1/models, /tokenize, "
+        "/detokenize, /health, /metrics; each /v1 route also without /v1).",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="TCP port, 0-65535 (0: any free one; default 8000)")
@@ -39,7 +40,18 @@ def _parser() -> argparse.ArgumentParser:
         "(default: the packaged SmolLM2-135M-Instruct)",
     )
     p.add_argument(
-        "--served-model-name", default=None, help="the model id clients send (default: the model directory's name)"
+        "--served-model-name",
+        action="append",
+        default=None,
+        metavar="NAME",
+        help="the model's id in replies and /v1/models (default: the model directory's name); repeat it for "
+        "aliases, each listed by /v1/models",
+    )
+    p.add_argument(
+        "--strict-model-names",
+        action="store_true",
+        help="answer only requests naming one of the model's names (404 for another); by default any "
+        "model name reaches the served model, as llama-server does",
     )
     p.add_argument(
         "--data-dir", metavar="DIR", default=None, help="conversations and KV snapshots (default: $CHATKV_HOME)"
@@ -152,6 +164,11 @@ def main(argv: list[str]) -> int:
             return 2
     from chatkv.server.guards import KeyFileError, Users
 
+    names = args.served_model_name or []
+    if any(not n.strip() for n in names):
+        print("chatkv serve: --served-model-name must not be empty", file=sys.stderr)
+        return 2
+    args.served_model_name, args.aliases = (names[0] if names else None), names[1:]
     keys = args.api_key if args.api_key is not None else [k for k in [os.environ.get("CHATKV_API_KEY")] if k]
     if any(not k.strip() for k in keys):
         print("chatkv serve: --api-key must not be empty", file=sys.stderr)
@@ -198,6 +215,8 @@ def main(argv: list[str]) -> int:
     app = create_app(
         engine,
         model_name=args.served_model_name,
+        aliases=args.aliases,
+        strict_model_names=args.strict_model_names,
         users=users,
         max_concurrency=args.max_concurrency,
         max_request_bytes=args.max_request_bytes,

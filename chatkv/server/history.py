@@ -31,6 +31,7 @@ from itertools import islice
 
 from chatkv import LOCAL_USER, TurnRenderer
 from chatkv.errors import InvalidRequest, check_text
+from chatkv.server import generic_tools
 
 
 def prefix_keys(messages: list[dict], user: str | None = None) -> list[bytes]:
@@ -68,9 +69,14 @@ class HistoryTokens:
     ) -> tuple[list[int], int]:
         """The prompt's token ids for ``messages`` (ending with a user message), and how many
         leading messages came from the map (0: the whole conversation was tokenised). With
-        ``tools`` (specs the template renders) it is rendered whole: the map is not used."""
+        ``tools`` (specs the template renders) it is rendered whole: the map is not used. A
+        template without tools gets them, and any calls and results in the history, as plain
+        messages (chatkv.server.generic_tools), also rendered whole."""
         for i, m in enumerate(messages):
             check_text(f"messages[{i}].content", m["content"])
+        calls = any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+        if (tools or calls) and generic_tools.is_generic(self._turns.tokenizer.chat_template):
+            return self._turns.first(generic_tools.messages(messages, tools)), 0
         if tools:
             if not self._turns.renders_tools(tools):
                 raise InvalidRequest(

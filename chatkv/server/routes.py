@@ -17,8 +17,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from chatkv.server import generation as gen
-from chatkv.server import tool_calls
-from chatkv.server.chat_shapes import Chat, Completion, sse, sum_usage
+from chatkv.server import limits, samples, tool_calls
+from chatkv.server.chat_shapes import Chat, Completion, chat_logprobs, completion_logprobs, sse, sum_usage
 from chatkv.server.errors import APIError, from_chatkv
 from chatkv.server.guards import check_api_key, read_body
 from chatkv.server.schemas import parse_chat, parse_completion, parse_embedding, parse_json
@@ -84,11 +84,19 @@ def _short(text: str, limit: int = 80) -> str:
     return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
 
 
-def check_model(state, model: str) -> None:
+def check_model(state, model: str | None) -> None:
+    """Any name, or none (``model`` None: not given, as llama-server takes), reaches the one served
+    model, unless ``chatkv serve --strict-model-names``: then a request must name one of its names
+    (``--served-model-name``, the model directory's); none is a 400, another a 404 that gives the
+    name back cut to 80 characters."""
+    if not state.strict_model_names:
+        return
+    if model is None:
+        raise APIError(400, "you must provide a model parameter", "missing_parameter", "model")
     if model not in state.model_names:
         raise APIError(
             404,
-            f"The model `{model}` does not exist (this server has {state.model_name!r}).",
+            f"The model {_short(model)} does not exist (this server has {state.model_name!r}).",
             "model_not_found",
             "model",
         )
@@ -125,9 +133,11 @@ async def chat_completions(request: Request) -> Response:
     who, body = await read_request(request)
     req = parse_chat(body)
     check_model(state, req.model)
+    limits.check_text_size(req.messages, state.context)
     session_id = _session_id(request, req.session_id)
     template = getattr(state.engine.tokenizer, "chat_template", None)
-    params = tool_calls.constrain(req.params, req.tools, req.tool_choice, template)
+    parallel = body.get("parallel_tool_calls") is not False  # validated by parse_chat
+    params = tool_calls.constrain(req.params, req.tools, req.tool_choice, template, parallel)
     calling = bool(req.tools) and req.tool_choice != "none"  # the reply may be tool calls
     if session_id and (req.tools or any(m["role"] == "tool" for m in req.messages)):
         raise APIError(
@@ -136,9 +146,37 @@ async def chat_completions(request: Request) -> Response:
             "unsupported_parameter",
             "tools",
         )
+    if session_id and req.n > 1:
+        raise APIError(
+            400,
+            "n > 1 is taken without a session only (a session stores one reply a turn)",
+            "unsupported_parameter",
+            "n",
+        )
+    calls = (
+        (lambda text: tool_calls.reply_calls(text, req.tools, req.tool_choice, template, parallel)) if calling else None
+    )
     slot = state.limit.acquire()
     streaming = False
     try:
+        if req.n > 1:  # samples.py
+            runs, shared = await gen.stateless_chats(
+                state, req.messages, params, req.max_tokens, who, tool_calls.specs(req.tools), req.n
+            )
+            group = gen.Runs(runs)
+            chat = Chat(state.model_name, None, req.include_usage)
+            tok = state.engine.tokenizer
+            items = until_cut(state, gen.merged(runs))
+            if req.stream:
+                streaming = True
+                lp_tok = tok if req.params.logprobs is not None else None
+                return stream_response(
+                    samples.chat_sse(chat, items, runs, shared, calls, template, lp_tok), group, slot, state
+                )
+            try:
+                return JSONResponse(await samples.chat_reply(chat, items, runs, shared, calls, tok))
+            finally:
+                await group.aclose()
         if session_id:
             sid, events = await gen.session_chat(state, req.messages, params, req.max_tokens, session_id, who)
         else:
@@ -148,17 +186,23 @@ async def chat_completions(request: Request) -> Response:
             )
         chat = Chat(state.model_name, sid, req.include_usage)
         headers = {"X-Session-Id": sid} if sid else None
-        calls = (lambda text: tool_calls.reply_calls(text, req.tools, req.tool_choice, template)) if calling else None
         if req.stream:
             streaming = True
+            lp = (
+                (lambda: chat_logprobs(events.take_logprobs(), state.engine.tokenizer))
+                if req.params.logprobs is not None
+                else None
+            )
             return stream_response(
-                _chat_sse(chat, until_cut(state, events), calls, template), events, slot, state, headers
+                _chat_sse(chat, until_cut(state, events), calls, template, lp), events, slot, state, headers
             )
         done = None
         async for item in until_cut(state, events):
             if isinstance(item, gen.Done):
                 done = item
-        out = chat.completion(done.text, done.finish_reason, done.usage)
+        out = chat.completion(
+            done.text, done.finish_reason, done.usage, chat_logprobs(done.logprobs, state.engine.tokenizer)
+        )
         content, found = calls(done.text) if calls else (done.text, [])
         if found:
             out["choices"][0]["message"] = tool_calls.message(content, found)
@@ -170,9 +214,12 @@ async def chat_completions(request: Request) -> Response:
             state.metrics_tick()
 
 
-async def _chat_sse(chat: Chat, events, calls=None, template=None):
+async def _chat_sse(chat: Chat, events, calls=None, template=None, logprobs=None):
     """Text pieces as they come; with tools (``calls``) text streams until a call begins, the
-    calls are sent at the end as delta.tool_calls (one whole call each; tool_calls.CallStream)."""
+    calls are sent at the end as delta.tool_calls (one whole call each; tool_calls.CallStream).
+    ``logprobs()``: the logprobs of the tokens since the last chunk's, for each content chunk
+    and the finishing one (None: not asked for)."""
+    lp = logprobs or (lambda: None)
     yield sse(chat.chunk({"role": "assistant", "content": ""}))
     split = tool_calls.CallStream(template) if calls is not None else None
     async for item in events:
@@ -185,15 +232,15 @@ async def _chat_sse(chat: Chat, events, calls=None, template=None):
                 for delta in tool_calls.deltas(found):
                     yield sse(chat.chunk(delta))
                 finish = "tool_calls" if found else finish
-            yield sse(chat.chunk({}, finish))
+            yield sse(chat.chunk({}, finish, lp()))
             if chat.include_usage:
                 yield sse(chat.usage_chunk(item.usage))
         elif split is not None:
             now = split.feed(item)
             if now:
-                yield sse(chat.chunk({"content": now}))
+                yield sse(chat.chunk({"content": now}, None, lp()))
         else:
-            yield sse(chat.chunk({"content": item}))
+            yield sse(chat.chunk({"content": item}, None, lp()))
     yield sse("[DONE]")
 
 
@@ -202,18 +249,30 @@ async def completions(request: Request) -> Response:
     who, body = await read_request(request)
     req = parse_completion(body)
     check_model(state, req.model)
+    limits.check_text_size([{"content": p} for p in req.prompts if isinstance(p, str)], state.context, "prompt")
     slot = state.limit.acquire()
     streaming = False
     runs = []
+    groups = []  # each prompt's (number of choices, what they shared)
     try:
         prompts = [gen.completion_prompt(state, p, req.max_tokens) for p in req.prompts]  # all checked first
         for ids, max_tokens in prompts:
             params = dataclasses.replace(req.params, stop=list(req.params.stop), max_tokens=max_tokens)
-            runs.append(await gen.completion(state, ids, params, who))
+            got, shared = await gen.completion(state, ids, params, who, req.n)
+            runs.extend(got)
+            groups.append((len(got), shared))
         out = Completion(state.model_name, req.include_usage)
+        if req.stream and req.n > 1:  # one prompt's n samples (samples.py)
+            streaming = True
+            tok = state.engine.tokenizer if req.params.logprobs is not None else None
+            items = until_cut(state, gen.merged(runs))
+            return stream_response(
+                samples.completion_sse(out, items, runs, groups[0][1], tok), gen.Runs(runs), slot, state
+            )
         if req.stream:
             streaming = True
-            return stream_response(_completion_sse(out, until_cut(state, runs[0])), runs[0], slot, state)
+            tok = state.engine.tokenizer if req.params.logprobs is not None else None
+            return stream_response(_completion_sse(out, until_cut(state, runs[0]), runs[0], tok), runs[0], slot, state)
 
         async def finish(events):
             async for item in until_cut(state, events):
@@ -221,8 +280,16 @@ async def completions(request: Request) -> Response:
                     return item
 
         dones = await asyncio.gather(*(finish(e) for e in runs))
+        usage, per_choice = (
+            samples.completion_usage(dones, groups) if req.n > 1 else (sum_usage([d.usage for d in dones]), None)
+        )
         return JSONResponse(
-            out.completion([(d.text, d.finish_reason) for d in dones], sum_usage([d.usage for d in dones]))
+            out.completion(
+                [(d.text, d.finish_reason) for d in dones],
+                usage,
+                [completion_logprobs(d.logprobs, state.engine.tokenizer) for d in dones],
+                per_choice,
+            )
         )
     finally:
         if not streaming:
@@ -232,14 +299,27 @@ async def completions(request: Request) -> Response:
                 await events.aclose()  # a failed batch: cancel the others
 
 
-async def _completion_sse(out: Completion, events):
+async def _completion_sse(out: Completion, events, run=None, tokenizer=None):
+    """Text pieces as they come; with ``tokenizer`` (logprobs asked for) each chunk carries the
+    logprobs of the tokens since the last one (``run``: the request's events), offsets running on."""
+    offset = 0
+
+    def lp():
+        nonlocal offset
+        if tokenizer is None:
+            return None
+        got = completion_logprobs(run.take_logprobs(), tokenizer, offset)
+        if got is not None and got["tokens"]:
+            offset = got["text_offset"][-1] + len(got["tokens"][-1])
+        return got
+
     async for item in events:
         if isinstance(item, gen.Done):
-            yield sse(out.chunk("", item.finish_reason))
+            yield sse(out.chunk("", item.finish_reason, lp()))
             if out.include_usage:
                 yield sse(out.usage_chunk(item.usage))
         else:
-            yield sse(out.chunk(item))
+            yield sse(out.chunk(item, None, lp()))
     yield sse("[DONE]")
 
 
@@ -252,7 +332,7 @@ async def embeddings(request: Request) -> Response:
         if req.model not in state.embedding_names | {embedder.model_id}:
             raise APIError(
                 404,
-                f"The model `{req.model}` does not exist (embeddings: {state.embedding_name!r}).",
+                f"The model {_short(req.model)} does not exist (embeddings: {state.embedding_name!r}).",
                 "model_not_found",
                 "model",
             )
@@ -290,13 +370,8 @@ async def models(request: Request) -> Response:
     check_api_key(request, state.users)
     created = int(state.started_at)
     data = [
-        {
-            "id": state.model_name,
-            "object": "model",
-            "created": created,
-            "owned_by": "chatkv",
-            "max_model_len": state.context,
-        }
+        {"id": name, "object": "model", "created": created, "owned_by": "chatkv", "max_model_len": state.context}
+        for name in [state.model_name, *state.aliases]
     ]
     if state.embedding_available():
         data.append({"id": state.embedding_name, "object": "model", "created": created, "owned_by": "chatkv"})

@@ -5,21 +5,23 @@ What is taken, besides OpenAI's own fields: vLLM's sampling extensions ``top_k``
 ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``, and chatkv's ``session_id``.
 Fields a client library commonly sends that change nothing here (``user``, ``metadata``,
 ``store``, ``service_tier``) are accepted and ignored. Anything asking for what chatkv does
-not do (``n`` > 1, ``logprobs``, non-zero penalties, ``logit_bias``, images) is
+not do (images, ``best_of`` > 1) is
 refused with ``unsupported_parameter`` instead of being silently dropped; an unknown field
 is refused with ``unknown_parameter``, as OpenAI does.
+
+(Past ~400 lines on purpose: the three request kinds share most fields, and their checks stay
+together so a field is refused in the same words and with the same code wherever it comes.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 
 from chatkv.engine.sampling import SamplingParams
 from chatkv.errors import InvalidRequest
-from chatkv.server import tool_calls
+from chatkv.server import limits, tool_calls
 from chatkv.server.errors import APIError, bad_value, unsupported
 
 IGNORED = {"user", "metadata", "store", "service_tier"}
@@ -66,7 +68,7 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 
 @dataclass
 class ChatRequest:
-    model: str
+    model: str | None  # None: not given (schemas._model)
     messages: list[dict]  # [{"role": system|user|assistant, "content": str}]
     params: SamplingParams
     max_tokens: int | None  # None: what the context leaves
@@ -75,16 +77,18 @@ class ChatRequest:
     session_id: str | None = None
     tools: list = field(default_factory=list)  # chatkv.sessions.tools.Tool (tool_calls.py)
     tool_choice: object = "none"
+    n: int = 1  # samples of the one prompt (chatkv.server.samples)
 
 
 @dataclass
 class CompletionRequest:
-    model: str
+    model: str | None  # None: not given (schemas._model)
     prompts: list  # each a str or a list of token ids
     params: SamplingParams
     max_tokens: int
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # samples of each prompt (chatkv.server.samples)
 
 
 @dataclass
@@ -97,7 +101,7 @@ class EmbeddingRequest:
 
 def parse_json(raw: bytes) -> dict:
     try:
-        body = json.loads(raw)
+        body = limits.loads(raw)  # nesting bounded: a 400, never a RecursionError
     except (ValueError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}", "invalid_json") from None
     if not isinstance(body, dict):
@@ -119,12 +123,17 @@ def _is_number(v) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
-def _model(body: dict) -> str:
+def _model(body: dict, required: bool = False) -> str | None:
+    """The request's ``model``: a non-empty string, or None when absent and not ``required`` (a
+    chat, completion or Responses request may leave it out, as llama-server takes; the route's
+    ``check_model`` asks for it under ``--strict-model-names``). Embeddings require it."""
     model = body.get("model")
     if model is None:
+        if not required:
+            return None
         raise APIError(400, "you must provide a model parameter", "missing_parameter", "model")
     if not isinstance(model, str) or not model:
-        raise bad_value("model", f"model must be a non-empty string, got {model!r}")
+        raise bad_value("model", f"model must be a non-empty string, got {type(model).__name__}")
     return model
 
 
@@ -153,16 +162,89 @@ def _refuse_unless(body: dict, name: str, ok, what: str) -> None:
         raise unsupported(name, f"{name}={body[name]!r} is not supported by chatkv ({what})")
 
 
-def _params(body: dict) -> SamplingParams:
-    """SamplingParams from OpenAI's fields (max_tokens is set later, once the prompt's length is known)."""
-    _refuse_unless(body, "n", lambda v: v == 1 and _is_int(v), "one choice per request; send n=1")
-    _refuse_unless(body, "best_of", lambda v: v == 1 and _is_int(v), "send best_of=1")
+MAX_TOP_LOGPROBS = 20  # chatkv.engine.sampling.MAX_LOGPROBS
+MAX_LOGIT_BIAS = 1024  # chatkv.engine.sampling.MAX_LOGIT_BIAS
+
+
+def _within(v, bound: float) -> bool:
+    """``v`` is a number (not a bool) in ``[-bound, bound]``: NaN, infinities and huge ints are not."""
+    return _is_number(v) and -bound <= v <= bound  # NaN compares false; an int of any size compares exactly
+
+
+def _finite_in(body: dict, name: str, bound: float) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _within(v, bound):
+        raise bad_value(name, f"{name} must be a number in [{-bound:g}, {bound:g}], got {str(v)[:80]}")
+    return float(v)
+
+
+def _penalties_bias_logprobs(body: dict) -> dict:
+    """SamplingParams values of OpenAI's ``presence_penalty``, ``frequency_penalty``, ``logit_bias``
+    (keys: token ids as strings of ints) and log probabilities: chat's ``logprobs`` (a bool) with
+    ``top_logprobs`` (an int in [0, 20]), or completions' ``logprobs`` (an int in [0, 20])."""
+    out: dict = {}
     for name in ("presence_penalty", "frequency_penalty"):
-        if name in body and body[name] is not None and not _is_number(body[name]):
-            raise bad_value(name, f"{name} must be a number, got {body[name]!r}")
-        _refuse_unless(body, name, lambda v: v == 0, "use repetition_penalty")
-    _refuse_unless(body, "logit_bias", lambda v: v == {}, "no logit bias")
-    _refuse_unless(body, "logprobs", lambda v: v is False or v == 0, "no log probabilities")
+        v = _finite_in(body, name, 2.0)
+        if v:
+            out[name] = v
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise bad_value(
+                "logit_bias", f"logit_bias must be an object of token id to bias, got {type(bias).__name__}"
+            )
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise bad_value("logit_bias", f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        ids = {}
+        for k, v in bias.items():
+            if not (k.isascii() and k.isdigit() and len(k) <= 10):
+                raise bad_value(
+                    "logit_bias", f"logit_bias keys must be token ids (strings of integers >= 0), got {k[:80]!r}"
+                )
+            if not _within(v, 100):
+                raise bad_value("logit_bias", f"logit_bias[{k!r}] must be a number in [-100, 100], got {str(v)[:80]}")
+            ids[int(k)] = float(v)
+        if ids:
+            out["logit_bias"] = ids
+    lp, top = body.get("logprobs"), body.get("top_logprobs")
+    if top is not None and (not _is_int(top) or not 0 <= top <= MAX_TOP_LOGPROBS):
+        raise bad_value(
+            "top_logprobs", f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {str(top)[:80]}"
+        )
+    if lp is None or lp is False or (lp == 0 and _is_int(lp) and "messages" in body):
+        if top:
+            raise bad_value("top_logprobs", "top_logprobs needs logprobs: true")
+    elif lp is True:
+        out["logprobs"] = top or 0
+    elif _is_int(lp) and 0 <= lp <= MAX_TOP_LOGPROBS and "messages" not in body:
+        out["logprobs"] = lp
+    else:
+        what = "a boolean" if "messages" in body else f"an integer in [0, {MAX_TOP_LOGPROBS}]"
+        raise bad_value("logprobs", f"logprobs must be {what}, got {str(lp)[:80]}")
+    return out
+
+
+MAX_N = 16  # choices of one request (``n``): each is a sequence in the batch
+MAX_CHOICES = 64  # /v1/completions: prompts x n
+
+
+def _n(body: dict) -> int:
+    """OpenAI's ``n``: an int in [1, MAX_N] (a bool, a float, 0, a negative or a huge one: a 400)."""
+    v = body.get("n")
+    if v is None:
+        return 1
+    if not _is_int(v) or not 1 <= v <= MAX_N:
+        raise bad_value("n", f"n must be an integer in [1, {MAX_N}], got {str(v)[:80]}")
+    return v
+
+
+def _params(body: dict) -> SamplingParams:
+    """SamplingParams from OpenAI's fields (max_tokens is set later, once the prompt's length is
+    known; ``n`` is the parsers' own, ``_n``)."""
+    _refuse_unless(body, "best_of", lambda v: v == 1 and _is_int(v), "send best_of=1")
+    openai_sampling = _penalties_bias_logprobs(body)
     temperature = body.get("temperature")
     if temperature is None:
         temperature = 1.0
@@ -175,7 +257,7 @@ def _params(body: dict) -> SamplingParams:
         stop = [stop]
     if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
         raise bad_value("stop", f"stop must be a non-empty string or a list of at most 4 of them, got {stop!r}")
-    values = {"temperature": float(temperature), "stop": stop, "max_tokens": 1}
+    values = {"temperature": float(temperature), "stop": stop, "max_tokens": 1, **openai_sampling}
     for name in ("top_p", "top_k", "repetition_penalty", "seed", "stop_token_ids", "ignore_eos"):
         if body.get(name) is not None:
             values[name] = body[name]
@@ -227,6 +309,7 @@ def _messages(body: dict) -> list[dict]:
         raise APIError(400, "messages is required", "missing_parameter", "messages")
     if not isinstance(msgs, list) or not msgs:
         raise bad_value("messages", "messages must be a non-empty array of {role, content}")
+    limits.check_count(msgs, "messages", "messages")
     out = []
     for i, m in enumerate(msgs):
         if not isinstance(m, dict):
@@ -258,8 +341,8 @@ def parse_chat(body: dict) -> ChatRequest:
     model = _model(body)
     messages = _messages(body)
     listed, choice = tool_calls.tools(body)
+    _bool(body, "parallel_tool_calls")  # false: at most one call (tool_calls.py)
     constraint = tool_calls.response_format(body)
-    _refuse_unless(body, "top_logprobs", lambda v: v == 0, "no log probabilities")
     _refuse_unless(body, "modalities", lambda v: v == ["text"], "text output only")
     session_id = body.get("session_id")
     if session_id is not None and (not isinstance(session_id, str) or not session_id):
@@ -278,6 +361,7 @@ def parse_chat(body: dict) -> ChatRequest:
         session_id,
         listed,
         choice,
+        _n(body),
     )
 
 
@@ -304,14 +388,17 @@ def parse_completion(body: dict) -> CompletionRequest:
     stream, include_usage = _stream(body)
     if stream and len(prompts) > 1:
         raise unsupported("prompt", "streaming takes one prompt per request")
+    n = _n(body)
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad_value("n", f"{len(prompts)} prompts x n={n} is over {MAX_CHOICES} choices in one request")
     return CompletionRequest(
-        model, prompts, _params(body), _max_tokens(body, "max_tokens") or 16, stream, include_usage
+        model, prompts, _params(body), _max_tokens(body, "max_tokens") or 16, stream, include_usage, n
     )
 
 
 def parse_embedding(body: dict) -> EmbeddingRequest:
     _check_fields(body, EMBEDDING_FIELDS)
-    model = _model(body)
+    model = _model(body, required=True)
     inp = body.get("input")
     if isinstance(inp, str):
         inp = [inp]

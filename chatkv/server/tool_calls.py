@@ -2,7 +2,8 @@
 (``json_object``, ``json_schema``) as a constraint of the request's SamplingParams; ``tools`` and
 ``tool_choice`` (auto, none, required, a named function; the forcing ones constrain the output
 to calls, chatkv.sessions.tools); ``role: "tool"`` messages and assistant ``tool_calls`` in the history,
-rendered by the model's own chat template; the reply's calls as ``message.tool_calls``.
+rendered by the model's own chat template; the reply's calls as ``message.tool_calls``. A template
+without tools gets the generic format of ``generic_tools.py`` instead.
 
 Every refusal is an OpenAI-shaped 400 whose ``param`` is the path of the problem.
 """
@@ -10,9 +11,9 @@ Every refusal is an OpenAI-shaped 400 whose ``param`` is the path of the problem
 from __future__ import annotations
 
 import dataclasses
-import json
 
 from chatkv.errors import InvalidRequest
+from chatkv.server import generic_tools, limits
 from chatkv.server.errors import APIError, bad_value, unsupported
 from chatkv.sessions.tools import ToolCall, call_format, chosen, forcing, parse_calls, tagged_calls, tools_of
 
@@ -29,7 +30,7 @@ def call_arguments(args, where: str) -> dict:
     object the chat template renders; ``where`` is their path. Chat completions' assistant
     ``tool_calls`` and the Responses API's ``function_call`` items both come here."""
     try:
-        args = json.loads(args) if isinstance(args, str) else args
+        args = limits.loads(args, where) if isinstance(args, str) else args  # nesting bounded: a 400
     except ValueError:
         raise bad_value(where, f"{where} is not JSON") from None
     if not isinstance(args, dict):
@@ -137,27 +138,93 @@ def check_call_ids(messages: list[dict]) -> None:
             )
 
 
-def constrain(params, listed: list, choice, chat_template: str | None):
-    """``params`` with the constraint a forcing tool_choice needs (or as they are)."""
+def constrain(params, listed: list, choice, chat_template: str | None, parallel: bool = True):
+    """``params`` with the constraint a forcing tool_choice needs (or as they are). ``parallel``
+    False (``parallel_tool_calls: false``): the reply is exactly one call."""
     forced = chosen(listed, choice) if listed else None
+    if generic_tools.is_generic(chat_template):
+        return _generic_constraint(params, listed, choice, forced)
     if forced is None:
         return params
     if params.constrained:
         raise bad_value("tool_choice", "a tool_choice that forces a call cannot be combined with response_format")
-    return dataclasses.replace(params, **forcing(forced, call_format(chat_template)))
+    fields = forcing(_placed(listed, forced), call_format(chat_template))
+    if not parallel and "grammar" in fields:
+        fields["grammar"] = fields["grammar"].replace(_MANY_CALLS, "start: call", 1)
+    return dataclasses.replace(params, **fields)
+
+
+def _generic_constraint(params, listed: list, choice, forced: list | None):
+    """The generic format's grammar (generic_tools.grammar): a forced call, or under "auto" a call
+    or text (left as they are with response_format, whose constraint the reply keeps)."""
+    if forced is None and (not listed or choice == "none" or params.constrained):
+        return params
+    if forced is not None and params.constrained:
+        raise bad_value("tool_choice", "a tool_choice that forces a call cannot be combined with response_format")
+    placed = _placed(listed, forced or listed, generic_tools.ROOT)
+    return dataclasses.replace(params, grammar=generic_tools.grammar(placed, forced is not None))
+
+
+_MANY_CALLS = 'start: call ("\\n" call)*'  # chatkv.sessions.tools.forcing's first rule: one call or more
+
+
+def _placed(listed: list, forced: list, root: str = "#") -> list:
+    """The forced tools as their parameters must be once nested in the call's schema
+    (``chatkv.sessions.tools.call_schema``: ``{"properties": {"arguments": <parameters>}}``, under
+    ``anyOf[i]`` for several tools; ``root``: where that schema sits): root-relative ``$ref``
+    pointers (pydantic's ``#/$defs/...``) moved to where the parameters now are (the grammar
+    bounds their numbers: chatkv.engine.constraints), and a schema no finite call satisfies
+    refused with a 400 naming the tool."""
+    from chatkv.engine.sampling import SamplingParams
+
+    out = []
+    for i, t in enumerate(forced):
+        where = f"tools[{listed.index(t)}].function.parameters"
+        try:  # the schema on its own: an unsupported keyword, or no finite value (a $ref loop)
+            SamplingParams(json_schema=t.parameters).validate()
+        except InvalidRequest as e:
+            raise bad_value(where, f"{where}: {str(e).split(': ', 1)[-1]}") from None
+        at = f"{root}/properties/arguments" if len(forced) == 1 else f"{root}/anyOf/{i}/properties/arguments"
+        out.append(dataclasses.replace(t, parameters=_rebased(t.parameters, at)))
+    return out
+
+
+_VALUES = {"const", "enum", "default", "examples"}  # keywords holding JSON values, not schemas
+
+
+def _rebased(schema, prefix: str):
+    """A copy of ``schema`` whose local ``$ref`` pointers (``#``, ``#/...``) point into ``prefix``."""
+    if isinstance(schema, list):
+        return [_rebased(v, prefix) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):
+            out[k] = prefix + v[1:]
+        else:
+            out[k] = v if k in _VALUES else _rebased(v, prefix)
+    return out
 
 
 def specs(listed: list) -> list[dict] | None:
     return [t.spec() for t in listed] or None
 
 
-def reply_calls(text: str, listed: list, choice, chat_template: str | None) -> tuple[str | None, list[ToolCall]]:
-    """The reply's content (None when it is calls only) and its calls."""
+def reply_calls(
+    text: str, listed: list, choice, chat_template: str | None, parallel: bool = True
+) -> tuple[str | None, list[ToolCall]]:
+    """The reply's content (None when it is calls only) and its calls (the first only, when
+    ``parallel`` is False)."""
     if not listed or choice == "none":
         return text, []
+    if generic_tools.is_generic(chat_template):
+        return generic_tools.parse(text, listed)
     content, calls = parse_calls(text, listed, call_format(chat_template))
     if not calls:
         return text, []
+    if not parallel:
+        calls = calls[:1]
     return (content or None), calls
 
 
@@ -173,19 +240,32 @@ def deltas(calls: list[ToolCall]) -> list[dict]:
 class CallStream:
     """A streamed reply that may hold tool calls: text before a call streams as content as it
     comes (only a tail that could begin ``<tool_call>`` waits); from the first call on it is held
-    and read whole at the end. A template whose calls are bare JSON holds the whole reply."""
+    and read whole at the end. A template whose calls are bare JSON holds the whole reply; the
+    generic format (generic_tools.py) holds a reply that begins with ``{`` and streams any other."""
 
     TAG = "<tool_call>"
 
     def __init__(self, chat_template: str | None):
         self.text, self.sent = "", 0
-        self.holding = call_format(chat_template) != "hermes"
+        self.generic = generic_tools.is_generic(chat_template)
+        self.holding = not self.generic and call_format(chat_template) != "hermes"
+        self.plain = False  # a generic reply that began as text: all of it is content
 
     def feed(self, piece: str) -> str:
         """What may be sent as content now."""
         self.text += piece
         if self.holding:
             return ""
+        if self.generic and not self.plain:
+            lead = self.text.lstrip()
+            if not lead:
+                return ""
+            self.plain, self.holding = not lead.startswith("{"), lead.startswith("{")
+            if self.holding:
+                return ""
+        if self.plain:
+            out, self.sent = self.text[self.sent :], len(self.text)
+            return out
         at = self.text.find(self.TAG, self.sent)
         if at >= 0:
             end, self.holding = at, True
@@ -200,5 +280,5 @@ class CallStream:
         _, found = calls(self.text)
         rest = self.text[self.sent :]
         if found:
-            rest = tagged_calls.sub("", rest).strip()
+            rest = "" if self.generic else tagged_calls.sub("", rest).strip()
         return rest, found

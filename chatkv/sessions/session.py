@@ -220,6 +220,11 @@ class Session:
 
     def stream_edit(self, message_id: int, text: str, params: SamplingParams | None = None) -> Iterator[str | Reply]:
         """``edit``, streamed as ``stream`` streams a turn."""
+        if isinstance(message_id, bool) or not isinstance(message_id, int):
+            raise InvalidRequest(f"a message id must be an int, got {type(message_id).__name__}")
+        if not 0 < message_id < 2**63:  # the store's ids are positive 64-bit integers
+            shown = str(message_id) if abs(message_id) < 10**30 else f"an integer of {message_id.bit_length()} bits"
+            raise InvalidRequest(f"message {shown} is not a message of conversation {self.id}")
         params = self._turn_checks(params, text)
         yield from self._m.edit(self, message_id, text, params)
 

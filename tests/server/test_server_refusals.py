@@ -1,7 +1,8 @@
 """chatkv serve's refusals, each an OpenAI-style JSON error with the right status (malformed
-JSON, unknown model, too long, bad or unsupported parameters, unknown paths), the API key, the
-body size and concurrency limits, and the ``chatkv serve`` command itself: a process that
-answers, then shuts down gracefully on SIGTERM, its conversation restorable afterwards.
+JSON, too long, bad or unsupported parameters, unknown paths; an unknown or missing model under
+``strict_model_names``), the API key, the body size and concurrency limits, and the ``chatkv
+serve`` command itself: a process that answers, then shuts down gracefully on SIGTERM, its
+conversation restorable afterwards.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ from tests.support.serving import KEY, MODEL, Running, client, engine, raw, serv
 
 
 @pytest.fixture(scope="module")
+def strict(engine):
+    run = Running(create_app(engine, model_name=MODEL, strict_model_names=True))
+    yield run
+    run.stop()
+
+
+@pytest.fixture(scope="module")
 def guarded(engine):
     run = Running(create_app(engine, model_name=MODEL, api_key=KEY, max_concurrency=1, max_request_bytes=4096))
     yield run
@@ -32,8 +40,6 @@ CHAT = "/v1/chat/completions"
 BAD = [  # (what, path, body, status, code, param)
     ("malformed JSON", CHAT, b'{"model": "tiny", "messages": [', 400, "invalid_json", None),
     ("not an object", CHAT, b"[1, 2]", 400, "invalid_json", None),
-    ("unknown model", CHAT, {**OK, "model": "gpt-4o"}, 404, "model_not_found", "model"),
-    ("no model", CHAT, {"messages": user("Hi")}, 400, "missing_parameter", "model"),
     ("no messages", CHAT, {**OK, "messages": []}, 400, "invalid_value", "messages"),
     (
         "ends with the assistant",
@@ -59,7 +65,7 @@ BAD = [  # (what, path, body, status, code, param)
         "unsupported_parameter",
         "messages[0].content",
     ),
-    ("n > 1", CHAT, {**OK, "n": 2}, 400, "unsupported_parameter", "n"),
+    ("n past its bound", CHAT, {**OK, "n": 10**9}, 400, "invalid_value", "n"),
     (
         "temperature NaN",
         CHAT,
@@ -75,7 +81,7 @@ BAD = [  # (what, path, body, status, code, param)
     ("max_tokens true", CHAT, {**OK, "max_tokens": True}, 400, "invalid_value", "max_tokens"),
     ("five stop strings", CHAT, {**OK, "stop": ["a", "b", "c", "d", "e"]}, 400, "invalid_value", "stop"),
     ("seed negative", CHAT, {**OK, "seed": -1}, 400, "invalid_value", "seed"),
-    ("logprobs", CHAT, {**OK, "logprobs": True}, 400, "unsupported_parameter", "logprobs"),
+    ("top_logprobs 21", CHAT, {**OK, "logprobs": True, "top_logprobs": 21}, 400, "invalid_value", "top_logprobs"),
     (
         "functions (deprecated; tools are taken now: test_server_tools)",
         CHAT,
@@ -84,7 +90,7 @@ BAD = [  # (what, path, body, status, code, param)
         "unsupported_parameter",
         "functions",
     ),
-    ("presence penalty", CHAT, {**OK, "presence_penalty": 0.5}, 400, "unsupported_parameter", "presence_penalty"),
+    ("presence penalty 3", CHAT, {**OK, "presence_penalty": 3}, 400, "invalid_value", "presence_penalty"),
     ("an unknown field", CHAT, {**OK, "frobnicate": 1}, 400, "unknown_parameter", "frobnicate"),
     (
         "stream_options without stream",
@@ -121,9 +127,25 @@ BAD = [  # (what, path, body, status, code, param)
 ]
 
 
-@pytest.mark.parametrize("what,path,body,status,code,param", BAD, ids=[b[0] for b in BAD])
-def test_bad_requests_get_openai_errors(server, what, path, body, status, code, param):
-    got, err, _ = raw(server.url, path, body)
+# what a server made with strict_model_names=True refuses (by default any name, or none, reaches
+# the served model: test_server_names_routes.py)
+STRICT_BAD = [
+    ("unknown model", CHAT, {**OK, "model": "gpt-4o"}, 404, "model_not_found", "model"),
+    ("no model", CHAT, {"messages": user("Hi")}, 400, "missing_parameter", "model"),
+    ("no model for completions", "/v1/completions", {"prompt": "x"}, 400, "missing_parameter", "model"),
+    (
+        "unknown model for responses",
+        "/v1/responses",
+        {"model": "gpt-4o", "input": "x"},
+        404,
+        "model_not_found",
+        "model",
+    ),
+]
+
+
+def _openai_error(url, path, body, status, code, param) -> None:
+    got, err, _ = raw(url, path, body)
     assert got == status, err
     assert set(err) == {"error"} and set(err["error"]) == {"message", "type", "param", "code"}
     e = err["error"]
@@ -131,12 +153,23 @@ def test_bad_requests_get_openai_errors(server, what, path, body, status, code, 
     assert isinstance(e["message"], str) and len(e["message"]) > 10
 
 
-def test_the_openai_client_raises_its_own_errors(client):
+@pytest.mark.parametrize("what,path,body,status,code,param", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_openai_errors(server, what, path, body, status, code, param):
+    _openai_error(server.url, path, body, status, code, param)
+
+
+@pytest.mark.parametrize("what,path,body,status,code,param", STRICT_BAD, ids=[b[0] for b in STRICT_BAD])
+def test_strict_model_names_refusals_get_openai_errors(strict, what, path, body, status, code, param):
+    _openai_error(strict.url, path, body, status, code, param)
+
+
+def test_the_openai_client_raises_its_own_errors(client, strict):
+    strict_client = openai.OpenAI(base_url=strict.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     with pytest.raises(openai.NotFoundError) as e:
-        client.chat.completions.create(model="gpt-4o", messages=user("Hi"))
+        strict_client.chat.completions.create(model="gpt-4o", messages=user("Hi"))
     assert e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=user("Hi"), n=3)
+        client.chat.completions.create(model=MODEL, messages=user("Hi"), n=10**9)
     assert e.value.body["param"] == "n"
 
 

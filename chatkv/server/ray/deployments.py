@@ -74,6 +74,8 @@ class ReplicaOptions:
     max_concurrency: int = 64
     max_request_bytes: int = 4 * 2**20
     threads: int = 1  # torch threads per replica
+    aliases: list = field(default_factory=list)  # more --served-model-name values
+    strict_model_names: bool = False
 
 
 @dataclass
@@ -104,6 +106,8 @@ class EngineReplica:
         self.app = create_app(
             self.engine,
             model_name=opts.served_model_name,
+            aliases=opts.aliases,
+            strict_model_names=opts.strict_model_names,
             api_key=opts.api_key,
             max_concurrency=opts.max_concurrency,
             max_request_bytes=opts.max_request_bytes,

@@ -129,6 +129,8 @@ def _run(args, engine_config: dict) -> int:
             args.max_concurrency,
             args.max_request_bytes,
             threads=max(1, int(args.replica_cpus)),
+            aliases=list(getattr(args, "aliases", [])),
+            strict_model_names=bool(getattr(args, "strict_model_names", False)),
         ),
         replicas=args.replicas,
         routing=args.ray_routing,

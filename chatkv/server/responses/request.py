@@ -28,6 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from chatkv.engine.sampling import SamplingParams
+from chatkv.server import limits
 from chatkv.server.errors import APIError, bad_value, unsupported
 from chatkv.server.responses import tools as resp_tools
 from chatkv.server.schemas import (
@@ -80,7 +81,7 @@ TEXT_PARTS = {"input_text", "output_text", "text"}
 
 @dataclass
 class ResponsesRequest:
-    model: str
+    model: str | None  # None: not given (schemas._model)
     messages: list[dict]  # [{"role": system|user|assistant, "content": str}], the last the user's
     params: SamplingParams
     max_output_tokens: int | None = None
@@ -157,6 +158,7 @@ def _input(body: dict, store: bool) -> list[dict]:
         return [{"role": "user", "content": inp}]
     if not isinstance(inp, list) or not inp:
         raise bad_value("input", "input must be a string or a non-empty list of message items")
+    limits.check_count(inp, "input", "items")
     out = []
     for i, item in enumerate(inp):
         where = f"input[{i}]"

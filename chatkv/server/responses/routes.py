@@ -34,7 +34,7 @@ from starlette.responses import JSONResponse, Response
 from chatkv.errors import SessionError
 from chatkv.outputs import Usage
 from chatkv.server import generation as gen
-from chatkv.server import tool_calls
+from chatkv.server import limits, tool_calls
 from chatkv.server.errors import APIError, bad_value, from_chatkv, unsupported
 from chatkv.server.guards import check_api_key
 from chatkv.server.responses.request import (
@@ -243,6 +243,7 @@ def _calling(state, req: ResponsesRequest):
     """(the function reading a reply's calls: text -> (content, calls), or None without tools;
     the chat template)."""
     template = getattr(state.engine.tokenizer, "chat_template", None)
+    parallel = req.echo["parallel_tool_calls"] is not False  # false: at most one call
     if not req.tools or req.tool_choice == "none":
         return None, template
     if tool_calls.chosen(req.tools, req.tool_choice) is not None:  # a forcing choice: the reply is calls
@@ -250,8 +251,8 @@ def _calling(state, req: ResponsesRequest):
             raise bad_value(
                 "tool_choice", "a tool_choice that forces a call cannot be combined with a json text.format"
             )
-        req.params = tool_calls.constrain(req.params, req.tools, req.tool_choice, template)
-    return (lambda text: tool_calls.reply_calls(text, req.tools, req.tool_choice, template)), template
+        req.params = tool_calls.constrain(req.params, req.tools, req.tool_choice, template, parallel)
+    return (lambda text: tool_calls.reply_calls(text, req.tools, req.tool_choice, template, parallel)), template
 
 
 async def create_response(request: Request) -> Response:
@@ -259,6 +260,7 @@ async def create_response(request: Request) -> Response:
     who, body = await read_request(request)
     req = parse_responses(body)
     check_model(state, req.model)
+    limits.check_text_size(req.messages, state.context, "input")
     calls, template = _calling(state, req)
     slot = state.limit.acquire()
     streaming = False
