@@ -220,7 +220,7 @@ async def _chat_sse(chat: Chat, events, calls=None, template=None, logprobs=None
     ``logprobs()``: the logprobs of the tokens since the last chunk's, for each content chunk
     and the finishing one (None: not asked for)."""
     lp = logprobs or (lambda: None)
-    yield sse(chat.chunk({"role": "assistant", "content": ""}))
+    yield sse(chat.chunk({"role": "assistant", "content": None}))  # llama-server's and vLLM's role chunk
     split = tool_calls.CallStream(template) if calls is not None else None
     async for item in events:
         if isinstance(item, gen.Done):
@@ -329,7 +329,11 @@ async def embeddings(request: Request) -> Response:
     slot = state.limit.acquire()
     try:
         embedder = await to_thread.run_sync(state.get_embedder)
-        if req.model not in state.embedding_names | {embedder.model_id}:
+        # as check_model for chat: any name, or none, reaches the one embedding model unless
+        # names are strict (clients send their own, e.g. text-embedding-3-small)
+        if state.strict_model_names and req.model is None:
+            raise APIError(400, "you must provide a model parameter", "missing_parameter", "model")
+        if state.strict_model_names and req.model not in state.embedding_names | {embedder.model_id}:
             raise APIError(
                 404,
                 f"The model {_short(req.model)} does not exist (embeddings: {state.embedding_name!r}).",

@@ -55,7 +55,7 @@ async def chat_sse(chat: Chat, items, runs: list, shared: gen.Shared, calls, tem
         return chat_logprobs(runs[i].take_logprobs(), tokenizer) if tokenizer is not None else None
 
     for i in range(len(runs)):
-        yield sse(chat.chunk({"role": "assistant", "content": ""}, index=i))
+        yield sse(chat.chunk({"role": "assistant", "content": None}, index=i))
     splits = [tool_calls.CallStream(template) if calls is not None else None for _ in runs]
     usages = [None] * len(runs)
     async for i, item in items:

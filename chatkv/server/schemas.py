@@ -93,7 +93,7 @@ class CompletionRequest:
 
 @dataclass
 class EmbeddingRequest:
-    model: str
+    model: str | None  # None: not given (any name, or none, unless names are strict: routes.embeddings)
     inputs: list[str] = field(default_factory=list)
     encoding_format: str = "float"
     dimensions: int | None = None  # must be the model's own when given
@@ -126,7 +126,7 @@ def _is_number(v) -> bool:
 def _model(body: dict, required: bool = False) -> str | None:
     """The request's ``model``: a non-empty string, or None when absent and not ``required`` (a
     chat, completion or Responses request may leave it out, as llama-server takes; the route's
-    ``check_model`` asks for it under ``--strict-model-names``). Embeddings require it."""
+    ``check_model`` asks for it under ``--strict-model-names``; embeddings likewise)."""
     model = body.get("model")
     if model is None:
         if not required:
@@ -398,7 +398,7 @@ def parse_completion(body: dict) -> CompletionRequest:
 
 def parse_embedding(body: dict) -> EmbeddingRequest:
     _check_fields(body, EMBEDDING_FIELDS)
-    model = _model(body, required=True)
+    model = _model(body, required=False)
     inp = body.get("input")
     if isinstance(inp, str):
         inp = [inp]

@@ -46,6 +46,31 @@ def test_a_request_without_a_model_is_answered_unless_names_are_strict(server, s
     assert raw(strict.url, path, {**body, "model": "my-alias"})[0] == 200
 
 
+def test_embeddings_take_any_name_or_none_unless_names_are_strict(server, strict):
+    """A client's own embedding model name (text-embedding-3-small) or none reaches the one
+    embedding model, which the reply names; strict names want one of its names."""
+    c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+    theirs = c.embeddings.create(model="text-embedding-3-small", input=["a kettle", "a river"])
+    status, none, _ = raw(server.url, "/v1/embeddings", {"input": ["a kettle", "a river"]})
+    assert status == 200 and none["model"] == theirs.model == "all-MiniLM-L6-v2"
+    assert [d["embedding"] for d in none["data"]] == [d.embedding for d in theirs.data]
+    assert len(theirs.data[0].embedding) == 384
+    status, err, _ = raw(strict.url, "/v1/embeddings", {"model": "text-embedding-3-small", "input": "x"})
+    assert status == 404 and err["error"]["code"] == "model_not_found"
+    assert raw(strict.url, "/v1/embeddings", {"model": "all-MiniLM-L6-v2", "input": "x"})[0] == 200
+
+
+def test_a_stream_opens_with_a_role_chunk_whose_content_is_null(client):
+    """As llama-server and vLLM send it (a stream helper that rejects an empty content delta,
+    llama.cpp's own tests' among them, reads it), the text following in later chunks."""
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=user("Hi"), max_tokens=4, temperature=0, stream=True)
+    )
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant" and first.content is None
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
 def test_aliases_are_listed_and_answered_and_strict_mode_refuses_others(strict):
     c = openai.OpenAI(base_url=strict.url + "/v1", api_key="unused", max_retries=0, timeout=60)
     ids = [m.id for m in c.models.list().data]

@@ -121,7 +121,6 @@ BAD = [  # (what, path, body, status, code, param)
     ),
     ("echo", "/v1/completions", {"model": MODEL, "prompt": "x", "echo": True}, 400, "unsupported_parameter", "echo"),
     ("no embedding input", "/v1/embeddings", {"model": "all-MiniLM-L6-v2", "input": []}, 400, "invalid_value", "input"),
-    ("chat model for embeddings", "/v1/embeddings", {"model": MODEL, "input": "x"}, 404, "model_not_found", "model"),
     ("unknown path", "/v1/engines", {}, 404, "not_found", None),
     ("GET a POST route", CHAT, None, 405, "method_not_allowed", None),
 ]
@@ -133,6 +132,8 @@ STRICT_BAD = [
     ("unknown model", CHAT, {**OK, "model": "gpt-4o"}, 404, "model_not_found", "model"),
     ("no model", CHAT, {"messages": user("Hi")}, 400, "missing_parameter", "model"),
     ("no model for completions", "/v1/completions", {"prompt": "x"}, 400, "missing_parameter", "model"),
+    ("chat model for embeddings", "/v1/embeddings", {"model": MODEL, "input": "x"}, 404, "model_not_found", "model"),
+    ("no model for embeddings", "/v1/embeddings", {"input": "x"}, 400, "missing_parameter", "model"),
     (
         "unknown model for responses",
         "/v1/responses",
