@@ -167,7 +167,6 @@ class Embedder:
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         if not texts:
             return out
-        import torch
 
         model = self._load_model()
         order = sorted(range(len(texts)), key=lambda i: len(texts[i]))
@@ -188,15 +187,58 @@ class Embedder:
                         return_tensors="pt",
                         split_special_tokens=True,  # text is data: only [CLS]/[SEP] of its own
                     ).to(self.device)
-                    with torch.inference_mode():
-                        hidden = model(**batch).last_hidden_state
-                    mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
-                    pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-                    pooled = torch.nn.functional.normalize(pooled.float(), p=2, dim=1)
-                    out[idx] = pooled.cpu().numpy()
+                    out[idx] = self._pooled(model, batch)
                     if bar is not None:
                         bar.update(len(idx))
         finally:
             if bar is not None:
                 bar.close()
+        return out
+
+    def _special_ends(self) -> tuple[list[int], list[int]]:
+        """The special tokens the tokenizer puts before and after a text's own ids ([CLS] and
+        [SEP] for BERT's), read off one text encoded with and without them."""
+        plain = self.tokenizer.encode("a", add_special_tokens=False)
+        full = self.tokenizer.encode("a", add_special_tokens=True)
+        for i in range(len(full) - len(plain) + 1):
+            if full[i : i + len(plain)] == plain:
+                return full[:i], full[i + len(plain) :]
+        return [], []
+
+    def _pooled(self, model, batch) -> np.ndarray:
+        """The mean of the last hidden states over the unmasked tokens, L2-normalised."""
+        import torch
+
+        with torch.inference_mode():
+            hidden = model(**batch).last_hidden_state
+        mask = batch["attention_mask"].unsqueeze(-1).to(hidden.dtype)
+        pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
+        return torch.nn.functional.normalize(pooled.float(), p=2, dim=1).cpu().numpy()
+
+    def encode_ids(self, seqs: Sequence[Sequence[int]], batch_size: int = 32) -> np.ndarray:
+        """``encode`` of texts already turned into this model's token ids (OpenAI's token-array
+        input): each sequence gets the model's own special tokens around it and is cut to fit,
+        as ``encode`` cuts a text, so the ids ``count_tokens`` makes of a text give its vector.
+        An id outside the vocabulary is an ``InvalidRequest`` naming it."""
+        vocab = len(self.tokenizer)
+        for n, seq in enumerate(seqs):
+            for i, t in enumerate(seq):
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise InvalidRequest(f"token {i} of input {n} is {t!r}, not an id of the embedding model's {vocab}")
+        out = np.zeros((len(seqs), self.dim), dtype=np.float32)
+        if not seqs:
+            return out
+        import torch
+
+        model = self._load_model()
+        head, tail = self._special_ends()
+        room = self.max_tokens - len(head) - len(tail)
+        rows = [head + list(seq[:room]) + tail for seq in seqs]
+        pad = self.tokenizer.pad_token_id or 0
+        for b in range(0, len(rows), batch_size):
+            part = rows[b : b + batch_size]
+            width = max(len(r) for r in part)
+            ids = torch.tensor([r + [pad] * (width - len(r)) for r in part], device=self.device)
+            mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in part], device=self.device)
+            out[b : b + len(part)] = self._pooled(model, {"input_ids": ids, "attention_mask": mask})
         return out

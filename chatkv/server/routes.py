@@ -349,10 +349,17 @@ async def embeddings(request: Request) -> Response:
             )
         try:
             vectors, tokens = await to_thread.run_sync(
-                lambda: (embedder.encode(req.inputs), sum(embedder.count_tokens(t) for t in req.inputs))
+                lambda: (
+                    (embedder.encode_ids(req.inputs), sum(len(t) for t in req.inputs))
+                    if req.token_ids
+                    else (embedder.encode(req.inputs), sum(embedder.count_tokens(t) for t in req.inputs))
+                )
             )
         except Exception as e:  # noqa: BLE001
-            raise from_chatkv(e) from e
+            error = from_chatkv(e)
+            if error.status == 400 and error.param is None:
+                error.param = "input"  # what the embedder refuses is in the input (an id, a text)
+            raise error from e
     finally:
         slot.release()
     data = []

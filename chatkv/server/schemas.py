@@ -94,9 +94,10 @@ class CompletionRequest:
 @dataclass
 class EmbeddingRequest:
     model: str | None  # None: not given (any name, or none, unless names are strict: routes.embeddings)
-    inputs: list[str] = field(default_factory=list)
+    inputs: list = field(default_factory=list)  # texts, or arrays of token ids (token_ids)
     encoding_format: str = "float"
     dimensions: int | None = None  # must be the model's own when given
+    token_ids: bool = False  # inputs are arrays of the embedding model's token ids, not texts
 
 
 def parse_json(raw: bytes) -> dict:
@@ -400,21 +401,27 @@ def parse_embedding(body: dict) -> EmbeddingRequest:
     _check_fields(body, EMBEDDING_FIELDS)
     model = _model(body, required=False)
     inp = body.get("input")
-    if isinstance(inp, str):
-        inp = [inp]
-    if not isinstance(inp, list) or not inp or not all(isinstance(t, str) for t in inp):
+    if isinstance(inp, str) or (isinstance(inp, list) and inp and all(_is_int(t) for t in inp)):
+        inp = [inp]  # one text, or one array of token ids
+    texts = isinstance(inp, list) and inp and all(isinstance(t, str) for t in inp)
+    ids = isinstance(inp, list) and inp and all(isinstance(t, list) and t and all(_is_int(i) for i in t) for t in inp)
+    if not (texts or ids):
         raise bad_value(
-            "input", "input must be a string or a non-empty array of strings (token arrays are not supported)"
+            "input",
+            "input must be a string, an array of strings, an array of token ids or an array of such arrays "
+            "(none empty)",
         )
     if len(inp) > 2048:
         raise bad_value("input", f"at most 2048 inputs in one request, got {len(inp)}")
+    if ids and sum(len(t) for t in inp) > 2048 * 512:
+        raise bad_value("input", "at most 1,048,576 token ids in one request")
     fmt = body.get("encoding_format") or "float"
     if fmt not in ("float", "base64"):
         raise bad_value("encoding_format", f"encoding_format must be 'float' or 'base64', got {fmt!r}")
     dims = body.get("dimensions")
     if dims is not None and (not _is_int(dims) or dims < 1):
         raise bad_value("dimensions", f"dimensions must be an integer >= 1, got {dims!r}")
-    return EmbeddingRequest(model, inp, fmt, dims)
+    return EmbeddingRequest(model, inp, fmt, dims, token_ids=bool(ids))
 
 
 # what resp_request.py (the Responses API's bodies) shares with the parsers above

@@ -60,6 +60,28 @@ def test_embeddings_take_any_name_or_none_unless_names_are_strict(server, strict
     assert raw(strict.url, "/v1/embeddings", {"model": "all-MiniLM-L6-v2", "input": "x"})[0] == 200
 
 
+def test_embeddings_of_token_id_arrays_are_the_vectors_of_their_texts(server, client):
+    """OpenAI's token-array input, in the embedding model's own ids: the ids its tokenizer makes
+    of a text give that text's vector; one array alone too; an id outside the vocabulary, an
+    empty array or a mixed list is a 400 naming ``input``."""
+    from chatkv.retrieval import Embedder
+
+    tok = Embedder().tokenizer
+    texts = ["The kettle boils a litre in ninety seconds.", "A river runs through Paris."]
+    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    by_text = client.embeddings.create(model="x", input=texts)
+    by_ids = client.embeddings.create(model="x", input=ids)
+    one = client.embeddings.create(model="x", input=ids[0])
+    for a, b in zip(by_text.data, by_ids.data):
+        assert max(abs(x - y) for x, y in zip(a.embedding, b.embedding)) < 1e-5
+    assert max(abs(x - y) for x, y in zip(one.data[0].embedding, by_ids.data[0].embedding)) < 1e-5  # (padding)
+    assert by_ids.usage.prompt_tokens == sum(len(i) for i in ids)
+    for bad in ([[10**9]], [[]], [[1, 2], "text"], [1, "a"], [True, 2]):
+        status, err, _ = raw(server.url, "/v1/embeddings", {"input": bad})
+        assert status == 400 and err["error"]["param"] == "input", (bad, err)
+    assert client.embeddings.create(model="x", input="still answering").data
+
+
 def test_a_stream_opens_with_a_role_chunk_whose_content_is_null(client):
     """As llama-server and vLLM send it (a stream helper that rejects an empty content delta,
     llama.cpp's own tests' among them, reads it), the text following in later chunks."""
