@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from chatkv.server import generation as gen
 from chatkv.server import tool_calls
-from chatkv.server.chat_shapes import Chat, Completion, chat_logprobs, completion_logprobs, n_usage, sse
+from chatkv.server.chat_shapes import Chat, Completion, chat_logprobs, completion_logprobs, n_usage, sse, sum_usage
 
 
 def _apply_calls(choice: dict, text: str, calls) -> dict:
@@ -89,23 +89,7 @@ def completion_usage(dones: list, groups: list[tuple[int, gen.Shared]]):
     for count, shared in groups:
         total.append(n_usage([d.usage for d in dones[start : start + count]], shared.prefill, shared.waited_s))
         start += count
-    out = total[0]
-    for u in total[1:]:
-        for name in (
-            "prompt_tokens",
-            "cached_tokens",
-            "host_tokens",
-            "restored_tokens",
-            "computed_tokens",
-            "generated_tokens",
-            "proposed_tokens",
-            "accepted_tokens",
-            "reused_tokens",
-            "recomputed_tokens",
-        ):
-            setattr(out, name, getattr(out, name) + getattr(u, name))
-        out.ttft_s = max(out.ttft_s, u.ttft_s)
-    return out, [d.usage for d in dones]
+    return sum_usage(total), [d.usage for d in dones]
 
 
 async def completion_sse(out: Completion, items, runs: list, shared: gen.Shared, tokenizer=None):

@@ -138,12 +138,14 @@ def _model(body: dict, required: bool = False) -> str | None:
     return model
 
 
-def _bool(body: dict, name: str) -> bool:
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    """The request's boolean ``name``, ``default`` when absent (the error names its type, never
+    echoes a value that may be megabytes)."""
     v = body.get(name)
     if v is None:
-        return False
+        return default
     if not isinstance(v, bool):
-        raise bad_value(name, f"{name} must be a boolean, got {v!r}")
+        raise bad_value(name, f"{name} must be a boolean, got {type(v).__name__}")
     return v
 
 

@@ -27,7 +27,7 @@ from chatkv.errors import check_text
 from chatkv.server.errors import APIError, bad_value, from_chatkv, unsupported
 from chatkv.server.limits import check_count, check_text_size
 from chatkv.server.routes import check_model, read_request
-from chatkv.server.schemas import ROLES
+from chatkv.server.schemas import ROLES, bool_field
 
 MAX_TOKENS = 1 << 17  # ids one /detokenize takes (or the context, if larger)
 TOKENIZE_FIELDS = {
@@ -52,15 +52,6 @@ def _check(body: dict, known: set[str], state) -> None:
         if not isinstance(body["model"], str):
             raise bad_value("model", "model must be a string")
         check_model(state, body["model"])
-
-
-def _flag(body: dict, name: str, default: bool) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad_value(name, f"{name} must be a boolean, got {type(v).__name__}")
-    return v
 
 
 def _chat_messages(body: dict) -> list[dict]:
@@ -97,11 +88,11 @@ async def _tokenize_chat(state, body: dict) -> Response:
     check_text_size(messages, state.context)
     if "content" in body or "prompt" in body:
         raise bad_value("messages", "send messages or a text (content, prompt), not both")
-    if _flag(body, "add_special_tokens", False) or _flag(body, "add_special", False):
+    if bool_field(body, "add_special_tokens", False) or bool_field(body, "add_special", False):
         raise unsupported("add_special_tokens", "the chat template places the special tokens of messages")
-    gen = _flag(body, "add_generation_prompt", True)
-    strs = _flag(body, "return_token_strs", False)
-    if _flag(body, "with_pieces", False):
+    gen = bool_field(body, "add_generation_prompt", True)
+    strs = bool_field(body, "return_token_strs", False)
+    if bool_field(body, "with_pieces", False):
         raise unsupported("with_pieces", "with_pieces goes with content; send return_token_strs with messages")
     tok = state.engine.tokenizer
 
@@ -109,11 +100,21 @@ async def _tokenize_chat(state, body: dict) -> Response:
         ids = [int(i) for i in state.engine.encode_chat(messages, add_generation_prompt=gen)]
         return ids, [tok.decode([i]) for i in ids] if strs else None
 
+    return await _tokens(state, run, strs=strs)
+
+
+async def _tokens(state, run, pieces: bool = False, strs: bool = False) -> Response:
+    """The reply of ``/tokenize``: ``run()`` (in a worker thread) gives the ids and, when asked
+    (``pieces``, ``strs``), each id's text."""
     try:
         ids, shown = await to_thread.run_sync(run)
     except Exception as e:  # noqa: BLE001 - text that is not valid Unicode, a template that refuses
         raise from_chatkv(e) from e
-    out: dict = {"tokens": ids, "count": len(ids), "max_model_len": state.context}
+    out: dict = {
+        "tokens": [{"id": i, "piece": p} for i, p in zip(ids, shown)] if pieces else ids,
+        "count": len(ids),
+        "max_model_len": state.context,
+    }
     if strs:
         out["token_strs"] = shown
     return JSONResponse(out)
@@ -134,8 +135,8 @@ async def tokenize(request: Request) -> Response:
             400, "send the text to tokenize as 'content' (or vLLM's 'prompt'): a string", "missing_parameter", name
         )
     check_text_size([{"content": text}], state.context, name)
-    add = _flag(body, "add_special", False) if name == "content" else _flag(body, "add_special_tokens", True)
-    pieces, strs = _flag(body, "with_pieces", False), _flag(body, "return_token_strs", False)
+    add = bool_field(body, "add_special", False) if name == "content" else bool_field(body, "add_special_tokens", True)
+    pieces, strs = bool_field(body, "with_pieces", False), bool_field(body, "return_token_strs", False)
     tok = state.engine.tokenizer
 
     def run():
@@ -143,18 +144,7 @@ async def tokenize(request: Request) -> Response:
         shown = [tok.decode([i]) for i in ids] if pieces or strs else None
         return ids, shown
 
-    try:
-        ids, shown = await to_thread.run_sync(run)
-    except Exception as e:  # noqa: BLE001 - text that is not valid Unicode
-        raise from_chatkv(e) from e
-    out: dict = {
-        "tokens": [{"id": i, "piece": p} for i, p in zip(ids, shown)] if pieces else ids,
-        "count": len(ids),
-        "max_model_len": state.context,
-    }
-    if strs:
-        out["token_strs"] = shown
-    return JSONResponse(out)
+    return await _tokens(state, run, pieces, strs)
 
 
 async def detokenize(request: Request) -> Response:

@@ -24,6 +24,7 @@ from chatkv.server.schemas import MAX_N
 from tests.support.serving import (  # noqa: F401 - fixtures
     BLOCK,
     MODEL,
+    WEATHER,
     Running,
     client,
     engine,
@@ -246,21 +247,6 @@ def test_without_prefix_caching_each_sample_computes_its_prompt(tmp_path_factory
     finally:
         run.stop()
         eng.close()
-
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Oslo"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
-}
 
 
 def test_tool_calls_are_parsed_for_each_choice(tool_model_dir, tmp_path_factory):

@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from chatkv.engine.core import Engine
-from tests.support.serving import MODEL, raw, server, user  # noqa: F401  (server: the fixture, on this module's engine)
+from tests.support.serving import MODEL, WEATHER, raw, server, user  # noqa: F401  (server: the fixture, on this module's engine)
 
 SCHEMA = {
     "type": "object",
@@ -25,19 +25,6 @@ SCHEMA = {
     },
     "required": ["answer", "score"],
     "additionalProperties": False,
-}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"enum": ["Paris", "Oslo"]}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-    },
 }
 CLOCK = {
     "type": "function",

@@ -142,5 +142,21 @@ def serve_process(model_dir, data, *args: str):
         time.sleep(0.1)
 
 
+# a chat-completions tool the tool-capable tiny model is asked to call (its city one of two)
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
 def user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
