@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.routing import Route
 
 from chatkv.engine.metrics import EngineMetrics
-from chatkv.server import routes, tokens
+from chatkv.server import embeddings, routes, tokens
 from chatkv.server.errors import APIError
 from chatkv.server.guards import ConcurrencyLimit, Users
 from chatkv.server.history import HistoryTokens
@@ -210,7 +210,7 @@ def create_app(
         ("/v1/responses", resp_routes.create_response, "POST"),
         ("/v1/responses/{response_id}", resp_routes.get_response, "GET"),
         ("/v1/responses/{response_id}", resp_routes.delete_response, "DELETE"),
-        ("/v1/embeddings", routes.embeddings, "POST"),
+        ("/v1/embeddings", embeddings.embeddings, "POST"),
         ("/v1/models", routes.models, "GET"),
         ("/v1/tokenize", tokens.tokenize, "POST"),
         ("/v1/detokenize", tokens.detokenize, "POST"),

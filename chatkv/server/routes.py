@@ -1,16 +1,15 @@
-"""The HTTP routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
-``/v1/models``, ``/health``, ``/metrics``. Each handler checks the key, reads and validates
-the body, takes a concurrency slot, runs the request (``generation.py``) and answers in
-OpenAI's shape (``responses.py``); every refusal is an OpenAI error (``errors.py``)."""
+"""The HTTP routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``, ``/health``,
+``/metrics`` (``/v1/embeddings``: ``embeddings.py``; ``/tokenize``: ``tokens.py``; the Responses
+API: ``responses/``). Each handler checks the key, reads and validates the body, takes a
+concurrency slot, runs the request (``generation.py``) and answers in OpenAI's shape
+(``chat_shapes.py``); every refusal is an OpenAI error (``errors.py``)."""
 
 from __future__ import annotations
 
 import asyncio
-import base64
 import dataclasses
 import time
 
-import numpy as np
 from anyio import to_thread
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
@@ -21,7 +20,7 @@ from chatkv.server import limits, samples, tool_calls
 from chatkv.server.chat_shapes import Chat, Completion, chat_logprobs, completion_logprobs, sse, sum_usage
 from chatkv.server.errors import APIError, from_chatkv
 from chatkv.server.guards import check_api_key, read_body
-from chatkv.server.schemas import parse_chat, parse_completion, parse_embedding, parse_json
+from chatkv.server.schemas import parse_chat, parse_completion, parse_json
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -321,59 +320,6 @@ async def _completion_sse(out: Completion, events, run=None, tokenizer=None):
         else:
             yield sse(out.chunk(item, None, lp()))
     yield sse("[DONE]")
-
-
-async def embeddings(request: Request) -> Response:
-    state = request.app.state.chatkv
-    req = parse_embedding((await read_request(request))[1])
-    slot = state.limit.acquire()
-    try:
-        embedder = await to_thread.run_sync(state.get_embedder)
-        # as check_model for chat: any name, or none, reaches the one embedding model unless
-        # names are strict (clients send their own, e.g. text-embedding-3-small)
-        if state.strict_model_names and req.model is None:
-            raise APIError(400, "you must provide a model parameter", "missing_parameter", "model")
-        if state.strict_model_names and req.model not in state.embedding_names | {embedder.model_id}:
-            raise APIError(
-                404,
-                f"The model {_short(req.model)} does not exist (embeddings: {state.embedding_name!r}).",
-                "model_not_found",
-                "model",
-            )
-        if req.dimensions is not None and req.dimensions != embedder.dim:
-            raise APIError(
-                400,
-                f"dimensions must be the model's own ({embedder.dim}), got {req.dimensions}",
-                "unsupported_parameter",
-                "dimensions",
-            )
-        try:
-            vectors, tokens = await to_thread.run_sync(
-                lambda: (
-                    (embedder.encode_ids(req.inputs), sum(len(t) for t in req.inputs))
-                    if req.token_ids
-                    else (embedder.encode(req.inputs), sum(embedder.count_tokens(t) for t in req.inputs))
-                )
-            )
-        except Exception as e:  # noqa: BLE001
-            error = from_chatkv(e)
-            if error.status == 400 and error.param is None:
-                error.param = "input"  # what the embedder refuses is in the input (an id, a text)
-            raise error from e
-    finally:
-        slot.release()
-    data = []
-    for i, v in enumerate(np.asarray(vectors, dtype=np.float32)):
-        emb = base64.b64encode(v.astype("<f4").tobytes()).decode() if req.encoding_format == "base64" else v.tolist()
-        data.append({"object": "embedding", "index": i, "embedding": emb})
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": data,
-            "model": state.embedding_name,
-            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-        }
-    )
 
 
 async def models(request: Request) -> Response:

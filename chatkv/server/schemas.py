@@ -93,7 +93,7 @@ class CompletionRequest:
 
 @dataclass
 class EmbeddingRequest:
-    model: str | None  # None: not given (any name, or none, unless names are strict: routes.embeddings)
+    model: str | None  # None: not given (any name, or none, unless names are strict: embeddings.py)
     inputs: list = field(default_factory=list)  # texts, or arrays of token ids (token_ids)
     encoding_format: str = "float"
     dimensions: int | None = None  # must be the model's own when given
