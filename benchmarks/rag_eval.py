@@ -16,13 +16,19 @@ Reported, per split:
   exact match, token F1 and "contains" against gold, citation precision (does a cited [n] hold the
   answer) and the share of replies citing anything. The metrics are benchmarks/rag_metrics.py.
 
+- with ``--followups``: follow-up questions searched as the message alone, as the default rule
+  makes them standalone, and as the rule with the chat model's rewrite (chatkv.rag.rewrite),
+  against held-back questions after an unrelated turn as the control; the rewrite's cost in ms
+  (benchmarks/rag_followup_eval.py).
 - with ``--reuse``: chunk KV reuse's quality gate (benchmarks/rag_reuse_eval.py): every
   ``rag_kv_reuse`` mode and recompute ratio (blend 0/5/15/30/45/60%, edge 4 tokens;
   ``--reuse-configs`` picks others) against full prefill on the same prompts: EM, F1, citation
   precision, teacher-forced top-1 agreement.
 
     .venv/bin/python benchmarks/rag_eval.py [--split all|tune|heldback] [--limit N] [--no-answers] [--no-peer]
-                                            [--reuse]
+                                            [--followups] [--reuse]
+
+Where LlamaIndex is not installed its rows say so and the rest runs.
 """
 
 from __future__ import annotations
@@ -140,6 +146,29 @@ def answer_questions(kb, questions: list[dict], max_tokens: int) -> tuple[list[s
         engine.close()
 
 
+def followups(kb, threads: int) -> None:
+    """The follow-up table (rag_followup_eval.py), the rewrite through the default chat model."""
+    from rag_followup_eval import HEADERS, followup_rows, load_followups, pairs
+
+    from chatkv import Engine
+    from chatkv.rag.rewrite import model_rewriter
+
+    sets = pairs(load_followups(), load_questions("heldback"))
+    engine = Engine.from_pretrained()
+    try:
+        rewrite = model_rewriter(engine)
+        rewrite("warm up", "the engine")
+        rows, seconds = followup_rows(kb, sets, rewrite)
+    finally:
+        engine.close()
+    print_table("Follow-ups (chatkv hybrid, k=10; control: held-back questions after an unrelated one)", HEADERS, rows)
+    ms = sorted(1000 * s for s in seconds)
+    print(
+        f"rewrite cost: {len(ms)} calls, median {ms[len(ms) // 2]:.0f} ms, max {ms[-1]:.0f} ms "
+        f"(SmolLM2-135M, greedy, at most 40 tokens, {threads} torch threads)"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
@@ -149,6 +178,9 @@ def main() -> None:
     p.add_argument("--no-answers", action="store_true", help="retrieval only (no chat model)")
     p.add_argument("--no-peer", action="store_true", help="skip LlamaIndex")
     p.add_argument("--max-tokens", type=int, default=48, help="reply length limit")
+    p.add_argument(
+        "--followups", action="store_true", help="follow-up questions: the rule against the chat model's rewrite"
+    )
     p.add_argument("--reuse", action="store_true", help="chunk KV reuse's modes and ratios against full prefill")
     p.add_argument(
         "--reuse-configs",
@@ -176,11 +208,14 @@ def main() -> None:
 
                 peer = llamaindex_retriever(topic_texts())
                 if isinstance(peer, str):
-                    print(f"LlamaIndex: not run: {peer}")
+                    print(f"LlamaIndex: not installed, its rows are not run: {peer}")
+                    missing = "LlamaIndex fusion (not installed)"
                 else:
                     print(f"LlamaIndex: {peer.chunks} chunks")
                     retrievers["LlamaIndex fusion"] = peer
             rows = retrieval_rows(retrievers, splits, questions)
+            if not args.no_peer and "LlamaIndex fusion" not in retrievers:
+                rows += [[missing, s, str(len(questions[s])), "-", "-", "-", "-", "-"] for s in splits]
             print_table(
                 f"Retrieval (k={K} chunks; hit/MRR by document, answer@3 by chunk text)",
                 ["retriever", "split", "n", "hit@1", "hit@3", "hit@10", "MRR@10", "answer@3"],
@@ -212,6 +247,8 @@ def main() -> None:
                     ["pipeline", "split", "n", "EM", "F1", "contains", "citation precision", "cites"],
                     arows,
                 )
+            if args.followups:
+                followups(kb, args.threads)
             if args.reuse:
                 from rag_reuse_eval import CONFIGS, HEADERS, parse_configs, reuse_rows
 

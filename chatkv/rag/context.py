@@ -15,7 +15,11 @@ Where the text goes (chosen so that KV is shared, see docs/how-to/rag.md, "RAG a
 
 Follow-up questions ("and its default?") are made standalone by a simple rule, not the
 model: a message of at most ``FOLLOW_UP_WORDS`` words, or one starting with a
-connective or a pronoun, is searched together with the previous user message.
+connective or a pronoun, is searched together with the previous user message. With
+``rewrite`` (``chatkv.rag.rewrite.model_rewriter``: the chat model restates the follow-up), a
+message the rule takes for a follow-up is searched as the model's standalone question instead; it
+is an option, off unless given, because the packaged 135M model's rewrites retrieve no better than
+the rule and cost a generation each (figures in chatkv/rag/rewrite.py).
 """
 
 from __future__ import annotations
@@ -54,12 +58,27 @@ class Source:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 
-def standalone_query(message: str, previous_user_message: str | None) -> str:
-    """The text to search for: the message, with the previous one for a short follow-up."""
+def is_follow_up(message: str) -> bool:
+    """The rule: at most ``FOLLOW_UP_WORDS`` words, or a start with a connective or a pronoun."""
     text = message.strip()
-    if previous_user_message and (len(text.split()) <= FOLLOW_UP_WORDS or _FOLLOW_UP_START.match(text)):
-        return f"{previous_user_message.strip()} {text}"
-    return text
+    return len(text.split()) <= FOLLOW_UP_WORDS or bool(_FOLLOW_UP_START.match(text))
+
+
+def standalone_query(
+    message: str, previous_user_message: str | None, rewrite: Callable[[str, str], str] | None = None
+) -> str:
+    """The text to search for: the message, with the previous one for a short follow-up.
+
+    ``rewrite(message, previous_user_message)``, when given, is asked only for a message the rule
+    takes for a follow-up; its answer is the query unless it is blank, in which case the rule's
+    joined text is."""
+    text = message.strip()
+    if not previous_user_message or not is_follow_up(text):
+        return text
+    joined = f"{previous_user_message.strip()} {text}"
+    if rewrite is not None:
+        return rewrite(text, previous_user_message.strip()).strip() or joined
+    return joined
 
 
 def canonical(hits: Sequence) -> list:

@@ -112,3 +112,45 @@ def test_citations():
     assert row["citation_precision"] == 0.5 and row["cite_rate"] == pytest.approx(2 / 3)
     with pytest.raises(ValueError):
         answer_row(["a"], [], [])
+
+
+def test_the_followups_are_sound_and_need_their_previous_question():
+    """tests/data/rag_eval/pydoc_topics_followups.json, checked as the question set is: the evidence
+    quotes each source topic, the answer is part of it; each follow-up and its previous question
+    are distinct, and the control pairs each held-back question with another held-back one."""
+    from benchmarks.rag_followup_eval import FOLLOWUPS_FILE, load_followups, pairs
+
+    data = json.loads(FOLLOWUPS_FILE.read_text(encoding="utf-8"))
+    fus = load_followups()
+    assert len(fus) >= 20 and len({f["id"] for f in fus}) == len(fus)
+    assert all(f["previous"].strip() and f["question"].strip() and f["previous"] != f["question"] for f in fus)
+    sets = pairs(fus, load_questions("heldback"))
+    assert len(sets["follow-ups"]) == len(fus) and len(sets["control"]) == 30
+    assert all(m != p for m, p, _ in sets["control"])
+    if f"{sys.version_info.major}.{sys.version_info.minor}" != data["python"]:
+        pytest.skip(f"written against Python {data['python']}'s pydoc_data; its text differs between versions")
+    from pydoc_data.topics import topics
+
+    texts = {k: _norm(v) for k, v in topics.items()}
+    for f in fus:
+        evidence = _norm(f["evidence"])
+        assert _norm(f["answer"]) in evidence, f["id"]
+        assert f["topic"] in f["sources"], f["id"]
+        assert sorted(k for k, v in texts.items() if evidence in v) == f["sources"], f["id"]
+
+
+def test_the_peer_says_it_is_not_installed_where_llamaindex_is_absent():
+    """rag_eval.py's peer row without LlamaIndex: a sentence naming what to install, no exception
+    (a child process where ``import llama_index`` fails as it does when the package is absent)."""
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    code = (
+        "import sys; sys.modules['llama_index'] = None\n"
+        "from benchmarks.rag_eval_peer import llamaindex_retriever\n"
+        "print(llamaindex_retriever({'a': 'text'}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "LlamaIndex is not installed" in out.stdout and "pip install llama-index-core" in out.stdout
