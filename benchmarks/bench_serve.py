@@ -25,8 +25,11 @@ each request also sends ``cache_prompt: true``, so a chat's next turn reuses the
 ``--llama-server PATH`` or ``$LLAMA_SERVER``; without it the rows are skipped with one line that
 says how to build it (``LLAMA_BUILD``).
 
+chatkv serves with its default, ``deterministic`` (every reply the same whatever the load);
+``--no-deterministic`` measures the batched kernels' path instead.
+
     .venv/bin/python benchmarks/bench_serve.py [--dtype bf16|fp32] [--clients 1,8,32] [--turns 10]
-        [--llama-server PATH]
+        [--llama-server PATH] [--no-deterministic]
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def start_server(model_dir: Path, dtype: str, data_dir: Path) -> tuple[subprocess.Popen, str]:
+def start_server(model_dir: Path, dtype: str, data_dir: Path, fast: bool = False) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [
         sys.executable,
@@ -143,6 +146,7 @@ def start_server(model_dir: Path, dtype: str, data_dir: Path) -> tuple[subproces
         ENGINE_DTYPES[dtype],
         "--log-level",
         "warning",
+        *(["--no-deterministic"] if fast else []),
     ]
     proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
     return proc, started(proc, f"http://127.0.0.1:{port}", "chatkv serve")
@@ -327,6 +331,11 @@ def main() -> None:
         default=None,
         help="llama.cpp's llama-server binary (default: $LLAMA_SERVER); without one its rows are skipped",
     )
+    p.add_argument(
+        "--no-deterministic",
+        action="store_true",
+        help="serve with oneDNN's batched kernels (chatkv serve --no-deterministic): the fast path's figures",
+    )
     args = p.parse_args()
     model_dir = setup(args)
     dtype = args.dtype if args.dtype != "both" else "bf16"
@@ -338,7 +347,7 @@ def main() -> None:
     tmp = Path(os.environ.get("TMPDIR", "/tmp"))
     data_dir = tmp / f"chatkv-bench-serve-{os.getpid()}"
     llama_log = tmp / f"llama-server-bench-{os.getpid()}.log"
-    proc, url = start_server(model_dir, dtype, data_dir)
+    proc, url = start_server(model_dir, dtype, data_dir, args.no_deterministic)
     rows, chatkv, peer = [], {}, {}
     try:
         model = model_dir.name

@@ -43,6 +43,10 @@ class EngineConfig:
     # default model 516 vs 705 MiB after a 1k prompt, llama.cpp 450) for a prefill time close to the
     # copy's (1k prompt's TTFT 1.08x); benchmarks/bench_quant_prefill.py measures it, docs/reference/weights.md
     quant_dense: str = "scratch"
+    # every token's numbers its own: the same reply alone or beside other requests, in any prefill
+    # chunk, on any thread count, after a preemption or a restore (chatkv.kernels.cpu_invariant; the
+    # float modes on CPU). False: oneDNN's products and the batched attention, faster for long prompts
+    deterministic: bool = True
     threads: int | None = None  # compute threads at most; None: torch's (the cores)
     adaptive_threads: bool = True  # fewer threads while other processes keep cores busy (chatkv.model.cpu_threads)
     tenant: str = ""  # salt of the prefix-cache namespace: tenants never share KV

@@ -117,11 +117,12 @@ static float exp_shift_sum(float *sc, int64_t n, float mx) {
  * names one (64, 128), so that each head's loops unroll. */
 static inline __attribute__((always_inline)) void attention_item(
     int64_t it, const int64_t D, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *blocks,
-    const int64_t *ctx, int64_t max_blocks, int64_t block_size, int64_t nh, int64_t nkv, int64_t group,
-    int64_t segs, float scale, const uint16_t *q_scratch, float *scores) {
+    const int64_t *lo, const int64_t *ctx, int64_t max_blocks, int64_t block_size, int64_t nh, int64_t nkv,
+    int64_t group, int64_t segs, float scale, const uint16_t *q_scratch, float *scores) {
     const int64_t d = D, pw = D + 2;
     const int64_t r = it / (nkv * segs), kvh = (it / segs) % nkv, sg = it % segs, n = ctx[r];
-    const int64_t j_lo = sg * ATTN_SEGMENT, j_hi = n < j_lo + ATTN_SEGMENT ? n : j_lo + ATTN_SEGMENT;
+    const int64_t s0 = sg * ATTN_SEGMENT, j_hi = n < s0 + ATTN_SEGMENT ? n : s0 + ATTN_SEGMENT;
+    const int64_t j_lo = lo && lo[r] > s0 ? lo[r] : s0; /* a sliding window's first key */
     float *pt = scores + it * group * pw;
     if (j_lo >= j_hi) {
         for (int64_t g = 0; g < group; g++) pt[g * pw] = -INFINITY, pt[g * pw + 1] = 0.0f;
@@ -194,8 +195,8 @@ static inline __m512 hsum16(const __m512 *v) {
  * every row of the step, a lone decode included, so a verified row is its lone decode's bits. */
 static inline __attribute__((always_inline)) void attention_run_item(
     int64_t it, const int64_t D, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *blocks,
-    const int64_t *ctx, const int64_t *run_start, int64_t max_blocks, int64_t block_size, int64_t nh, int64_t nkv,
-    int64_t group, int64_t segs, float scale, const uint16_t *q_scratch, float *scores) {
+    const int64_t *lo, const int64_t *ctx, const int64_t *run_start, int64_t max_blocks, int64_t block_size, int64_t nh,
+    int64_t nkv, int64_t group, int64_t segs, float scale, const uint16_t *q_scratch, float *scores) {
     const int64_t pw = D + 2, nv = D / 16;
     const int64_t run = it / (nkv * segs), kvh = (it / segs) % nkv, sg = it % segs;
     const int64_t r0 = run_start[run], r1 = run_start[run + 1];
@@ -215,8 +216,11 @@ static inline __attribute__((always_inline)) void attention_run_item(
     for (int64_t r = r0; r < r1; r++) {
         float *pt = scores + ((r * nkv + kvh) * segs + sg) * group * pw;
         const int64_t n = (ctx[r] < j_hi ? ctx[r] : j_hi) - j_lo; /* this row's keys in the segment */
+        /* a sliding window's row starts at its first key: its scores sit at sc[f ..], so which
+         * lanes sum them depends on that key alone, never on the other rows */
+        const int64_t f = lo && lo[r] > j_lo ? lo[r] - j_lo : 0;
         for (int64_t g = 0; g < group; g++) {
-            if (n <= 0) {
+            if (n <= f) {
                 pt[g * pw] = -INFINITY, pt[g * pw + 1] = 0.0f;
                 continue;
             }
@@ -225,7 +229,7 @@ static inline __attribute__((always_inline)) void attention_run_item(
             for (int64_t c = 0; c < nv; c++) qv[c] = _mm512_mul_ps(bf16x16(q + 16 * c), _mm512_set1_ps(scale));
             float sc[ATTN_SEGMENT];
             __m512 mx = _mm512_set1_ps(-INFINITY);
-            for (int64_t b = 0; b < n; b += 16) {
+            for (int64_t b = f; b < n; b += 16) {
                 const int64_t m = n - b < 16 ? n - b : 16;
                 __m512 part[16];
                 for (int64_t t = 0; t < 16; t++) {
@@ -244,9 +248,9 @@ static inline __attribute__((always_inline)) void attention_run_item(
             }
             const float m = _mm512_reduce_max_ps(mx);
             pt[g * pw] = m;
-            pt[g * pw + 1] = exp_shift_sum(sc, n, m);
+            pt[g * pw + 1] = exp_shift_sum(sc + f, n - f, m);
             for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_setzero_ps();
-            for (int64_t j = 0; j < n; j++) {
+            for (int64_t j = f; j < n; j++) {
                 const __m512 p = _mm512_set1_ps(sc[j]);
                 const float *v = vf + j * D;
                 for (int64_t c = 0; c < nv; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]);
@@ -267,6 +271,68 @@ int set_attention_blocked(int on) {
     return before;
 }
 
+/* The attention of decode_attention and rows_attention: `rows` one-token queries (rotated q,
+ * bf16 [rows, nh d]) over keys already stored; row r attends to keys [lo[r], ctx[r]) (lo NULL:
+ * from 0) of its blocks. See decode_attention for the work items and the scratch. */
+static void attend(const uint16_t *q_scratch, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *blocks,
+                   const int64_t *lo, const int64_t *ctx, int64_t max_blocks, int64_t block_size, int64_t rows,
+                   int64_t nh, int64_t nkv, int64_t d, float scale, float *scores, int64_t segments, int threads,
+                   uint16_t *out) {
+    const int64_t group = nh / nkv;
+    /* Work items: (row, kv head, segment of ATTN_SEGMENT keys), each for the `group` query heads
+     * that share the kv head (a key and a value are converted once for all of them). Each item
+     * leaves, per query head, its max score m, sum of exp l and unnormalised output in `scores`;
+     * then each (row, head) merges its segments in order. Which keys form a segment depends on
+     * ctx only, never on the threads: the result is the same bits on any thread count. */
+    const int64_t segs = segments; /* per (row, kv head): ceil(max ctx / ATTN_SEGMENT) */
+    const int64_t pw = d + 2;          /* per query head of an item: m, l, out[d] */
+#ifdef __AVX512F__
+    if (attention_blocked && d % 16 == 0 && d <= ATTN_FAST_MAX_D) {
+        /* runs of consecutive rows with the same block table (a verification's rows): an item per
+         * (run, kv head, segment), the keys converted once for the run */
+        int64_t run_start[rows + 1], runs = 0;
+        for (int64_t r = 0; r < rows; r++)
+            if (r == 0 || memcmp(blocks + r * max_blocks, blocks + (r - 1) * max_blocks, (size_t)max_blocks * sizeof(int64_t)))
+                run_start[runs++] = r;
+        run_start[runs] = rows;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t it = 0; it < runs * nkv * segs; it++) {
+            if (d == 64)
+                attention_run_item(it, 64, k_cache, v_cache, blocks, lo, ctx, run_start, max_blocks, block_size, nh, nkv, group, segs, scale, q_scratch, scores);
+            else
+                attention_run_item(it, d, k_cache, v_cache, blocks, lo, ctx, run_start, max_blocks, block_size, nh, nkv, group, segs, scale, q_scratch, scores);
+        }
+    } else
+#endif
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t it = 0; it < rows * nkv * segs; it++) {
+        if (d == 64)
+            attention_item(it, 64, k_cache, v_cache, blocks, lo, ctx, max_blocks, block_size, nh, nkv, group, segs, scale, q_scratch, scores);
+        else if (d == 128)
+            attention_item(it, 128, k_cache, v_cache, blocks, lo, ctx, max_blocks, block_size, nh, nkv, group, segs, scale, q_scratch, scores);
+        else
+            attention_item(it, d, k_cache, v_cache, blocks, lo, ctx, max_blocks, block_size, nh, nkv, group, segs, scale, q_scratch, scores);
+    }
+    for (int64_t rh = 0; rh < rows * nh; rh++) { /* merge each (row, head)'s segments, in order */
+        const int64_t r = rh / nh, h = rh % nh, kvh = h / group, g = h % group;
+        const float *p0 = scores + ((r * nkv + kvh) * segs) * group * pw + g * pw;
+        float m = -INFINITY;
+        for (int64_t sg = 0; sg < segs; sg++) m = p0[sg * group * pw] > m ? p0[sg * group * pw] : m;
+        float acc[512], l = 0.0f;
+        for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
+        for (int64_t sg = 0; sg < segs; sg++) {
+            const float *ps = p0 + sg * group * pw;
+            if (ps[1] == 0.0f) continue; /* an empty segment (beyond this row's ctx) */
+            const float w = segs == 1 ? 1.0f : expf(ps[0] - m);
+            l += w * ps[1];
+            for (int64_t i = 0; i < d; i++) acc[i] += w * ps[2 + i];
+        }
+        uint16_t *o = out + r * nh * d + h * d;
+        const float inv = 1.0f / l;
+        for (int64_t i = 0; i < d; i++) o[i] = f2bf(acc[i] * inv);
+    }
+}
+
 /* One decode layer's attention for `rows` one-token queries, each over its own keys:
  * - q and k heads of qkv[r] (bf16 [rows, (nh + 2 nkv) d]) rotated by RoPE as the model's _rotate
  *   does in bf16: bf16(bf16(x cos) + bf16(swapped sin)), cos and sign-folded sin from
@@ -283,7 +349,7 @@ void decode_attention(const uint16_t *qkv, const uint16_t *table, const int64_t 
                       int64_t max_blocks, int64_t block_size, int64_t rows, int64_t nh, int64_t nkv, int64_t d,
                       float scale, uint16_t *q_scratch, float *scores, int64_t segments, int threads,
                       uint16_t *out) {
-    const int64_t width = (nh + 2 * nkv) * d, half = d / 2, group = nh / nkv;
+    const int64_t width = (nh + 2 * nkv) * d, half = d / 2;
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *x = qkv + r * width;
         const uint16_t *cs = table + pos[r] * 2 * d, *sn = cs + d;
@@ -310,58 +376,21 @@ void decode_attention(const uint16_t *qkv, const uint16_t *table, const int64_t 
         }
         memcpy(vd, x + (nh + nkv) * d, (size_t)(nkv * d) * sizeof(uint16_t));
     }
-    /* Work items: (row, kv head, segment of ATTN_SEGMENT keys), each for the `group` query heads
-     * that share the kv head (a key and a value are converted once for all of them). Each item
-     * leaves, per query head, its max score m, sum of exp l and unnormalised output in `scores`;
-     * then each (row, head) merges its segments in order. Which keys form a segment depends on
-     * ctx only, never on the threads: the result is the same bits on any thread count. */
-    const int64_t segs = segments; /* per (row, kv head): ceil(max ctx / ATTN_SEGMENT) */
-    const int64_t pw = d + 2;          /* per query head of an item: m, l, out[d] */
-#ifdef __AVX512F__
-    if (attention_blocked && d % 16 == 0 && d <= ATTN_FAST_MAX_D) {
-        /* runs of consecutive rows with the same block table (a verification's rows): an item per
-         * (run, kv head, segment), the keys converted once for the run */
-        int64_t run_start[rows + 1], runs = 0;
-        for (int64_t r = 0; r < rows; r++)
-            if (r == 0 || memcmp(blocks + r * max_blocks, blocks + (r - 1) * max_blocks, (size_t)max_blocks * sizeof(int64_t)))
-                run_start[runs++] = r;
-        run_start[runs] = rows;
-#pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t it = 0; it < runs * nkv * segs; it++) {
-            if (d == 64)
-                attention_run_item(it, 64, k_cache, v_cache, blocks, ctx, run_start, max_blocks, block_size, nh, nkv, group, segs, scale, q_scratch, scores);
-            else
-                attention_run_item(it, d, k_cache, v_cache, blocks, ctx, run_start, max_blocks, block_size, nh, nkv, group, segs, scale, q_scratch, scores);
-        }
-    } else
-#endif
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t it = 0; it < rows * nkv * segs; it++) {
-        if (d == 64)
-            attention_item(it, 64, k_cache, v_cache, blocks, ctx, max_blocks, block_size, nh, nkv, group, segs, scale, q_scratch, scores);
-        else if (d == 128)
-            attention_item(it, 128, k_cache, v_cache, blocks, ctx, max_blocks, block_size, nh, nkv, group, segs, scale, q_scratch, scores);
-        else
-            attention_item(it, d, k_cache, v_cache, blocks, ctx, max_blocks, block_size, nh, nkv, group, segs, scale, q_scratch, scores);
-    }
-    for (int64_t rh = 0; rh < rows * nh; rh++) { /* merge each (row, head)'s segments, in order */
-        const int64_t r = rh / nh, h = rh % nh, kvh = h / group, g = h % group;
-        const float *p0 = scores + ((r * nkv + kvh) * segs) * group * pw + g * pw;
-        float m = -INFINITY;
-        for (int64_t sg = 0; sg < segs; sg++) m = p0[sg * group * pw] > m ? p0[sg * group * pw] : m;
-        float acc[512], l = 0.0f;
-        for (int64_t i = 0; i < d; i++) acc[i] = 0.0f;
-        for (int64_t sg = 0; sg < segs; sg++) {
-            const float *ps = p0 + sg * group * pw;
-            if (ps[1] == 0.0f) continue; /* an empty segment (beyond this row's ctx) */
-            const float w = segs == 1 ? 1.0f : expf(ps[0] - m);
-            l += w * ps[1];
-            for (int64_t i = 0; i < d; i++) acc[i] += w * ps[2 + i];
-        }
-        uint16_t *o = out + r * nh * d + h * d;
-        const float inv = 1.0f / l;
-        for (int64_t i = 0; i < d; i++) o[i] = f2bf(acc[i] * inv);
-    }
+    attend(q_scratch, k_cache, v_cache, blocks, NULL, ctx, max_blocks, block_size, rows, nh, nkv, d, scale, scores,
+           segments, threads, out);
+}
+
+/* rows_attention: the attention of decode_attention without its RoPE and KV store, for queries
+ * rotated and keys stored by the caller (a deterministic engine's every row, prefill chunks
+ * included: chatkv.model.forward): q bf16 [rows, nh d]; row r attends to keys [lo[r], ctx[r])
+ * of its blocks (lo NULL: from 0; a sliding window's rows start later). A row's bits depend on
+ * its own query and keys only: not on the other rows, their number or the threads. */
+void rows_attention(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *blocks,
+                    const int64_t *lo, const int64_t *ctx, int64_t max_blocks, int64_t block_size, int64_t rows,
+                    int64_t nh, int64_t nkv, int64_t d, float scale, float *scores, int64_t segments, int threads,
+                    uint16_t *out) {
+    attend(q, k_cache, v_cache, blocks, lo, ctx, max_blocks, block_size, rows, nh, nkv, d, scale, scores, segments,
+           threads, out);
 }
 
 /* The int4 kernel's weights, transposed, for a many-row step without a resident copy

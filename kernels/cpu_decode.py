@@ -50,8 +50,9 @@ log = logging.getLogger("chatkv.kernels")
 ENV = "CHATKV_FUSED_DECODE"  # "0" turns the fused decode ops off
 AMX_ENV = "CHATKV_AMX"  # "0": the few-row products use AVX-512 only, where the CPU has AMX too
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-#: the library's sources: the fused step ops, the few-row quantised products, their bf16 helpers
-SOURCES = (SOURCE, SOURCE.with_name("cpu_matmul.c"), SOURCE.with_name("cpu_bf16.h"))
+#: the library's sources: the fused step ops, the few-row quantised products, the row-invariant float
+#: products (cpu_gemm.c, chatkv.kernels.cpu_invariant), their bf16 helpers
+SOURCES = (SOURCE, SOURCE.with_name("cpu_matmul.c"), SOURCE.with_name("cpu_gemm.c"), SOURCE.with_name("cpu_bf16.h"))
 MAX_HEAD_DIM = 512  # the C kernel's per-head buffers
 MAX_GROUP = 16  # query heads per kv head decode_attention takes (ATTN_MAX_GROUP in the C)
 ATTN_SEGMENT = 64  # keys per work item of decode_attention (ATTN_SEGMENT in the C)

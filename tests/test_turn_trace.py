@@ -6,13 +6,14 @@ chatkv source files whose code ran. The test loads the tokenizer once first, so 
 traces is a warm start's, as every start after a model's first is: its tokenizer is chatkv's
 own (chatkv/weights/direct_tokenizer.py: tokenizers and jinja2 without transformers).
 
-The bound is 36 because each file on the path does one job of a plain turn under the default
-configuration, and ``ON_PATH`` names the job of each of its 36 files. The path must stay inside
+The bound is 37 because each file on the path does one job of a plain turn under the default
+configuration, and ``ON_PATH`` names the job of each of its 37 files. The path must stay inside
 ``ON_PATH`` (a file that joins the path must name its job there) and within ``BOUND``, so it
 cannot grow unnoticed. No file of it leaves without turning a default feature off or merging two
 jobs: the host tier, speculation (``speculative="auto"``) and the thread governor are on by
 default and do their work in every turn (a residency check per match and insert; a prompt
-lookup at every decode step, its proposals verified; a look at the load every 0.5 s); the
+lookup at every decode step, its proposals verified; a look at the load every 0.5 s), and so is
+the deterministic engine (every row's products computed alone); the
 writer thread's four files are the KV snapshot written behind every turn. A shorter path takes
 a design choice, not a removal: e.g. writing the snapshot when the conversation goes idle rather
 than after each turn would take kv_writer, kv_store, kv_segments and files off the path.
@@ -35,7 +36,7 @@ from chatkv.weights import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 PARTS = tuple(str(ROOT / p) + os.sep for p in ("chatkv", "kernels", "retrieval", "storage", "tui"))
-BOUND = 36  # the files of ON_PATH: one job each
+BOUND = 37  # the files of ON_PATH: one job each
 # functions a plain turn must not run: retrieval without a knowledge base, spilling when nothing spills
 OFF_PATH = {
     ("chatkv/sessions/snapshots.py", "spill"),
@@ -71,6 +72,7 @@ ON_PATH = {
     "chatkv/engine/model_runner.py": "the flattened batch and its attention metadata, the forward",
     "chatkv/model/forward.py": "the model's forward",
     "kernels/attention.py": "paged attention over the block tables, storing the new KV",
+    "kernels/cpu_invariant.py": "deterministic (default on): each row's products and attention computed alone",
     "chatkv/kvcache/manager.py": "attach the retained prefix, reserve blocks, release/retain at finish, "
     "export for disk",
     "chatkv/kvcache/block_pool.py": "the blocks and their reference counts",

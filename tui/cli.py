@@ -134,6 +134,14 @@ def _parser() -> argparse.ArgumentParser:
         help="the output matrix: auto (default: int8 with a GGUF's int4, else float), float, int8 or int4",
     )
     p.add_argument(
+        "--no-deterministic",
+        dest="deterministic",
+        action="store_false",
+        default=None,
+        help="compute with oneDNN's batched kernels: faster prefill of long prompts, but a reply may change "
+        "with the load, the batch and the thread count (default: deterministic, the same reply whatever the load)",
+    )
+    p.add_argument(
         "--kv-dtype",
         choices=KV_DTYPES,
         default=None,
@@ -332,6 +340,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
         "weights": args.weights,
         "head_weights": args.head_weights,
         "kv_dtype": args.kv_dtype,
+        "deterministic": args.deterministic,
     }
     return {k: v for k, v in opts.items() if v is not None}
 

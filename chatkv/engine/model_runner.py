@@ -152,9 +152,10 @@ class ModelRunner:
                 rows.extend(range(first_row, first_row + n))
         dev = self.model.device
         bs = self.pool.block_size
-        return Batch(
+        positions = torch.tensor(pos, dtype=torch.long, device=dev)
+        batch = Batch(
             torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(pos, dtype=torch.long, device=dev),
+            positions,
             {
                 w: build_metadata(
                     tables,
@@ -170,6 +171,16 @@ class ModelRunner:
             },
             torch.tensor(rows, dtype=torch.long, device=dev),
         )
+        if getattr(self.model, "invariant", False):
+            # a deterministic model: every row attends alone (chatkv.model.forward._rows_attention), over
+            # its sequence's blocks (padded with the last one: only the first ctx keys are read) and the
+            # keys at or before its position
+            width = max(len(t) for t in tables)
+            per_item = torch.tensor([t + t[-1:] * (width - len(t)) for t in tables], dtype=torch.long)
+            keys = (per_item.repeat_interleave(torch.tensor(qlens), dim=0), positions + 1)
+            for meta in batch.metas.values():
+                meta.scratch["rows"] = keys
+        return batch
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Float32 logits ``[len(logits_rows), vocab]`` on the CPU; stores the new tokens' KV."""

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from chatkv.errors import ModelNotFound, UnsupportedModel
-from chatkv.kernels import AttentionMetadata, attention_backend, kv_quant
+from chatkv.kernels import AttentionMetadata, attention_backend, cpu_decode, kv_quant
+from chatkv.kernels.cpu_invariant import RowInvariantLinear, rows_attention
 from chatkv.model import fused_decode
 from chatkv.model.cpu_threads import one_thread
 from chatkv.model.prefill import Scratch, ScratchInt8, scratch_int4
@@ -136,6 +137,14 @@ class Linear:
         return F.linear(x, self.weight, self.bias)
 
 
+def float_linear(weight: torch.Tensor, bias: torch.Tensor | None, pack: bool, invariant: bool):
+    """A float projection: ``RowInvariantLinear`` for a deterministic model (each row's numbers its
+    own, whatever else the step holds: chatkv.kernels.cpu_invariant), else ``Linear``."""
+    if invariant:
+        return RowInvariantLinear(weight, bias)
+    return Linear(weight, bias, pack)
+
+
 class LazyLinear:
     """``y = x @ weight.T + bias`` for the fused projections whose weights ``makes`` make, each made
     for the call and dropped after its product (plain ``F.linear``): a model that computes each
@@ -151,7 +160,46 @@ class LazyLinear:
         return y if self.bias is None else y + self.bias
 
 
-AnyLinear = Linear | Int4Linear | Int8Linear | LazyLinear
+def _in_row_chunks(self, x: torch.Tensor) -> torch.Tensor:
+    """The few-row kernel ``INT4_MM_ROWS`` rows a call, whatever the step's rows."""
+    n = cpu_decode.INT4_MM_ROWS
+    call = super(type(self), self).__call__
+    if x.shape[0] <= n:
+        return call(x)
+    return torch.cat([call(x[i : i + n]) for i in range(0, x.shape[0], n)])
+
+
+class RowChunkedInt4(Int4Linear):
+    """An ``Int4Linear`` of a deterministic model (``row_chunks``)."""
+
+    __slots__ = ()
+    __call__ = _in_row_chunks
+
+
+class RowChunkedInt8(Int8Linear):
+    """An ``Int8Linear`` of a deterministic model (``row_chunks``)."""
+
+    __slots__ = ()
+    __call__ = _in_row_chunks
+
+
+def row_chunks(lin):
+    """A quantised projection of a deterministic model: its few-row kernel (``int4_mm``/``int8_mm``,
+    each row computed alone) ``INT4_MM_ROWS`` rows a call for any number of rows, so that no step's
+    row count ever picks another kernel (torch's, or the dense path's oneDNN). The object stays
+    what it was (its class becomes the subclass that chunks), without its dense path. A float
+    projection is returned as it is (RowInvariantLinear already)."""
+    if isinstance(lin, Int8Linear):
+        lin.native_few_rows()
+        lin.dense = None
+        lin.__class__ = RowChunkedInt8
+    elif isinstance(lin, Int4Linear):
+        lin.dense = None
+        lin.__class__ = RowChunkedInt4
+    return lin
+
+
+AnyLinear = Linear | RowInvariantLinear | Int4Linear | Int8Linear | LazyLinear
 
 
 class ExactTop:
@@ -175,7 +223,9 @@ class ExactTop:
         if logits.shape[-1] <= self.k or x.shape[0] == 0:
             return logits
         top = logits.topk(self.k, dim=-1).indices  # [R, k]
-        exact = torch.bmm(self.rows(top), x.float().unsqueeze(-1)).squeeze(-1)
+        # an elementwise product and a sum over the inputs: each logit's sum in one fixed order,
+        # whatever the number of rows (a batched matmul may choose its kernel by the batch)
+        exact = (self.rows(top) * x.float().unsqueeze(1)).sum(-1)
         if self.bias is not None:
             exact += self.bias.float()[top]
         return logits.scatter_(1, top, exact)
@@ -189,7 +239,7 @@ def exact_top(head: AnyLinear, matrix: torch.Tensor | None) -> AnyLinear | Exact
     if isinstance(head, Int8Linear):
         codes, scales = head.codes, head.scales
         return ExactTop(head, lambda ids: codes[ids].float() * scales[ids].float().unsqueeze(-1))
-    if isinstance(head, Linear) and matrix is not None and matrix.dtype != torch.float32:
+    if isinstance(head, (Linear, RowInvariantLinear)) and matrix is not None and matrix.dtype != torch.float32:
         return ExactTop(head, lambda ids: matrix[ids].float())
     return head
 
@@ -251,6 +301,7 @@ class LlamaModel:
         dense: str = "scratch",
         lazy: bool = False,
         cache: QuantisedCache | None = None,
+        deterministic: bool = False,
     ):
         """``weights_mode``/``head_mode``: how the layers' projections / the output matrix are
         stored and computed (``WEIGHT_MODES``; the quantised ones need bfloat16 on CPU); ``q4``:
@@ -267,7 +318,8 @@ class LlamaModel:
         the embeddings and the output matrix are left to the caller
         (chatkv.model.self_check's reference: one layer's float32 weights in memory at a time);
         ``cache``: where what is quantised here is read from, or kept for the next load
-        (chatkv.weights.quantised_cache)."""
+        (chatkv.weights.quantised_cache); ``deterministic``: every row of a step computed alone
+        (``invariant``, below)."""
         for what, mode in (("weights", weights_mode), ("head", head_mode)):
             if mode not in WEIGHT_MODES:
                 raise ValueError(f"{what} mode {mode!r} unknown; use one of {', '.join(WEIGHT_MODES)}")
@@ -276,6 +328,23 @@ class LlamaModel:
         if dense not in DENSE_KINDS:
             raise ValueError(f"dense {dense!r} unknown; use one of {', '.join(DENSE_KINDS)}")
         self.weights_mode, self.head_mode = weights_mode, head_mode
+        # deterministic: each token's numbers depend on its own inputs only, not on the other rows of
+        # its step (other requests, the prefill chunk it falls in) or the thread count. The float
+        # projections are RowInvariantLinear and every row's attention is rows_attention's
+        # (chatkv.kernels.cpu_invariant); the quantised ones run their few-row kernels (each row
+        # alone by construction) INT4_MM_ROWS rows a call, never the dense path (``row_chunks``). On
+        # CPU, where the C kernels are built (and for the quantised modes their native few-row ones)
+        quantised_modes = weights_mode != "float" or head_mode != "float"
+        self.invariant = bool(
+            deterministic
+            and not lazy
+            and torch.device(device).type == "cpu"
+            and dtype in (torch.bfloat16, torch.float32)
+            and fused_decode.kernels_available()
+            and (not quantised_modes or cpu_decode.int4_mm_native())
+        )
+        if self.invariant and quantised_modes:
+            dense_rows = 0  # no dense path: its rows' numbers would depend on the step's row count
         self.scratch = Scratch(dtype)  # the scratch path's buffer, shared by every projection
         # the quantised modes keep the residual stream in float32 (module docstring: "Precision")
         self.residual_dtype = torch.float32 if weights_mode != "float" else dtype
@@ -385,7 +454,7 @@ class LlamaModel:
                 return lin
             if lazy:
                 return LazyLinear([lambda n=n: w(n) for n in names], bias)
-            return Linear(torch.cat([w(n) for n in names]), bias, pack)
+            return float_linear(torch.cat([w(n) for n in names]), bias, pack, self.invariant)
 
         windows = _layer_windows(config)
         self.layers: list[Layer] = []
@@ -429,7 +498,7 @@ class LlamaModel:
             self.lm_head = None  # the caller's (chatkv.model.self_check.reference_model)
         elif head_mode == "float":
             matrix = self.embed if tied else w("lm_head.weight")
-            self.lm_head: AnyLinear | ExactTop = exact_top(Linear(matrix, pack=pack), matrix)
+            self.lm_head: AnyLinear | ExactTop = exact_top(float_linear(matrix, None, pack, self.invariant), matrix)
         else:
             # no dense copy: the output matrix computes only the rows whose logits are wanted
             head = proj(["embed_tokens.weight" if tied else "lm_head.weight"], None, head_mode, 0)
@@ -446,6 +515,8 @@ class LlamaModel:
         self.windows = sorted({l.window for l in self.layers}, key=lambda x: -1 if x is None else x)
         self.store_kv, self.attention = attention_backend(self.device)
         # decode steps through the fused CPU ops where they apply (chatkv.model.fused_decode; False: torch ops)
+        if self.invariant and quantised_modes:
+            self._row_chunks()
         self.fused_decode = fused_decode.supported(self)
         self._fused_weights: list[torch.Tensor] | None = None
 
@@ -459,6 +530,7 @@ class LlamaModel:
         head_mode: str = "float",
         dense_rows: int = 16,
         dense: str = "scratch",
+        deterministic: bool = False,
     ) -> "LlamaModel":
         config = load_config(model_dir)
         if dtype is None:
@@ -484,6 +556,7 @@ class LlamaModel:
                 consume=True,
                 dense=dense,
                 cache=cache,
+                deterministic=deterministic,
             )
         if cache is not None:
             cache.save()  # what this load quantised, for the next one
@@ -590,6 +663,20 @@ class LlamaModel:
         return x * cos + swapped * signed_sin
 
     @torch.inference_mode()
+    def _row_chunks(self) -> None:
+        """A deterministic quantised model's projections and output matrix as ``row_chunks``."""
+        for layer in self.layers:
+            for name in ("qkv", "o", "gate_up", "down"):
+                row_chunks(getattr(layer, name))
+        row_chunks(self.lm_head.head if isinstance(self.lm_head, ExactTop) else self.lm_head)
+
+    def _rows_attention(self, q, k_cache, v_cache, rows_keys, window: int | None) -> torch.Tensor:
+        """Every row's attention alone (``rows_attention``): row r over keys [lo, ctx) of its blocks,
+        lo the first key its sliding window still sees."""
+        blocks, ctx = rows_keys
+        lo = None if window is None else (ctx - window).clamp_(min=0)
+        return rows_attention(q, k_cache, v_cache, blocks, lo, ctx, self.scale)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -625,6 +712,8 @@ class LlamaModel:
         slot_mapping = metas[self.layers[0].window].slot_mapping
         k_caches, v_caches = kv[:, 0].unbind(0), kv[:, 1].unbind(0)
         o_pad = h.new_zeros(rows - t, nh * d) if rows > t else None
+        # a deterministic model's rows: each token attends alone over its own keys (build_rows_keys)
+        rows_keys = metas[self.layers[0].window].scratch.get("rows") if self.invariant and quant is None else None
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             qkv = layer.qkv(self.rms(h, layer.input_norm, normed))
             qkv = (qkv[:t] if rows > t else qkv).view(t, nh + 2 * nkv, d)
@@ -634,7 +723,11 @@ class LlamaModel:
             qk = self.rotate(qk, cos, sin)
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
             self.store_kv(k_cache, v_cache, slot_mapping, k, v, quant=quant)
-            o = self.attention(q, k_cache, v_cache, metas[layer.window], self.scale, quant=quant).reshape(t, nh * d)
+            if rows_keys is not None and k_cache.dtype == torch.bfloat16:
+                o = self._rows_attention(q, k_cache, v_cache, rows_keys, layer.window).reshape(t, nh * d)
+            else:
+                o = self.attention(q, k_cache, v_cache, metas[layer.window], self.scale, quant=quant)
+                o = o.reshape(t, nh * d)
             if o_pad is not None:
                 o = torch.cat((o, o_pad))
             h.add_(layer.o(o))  # in place: h is the step's own tensor, same math

@@ -84,10 +84,38 @@ def forward(
         return None
     t = input_ids.shape[0]
     meta = metas[None]
+    if model.invariant:
+        return _invariant(model, input_ids, positions, kv, meta, logits_rows)
     got = _rows(meta, t)
     if got is None:
         return None
     blocks, ctx, max_ctx = got
+    return _step(model, input_ids, positions, kv, meta.slot_mapping, blocks, ctx, max_ctx, logits_rows)
+
+
+def _invariant(model, input_ids, positions, kv, meta, logits_rows) -> torch.Tensor:
+    """A deterministic model's step, whatever its rows: prefill chunks too, each token a one-token
+    query over its own keys (``meta.scratch["rows"]``: chatkv.engine.model_runner.build_batch),
+    computed ``INT4_MM_ROWS`` rows at a time. A row's numbers are its own (the fused ops and the
+    few-row products compute each row alone), so cutting the step into parts changes nothing; and a
+    part's rows attend only to keys at or before their own positions, stored by the parts before."""
+    blocks, ctx = meta.scratch["rows"]
+    t, n = input_ids.shape[0], cpu_decode.INT4_MM_ROWS
+    wanted = logits_rows.tolist()
+    assert wanted == sorted(wanted), "logits rows in step order"
+    hidden = []
+    for a in range(0, t, n):  # every part, wanted rows or not: each stores its rows' KV
+        b = min(t, a + n)
+        rows = torch.tensor([r - a for r in wanted if a <= r < b], dtype=torch.long)
+        c = ctx[a:b]
+        args = (input_ids[a:b], positions[a:b], kv, meta.slot_mapping[a:b], blocks[a:b], c, int(c.max()), rows)
+        hidden.append(_step(model, *args, head=False))
+    return model.lm_head(torch.cat(hidden)).float()
+
+
+def _step(model, input_ids, positions, kv, slots, blocks, ctx, max_ctx, logits_rows, head: bool = True):
+    """The fused ops over one step's rows (each a one-token query); the logits of ``logits_rows``,
+    or with ``head`` False their final normed hidden states."""
     weights = model.fused_norm_weights()
     h = F.embedding(input_ids, model.embed).to(torch.float32)
     table = model.rope_table(positions)  # grown to this step's positions
@@ -95,7 +123,7 @@ def forward(
         h,
         table,
         positions.contiguous(),
-        meta.slot_mapping.contiguous(),
+        slots.contiguous(),
         blocks.contiguous(),
         ctx,
         max_ctx,
@@ -112,4 +140,5 @@ def forward(
         o = step.attention(layer.qkv(normed), i)
         normed = step.norm(layer.o(o), weights[2 * i + 1])
         normed = step.norm(layer.down(step.silu_mul(layer.gate_up(normed))), weights[2 * i + 2])
-    return model.lm_head(normed.index_select(0, logits_rows)).float()
+    last = normed.index_select(0, logits_rows)
+    return model.lm_head(last).float() if head else last

@@ -287,6 +287,7 @@ def load_checked(model_dir: Path, choice, config, tokenizer, base_fingerprint: s
         )
         if choice.weights == "float" and choice.head == "float":
             return model, choice
+            deterministic=config.deterministic,
         verdict = verify(
             model,
             model_dir,

@@ -97,6 +97,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--head-weights", choices=HEADS, default="auto", help="the output matrix: auto, float, int8, int4")
     p.add_argument(
+        "--no-deterministic",
+        dest="deterministic",
+        action="store_false",
+        help="compute with oneDNN's batched kernels: faster prefill of long prompts, but a reply may change "
+        "with the load, the batch and the thread count (default: deterministic, the same reply whatever the load)",
+    )
+    p.add_argument(
         "--kv-dtype",
         choices=KV_DTYPES,
         default="auto",
@@ -202,6 +209,7 @@ def main(argv: list[str]) -> int:
         "weights": args.weights,
         "head_weights": args.head_weights,
         "kv_dtype": args.kv_dtype,
+        "deterministic": args.deterministic,
     }
     if args.context_window is not None:
         config["context_window"] = args.context_window
