@@ -267,10 +267,12 @@ def _layer_windows(config) -> list[int | None]:
     return [window if t == "sliding_attention" else None for t in types]
 
 
-def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and cos/sin scaling for the config's RoPE (transformers' own init functions;
-    imported only for a scaled RoPE: the default one is computed here, as transformers does)."""
-    params = config.rope_parameters
+    imported only for a scaled RoPE: the default one is computed here, as transformers does).
+    ``layer_type``: the RoPE of that layer type, where ``rope_parameters`` holds one per type
+    (gemma3_text's sliding and full attention layers: chatkv.model.gemma3)."""
+    params = config.rope_parameters if layer_type is None else config.rope_parameters[layer_type]
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -280,11 +282,22 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
         raise UnsupportedModel(f"rope_type '{rope_type}' (length-dependent RoPE) is not supported yet")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    return ROPE_INIT_FUNCTIONS[rope_type](config)
+    if not hasattr(config, "standardize_rope_params"):
+        # a later start's chatkv.weights.load_cache.ResolvedConfig (the fields only): transformers' init
+        # functions call the config class's methods, so they get the config made again from those fields
+        from transformers import AutoConfig
+
+        fields = config.to_dict()
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    return ROPE_INIT_FUNCTIONS[rope_type](config, layer_type=layer_type)
 
 
 class LlamaModel:
     """Weights and the forward pass. Not an nn.Module: nothing here trains."""
+
+    #: hook for a subclass whose config keys its RoPE by layer type: the type whose RoPE ``rope``
+    #: computes (chatkv.model.gemma3: its full attention layers'); None: the config's one RoPE
+    rope_layer_type: str | None = None
 
     def __init__(
         self,
@@ -509,7 +522,7 @@ class LlamaModel:
             if isinstance(self.layers[0].qkv, Linear) and getattr(self.layers[0].qkv, "packed", None) is not None
             else 1
         )
-        inv_freq, self.rope_scaling = rope_inv_freq(config)
+        inv_freq, self.rope_scaling = rope_inv_freq(config, self.rope_layer_type)
         self.inv_freq = inv_freq.to(self.device)
         self._cos_sin = torch.empty(0, 2, self.head_dim, dtype=dtype, device=self.device)  # grown on demand
         self.windows = sorted({l.window for l in self.layers}, key=lambda x: -1 if x is None else x)

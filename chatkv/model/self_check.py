@@ -194,11 +194,12 @@ def reference_model(config, weights, q4: dict, mode: str, head: str, embed: torc
     single batched step computes it (chatkv.model.forward.LazyLinear) and dropped after, and the
     output matrix is computed in chunks of rows. ``weights``: chatkv.weights.loading.read_weights of
     the model; ``embed``: the checked model's own embedding matrix (the same numbers, not read again)."""
-    from chatkv.model.forward import LlamaModel
+    from chatkv.model.gemma3 import model_class
     from chatkv.weights.quantised import quantize_int4, quantize_int8
 
     modes = group_modes(config, mode, q4)
-    model = LlamaModel(config, _ReferenceWeights(weights, q4, modes), torch.float32, pack=False, lazy=True)
+    cls = model_class(config)  # the forward of the config's model_type (LlamaModel, Gemma3Model)
+    model = cls(config, _ReferenceWeights(weights, q4, modes), torch.float32, pack=False, lazy=True)
     tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in weights
     model.embed = embed if embed is not None else weights.read("embed_tokens.weight")  # its own dtype
 
@@ -272,11 +273,13 @@ def load_checked(model_dir: Path, choice, config, tokenizer, base_fingerprint: s
     (``explicit``), it raises WeightCheckFailed with that message instead. Returns
     ``(model, choice)``, the choice that runs."""
     from chatkv.errors import WeightCheckFailed
-    from chatkv.model.forward import LlamaModel
+    from chatkv.model.gemma3 import model_class
     from chatkv.model.modes import WeightChoice
+    from chatkv.weights.loading import load_config
 
+    cls = model_class(load_config(model_dir))  # the forward of its model_type: LlamaModel, Gemma3Model
     while True:
-        model = LlamaModel.from_pretrained(
+        model = cls.from_pretrained(
             model_dir,
             dtype=choice.dtype,
             device=config.device,
@@ -284,10 +287,10 @@ def load_checked(model_dir: Path, choice, config, tokenizer, base_fingerprint: s
             head_mode=choice.head,
             dense_rows=config.quant_dense_rows,
             dense=config.quant_dense,
+            deterministic=config.deterministic,
         )
         if choice.weights == "float" and choice.head == "float":
             return model, choice
-            deterministic=config.deterministic,
         verdict = verify(
             model,
             model_dir,

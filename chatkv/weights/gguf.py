@@ -35,7 +35,15 @@ import torch
 
 from chatkv.errors import ModelNotFound, UnsupportedModel
 from chatkv.storage.files import chmod_tree_private, fsync_dir, fsync_tree, make_private_dir
-from chatkv.weights.gguf_archs import build_config, expected_names, hf_name, is_config_tensor, rotary_heads
+from chatkv.weights.gguf_archs import (
+    build_config,
+    expected_names,
+    hf_name,
+    is_config_tensor,
+    rotary_heads,
+    stored_shift,
+    turn_ends,
+)
 from chatkv.weights.gguf_tensors import (
     BLOCKS_FILE,
     DECODED_TYPES,
@@ -46,7 +54,7 @@ from chatkv.weights.gguf_tensors import (
     read_wide,
     write_tensors,
 )
-from chatkv.weights.gguf_tokenizer import save_tokenizer
+from chatkv.weights.gguf_tokenizer import save_tokenizer, tokenizer_fields
 from chatkv.weights.loading import release_freed_memory
 
 __all__ = [
@@ -169,8 +177,9 @@ def _weights_only(reader: Any) -> Any:
 # --------------------------------------------------------------------------- tensors
 
 
-def _hf_name(gguf_name: str) -> str:
-    return hf_name(gguf_name)
+def _hf_name(gguf_name: str, config: dict[str, Any] | None = None) -> str:
+    """The Hugging Face name of a GGUF tensor of ``config``'s architecture (None: llama's names)."""
+    return hf_name(gguf_name, config["model_type"] if config else "llama")
 
 
 def unpermute_rotary(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -205,6 +214,23 @@ def _dequantize(tensor: Any) -> np.ndarray:
     if not array.flags.writeable:  # F32/F16 tensors come back as views of the read-only mmap
         array = array.copy()
     return array
+
+
+def _turn_end_ids(gguf_path: Path, config: dict[str, Any]) -> list[int]:
+    """Ids of the architecture's turn-ending tokens in the file's vocabulary (chatkv.weights.gguf_archs.turn_ends)."""
+    names = turn_ends(config)
+    if not names:
+        return []
+    tokens = tokenizer_fields(gguf_path).get("tokenizer.ggml.tokens") or []
+    return [tokens.index(n) for n in names if n in tokens and tokens.index(n) != config.get("eos_token_id")]
+
+
+def _decoded(tensor: Any, config: dict[str, Any]) -> np.ndarray:
+    """float32 of a tensor written as a float weight, less what llama.cpp's converter added to it
+    (gemma3's norm weights, stored as ``1 + w``: chatkv.weights.gguf_archs.stored_shift)."""
+    w = _dequantize(tensor)
+    shift = stored_shift(tensor.name, config)
+    return w - np.float32(shift) if shift else w
 
 
 # --------------------------------------------------------------------------- writing
@@ -268,15 +294,15 @@ def convert_gguf(
 
         if report is not None:
             report(0, total)
-        _check_complete({_hf_name(t.name) for t in reader.tensors}, config)
+        _check_complete({_hf_name(t.name, config) for t in reader.tensors}, config)
         write_tensors(
             reader,
             tmp,
             dtype,
-            _hf_name,
+            lambda name: _hf_name(name, config),
             lambda name: _rotary_heads(name, config),
             unpermute_rotary,
-            _dequantize,
+            lambda tensor: _decoded(tensor, config),
             step,
         )
         bar.close()
@@ -286,6 +312,9 @@ def convert_gguf(
         for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
             if key in config:
                 gen[key] = config[key]
+        ends = _turn_end_ids(gguf_path, config)
+        if ends:
+            gen["eos_token_id"] = ([config["eos_token_id"]] if "eos_token_id" in config else []) + ends
         _write_json(tmp / "generation_config.json", gen)
         save_tokenizer(gguf_path, meta, tmp)
 

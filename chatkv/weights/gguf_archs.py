@@ -1,5 +1,9 @@
 """The llama-family architectures a GGUF file may hold, as chatkv's converter reads them.
 
+(Past ~400 lines on purpose: each architecture's names, metadata and RoPE are read against one
+table, ``ARCHS``, and its config built in one pass; the RoPE recoveries it calls are part of that
+reading.)
+
 For each GGUF ``general.architecture`` chatkv converts: the Hugging Face ``config.json`` it stands
 for, the tensor names it holds (GGUF name -> Hugging Face name), and whether llama.cpp's own
 converter (``convert_hf_to_gguf.py``) permuted the rows of ``attn_q`` / ``attn_k`` for its rotary
@@ -16,9 +20,19 @@ layout. What the converter writes, from its source:
 - ``qwen2`` (Qwen2.5): q/k/v biases, no permutation ("neox" RoPE, the Hugging Face layout).
 - ``qwen3``: per-head RMSNorm of q and k (``attn_q_norm`` / ``attn_k_norm``), an explicit
   head_dim (``attention.key_length``), no biases, no permutation.
+- ``gemma3``: Gemma3ForCausalLM (transformers' ``gemma3_text``): q/k norms, a post-attention norm
+  (``post_attention_norm``), ``ffn_norm`` as the pre-feedforward norm and ``post_ffw_norm``, no
+  permutation. Its converter stored every norm weight as ``1 + w`` (Gemma3RMSNorm's scale), which the
+  conversion takes back off (``stored_shift``). The config follows llama.cpp's reading of the file
+  (src/models/gemma3.cpp): sliding layers by ``attention.sliding_window_pattern`` (default: every
+  sixth layer full), with ``attention.sliding_window`` and ``rope.freq_base_swa`` (default 10000);
+  full layers with ``rope.freq_base`` and the linear scaling; the attention scale ``head_dim ** -0.5``
+  except for the 62-layer 27B's ``(hidden / heads) ** -0.5`` (``query_pre_attn_scalar``); the final
+  logits' softcapping when the file has one. Its SentencePiece vocabulary is ``llama`` with
+  ``add_space_prefix`` off (chatkv.weights.gguf_tokenizer).
 
-llama.cpp gives none of these architectures a sliding window (its ``swa_type`` stays none), so a
-converted directory attends fully, as llama.cpp does. RoPE scaling: none, linear (llama.cpp
+llama.cpp gives none of the other architectures a sliding window (its ``swa_type`` stays none), so a
+converted directory of theirs attends fully, as llama.cpp does. RoPE scaling: none, linear (llama.cpp
 multiplies positions by 1 / factor: transformers' ``linear``) and llama3 (above) are converted;
 YaRN, LongRoPE and anything else are refused, as are mixture-of-experts files and partial rotary
 dimensions, with UnsupportedModel naming the file.
@@ -36,7 +50,16 @@ import numpy as np
 
 from chatkv.errors import UnsupportedModel
 
-__all__ = ["ARCHS", "build_config", "hf_name", "is_config_tensor", "rotary_heads", "expected_names"]
+__all__ = [
+    "ARCHS",
+    "build_config",
+    "hf_name",
+    "is_config_tensor",
+    "rotary_heads",
+    "expected_names",
+    "stored_shift",
+    "turn_ends",
+]
 
 
 @dataclass(frozen=True)
@@ -49,6 +72,13 @@ class Arch:
     extra: tuple[str, ...] = ()
     #: extra keys of its config.json
     fields: tuple[tuple[str, Any], ...] = ()
+    #: per-block GGUF names this architecture maps otherwise than ``BLOCK_NAMES`` (GGUF -> Hugging Face)
+    names: tuple[tuple[str, str], ...] = ()
+    #: llama.cpp's converter stored the norm weights as ``1 + w`` (Gemma3RMSNorm's scale)
+    norm_shift: bool = False
+    #: tokens that end a reply besides EOS: llama.cpp stops at them (end-of-generation names in its
+    #: vocabulary loader), and the source's generation_config.json lists them (Gemma's ``<end_of_turn>``)
+    turn_ends: tuple[str, ...] = ()
 
 
 ARCHS: dict[str, Arch] = {
@@ -67,6 +97,16 @@ ARCHS: dict[str, Arch] = {
         False,
         ("attn_q_norm.weight", "attn_k_norm.weight"),
         (("attention_bias", False), ("use_sliding_window", False), ("sliding_window", None)),
+    ),
+    "gemma3": Arch(
+        "gemma3_text",
+        "Gemma3ForCausalLM",
+        False,
+        ("attn_q_norm.weight", "attn_k_norm.weight", "post_attention_norm.weight", "post_ffw_norm.weight"),
+        (("attention_bias", False), ("hidden_activation", "gelu_pytorch_tanh"), ("attn_logit_softcapping", None)),
+        (("ffn_norm.weight", "pre_feedforward_layernorm.weight"),),
+        norm_shift=True,
+        turn_ends=("<end_of_turn>",),
     ),
 }
 
@@ -95,6 +135,8 @@ EXTRA_BLOCK_NAMES = {
     "attn_v.bias": "self_attn.v_proj.bias",
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
 }
 #: tensors that become config.json fields, not weights (the architectures that may hold them)
 CONFIG_TENSORS = {"rope_freqs.weight": ("llama", "mistral3")}
@@ -105,16 +147,35 @@ def is_config_tensor(gguf_name: str) -> bool:
     return gguf_name in CONFIG_TENSORS
 
 
-def hf_name(gguf_name: str) -> str:
-    """The Hugging Face name of a GGUF weight (of any architecture here)."""
+def _arch_of(model_type: str) -> Arch:
+    return next(a for a in ARCHS.values() if a.model_type == model_type)
+
+
+def block_names(arch: Arch) -> dict[str, str]:
+    """GGUF -> Hugging Face names of one block's tensors in ``arch``."""
+    return {**BLOCK_NAMES, **{e: EXTRA_BLOCK_NAMES[e] for e in arch.extra}, **dict(arch.names)}
+
+
+def hf_name(gguf_name: str, model_type: str = "llama") -> str:
+    """The Hugging Face name of a GGUF weight of the architecture converted to ``model_type``."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
     m = BLOCK_RE.match(gguf_name)
     if m:
-        part = BLOCK_NAMES.get(m.group(2)) or EXTRA_BLOCK_NAMES.get(m.group(2))
+        part = block_names(_arch_of(model_type)).get(m.group(2))
         if part:
             return f"model.layers.{int(m.group(1))}.{part}"
-    raise UnsupportedModel(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in the llama-family converter")
+    raise UnsupportedModel(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in a {model_type} model")
+
+
+def turn_ends(config: dict[str, Any]) -> tuple[str, ...]:
+    """The tokens beside EOS that end a reply of ``config``'s architecture (``Arch.turn_ends``)."""
+    return _arch_of(config["model_type"]).turn_ends
+
+
+def stored_shift(gguf_name: str, config: dict[str, Any]) -> float:
+    """What llama.cpp's converter added to the tensor ``gguf_name`` (1 for gemma3's norm weights, else 0)."""
+    return 1.0 if _arch_of(config["model_type"]).norm_shift and gguf_name.endswith("norm.weight") else 0.0
 
 
 def rotary_heads(gguf_name: str, config: dict[str, Any]) -> int | None:
@@ -131,8 +192,7 @@ def rotary_heads(gguf_name: str, config: dict[str, Any]) -> int | None:
 
 def expected_names(config: dict[str, Any]) -> set[str]:
     """The Hugging Face weights a complete conversion of ``config`` holds."""
-    arch = next(a for a in ARCHS.values() if a.model_type == config["model_type"])
-    parts = list(BLOCK_NAMES.values()) + [EXTRA_BLOCK_NAMES[e] for e in arch.extra]
+    parts = list(block_names(_arch_of(config["model_type"])).values())
     out = {"model.embed_tokens.weight", "model.norm.weight"}
     for i in range(config["num_hidden_layers"]):
         out.update(f"model.layers.{i}.{v}" for v in parts)
@@ -156,7 +216,7 @@ def _check_names(names: list[str], arch_name: str, source: Path) -> None:
             continue
         m = BLOCK_RE.match(name)
         part = m.group(2) if m else None
-        if name in GLOBAL_NAMES or part in BLOCK_NAMES or part in arch.extra:
+        if name in GLOBAL_NAMES or part in block_names(arch):
             continue
         raise UnsupportedModel(
             f"{source}: GGUF tensor {name!r} has no Hugging Face counterpart in a {arch_name!r} model "
@@ -246,6 +306,8 @@ def build_config(
         cfg["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
     if arch.model_type == "llama":
         cfg["pretraining_tp"] = 1
+    if arch_name == "gemma3":
+        _gemma3_fields(cfg, get, rope, source)
     cfg.update(arch.fields)
     for key, hf in (
         ("bos_token_id", "bos_token_id"),
@@ -256,6 +318,38 @@ def build_config(
         if value is not None:
             cfg[hf] = int(value)
     return cfg
+
+
+def _gemma3_fields(cfg: dict[str, Any], get: Callable[..., Any], rope: dict[str, Any], source: Path) -> None:
+    """The gemma3_text fields of ``cfg``, as llama.cpp reads the file (module docstring)."""
+    n = cfg["num_hidden_layers"]
+    window = int(get("attention.sliding_window", 0) or 0)
+    pattern = get("attention.sliding_window_pattern", 6)
+    if window <= 0:
+        sliding = [False] * n
+    elif isinstance(pattern, list):
+        if len(pattern) != n:
+            raise UnsupportedModel(f"{source}: GGUF sliding_window_pattern has {len(pattern)} entries for {n} layers")
+        sliding = [bool(x) for x in pattern]
+    else:
+        k = int(pattern)
+        sliding = [k == 0 or i % k < k - 1 for i in range(n)]  # llama_hparams::set_swa_pattern
+    local = _f32(get("rope.freq_base_swa", 10000.0))
+    del cfg["hidden_act"]
+    cfg.update(
+        {
+            "sliding_window": window or None,
+            "layer_types": ["sliding_attention" if s else "full_attention" for s in sliding],
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": local},
+                "full_attention": rope,
+            },
+            "rope_local_base_freq": local,  # the transformers 4.x name
+            "query_pre_attn_scalar": cfg["hidden_size"] // cfg["num_attention_heads"] if n == 62 else cfg["head_dim"],
+            "final_logit_softcapping": _f32(get("final_logit_softcapping")) if get("final_logit_softcapping") else None,
+            "use_bidirectional_attention": False,
+        }
+    )
 
 
 # --------------------------------------------------------------------------- RoPE

@@ -37,7 +37,7 @@ __all__ = [
     "transformers_model",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
 
 # What a tokenizer is made of, for the message when none loads: any one of these, plus
 # tokenizer_config.json (special tokens, chat template).
@@ -90,6 +90,11 @@ def load_config(model_dir: str | Path):
             f"'{cfg_file}' has no model_type, so its architecture is unknown; chatkv runs {supported}"
         )
     model_type = raw["model_type"]
+    if model_type == "gemma3":  # Gemma3ForConditionalGeneration: text_config plus a vision tower
+        raise UnsupportedModel(
+            f"model_type 'gemma3' in '{cfg_file}' is Gemma 3's multimodal (image and text) model; chatkv runs "
+            "its text-only form, model_type 'gemma3_text' (Gemma3ForCausalLM: gemma-3-1b, or a text-only export)"
+        )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModel(f"model_type '{model_type}' is not supported; chatkv runs {supported}")
     from chatkv.weights.gptq_awq import quant_config
