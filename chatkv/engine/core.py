@@ -35,7 +35,15 @@ from chatkv.engine.sampling import SamplingParams, make_generator
 from chatkv.engine.scheduler import NeedsBlocks, Scheduler
 from chatkv.engine.sequence import Sequence
 from chatkv.engine.speculative import Speculator
-from chatkv.errors import EngineClosed, InvalidRequest, ModelNotFound, StorageError, check_text, check_timeout
+from chatkv.errors import (
+    EngineClosed,
+    InvalidRequest,
+    ModelNotFound,
+    StorageError,
+    UnsupportedModel,
+    check_text,
+    check_timeout,
+)
 from chatkv.kvcache.manager import KVManager, RetainedKV
 from chatkv.model.cpu_threads import ThreadGovernor
 from chatkv.model.modes import choose as choose_weights
@@ -81,12 +89,19 @@ class Engine:
             (self.fingerprint, self.kv_dtype, self.config.tenant),
             self.config.enable_prefix_caching,
             host=self.runner.host_pool,
+            states=self.runner.state_cache,
         )
+        self.hybrid = self.runner.states is not None  # recurrent states beside the KV (chatkv.kvcache.states)
+        speculator = Speculator.from_config(self.config)
+        if self.hybrid and speculator is not None:
+            # a rejected proposal would have to be taken back out of the recurrent state
+            log.info("speculative decoding is off: %s keeps a recurrent state per sequence", hf_config.model_type)
+            speculator = None
         self.scheduler = Scheduler(
             self.kv,
             self.config.max_batch_tokens,
-            self.config.max_running,
-            speculator=Speculator.from_config(self.config),
+            self.runner.max_running,
+            speculator=speculator,
         )
         self.max_context = int(getattr(hf_config, "max_position_embeddings", 2048))
         self.context_window = self._context_window()
@@ -221,6 +236,8 @@ class Engine:
         """
         if not admitted:
             self._gate.check("a new request")
+        if self.hybrid and (retain or prefix is not None):
+            self._refuse_hybrid("retaining a request's KV for a next turn")
         return self.on_loop(
             lambda: self._new_request(prompt, params, retain, prefix, namespace, max_context, priority, on_finish)
         )
@@ -349,6 +366,8 @@ class Engine:
 
     def shift_keys(self, blocks: list[int], delta: int) -> None:
         """Re-rotate the keys in ``blocks`` of the KV pool by ``delta`` positions (attention-sink windows)."""
+        if self.hybrid:
+            self._refuse_hybrid("moving an attention-sink window")
         self.model.shift_key_positions(self.runner.pool.kv, blocks, delta, self.runner.pool.quant)
 
     # -- the loop -----------------------------------------------------------
@@ -481,6 +500,8 @@ class Engine:
         with the same system prompt and documents. ``overflow``: what happens when the history
         outgrows the context window ("sink", "truncate" or "error"; default: the engine's)."""
         self._gate.check("a new session")
+        if self.hybrid:
+            self._refuse_hybrid("sessions (KV kept and saved between turns)")
         return self.session_manager.create(system, title, params, knowledge, top_k, documents, overflow, owner=user)
 
     def knowledge_base(self, name: str):
@@ -508,7 +529,16 @@ class Engine:
             self._kbs[name] = kb
         return kb
 
+    def _refuse_hybrid(self, what: str) -> None:
+        raise UnsupportedModel(
+            f"{what} is not supported for model_type '{self.model.config.model_type}': its linear-attention "
+            "layers keep a recurrent state per sequence that this feature does not carry; use generate/submit "
+            "(a re-sent history resumes from a state checkpoint)"
+        )
+
     def _precompute_kv(self, texts: list[str], progress: bool) -> int:
+        if self.hybrid:
+            self._refuse_hybrid("precomputing RAG chunk KV")
         from chatkv.rag.placement import precompute_with_bar
 
         return precompute_with_bar(self, texts, progress)
@@ -517,6 +547,8 @@ class Engine:
         """Reopen a saved conversation; its next turn restores the KV from disk instead of recomputing.
         One of another ``user`` (None: the local user) is unknown: the same SessionError as an id never used."""
         self._gate.check("resume()")
+        if self.hybrid:
+            self._refuse_hybrid("resuming a session (KV restored from disk)")
         return self.session_manager.resume(conv_id, owner=user)
 
     def sessions(self, include_archived: bool = False, *, user: str | None = None):

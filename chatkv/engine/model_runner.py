@@ -15,10 +15,18 @@ takes, and its logits are a plain decode's, bit for bit, also in bf16 (a chunk w
 prefill path, whose rounding differs and flips near-tied greedy picks). A sequence that asks for
 ``logprobs`` gets each emitted token's (``sampling.token_logprobs``) from its rows' raw logits, kept
 before any mask or penalty: a verified token's are its plain decode's, since its row is.
+
+A hybrid model (``Qwen3_5Model``: linear-attention layers with a per-sequence recurrent state)
+gets a ``StateSlots`` beside the pool (``states``; its bytes come out of ``kv_cache_bytes``) and
+its ``StateCache`` (``state_cache``, chatkv.kvcache.states): each item passes its sequence's live
+slot, and a step that takes a sequence across a block boundary copies its state there into the
+sequence's boundary slot (the forward's ``checkpoints``), which becomes a checkpoint when the
+sequence ends.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -28,10 +36,17 @@ from chatkv.config import EngineConfig
 from chatkv.engine.sampling import mask_rows, sample, token_logprobs
 from chatkv.engine.sequence import Sequence
 from chatkv.engine.speculative import verify
+from chatkv.errors import UnsupportedModel
 from chatkv.kernels import AttentionMetadata, build_metadata, kv_quant
 from chatkv.kvcache.block_pool import BlockPool
 from chatkv.kvcache.host_pool import HostPool
+from chatkv.kvcache.states import StateCache
 from chatkv.model.forward import LlamaModel
+
+log = logging.getLogger("chatkv.engine.core")
+
+#: state checkpoints a hybrid model keeps at most (each a whole sequence's state: StateSlots.bytes_per_slot)
+MAX_STATE_CHECKPOINTS = 8
 
 
 @dataclass
@@ -44,6 +59,8 @@ class BatchItem:
     # the new tokens' positions when they are not start, start + 1, ... (ascending; start is the first):
     # chatkv.rag.placement recomputes chosen tokens of a prompt between placed KV in one item
     positions: list[int] | None = None
+    state_slot: int | None = None  # a hybrid model's: the sequence's live state slot
+    checkpoint: tuple[int, int] | None = None  # (tokens, slot): copy the state there at that many tokens
 
 
 @dataclass
@@ -52,6 +69,8 @@ class Batch:
     positions: torch.Tensor  # [T]
     metas: dict[int | None, AttentionMetadata]
     logits_rows: torch.Tensor  # rows of the T tokens whose logits are computed
+    slots: list[int] | None = None  # a hybrid model's state slot of each item
+    checkpoints: dict[int, list[tuple[int, int]]] | None = None  # {slot: [(tokens, dst)]}
 
 
 @dataclass(frozen=True)
@@ -88,10 +107,25 @@ def kv_format(kv_dtype: str, model_dtype: torch.dtype) -> KVFormat:
     return KVFormat(model_dtype, quant, f"{quant}@{model_name}")
 
 
-def pool_blocks(model: LlamaModel, config: EngineConfig, fmt: KVFormat | None = None) -> int:
-    """Blocks in the pool: ``num_blocks`` if given, else what ``kv_cache_bytes`` holds."""
+def pool_blocks(model: LlamaModel, config: EngineConfig, fmt: KVFormat | None = None, state_bytes: int = 0) -> int:
+    """Blocks in the pool: ``num_blocks`` if given, else what ``kv_cache_bytes`` holds after
+    ``state_bytes`` (a hybrid model's state slots)."""
     per_token = (fmt or kv_format(config.kv_dtype, model.dtype)).bytes_per_token(model)
-    return config.num_blocks or max(2, config.kv_cache_bytes // (per_token * config.block_size))
+    return config.num_blocks or max(2, (config.kv_cache_bytes - state_bytes) // (per_token * config.block_size))
+
+
+def state_layout(slot_bytes: int, config: EngineConfig) -> tuple[int, int, int]:
+    """A hybrid model's (running sequences, checkpoints, slots): each running sequence holds a
+    live slot and, with prefix caching, a block-boundary one; checkpoints only with prefix caching.
+    Sized from ``kv_cache_bytes`` (at most half of it for states; ``num_blocks`` given: as asked)."""
+    per_seq = 2 if config.enable_prefix_caching else 1
+    running = config.max_running
+    checkpoints = MAX_STATE_CHECKPOINTS if config.enable_prefix_caching else 0
+    if config.num_blocks is None:
+        fit = config.kv_cache_bytes // 2 // slot_bytes
+        checkpoints = min(checkpoints, max(0, (fit - per_seq) // 3))
+        running = max(1, min(running, (fit - checkpoints) // per_seq))
+    return running, checkpoints, running * per_seq + checkpoints
 
 
 def _report_step(plan: list[tuple[Sequence, int]], seconds: float) -> None:
@@ -121,8 +155,29 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, config: EngineConfig):
         self.model = model
         self.kv_format = kv_format(config.kv_dtype, model.dtype)
+        self.max_running = config.max_running  # a hybrid model's may be fewer: its state slots
+        self.states = self.state_cache = None
+        state_bytes = 0
+        if getattr(model, "linear_layers", None):  # a hybrid model: per-sequence recurrent states
+            from chatkv.model.qwen3_5 import StateSlots
+
+            slot_bytes = StateSlots.for_model(model, 1).bytes_per_slot
+            self.max_running, checkpoints, num_slots = state_layout(slot_bytes, config)
+            self.states = StateSlots.for_model(model, num_slots)
+            self.state_cache = StateCache(self.states, checkpoints, config.enable_prefix_caching)
+            state_bytes = num_slots * slot_bytes
+            log.log(
+                logging.WARNING if self.max_running < config.max_running else logging.INFO,
+                "recurrent state: %d slots of %.2f MiB out of kv_cache_bytes: %d sequences run at once "
+                "(max_running %d; more need a larger kv_cache_bytes), %d turn-end checkpoints",
+                num_slots,
+                slot_bytes / 2**20,
+                self.max_running,
+                config.max_running,
+                checkpoints,
+            )
         self.pool = BlockPool(
-            pool_blocks(model, config, self.kv_format),
+            pool_blocks(model, config, self.kv_format, state_bytes),
             config.block_size,
             model.num_layers,
             model.num_kv_heads,
@@ -136,7 +191,11 @@ class ModelRunner:
 
     def build_batch(self, items: list[BatchItem]) -> Batch:
         ids, pos, tables, qlens, ctx, rows, exact, at = [], [], [], [], [], [], [], []
+        slots, checkpoints = [], {}
         for it in items:
+            slots.append(it.state_slot)
+            if it.checkpoint is not None:
+                checkpoints.setdefault(it.state_slot, []).append(it.checkpoint)
             exact.append(it.exact)
             at.append(it.positions)
             n = len(it.token_ids)
@@ -170,6 +229,8 @@ class ModelRunner:
                 for w in self.model.windows
             },
             torch.tensor(rows, dtype=torch.long, device=dev),
+            slots if any(s is not None for s in slots) else None,
+            checkpoints,
         )
         if getattr(self.model, "invariant", False):
             # a deterministic model: every row attends alone (chatkv.model.forward._rows_attention), over
@@ -183,7 +244,31 @@ class ModelRunner:
         return batch
 
     def forward(self, batch: Batch) -> torch.Tensor:
-        """Float32 logits ``[len(logits_rows), vocab]`` on the CPU; stores the new tokens' KV."""
+        """Float32 logits ``[len(logits_rows), vocab]`` on the CPU; stores the new tokens' KV (and
+        advances a hybrid model's states)."""
+        if self.states is not None:
+            if batch.slots is None or None in batch.slots:
+                raise UnsupportedModel(
+                    "this model's linear-attention layers keep a recurrent state per sequence: computing KV "
+                    "outside a request (RAG chunk placement, a weight check's batches) is not supported for it"
+                )
+            try:
+                return self.model.forward(
+                    batch.input_ids,
+                    batch.positions,
+                    self.pool.kv,
+                    batch.metas,
+                    batch.logits_rows,
+                    self.pool.quant,
+                    states=self.states,
+                    slots=batch.slots,
+                    checkpoints=batch.checkpoints,
+                ).cpu()
+            except BaseException:
+                # the step's states may be half advanced: none of them resumes anything
+                for slot in {*batch.slots, *(d for ps in batch.checkpoints.values() for _, d in ps)}:
+                    self.states.tokens[slot] = -1
+                raise
         return self.model.forward(
             batch.input_ids, batch.positions, self.pool.kv, batch.metas, batch.logits_rows, self.pool.quant
         ).cpu()
@@ -208,6 +293,8 @@ class ModelRunner:
             items.append(
                 BatchItem(seq.token_ids[start : start + n], start, seq.block_table, "last" if done else "none")
             )
+            if self.states is not None:
+                self._state_item(items[-1], seq)
             if done:
                 samplers.append(seq)
         logits = self.forward(self.build_batch(items))
@@ -239,6 +326,17 @@ class ModelRunner:
                 out[seq] = err
         _report_step(plan, time.perf_counter() - began)
         return out
+
+    def _state_item(self, item: BatchItem, seq: Sequence) -> None:
+        """A hybrid model's item: its sequence's live slot, and a copy of its state into its boundary
+        slot at the last block boundary the step reaches (when past the one it holds)."""
+        t = seq.kv
+        item.state_slot = t.state_slot
+        if t.boundary_slot is not None:
+            end = item.start + len(item.token_ids)
+            at = end - end % self.pool.block_size
+            if at >= item.start and at > self.states.tokens[t.boundary_slot]:
+                item.checkpoint = (at, t.boundary_slot)
 
     @staticmethod
     def _split_rows(plan: list[tuple[Sequence, int]], logits: torch.Tensor):

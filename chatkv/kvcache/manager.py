@@ -54,6 +54,14 @@ part is used) and records how many tokens came from host (the table's ``num_host
 ``RetainedKV.host_len``). ``offload`` moves an ended handle's path to host eagerly.
 Without a host pool everything behaves as if the tier did not exist.
 
+Recurrent state
+---------------
+A hybrid model (linear-attention layers with a per-sequence state, chatkv.model.qwen3_5) gives
+a ``StateCache`` (``states``, chatkv.kvcache.states): ``attach`` then uses a cached prefix only up
+to a state checkpoint of exactly that prefix (else nothing of it) and gives the table its state
+slots; ``release`` turns its block-boundary state into a checkpoint of the blocks it inserts.
+Retained KV across turns, imports and window moves carry no state: they are refused.
+
 Namespaces
 ----------
 Every tree lookup and insert is in a radix namespace: a sequence's ``namespace``, or
@@ -68,20 +76,30 @@ from typing import Callable, Hashable, Iterable
 
 import torch
 
-from chatkv.errors import OutOfBlocks
+from chatkv.errors import OutOfBlocks, UnsupportedModel
 from chatkv.kvcache.block_pool import BlockPool
 from chatkv.kvcache.hiradix import HiRadixCache
 from chatkv.kvcache.host_pool import HostPool
 from chatkv.kvcache.prefix_cache import MatchResult, Node, NoPrefixCache, PrefixCache
 from chatkv.kvcache.radix import RadixCache
+from chatkv.kvcache.states import StateCache
 from chatkv.kvcache.types import BlockTable, RetainedKV, SequenceKV
 from chatkv.storage.paths import LOCAL_USER
 
 
 class KVManager:
-    def __init__(self, pool: BlockPool, namespace: Hashable, prefix_caching: bool = True, host: HostPool | None = None):
-        """``host``: the host-memory tier (None: no tier; ignored without prefix caching)."""
+    def __init__(
+        self,
+        pool: BlockPool,
+        namespace: Hashable,
+        prefix_caching: bool = True,
+        host: HostPool | None = None,
+        states: StateCache | None = None,
+    ):
+        """``host``: the host-memory tier (None: no tier; ignored without prefix caching).
+        ``states``: a hybrid model's recurrent-state slots (None: a model of attention only)."""
         self.pool = pool
+        self.states = states
         self.block_size = pool.block_size
         self.host = host if prefix_caching else None
         self.cache: PrefixCache = (
@@ -104,8 +122,28 @@ class KVManager:
     def cached_len(self, token_ids: list[int], namespace: Hashable | None = None) -> int:
         """Tokens of ``token_ids`` whose KV is in the tree, on the device or on host, leaving at
         least one to compute (``namespace`` None: the default one)."""
-        m = self.cache.match(self._ns(namespace), token_ids, max_tokens=len(token_ids) - 1)
+        ns = self._ns(namespace)
+        limit = len(token_ids) - 1
+        if self.states is not None:
+            limit, _ = self._state_point(ns, token_ids, limit)
+        m = self.cache.match(ns, token_ids, max_tokens=limit)
         return m.num_tokens + m.host_tokens
+
+    def _state_point(self, namespace: Hashable, token_ids: list[int], limit: int) -> tuple[int, int | None]:
+        """A hybrid model's usable prefix of ``token_ids`` (at most ``limit``): the longest state
+        checkpoint whose blocks are all still in the tree (tokens, its slot), else (0, None)."""
+        for n, slot in self.states.candidates(namespace, token_ids, limit):
+            m = self.cache.match(namespace, token_ids, n)
+            if m.num_tokens + m.host_tokens == n:
+                return n, slot
+        return 0, None
+
+    def _refuse_state(self, what: str) -> None:
+        if self.states is not None:
+            raise UnsupportedModel(
+                f"{what} is not supported for a hybrid model (linear-attention layers with a recurrent state): "
+                "its KV alone does not resume a conversation"
+            )
 
     def user_namespace(self, user: str | None) -> Hashable | None:
         """The radix namespace of a user's KV (``chatkv serve``'s API keys are users): None (the
@@ -146,7 +184,13 @@ class KVManager:
         host tier it cannot fail)."""
         t = seq.kv
         assert not t.blocks and t.lock_node is None, "attach of a sequence that holds KV"
-        m, loaded = self._match(self._ns(seq.namespace), seq.token_ids, len(seq.token_ids) - 1)
+        ns = self._ns(seq.namespace)
+        limit, state = len(seq.token_ids) - 1, None
+        if self.states is not None:  # only up to a state checkpoint of exactly that prefix
+            limit, state = self._state_point(ns, seq.token_ids, limit)
+        m, loaded = self._match(ns, seq.token_ids, limit)
+        if state is not None and m.num_tokens != limit:  # not all of it came back from host: from token 0
+            m, loaded, state = self.cache.match(ns, seq.token_ids, 0), 0, None
         self.cache.lock(m.node)
         self.pool.incref(m.block_ids)
         t.lock_node, t.blocks, t.num_computed = m.node, list(m.block_ids), m.num_tokens
@@ -154,7 +198,9 @@ class KVManager:
         if seq.num_cached < 0:
             t.num_host += loaded + (min(p.host_len, m.num_tokens) if p is not None else 0)
         continues = p is not None and (m.node is p.node if p.node is not None else m.num_tokens == 0)
-        if (
+        if self.states is not None:
+            self.states.attach(t, ns, seq.token_ids, m.num_tokens, state)
+        elif (
             continues
             and p.tail_block is not None
             and m.num_tokens == p.kv_len - p.tail_len < p.kv_len < len(seq.token_ids)
@@ -198,6 +244,9 @@ class KVManager:
         full = computed // bs
         table = t.blocks
         node = self.cache.insert(self._ns(seq.namespace), seq.token_ids[: full * bs], table[:full]) if full else None
+        if self.states is not None:
+            self.states.release(t, self._ns(seq.namespace), seq.token_ids, full * bs)
+            retain = False  # a next turn resumes from the checkpoint just taken, not from retained KV
         kept = None
         if retain and self.sharing and computed:
             if node is not None:
@@ -248,6 +297,8 @@ class KVManager:
         """Discard every unlocked node of ``namespace``, on the device and on host (KV nothing will
         match again), freeing their blocks instead of moving them down a tier. Returns the
         device blocks freed."""
+        if self.states is not None:
+            self.states.drop_namespace(namespace)
         return self.cache.drop_namespace(namespace)
 
     def export_kv(self, kept: RetainedKV, start: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -279,6 +330,7 @@ class KVManager:
         Raises OutOfBlocks (holding nothing new; blocks copied back from host stay cached)
         when there is no room even after ``make_room``."""
         assert self.sharing, "import_kv needs prefix caching: imported blocks live in the tree"
+        self._refuse_state("restoring saved KV")
         bs = self.block_size
         ns = self._ns(namespace)
         m, loaded = self._match(ns, token_ids, num_tokens)
@@ -328,6 +380,7 @@ class KVManager:
         namespace) is dropped from the tree: nothing will match it again. A moved block that
         someone else still references (the shared tree, the first time) is copied first.
         Raises OutOfBlocks (with ``kept`` ended and nothing else held) when a copy finds no room."""
+        self._refuse_state("moving an attention-sink window")
         bs = self.block_size
         assert sink % bs == 0 and drop % bs == 0, "a window moves by whole blocks"
         blocks = self._path_blocks(kept.node) + ([kept.tail_block] if kept.tail_block is not None else [])
@@ -419,7 +472,9 @@ class KVManager:
         return self.pool.num_free >= need
 
     def clear(self) -> None:
-        """Release every unlocked cached block (shutdown)."""
+        """Release every unlocked cached block and every state checkpoint (shutdown)."""
+        if self.states is not None:
+            self.states.clear()
         self.cache.clear()
 
     def stats(self) -> dict[str, int]:
@@ -438,6 +493,8 @@ class KVManager:
         }
         if self.chunks is not None:
             out.update(self.chunks.stats())
+        if self.states is not None:
+            out.update(self.states.stats())
         if self.host is not None:
             out.update(host_blocks_total=self.host.num_blocks, host_blocks_used=self.host.num_used)
             out.update(self.cache.tier_stats())
@@ -451,6 +508,9 @@ class KVManager:
         pool's blocks in use exactly those of host-resident nodes (call when idle)."""
         self.pool.check_integrity()
         self.cache.check_integrity()
+        sequences = list(sequences)
+        if self.states is not None:
+            self.states.check_integrity([s.kv for s in sequences])
         handles = [h for h in handles if h is not None]
         owned = {id(h) for h in handles}
         assert len(owned) == len(handles), "one RetainedKV held twice"

@@ -46,12 +46,17 @@ class BlockTable:
     ``lock_node`` (the cached prefix it attached; None: none), and ``num_computed`` leading
     tokens whose KV is in those blocks. ``num_host`` of its tokens came from the host tier at
     its first admission. Empty (``blocks == []``, ``lock_node is None``) while it holds nothing.
-    The scheduler advances ``num_computed`` as steps compute KV into the blocks it reserved."""
+    The scheduler advances ``num_computed`` as steps compute KV into the blocks it reserved.
+    A hybrid model's request also holds state slots (``state_slot``, ``boundary_slot``)."""
 
     blocks: list[int] = field(default_factory=list)
     lock_node: Node | None = None
     num_computed: int = 0
     num_host: int = 0
+    # a hybrid model's recurrent-state slots (chatkv.kvcache.states): the live state of its
+    # ``num_computed`` tokens, and the state at its last block boundary; None: none held
+    state_slot: int | None = None
+    boundary_slot: int | None = None
 
     @property
     def empty(self) -> bool:

@@ -37,7 +37,7 @@ __all__ = [
     "transformers_model",
 ]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "gemma3_text", "qwen3_5_text")
 
 # What a tokenizer is made of, for the message when none loads: any one of these, plus
 # tokenizer_config.json (special tokens, chat template).
@@ -94,6 +94,11 @@ def load_config(model_dir: str | Path):
         raise UnsupportedModel(
             f"model_type 'gemma3' in '{cfg_file}' is Gemma 3's multimodal (image and text) model; chatkv runs "
             "its text-only form, model_type 'gemma3_text' (Gemma3ForCausalLM: gemma-3-1b, or a text-only export)"
+        )
+    if model_type == "qwen3_5":  # Qwen3_5ForConditionalGeneration: text_config plus a vision tower
+        raise UnsupportedModel(
+            f"model_type 'qwen3_5' in '{cfg_file}' is Qwen3.5's multimodal (image and text) model; chatkv runs "
+            "its text-only form, model_type 'qwen3_5_text' (Qwen3_5ForCausalLM, or a text-only export)"
         )
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModel(f"model_type '{model_type}' is not supported; chatkv runs {supported}")
