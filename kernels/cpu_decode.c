@@ -333,22 +333,11 @@ static void attend(const uint16_t *q_scratch, const uint16_t *k_cache, const uin
     }
 }
 
-/* One decode layer's attention for `rows` one-token queries, each over its own keys:
- * - q and k heads of qkv[r] (bf16 [rows, (nh + 2 nkv) d]) rotated by RoPE as the model's _rotate
- *   does in bf16: bf16(bf16(x cos) + bf16(swapped sin)), cos and sign-folded sin from
- *   table[pos[r]] (bf16 [positions, 2, d]);
- * - every row's rotated k and its v stored at slot[r] of k_cache / v_cache (bf16 [slots, nkv, d]),
- *   all rows before any attends (a row sees the keys earlier rows of the step stored);
- * - row r attends to its first ctx[r] keys, found in blocks[r * max_blocks ...] of block_size
- *   slots: fp32 scores q.k * scale, softmax, sum p v, rounded to bf16 into out [rows, nh d].
- * scores: float32 scratch of rows * nkv * segments * (nh / nkv) * (d + 2), segments: those of
- * ATTN_SEGMENT keys of the longest row (chatkv.kernels.cpu_decode.attention_scratch).
- * The work is split over `threads` OpenMP threads (torch's own libgomp). */
-void decode_attention(const uint16_t *qkv, const uint16_t *table, const int64_t *pos, uint16_t *k_cache,
-                      uint16_t *v_cache, const int64_t *slot, const int64_t *blocks, const int64_t *ctx,
-                      int64_t max_blocks, int64_t block_size, int64_t rows, int64_t nh, int64_t nkv, int64_t d,
-                      float scale, uint16_t *q_scratch, float *scores, int64_t segments, int threads,
-                      uint16_t *out) {
+/* decode_attention's first part (rope_store for a deterministic engine's wide steps, which then
+ * attend through rows_attention): rows' q and k rotated by RoPE (q into q_scratch [rows, nh d], k
+ * with v into their slots of the caches), as decode_attention describes. */
+void rope_store(const uint16_t *qkv, const uint16_t *table, const int64_t *pos, uint16_t *k_cache, uint16_t *v_cache,
+                const int64_t *slot, int64_t rows, int64_t nh, int64_t nkv, int64_t d, uint16_t *q_scratch) {
     const int64_t width = (nh + 2 * nkv) * d, half = d / 2;
     for (int64_t r = 0; r < rows; r++) {
         const uint16_t *x = qkv + r * width;
@@ -376,6 +365,25 @@ void decode_attention(const uint16_t *qkv, const uint16_t *table, const int64_t 
         }
         memcpy(vd, x + (nh + nkv) * d, (size_t)(nkv * d) * sizeof(uint16_t));
     }
+}
+
+/* One decode layer's attention for `rows` one-token queries, each over its own keys:
+ * - q and k heads of qkv[r] (bf16 [rows, (nh + 2 nkv) d]) rotated by RoPE as the model's _rotate
+ *   does in bf16: bf16(bf16(x cos) + bf16(swapped sin)), cos and sign-folded sin from
+ *   table[pos[r]] (bf16 [positions, 2, d]);
+ * - every row's rotated k and its v stored at slot[r] of k_cache / v_cache (bf16 [slots, nkv, d]),
+ *   all rows before any attends (a row sees the keys earlier rows of the step stored);
+ * - row r attends to its first ctx[r] keys, found in blocks[r * max_blocks ...] of block_size
+ *   slots: fp32 scores q.k * scale, softmax, sum p v, rounded to bf16 into out [rows, nh d].
+ * scores: float32 scratch of rows * nkv * segments * (nh / nkv) * (d + 2), segments: those of
+ * ATTN_SEGMENT keys of the longest row (chatkv.kernels.cpu_decode.attention_scratch).
+ * The work is split over `threads` OpenMP threads (torch's own libgomp). */
+void decode_attention(const uint16_t *qkv, const uint16_t *table, const int64_t *pos, uint16_t *k_cache,
+                      uint16_t *v_cache, const int64_t *slot, const int64_t *blocks, const int64_t *ctx,
+                      int64_t max_blocks, int64_t block_size, int64_t rows, int64_t nh, int64_t nkv, int64_t d,
+                      float scale, uint16_t *q_scratch, float *scores, int64_t segments, int threads,
+                      uint16_t *out) {
+    rope_store(qkv, table, pos, k_cache, v_cache, slot, rows, nh, nkv, d, q_scratch);
     attend(q_scratch, k_cache, v_cache, blocks, NULL, ctx, max_blocks, block_size, rows, nh, nkv, d, scale, scores,
            segments, threads, out);
 }

@@ -29,6 +29,8 @@ _SIGNATURES = {
     "gemm_bf16": ([_P, _I, _P, _P, _P, _I, _I, ctypes.c_int], None),
     "gemm_f32": ([_P, _I, _P, _P, _P, _I, _I, ctypes.c_int], None),
     "gemm_bf16_path": ([ctypes.c_int], ctypes.c_int),
+    "rope_store": ([_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _P], None),
+    "int4_mm_many": ([_P, _P, _P, _P, _I, _I, _I, ctypes.c_int], None),
     "rows_attention": (
         [_P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_float, _P, _I, ctypes.c_int, _P],
         None,
@@ -107,6 +109,56 @@ class RowInvariantLinear:
                 torch.get_num_threads(),
             )
         return y.view(*lead, self.out_features)
+
+
+def int4_mm_many(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor) -> torch.Tensor:
+    """``int4_mm`` (cpu_matmul.c) for any number of rows: the numbers ``int4_mm`` gives called
+    ``INT4_MM_ROWS`` rows at a time, in one pass over the weights where AMX runs. ``packed`` and
+    ``scales_zeros``: an ``Int4Linear``'s, in ``cpu_decode.int4_mm_call``'s layout (its caller checks)."""
+    groups, n, _ = scales_zeros.shape
+    k = groups * 32
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"int4_mm_many: x {x.dtype} {tuple(x.shape)} for {k} inputs")
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=torch.bfloat16)
+    if x.shape[0]:
+        ptrs = (x.data_ptr(), packed.data_ptr(), scales_zeros.data_ptr(), y.data_ptr())
+        _lib().int4_mm_many(*ptrs, x.shape[0], n, k, torch.get_num_threads())
+    return y
+
+
+def rope_store(
+    qkv: torch.Tensor,
+    table: torch.Tensor,
+    positions: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:
+    """``decode_attention``'s RoPE and KV store for every row (cpu_decode.c ``rope_store``): qkv bf16
+    ``[rows, (H + 2 KVH) D]``, table bf16 ``[positions, 2, D]``; the rotated keys and the values go
+    into their slots of the caches; returns the rotated queries, bf16 ``[rows, H, D]``."""
+    rows = qkv.shape[0]
+    d = k_cache.shape[-1]
+    if (
+        qkv.dtype != torch.bfloat16
+        or not qkv.is_contiguous()
+        or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * d
+        or k_cache.dtype != torch.bfloat16
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or slots.shape != (rows,)
+        or positions.shape != (rows,)
+        or (rows and int(positions.max()) >= table.shape[0])
+        or (rows and not 0 <= int(slots.min()) <= int(slots.max()) < k_cache.shape[0] * k_cache.shape[1])
+    ):
+        raise ValueError("rope_store: inconsistent shapes, positions or slots")
+    q = torch.empty(rows, num_heads, d, dtype=torch.bfloat16)
+    ptrs = (qkv.data_ptr(), table.contiguous().data_ptr(), positions.contiguous().data_ptr())
+    caches = (k_cache.data_ptr(), v_cache.data_ptr(), slots.contiguous().data_ptr())
+    _lib().rope_store(*ptrs, *caches, rows, num_heads, num_kv_heads, d, q.data_ptr())
+    return q
 
 
 def rows_attention(

@@ -235,6 +235,84 @@ static void int8_mm_amx(const uint16_t *x, const int8_t *codes, const uint16_t *
     if (xt != small) free(xt);
 }
 
+/* int4_mm_amx for any number of rows: the same numbers as int4_mm over INT4_MM_ROWS rows at a time
+ * (each row's group dot products, scales and sums in the same order), with each group's B tiles
+ * decoded once per column tile for all the rows instead of once per 16 (a deterministic engine's
+ * prefill: chatkv.model.forward.row_chunks). The rows go through A in tiles of 16, the last one
+ * from a zero-padded copy (a tile's rows are independent: the padding changes no valid row).
+ * xs: each row's sum over each group, as int4_mm computes it. Returns 0, or -1 without memory. */
+static int int4_mm_amx_many(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, const float *xs, uint16_t *y,
+                            int64_t rows, int64_t n, int64_t k, int threads) {
+    const int64_t groups = k / 32, tiles = n / 32, mt = (rows + 15) / 16;
+    uint16_t *xp = NULL;
+    if (rows % 16) {
+        xp = aligned_alloc(64, (size_t)((mt * 16 * k * 2 + 63) / 64 * 64));
+        if (!xp) return -1;
+        memcpy(xp, x, (size_t)(rows * k * 2));
+        memset(xp + rows * k, 0, (size_t)((mt * 16 - rows) * k * 2));
+    }
+    const uint16_t *xa = xp ? xp : x;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        const int tr[7] = {16, 16, 0, 0, 16, 16, 16}, tc[7] = {64, 64, 0, 0, 64, 64, 64};
+        amx_configure(tr, tc, 7);
+        const __m512i ix[2] = {int4_pair_index(0), int4_pair_index(16)}, table = int4_code_table();
+        uint16_t bbuf[2][16 * 32] __attribute__((aligned(64)));
+        float cbuf[2][16 * 16] __attribute__((aligned(64)));
+        float *acc = aligned_alloc(64, (size_t)(rows * 32 * 4 + 64));
+        if (!acc) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            if (!acc) continue;
+            const int64_t b = t / 2, half = (t % 2) * 16, base = b * 64;
+            const uint8_t *p = packed + b * k * 32;
+            const __m512i idx = ix[t % 2];
+            memset(acc, 0, (size_t)(rows * 32 * 4));
+            for (int64_t g = 0; g < groups; g++) {
+                uint16_t *b0 = bbuf[0], *b1 = bbuf[1];
+                const uint8_t *pg = p + g * 32 * 32;
+                for (int i = 0; i < 16; i++) {
+                    const __m512i pr = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, idx, _mm512_loadu_si512((const void *)(pg + i * 64)));
+                    _mm512_store_si512((void *)(b0 + i * 32), _mm512_permutexvar_epi16(pr, table));
+                    _mm512_store_si512((void *)(b1 + i * 32), _mm512_permutexvar_epi16(_mm512_srli_epi16(pr, 4), table));
+                }
+                _tile_loadd(5, b0, 64);
+                _tile_loadd(6, b1, 64);
+                __m512 sl, zl, sh, zh;
+                int4_scale_zero(sz, g, n, base + half, &sl, &zl);
+                int4_scale_zero(sz, g, n, base + 32 + half, &sh, &zh);
+                for (int64_t m = 0; m < mt; m++) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_loadd(4, xa + m * 16 * k + g * 32, k * 2);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_dpbf16ps(1, 4, 6);
+                    _tile_stored(0, cbuf[0], 64);
+                    _tile_stored(1, cbuf[1], 64);
+                    for (int64_t r = 0; r < 16 && m * 16 + r < rows; r++) {
+                        float *ar = acc + (m * 16 + r) * 32;
+                        const __m512 xg = _mm512_set1_ps(xs[(m * 16 + r) * groups + g]);
+                        _mm512_store_ps(ar, _mm512_fmadd_ps(zl, xg, _mm512_fmadd_ps(sl, _mm512_load_ps(cbuf[0] + r * 16), _mm512_load_ps(ar))));
+                        _mm512_store_ps(ar + 16, _mm512_fmadd_ps(zh, xg, _mm512_fmadd_ps(sh, _mm512_load_ps(cbuf[1] + r * 16), _mm512_load_ps(ar + 16))));
+                    }
+                }
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                _mm256_storeu_si256((__m256i *)(y + r * n + base + half), to_bf16x16(_mm512_load_ps(acc + r * 32)));
+                _mm256_storeu_si256((__m256i *)(y + r * n + base + 32 + half), to_bf16x16(_mm512_load_ps(acc + r * 32 + 16)));
+            }
+        }
+        free(acc);
+        _tile_release();
+    }
+    free(xp);
+    return failed ? -1 : 0;
+}
+
 /* Ask Linux for the AMX tile state once (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA; torch's
  * oneDNN asks the same); on = 1 turns the tile kernels on where granted, 0 off (benchmarks
  * compare), -1 asks; 2 is on with int8_mm's path for a heap with no room left (tests). Whether
@@ -283,11 +361,37 @@ void int4_mm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint1
         }
     }
 }
+
+/* int4_mm for any number of rows: the same numbers as int4_mm called INT4_MM_ROWS rows at a time,
+ * in one pass over the weights where AMX runs (int4_mm_amx_many), else in those calls. */
+void int4_mm_many(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *y, int64_t rows, int64_t n,
+                  int64_t k, int threads) {
+#if AMX_BUILT
+    if (amx_on && rows > INT4_MM_ROWS) {
+        const int64_t groups = k / 32;
+        float *xs = malloc((size_t)(rows * groups * 4));
+        if (xs) {
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t g = 0; g < groups; g++)
+                    xs[r * groups + g] = _mm512_reduce_add_ps(_mm512_add_ps(bf16x16(x + r * k + g * 32), bf16x16(x + r * k + g * 32 + 16)));
+            const int done = int4_mm_amx_many(x, packed, sz, xs, y, rows, n, k, threads);
+            free(xs);
+            if (done == 0) return;
+        }
+    }
+#endif
+    for (int64_t r0 = 0; r0 < rows; r0 += INT4_MM_ROWS)
+        int4_mm(x + r0 * k, packed, sz, y + r0 * n, rows - r0 < INT4_MM_ROWS ? rows - r0 : INT4_MM_ROWS, n, k, threads);
+}
 #else
 int int4_mm_native(void) { return 0; }
 int amx_enable(int on) { (void)on; return 0; }
 void int4_mm(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *y, int64_t rows, int64_t n,
              int64_t k, int threads) {
+    (void)x; (void)packed; (void)sz; (void)y; (void)rows; (void)n; (void)k; (void)threads;
+}
+void int4_mm_many(const uint16_t *x, const uint8_t *packed, const uint16_t *sz, uint16_t *y, int64_t rows, int64_t n,
+                  int64_t k, int threads) {
     (void)x; (void)packed; (void)sz; (void)y; (void)rows; (void)n; (void)k; (void)threads;
 }
 #endif

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from chatkv.errors import ModelNotFound, UnsupportedModel
 from chatkv.kernels import AttentionMetadata, attention_backend, cpu_decode, kv_quant
-from chatkv.kernels.cpu_invariant import RowInvariantLinear, rows_attention
+from chatkv.kernels.cpu_invariant import RowInvariantLinear, int4_mm_many, rows_attention
 from chatkv.model import fused_decode
 from chatkv.model.cpu_threads import one_thread
 from chatkv.model.prefill import Scratch, ScratchInt8, scratch_int4
@@ -160,6 +160,14 @@ class LazyLinear:
         return y if self.bias is None else y + self.bias
 
 
+def _int8_activations() -> bool:
+    """Whether the int4 few-row steps take the int8-activation kernels (their switch, where built)."""
+    from chatkv.weights import quantised
+
+    switch = getattr(quantised, "vnni_kernels", None)
+    return bool(switch and switch()[0])
+
+
 def _in_row_chunks(self, x: torch.Tensor) -> torch.Tensor:
     """The few-row kernel ``INT4_MM_ROWS`` rows a call, whatever the step's rows."""
     n = cpu_decode.INT4_MM_ROWS
@@ -170,10 +178,17 @@ def _in_row_chunks(self, x: torch.Tensor) -> torch.Tensor:
 
 
 class RowChunkedInt4(Int4Linear):
-    """An ``Int4Linear`` of a deterministic model (``row_chunks``)."""
+    """An ``Int4Linear`` of a deterministic model (``row_chunks``). Where its few-row kernel is
+    ``int4_mm``, a step of more rows takes ``int4_mm_many``: the same numbers, with each weight tile
+    decoded once for all of them (AMX)."""
 
     __slots__ = ()
-    __call__ = _in_row_chunks
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= cpu_decode.INT4_MM_ROWS or self.perm is not None or _int8_activations() or not self.few_rows():
+            return _in_row_chunks(self, x)
+        y = int4_mm_many(x, self.packed, self.scales_zeros)
+        return y if self.bias is None else y + self.bias
 
 
 class RowChunkedInt8(Int8Linear):

@@ -95,27 +95,38 @@ def forward(
 
 def _invariant(model, input_ids, positions, kv, meta, logits_rows) -> torch.Tensor:
     """A deterministic model's step, whatever its rows: prefill chunks too, each token a one-token
-    query over its own keys (``meta.scratch["rows"]``: chatkv.engine.model_runner.build_batch),
-    computed ``INT4_MM_ROWS`` rows at a time. A row's numbers are its own (the fused ops and the
-    few-row products compute each row alone), so cutting the step into parts changes nothing; and a
-    part's rows attend only to keys at or before their own positions, stored by the parts before."""
+    query over its own keys (``meta.scratch["rows"]``: chatkv.engine.model_runner.build_batch). A
+    step of up to ``INT4_MM_ROWS`` rows is a decode step's fused ops; a wider one computes the same
+    numbers with its projections over all rows at once (``int4_mm_many``: each weight tile decoded
+    once) and its attention ``rows_attention``'s 16 rows a call after ``rope_store`` (the two parts
+    of ``decode_attention``). A row's numbers are its own either way."""
     blocks, ctx = meta.scratch["rows"]
-    t, n = input_ids.shape[0], cpu_decode.INT4_MM_ROWS
-    wanted = logits_rows.tolist()
-    assert wanted == sorted(wanted), "logits rows in step order"
-    hidden = []
-    for a in range(0, t, n):  # every part, wanted rows or not: each stores its rows' KV
-        b = min(t, a + n)
-        rows = torch.tensor([r - a for r in wanted if a <= r < b], dtype=torch.long)
-        c = ctx[a:b]
-        args = (input_ids[a:b], positions[a:b], kv, meta.slot_mapping[a:b], blocks[a:b], c, int(c.max()), rows)
-        hidden.append(_step(model, *args, head=False))
-    return model.lm_head(torch.cat(hidden)).float()
+    if input_ids.shape[0] <= cpu_decode.INT4_MM_ROWS:
+        return _step(model, input_ids, positions, kv, meta.slot_mapping, blocks, ctx, int(ctx.max()), logits_rows)
+    from chatkv.kernels import cpu_invariant
+
+    weights = model.fused_norm_weights()
+    h = F.embedding(input_ids, model.embed).to(torch.float32)
+    table = model.rope_table(positions)
+    slots = meta.slot_mapping.contiguous()
+    nh, nkv, d = model.num_heads, model.num_kv_heads, model.head_dim
+    # the step's norms and silu_mul; its own attention (and that attention's scratch) is not used
+    step = cpu_decode.DecodeStep(
+        h, table, positions.contiguous(), slots, blocks, ctx, 1, kv, nh, nkv, d,
+        model.layers[0].gate_up.out_features // 2, model.scale, model.eps,
+    )  # fmt: skip
+    normed = step.norm(None, weights[0])
+    for i, layer in enumerate(model.layers):
+        k_cache, v_cache = kv[i, 0], kv[i, 1]
+        q = cpu_invariant.rope_store(layer.qkv(normed), table, positions, k_cache, v_cache, slots, nh, nkv)
+        o = cpu_invariant.rows_attention(q, k_cache, v_cache, blocks, None, ctx, model.scale).view(-1, nh * d)
+        normed = step.norm(layer.o(o), weights[2 * i + 1])
+        normed = step.norm(layer.down(step.silu_mul(layer.gate_up(normed))), weights[2 * i + 2])
+    return model.lm_head(normed.index_select(0, logits_rows)).float()
 
 
-def _step(model, input_ids, positions, kv, slots, blocks, ctx, max_ctx, logits_rows, head: bool = True):
-    """The fused ops over one step's rows (each a one-token query); the logits of ``logits_rows``,
-    or with ``head`` False their final normed hidden states."""
+def _step(model, input_ids, positions, kv, slots, blocks, ctx, max_ctx, logits_rows):
+    """The fused ops over one step's rows (each a one-token query); the logits of ``logits_rows``."""
     weights = model.fused_norm_weights()
     h = F.embedding(input_ids, model.embed).to(torch.float32)
     table = model.rope_table(positions)  # grown to this step's positions
@@ -140,5 +151,4 @@ def _step(model, input_ids, positions, kv, slots, blocks, ctx, max_ctx, logits_r
         o = step.attention(layer.qkv(normed), i)
         normed = step.norm(layer.o(o), weights[2 * i + 1])
         normed = step.norm(layer.down(step.silu_mul(layer.gate_up(normed))), weights[2 * i + 2])
-    last = normed.index_select(0, logits_rows)
-    return model.lm_head(last).float() if head else last
+    return model.lm_head(normed.index_select(0, logits_rows)).float()

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from chatkv.kernels import cpu_decode
 from chatkv.model.fused_decode import kernels_available
 
 pytestmark = pytest.mark.skipif(not kernels_available(), reason="no C compiler for the CPU kernels here")
@@ -137,3 +138,23 @@ def test_rows_attention(window):
             assert torch.equal(rows_attention(q, k_cache, v_cache, table, lo, ctx, scale), got)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (2048, 8192)])
+@pytest.mark.skipif(
+    not (kernels_available() and cpu_decode.int4_mm_native()),
+    reason="no AVX512-BF16 here: int4_mm is not built (tests/model/test_cpu_matmul.py skips the same way)",
+)
+def test_int4_many_rows_equal_the_few_row_kernel(k, n):
+    """``int4_mm_many`` (a deterministic engine's wide steps) gives each row the bits ``int4_mm``
+    gives it 16 rows at a time (a decode step's), at the default model's and a 1.7B model's sizes."""
+    from chatkv.kernels.cpu_invariant import int4_mm_many
+    from chatkv.weights.quantised import Int4Linear, quantize_int4
+
+    g = torch.Generator().manual_seed(k + n)
+    lin = Int4Linear(quantize_int4(torch.randn(n, k, generator=g) * 0.05))
+    few = lin.few_rows()
+    x = torch.randn(150, k, generator=g).bfloat16()
+    want = torch.cat([few(x[i : i + 16]) for i in range(0, 150, 16)])
+    for m in (17, 33, 64, 150):
+        assert torch.equal(int4_mm_many(x[:m], lin.packed, lin.scales_zeros), want[:m]), m
