@@ -156,13 +156,33 @@ def broken(path: str):
     return call
 
 
+def test_a_deterministic_engine_checks_the_one_kernel_all_its_steps_take(model_dir, tmp_path, fresh_cache, monkeypatch):
+    """A deterministic engine computes every step with the few-row kernel (no dense path): broken,
+    it fails the check and the engine falls back to int8, as the batched kernels' engine does."""
+    monkeypatch.setattr(Int4Linear, "__call__", broken("decode"))
+    monkeypatch.setattr("chatkv.model.forward.int4_mm_many", lambda x, p, s: broken_many(x, p, s))
+    e = Engine(model_dir, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=8))
+    assert e.model.invariant and e.weights.weights == "int8" and "fallback" in e.weights.label, e.weights
+    e.close()
+
+
+def broken_many(x, packed, scales_zeros):
+    """``int4_mm_many`` wrong as ``broken("decode")`` makes the few-row kernel wrong."""
+    from chatkv.kernels.cpu_invariant import int4_mm_many
+
+    y = int4_mm_many(x, packed, scales_zeros)
+    return y.roll(1, dims=-1) if y.shape[-1] >= 576 else y
+
+
 @pytest.mark.parametrize("path", ["decode", "batched"])
 def test_a_broken_int4_kernel_falls_back_to_int8_naming_the_check(
     model_dir, tmp_path, fresh_cache, monkeypatch, caplog, path
 ):
+    """The batched kernels' engine (``deterministic=False``), whose steps of many rows take another path
+    (the dense one) than its decode steps: the check names the path that failed."""
     monkeypatch.setattr(Int4Linear, "__call__", broken(path))
     with caplog.at_level(logging.WARNING, logger="chatkv.model.self_check"):
-        e = Engine(model_dir, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=8))
+        e = Engine(model_dir, EngineConfig(data_dir=str(tmp_path / "data"), num_blocks=8, deterministic=False))
     assert e.weights.weights == "int8" and e.weights.head == "float", e.weights
     assert "fallback" in e.weights.label
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
