@@ -24,6 +24,9 @@ tile again for every row, so a step of 6 rows (speculation's verification) cost 
 one-row step; these decode it once for all rows with AVX512-BF16 dot products, where the CPU
 has them (AMD Zen 4, Intel Sapphire Rapids; elsewhere torch's kernels run), and with AMX tile
 dot products where it has those too (Intel; ``amx``), which make an extra row nearly free.
+Behind chatkv.weights.quantised's switch (``vnni_kernels``), ``q4_mm``/``q8_mm`` (cpu_q4.c) take
+those steps instead: the same stored weights times int8-quantised activations with AVX512-VNNI
+integer dot products (as llama.cpp's q8 dot products), so no weight is widened to bfloat16.
 
 Never required: without a compiler, on a build failure, off Linux/x86 or with
 ``CHATKV_FUSED_DECODE=0``, ``load()`` is False and the model runs its torch ops (which are
@@ -52,7 +55,13 @@ AMX_ENV = "CHATKV_AMX"  # "0": the few-row products use AVX-512 only, where the 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 #: the library's sources: the fused step ops, the few-row quantised products, the row-invariant float
 #: products (cpu_gemm.c, chatkv.kernels.cpu_invariant), their bf16 helpers
-SOURCES = (SOURCE, SOURCE.with_name("cpu_matmul.c"), SOURCE.with_name("cpu_gemm.c"), SOURCE.with_name("cpu_bf16.h"))
+SOURCES = (
+    SOURCE,
+    SOURCE.with_name("cpu_matmul.c"),
+    SOURCE.with_name("cpu_gemm.c"),
+    SOURCE.with_name("cpu_q4.c"),  # the few-row products with int8 activations (``q4_mm_call``)
+    SOURCE.with_name("cpu_bf16.h"),
+)
 MAX_HEAD_DIM = 512  # the C kernel's per-head buffers
 MAX_GROUP = 16  # query heads per kv head decode_attention takes (ATTN_MAX_GROUP in the C)
 ATTN_SEGMENT = 64  # keys per work item of decode_attention (ATTN_SEGMENT in the C)
@@ -170,7 +179,10 @@ def load(directory: Path) -> bool:
                     for name, args in _SIGNATURES.items():
                         getattr(lib, name).argtypes = args
                         getattr(lib, name).restype = None
-                    for name in ("int4_mm_native", "int8_mm_native"):
+                    for name in ("q4_mm", "q8_mm"):  # int8 activations (cpu_q4.c): 0, or -1 without memory
+                        getattr(lib, name).argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int, ctypes.c_int]
+                        getattr(lib, name).restype = ctypes.c_int
+                    for name in ("int4_mm_native", "int8_mm_native", "q4_vnni_native"):
                         getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int
                     lib.set_attention_blocked.argtypes, lib.set_attention_blocked.restype = [ctypes.c_int], ctypes.c_int
                     lib.amx_enable.argtypes, lib.amx_enable.restype = [ctypes.c_int], ctypes.c_int
@@ -416,6 +428,84 @@ def _rows_call(name: str, fn, weight: tuple, scale: tuple, n: int, k: int):
             raise ValueError(f"{name}: x {x.dtype} {tuple(x.shape)} for {k} inputs, at most {INT4_MM_ROWS} rows")
         y = torch.empty(rows, n, dtype=torch.bfloat16)
         fn(x.data_ptr(), wp, sp, y.data_ptr(), rows, n, k, torch.get_num_threads())
+        return y
+
+    return call
+
+
+def q4_vnni_native() -> bool:
+    """Whether ``q4_mm``/``q8_mm`` (cpu_q4.c) run on AVX512-VNNI here (Intel Ice Lake and later, AMD
+    Zen 4); elsewhere their portable C path gives the same bits, too slowly to be taken."""
+    return bool(loaded()) and bool(_lib.q4_vnni_native())
+
+
+def q4_mm(x: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, portable: bool = False) -> torch.Tensor:
+    """``x @ w.T`` (bfloat16 ``[rows, N]``) of ``int4_mm``'s weights (torch's CPU int4 packing in
+    blocks of 64 rows and its bfloat16 ``scales_zeros``) with ``x`` quantised to int8 per group of 32
+    inputs and integer dot products (cpu_q4.c); ``portable``: its plain C path (the same bits)."""
+    groups, n, _ = scales_zeros.shape
+    return _q8_call("q4_mm", x, packed, torch.uint8, scales_zeros, n, groups * 32, portable)
+
+
+def q8_mm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, portable: bool = False) -> torch.Tensor:
+    """``x @ codes.T * scales`` of ``int8_mm``'s weights (int8 ``[N, K]``, a bfloat16 scale per output
+    channel) with ``x`` quantised to int8 per group of 32 inputs (cpu_q4.c); ``portable`` as ``q4_mm``'s."""
+    return _q8_call("q8_mm", x, codes, torch.int8, scales, *codes.shape, portable)
+
+
+def _q8_call(name: str, x, weight, wtype, scale, n: int, k: int, portable: bool) -> torch.Tensor:
+    rows = x.shape[0]
+    if x.dim() != 2 or x.shape[1] != k or not 0 < rows <= INT4_MM_ROWS:
+        raise ValueError(f"{name}: x {tuple(x.shape)} for {k} inputs, 1 to {INT4_MM_ROWS} rows")
+    y = torch.empty(rows, n, dtype=torch.bfloat16)
+    fn = getattr(library(), name)
+    args = (_check(weight, wtype, "weight"), _check(scale, torch.bfloat16, "scale"), y.data_ptr(), rows, n, k)
+    if fn(_check(x, torch.bfloat16, "x"), *args, torch.get_num_threads(), int(portable)):
+        raise MemoryError(f"{name}: no memory for {rows} x {k} int8 activations")
+    return y
+
+
+def q4_mm_call(packed: torch.Tensor, scales_zeros: torch.Tensor):
+    """``q4_mm`` of fixed weights as a call of ``x`` alone (as ``int4_mm_call``), or False where
+    VNNI is not built here or the weights are not ``int4_mm``'s layout in blocks of 64 rows."""
+    if not q4_vnni_native() or scales_zeros.dim() != 3 or packed.dtype != torch.uint8 or not packed.is_contiguous():
+        return False
+    groups, n, two = scales_zeros.shape
+    if two != 2 or packed.numel() * 2 != n * groups * 32 or n % 64 or not scales_zeros.is_contiguous():
+        return False
+    weight, scale = (packed, torch.uint8, "packed"), (scales_zeros, torch.bfloat16, "scales_zeros")
+    return _rows_call_q8("q4_mm", _lib.q4_mm, weight, scale, n, groups * 32)
+
+
+def q8_mm_call(codes: torch.Tensor, scales: torch.Tensor):
+    """``q8_mm`` of fixed weights as a call of ``x`` alone, or False where VNNI is not built here or
+    the weights do not fit it (``K`` a multiple of 32, ``N`` of 4)."""
+    if not q4_vnni_native() or codes.dim() != 2 or codes.dtype != torch.int8 or not codes.is_contiguous():
+        return False
+    if scales.shape != (codes.shape[0],) or codes.shape[1] % 32 or codes.shape[0] % 4:
+        return False
+    weight, scale = (codes, torch.int8, "codes"), (scales, torch.bfloat16, "scales")
+    return _rows_call_q8("q8_mm", _lib.q8_mm, weight, scale, *codes.shape)
+
+
+def _rows_call_q8(name: str, fn, weight: tuple, scale: tuple, n: int, k: int):
+    """As ``_rows_call``, for cpu_q4.c's products (their portable flag off, their status checked)."""
+    wp, sp = _check(*weight), _check(*scale)
+    keep = (weight[0], scale[0])  # alive while their pointers are used
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        if (
+            x.dtype != torch.bfloat16
+            or not x.is_contiguous()
+            or x.shape[1:] != (k,)
+            or not 0 < rows <= INT4_MM_ROWS
+            or keep is None
+        ):
+            raise ValueError(f"{name}: x {x.dtype} {tuple(x.shape)} for {k} inputs, at most {INT4_MM_ROWS} rows")
+        y = torch.empty(rows, n, dtype=torch.bfloat16)
+        if fn(x.data_ptr(), wp, sp, y.data_ptr(), rows, n, k, torch.get_num_threads(), 0):
+            raise MemoryError(f"{name}: no memory for {rows} x {k} int8 activations")
         return y
 
     return call

@@ -16,6 +16,7 @@ waits for a request: the entry points are the same code either way.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -53,6 +54,7 @@ from chatkv.storage.paths import LOCAL_USER  # not storage.models: no SQLAlchemy
 from chatkv.weights import ensure_default_model, load_config, load_tokenizer, model_fingerprint
 from chatkv.weights.loading import with_chat_template
 from chatkv.weights.prepared import ensure_gguf_model
+from chatkv.weights.quantised import vnni_kernels
 
 if TYPE_CHECKING:  # imported when sessions are first used: the store (SQLAlchemy) is not a one-shot's
     from chatkv.sessions.manager import SessionManager
@@ -82,6 +84,10 @@ class Engine:
         )
         log.info("weights: %s", self.weights.label)
         self.fingerprint = self.weights.fingerprint(base)
+        if self.weights.weights != "float" and any(vnni_kernels()):
+            # int8 activations (CHATKV_Q4_VNNI) compute other KV: never shared with the bf16 kernels'
+            salted = f"{self.fingerprint}:q8-activations{vnni_kernels()}"
+            self.fingerprint = hashlib.sha256(salted.encode()).hexdigest()[:32]
         self.runner = ModelRunner(self.model, self.config)
         self.kv_dtype = self.runner.kv_format.name  # in the cache namespace and every snapshot header
         self.kv = KVManager(

@@ -22,6 +22,10 @@ Face directory, or a GGUF's float, Q8_0, Q5 or Q6 tensor, decoded exactly by
 - **int8** (``Int8Linear``): symmetric, one scale per output channel (``code * scale``,
   code in -127..127), on ``torch.ops.aten._weight_int8pack_mm`` (the output matrix's steps of
   up to 16 rows on chatkv's ``int8_mm`` where it is built: ``Int8Linear.native_few_rows``).
+- Behind a switch (``vnni_kernels``, off by default), steps of up to 16 rows take
+  kernels/cpu_q4.c instead, which reads the same stored weights with the activations quantised to
+  int8 per group of 32 inputs and integer dot products (AVX512-VNNI), as llama.cpp's q8 dot
+  products do: each 4-bit code is multiplied as it is stored, never widened to bfloat16.
 
 ``Q4Weight``/``Q8Weight`` are the stored forms (numbers only, no kernels), what the converted
 model directory keeps (``chatkv.weights.gguf``) and what the mapping tests compare bit for bit
@@ -64,6 +68,12 @@ GROUP = 32  # inputs per int4 group: GGUF's block size and the kernel's group si
 #: ``Int4Linear``, ``Int8Linear.native_few_rows``); ``CHATKV_FEW_ROW_KERNELS=0`` in the
 #: environment or ``few_row_kernel(False)`` leaves them to torch's
 _FEW_ROWS = [os.environ.get("CHATKV_FEW_ROW_KERNELS", "1").strip() != "0"]
+#: whether those steps take the int8-activation products instead (kernels/cpu_q4.c, AVX512-VNNI:
+#: ``q4_mm`` for ``Int4Linear``, ``q8_mm`` for every ``Int8Linear``), per weight form; off unless
+#: ``CHATKV_Q4_VNNI`` is "1" (both), "int4" or "int8", or ``vnni_kernels`` turns them on. A process
+#: keeps one choice: a verified row is its plain decode's bit for bit only on the same kernel.
+_VNNI_ENV = os.environ.get("CHATKV_Q4_VNNI", "0").strip()
+_VNNI = {"int4": _VNNI_ENV in ("1", "int4"), "int8": _VNNI_ENV in ("1", "int8")}
 
 
 @dataclass
@@ -431,7 +441,7 @@ class Int4Linear:
     bf16 weights do not stay in cache, unlike a matmul timed alone): aggregate decode of 8
     sequences 523 tok/s 4-bit vs 455 dense, 16: 635 vs 612, 32: 792 vs 700; so 16."""
 
-    __slots__ = ("packed", "scales_zeros", "bias", "out_features", "dense", "dense_rows", "_native", "perm")
+    __slots__ = ("packed", "scales_zeros", "bias", "out_features", "dense", "dense_rows", "_native", "_vnni", "perm")
 
     def __init__(self, q: Q4Weight, bias: torch.Tensor | None = None, dense=None, dense_rows: int = 16):
         self._set(pack_int4(q.codes), q.scale, q.minimum, bias, dense, dense_rows)
@@ -461,6 +471,7 @@ class Int4Linear:
         self.scales_zeros = torch.stack((scale.t(), zero.t()), dim=-1).to(torch.bfloat16).contiguous()  # [K/32, N, 2]
         self.bias = None if bias is None else bias.to(torch.bfloat16)
         self._native = None  # int4_mm's call for this weight, once asked (``few_rows``)
+        self._vnni = None  # q4_mm's, once asked (``vnni_rows``)
         self.perm = None  # the inputs in order (``__init__`` takes a Q4Weight's own)
 
     def few_rows(self):
@@ -470,6 +481,15 @@ class Int4Linear:
         return _looked_up(
             self, lambda: int4pack_block() == 64 and cpu_decode.int4_mm_call(self.packed, self.scales_zeros)
         )
+
+    def vnni_rows(self):
+        """``q4_mm``'s call for this weight (kernels/cpu_q4.c: int8 activations, VNNI), or False
+        where it is not built here or this weight is not in its layout; looked up once."""
+        if self._vnni is None:
+            if cpu_decode.loaded() is None:
+                return False
+            self._vnni = int4pack_block() == 64 and cpu_decode.q4_mm_call(self.packed, self.scales_zeros)
+        return self._vnni
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The dense path for ``dense_rows`` rows or more; else ``int4_mm`` where ``_few_rows``
@@ -488,6 +508,16 @@ class Int4Linear:
             else torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
         )
         return y if self.bias is None else y + self.bias
+
+
+def vnni_kernels(int4: bool | None = None, int8: bool | None = None) -> tuple[bool, bool]:
+    """Whether steps of few rows take the int8-activation products (kernels/cpu_q4.c) for
+    ``Int4Linear`` and for ``Int8Linear``, where they are built; set either (benchmarks compare)."""
+    if int4 is not None:
+        _VNNI["int4"] = bool(int4)
+    if int8 is not None:
+        _VNNI["int8"] = bool(int8)
+    return _VNNI["int4"], _VNNI["int8"]
 
 
 def few_row_kernel(on: bool | None = None) -> bool:
@@ -511,14 +541,21 @@ def _looked_up(lin, make):
 
 def _few_rows(lin, x: torch.Tensor):
     """The few-row call for this step of ``x`` (1 to ``INT4_MM_ROWS`` rows; 0 rows take torch's
-    kernel, which returns the empty result), or False."""
-    return lin.few_rows() if 0 < x.shape[0] <= cpu_decode.INT4_MM_ROWS and _FEW_ROWS[0] else False
+    kernel, which returns the empty result), or False. Where ``vnni_kernels`` is on for the weight's
+    form, its ``vnni_rows`` (whatever the row count: one kernel for every step of few rows)."""
+    if not (0 < x.shape[0] <= cpu_decode.INT4_MM_ROWS and _FEW_ROWS[0]):
+        return False
+    if _VNNI["int4" if isinstance(lin, Int4Linear) else "int8"]:
+        vnni = lin.vnni_rows()
+        if vnni:
+            return vnni
+    return lin.few_rows()
 
 
 class Int8Linear:
     """``y = x @ w.T + bias`` for a per-channel ``Q8Weight``; x bfloat16 ``[T, K]``."""
 
-    __slots__ = ("codes", "scales", "bias", "out_features", "dense", "dense_rows", "_native")
+    __slots__ = ("codes", "scales", "bias", "out_features", "dense", "dense_rows", "_native", "_vnni")
 
     def __init__(self, q: Q8Weight, bias: torch.Tensor | None = None, dense=None, dense_rows: int = 16):
         if q.scale.shape[1] != 1:
@@ -529,6 +566,7 @@ class Int8Linear:
         self.scales = q.scale[:, 0].to(torch.bfloat16).contiguous()
         self.bias = None if bias is None else bias.to(torch.bfloat16)
         self._native = False  # torch's kernel, unless ``native_few_rows``: as Int4Linear's once asked
+        self._vnni = None  # q8_mm's call, once asked (``vnni_rows``)
 
     def native_few_rows(self) -> "Int8Linear":
         """Let steps of few rows take ``int8_mm`` (chatkv.kernels.cpu_decode) where it is built: the
@@ -542,6 +580,14 @@ class Int8Linear:
     def few_rows(self):
         """``int8_mm``'s call for this weight, or False; as Int4Linear's."""
         return _looked_up(self, lambda: cpu_decode.int8_mm_call(self.codes, self.scales))
+
+    def vnni_rows(self):
+        """``q8_mm``'s call for this weight (kernels/cpu_q4.c), or False; as Int4Linear's."""
+        if self._vnni is None:
+            if cpu_decode.loaded() is None:
+                return False
+            self._vnni = cpu_decode.q8_mm_call(self.codes, self.scales)
+        return self._vnni
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.dense is not None and x.shape[0] >= self.dense_rows:
