@@ -233,7 +233,7 @@ class ModelRunner:
             checkpoints,
         )
         if getattr(self.model, "invariant", False):
-            # a deterministic model: every row attends alone (chatkv.model.forward._rows_attention), over
+            # a deterministic model: every row attends alone (chatkv.model.forward.LlamaModel.attend), over
             # its sequence's blocks (padded with the last one: only the first ctx keys are read) and the
             # keys at or before its position
             width = max(len(t) for t in tables)

@@ -698,12 +698,21 @@ class LlamaModel:
                 row_chunks(getattr(layer, name))
         row_chunks(self.lm_head.head if isinstance(self.lm_head, ExactTop) else self.lm_head)
 
-    def _rows_attention(self, q, k_cache, v_cache, rows_keys, window: int | None) -> torch.Tensor:
-        """Every row's attention alone (``rows_attention``): row r over keys [lo, ctx) of its blocks,
-        lo the first key its sliding window still sees."""
-        blocks, ctx = rows_keys
-        lo = None if window is None else (ctx - window).clamp_(min=0)
-        return rows_attention(q, k_cache, v_cache, blocks, lo, ctx, self.scale)
+    def rows_keys(self, metas: dict, quant: str | None):
+        """A deterministic model's step: each row's block table and key count (ModelRunner.build_batch's),
+        with which each token attends alone over its own keys; None otherwise (quantised KV included)."""
+        return metas[self.layers[0].window].scratch.get("rows") if self.invariant and quant is None else None
+
+    def attend(self, q, k_cache, v_cache, metas: dict, window: int | None, rows_keys, quant: str | None):
+        """One layer's attention of the step's queries ``[T, H, D]``, as ``[T, H * D]``: with
+        ``rows_keys`` (bf16 KV) every row alone (``rows_attention``: row r over keys [lo, ctx) of its
+        blocks, lo the first key its sliding window still sees), else the batched kernels."""
+        t = q.shape[0]
+        if rows_keys is not None and k_cache.dtype == torch.bfloat16:
+            blocks, ctx = rows_keys
+            lo = None if window is None else (ctx - window).clamp_(min=0)
+            return rows_attention(q, k_cache, v_cache, blocks, lo, ctx, self.scale).reshape(t, -1)
+        return self.attention(q, k_cache, v_cache, metas[window], self.scale, quant=quant).reshape(t, -1)
 
     def forward(
         self,
@@ -740,8 +749,7 @@ class LlamaModel:
         slot_mapping = metas[self.layers[0].window].slot_mapping
         k_caches, v_caches = kv[:, 0].unbind(0), kv[:, 1].unbind(0)
         o_pad = h.new_zeros(rows - t, nh * d) if rows > t else None
-        # a deterministic model's rows: each token attends alone over its own keys (build_rows_keys)
-        rows_keys = metas[self.layers[0].window].scratch.get("rows") if self.invariant and quant is None else None
+        rows_keys = self.rows_keys(metas, quant)
         for layer, k_cache, v_cache in zip(self.layers, k_caches, v_caches):
             qkv = layer.qkv(self.rms(h, layer.input_norm, normed))
             qkv = (qkv[:t] if rows > t else qkv).view(t, nh + 2 * nkv, d)
@@ -751,11 +759,7 @@ class LlamaModel:
             qk = self.rotate(qk, cos, sin)
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
             self.store_kv(k_cache, v_cache, slot_mapping, k, v, quant=quant)
-            if rows_keys is not None and k_cache.dtype == torch.bfloat16:
-                o = self._rows_attention(q, k_cache, v_cache, rows_keys, layer.window).reshape(t, nh * d)
-            else:
-                o = self.attention(q, k_cache, v_cache, metas[layer.window], self.scale, quant=quant)
-                o = o.reshape(t, nh * d)
+            o = self.attend(q, k_cache, v_cache, metas, layer.window, rows_keys, quant)
             if o_pad is not None:
                 o = torch.cat((o, o_pad))
             h.add_(layer.o(o))  # in place: h is the step's own tensor, same math

@@ -172,9 +172,7 @@ class Gemma3Model(LlamaModel):
         nh, nkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         slot_mapping = metas[self.layers[0].window].slot_mapping
         k_caches, v_caches = kv[:, 0].unbind(0), kv[:, 1].unbind(0)
-        # a deterministic model's rows attend alone, as in LlamaModel.forward (``invariant``)
-        invariant = getattr(self, "invariant", False) and quant is None
-        rows_keys = metas[self.layers[0].window].scratch.get("rows") if invariant else None
+        rows_keys = self.rows_keys(metas, quant)
         o_pad = h.new_zeros(rows - t, nh * d, dtype=self.dtype) if rows > t else None
         for i, (layer, k_cache, v_cache) in enumerate(zip(self.layers, k_caches, v_caches)):
             qkv = layer.qkv(self.rms(h, layer.input_norm))
@@ -184,11 +182,7 @@ class Gemma3Model(LlamaModel):
             qk = self.rotate(qk, cos, sin)
             q, k, v = qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv :]
             self.store_kv(k_cache, v_cache, slot_mapping, k, v, quant=quant)
-            if rows_keys is not None and k_cache.dtype == torch.bfloat16:
-                o = self._rows_attention(q, k_cache, v_cache, rows_keys, layer.window).reshape(t, nh * d)
-            else:
-                o = self.attention(q, k_cache, v_cache, metas[layer.window], self.scale, quant=quant)
-                o = o.reshape(t, nh * d)
+            o = self.attend(q, k_cache, v_cache, metas, layer.window, rows_keys, quant)
             if o_pad is not None:
                 o = torch.cat((o, o_pad))
             h = h + self._norm(layer.o(o), layer.post_norm, rd)

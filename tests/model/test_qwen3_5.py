@@ -12,6 +12,7 @@ import torch
 
 from chatkv.kernels import build_metadata
 from chatkv.model.qwen3_5 import Qwen3_5Model, StateSlots
+from tests.support.qwen3_5 import redraw
 
 TOL = 1e-4  # chatkv vs transformers
 # chatkv vs chatkv, the same math in other groupings: the matmuls' float32 sums run in another order
@@ -48,24 +49,7 @@ def make_reference(out_dir, seed: int = 0):
     )
     torch.manual_seed(seed)
     model = Qwen3_5ForCausalLM(config).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            r = torch.randn(p.shape, generator=g)
-            if name.endswith("linear_attn.norm.weight"):
-                p.copy_(1 + 0.3 * r)  # the gated norm scales by w
-            elif name.endswith("norm.weight"):
-                p.copy_(0.3 * r)  # every other norm by 1 + w
-            elif name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(0.1, 4, generator=g).log())
-            elif name.endswith("dt_bias"):
-                p.copy_(0.5 * r)
-            elif name.endswith("conv1d.weight"):
-                p.copy_(0.5 * r)
-            elif name.endswith("embed_tokens.weight"):
-                p.copy_(r)
-            else:  # projections: unit-variance outputs
-                p.copy_(r / p.shape[-1] ** 0.5)
+    redraw(model, seed)
     assert config.layer_types == ["linear_attention", "linear_attention", "full_attention"] * 2
     model.save_pretrained(str(out_dir))
     return model

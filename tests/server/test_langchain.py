@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 
 import pytest
 from langchain_openai import ChatOpenAI
 from pydantic import BaseModel, Field
 
-from chatkv.engine.core import Engine
-from tests.support.serving import MODEL, server  # noqa: F401  (server: the fixture, on this module's engine)
+from tests.support.serving import MODEL, default_engine, server  # noqa: F401  (server: the fixture, on this module's engine)
 
 
 class City(BaseModel):
@@ -28,11 +26,7 @@ class City(BaseModel):
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir, tmp_path_factory):
-    eng = Engine.from_pretrained(str(default_model_dir), data_dir=str(tmp_path_factory.mktemp("data")))
-    yield eng
-    eng.check_integrity()
-    eng.close()
-    assert not any(t.name == "chatkv-engine" and t.is_alive() for t in threading.enumerate())
+    yield from default_engine(default_model_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

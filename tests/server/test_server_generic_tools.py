@@ -9,15 +9,13 @@ function, a pydantic-style ``$defs`` schema among them) parses and validates aga
 from __future__ import annotations
 
 import json
-import threading
 
 import jsonschema
 import openai
 import pytest
 
-from chatkv.engine.core import Engine
 from chatkv.server import generic_tools
-from tests.support.serving import MODEL, raw, server  # noqa: F401  (server: the fixture, on this module's engine)
+from tests.support.serving import MODEL, default_engine, raw, server  # noqa: F401  (server: the fixture, on this module's engine)
 
 WEATHER = {
     "type": "function",
@@ -62,11 +60,7 @@ def ask(text: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def engine(default_model_dir, tmp_path_factory):
-    eng = Engine.from_pretrained(str(default_model_dir), data_dir=str(tmp_path_factory.mktemp("data")))
-    yield eng
-    eng.check_integrity()
-    eng.close()
-    assert not any(t.name == "chatkv-engine" and t.is_alive() for t in threading.enumerate())
+    yield from default_engine(default_model_dir, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")

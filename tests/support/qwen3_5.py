@@ -42,6 +42,17 @@ def make_qwen3_5(out_dir: Path, seed: int = 0, dtype: torch.dtype = torch.float3
     )
     torch.manual_seed(seed)
     model = Qwen3_5ForCausalLM(config).eval()
+    redraw(model, seed)
+    model = model.to(dtype)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir))
+    make_tokenizer(out_dir)
+    return model
+
+
+def redraw(model, seed: int) -> None:
+    """Redraw a Qwen3.5 model's weights at scales that give O(1) activations, every norm a weight
+    away from its initial value (so a ``w`` vs ``1 + w`` mistake shows)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -60,8 +71,3 @@ def make_qwen3_5(out_dir: Path, seed: int = 0, dtype: torch.dtype = torch.float3
                 p.copy_(r)
             else:  # projections: unit-variance outputs
                 p.copy_(r / p.shape[-1] ** 0.5)
-    model = model.to(dtype)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out_dir))
-    make_tokenizer(out_dir)
-    return model

@@ -52,6 +52,16 @@ def tiny_model(tmp_path_factory):
     return model_dir
 
 
+def default_engine(default_model_dir, tmp_path_factory):
+    """An engine on the run's converted default model with a data directory of its own, for a
+    module's ``engine`` fixture (``yield from``): checked and closed after, its loop thread gone."""
+    eng = Engine.from_pretrained(str(default_model_dir), data_dir=str(tmp_path_factory.mktemp("data")))
+    yield eng
+    eng.check_integrity()
+    eng.close()
+    assert not any(t.name == "chatkv-engine" and t.is_alive() for t in threading.enumerate())
+
+
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     eng = Engine.from_pretrained(
