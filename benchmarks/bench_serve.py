@@ -25,6 +25,8 @@ each request also sends ``cache_prompt: true``, so a chat's next turn reuses the
 ``--llama-server PATH`` or ``$LLAMA_SERVER``; without it the rows are skipped with one line that
 says how to build it (``LLAMA_BUILD``).
 
+(Just past ~400 lines on purpose: the three servers' runs share one client and one table.)
+
 chatkv serves with its default, ``deterministic`` (every reply the same whatever the load);
 ``--no-deterministic`` measures the batched kernels' path instead.
 

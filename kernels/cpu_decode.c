@@ -5,7 +5,9 @@
  * costs ~1-3 us of dispatch and allocation for a few hundred numbers. These do that work in one
  * call each. They compute what the torch ops compute, rounding to bfloat16 where those ops round:
  * only the order of fp32 sums (and the norms' sum of squares, in double here) differs.
- * The step's few-row matrix products are in cpu_matmul.c, bf16 <-> float32 in cpu_bf16.h. */
+ * The step's few-row matrix products are in cpu_matmul.c, bf16 <-> float32 in cpu_bf16.h.
+ * (Past ~400 lines on purpose: decode_attention, rope_store and rows_attention share one attention
+ * core, attend, whose work items and merge order are what makes a row's bits its own.) */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>

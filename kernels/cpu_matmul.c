@@ -7,7 +7,9 @@
  * verified proposal's logits are its plain decode's bit for bit (chatkv.fused_decode), and the
  * threads split the output columns only, so the bits are the same on any thread count.
  * Non-finite activations give non-finite outputs, as torch's kernels do, though not always the
- * same ones: an infinite input times a zero code is NaN here where torch's sum may be inf. */
+ * same ones: an infinite input times a zero code is NaN here where torch's sum may be inf.
+ * (Past ~400 lines on purpose: the AVX-512 and AMX forms of each product, and int4_mm_many, share
+ * the decode helpers and must keep the same order of sums: split apart, they could drift.) */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
