@@ -409,10 +409,11 @@ def int8_mm_call(codes: torch.Tensor, scales: torch.Tensor):
     )
 
 
-def _rows_call(name: str, fn, weight: tuple, scale: tuple, n: int, k: int):
+def _rows_call(name: str, fn, weight: tuple, scale: tuple, n: int, k: int, status: bool = False):
     """The few-row product ``fn`` of fixed weights as a call of ``x`` alone, their pointers taken
     once (a decode step makes 4 a layer): x a contiguous bfloat16 ``[rows, K]`` of 1 to
-    ``INT4_MM_ROWS`` rows; out bfloat16 ``[rows, N]``, on the current threads."""
+    ``INT4_MM_ROWS`` rows; out bfloat16 ``[rows, N]``, on the current threads. ``status``: cpu_q4.c's
+    products, which take a portable flag (off here) and return nonzero without memory."""
     wp, sp = _check(*weight), _check(*scale)
     keep = (weight[0], scale[0])  # alive while their pointers are used
 
@@ -427,7 +428,12 @@ def _rows_call(name: str, fn, weight: tuple, scale: tuple, n: int, k: int):
         ):
             raise ValueError(f"{name}: x {x.dtype} {tuple(x.shape)} for {k} inputs, at most {INT4_MM_ROWS} rows")
         y = torch.empty(rows, n, dtype=torch.bfloat16)
-        fn(x.data_ptr(), wp, sp, y.data_ptr(), rows, n, k, torch.get_num_threads())
+        args = (x.data_ptr(), wp, sp, y.data_ptr(), rows, n, k, torch.get_num_threads())
+        if status:
+            if fn(*args, 0):
+                raise MemoryError(f"{name}: no memory for {rows} x {k} int8 activations")
+        else:
+            fn(*args)
         return y
 
     return call
@@ -474,7 +480,7 @@ def q4_mm_call(packed: torch.Tensor, scales_zeros: torch.Tensor):
     if two != 2 or packed.numel() * 2 != n * groups * 32 or n % 64 or not scales_zeros.is_contiguous():
         return False
     weight, scale = (packed, torch.uint8, "packed"), (scales_zeros, torch.bfloat16, "scales_zeros")
-    return _rows_call_q8("q4_mm", _lib.q4_mm, weight, scale, n, groups * 32)
+    return _rows_call("q4_mm", _lib.q4_mm, weight, scale, n, groups * 32, status=True)
 
 
 def q8_mm_call(codes: torch.Tensor, scales: torch.Tensor):
@@ -485,30 +491,7 @@ def q8_mm_call(codes: torch.Tensor, scales: torch.Tensor):
     if scales.shape != (codes.shape[0],) or codes.shape[1] % 32 or codes.shape[0] % 4:
         return False
     weight, scale = (codes, torch.int8, "codes"), (scales, torch.bfloat16, "scales")
-    return _rows_call_q8("q8_mm", _lib.q8_mm, weight, scale, *codes.shape)
-
-
-def _rows_call_q8(name: str, fn, weight: tuple, scale: tuple, n: int, k: int):
-    """As ``_rows_call``, for cpu_q4.c's products (their portable flag off, their status checked)."""
-    wp, sp = _check(*weight), _check(*scale)
-    keep = (weight[0], scale[0])  # alive while their pointers are used
-
-    def call(x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if (
-            x.dtype != torch.bfloat16
-            or not x.is_contiguous()
-            or x.shape[1:] != (k,)
-            or not 0 < rows <= INT4_MM_ROWS
-            or keep is None
-        ):
-            raise ValueError(f"{name}: x {x.dtype} {tuple(x.shape)} for {k} inputs, at most {INT4_MM_ROWS} rows")
-        y = torch.empty(rows, n, dtype=torch.bfloat16)
-        if fn(x.data_ptr(), wp, sp, y.data_ptr(), rows, n, k, torch.get_num_threads(), 0):
-            raise MemoryError(f"{name}: no memory for {rows} x {k} int8 activations")
-        return y
-
-    return call
+    return _rows_call("q8_mm", _lib.q8_mm, weight, scale, *codes.shape, status=True)
 
 
 class DecodeStep:

@@ -12,7 +12,7 @@ import torch
 
 from chatkv.kernels import build_metadata
 from chatkv.model.qwen3_5 import Qwen3_5Model, StateSlots
-from tests.support.qwen3_5 import redraw
+from tests.support.qwen3_5 import redraw, tiny_config
 
 TOL = 1e-4  # chatkv vs transformers
 # chatkv vs chatkv, the same math in other groupings: the matmuls' float32 sums run in another order
@@ -25,28 +25,9 @@ def make_reference(out_dir, seed: int = 0):
     """A seeded Qwen3_5ForCausalLM saved to ``out_dir``: 6 layers, [linear, linear, full] twice, GQA in both
     kinds, partial rotary. Weights are redrawn at scales that give O(1) activations and every norm a
     weight away from its initial value (a ``1 + w`` mistaken for ``w`` would show)."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM
 
-    config = Qwen3_5TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=6,
-        full_attention_interval=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=24,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        max_position_embeddings=1024,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        tie_word_embeddings=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
+    config = tiny_config(VOCAB, eos_token_id=None)
     torch.manual_seed(seed)
     model = Qwen3_5ForCausalLM(config).eval()
     redraw(model, seed)

@@ -17,29 +17,9 @@ from tests.support.tiny import VOCAB, make_tokenizer
 
 def make_qwen3_5(out_dir: Path, seed: int = 0, dtype: torch.dtype = torch.float32):
     """Save the model in ``dtype`` to ``out_dir``; return the transformers model (in ``dtype``)."""
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM
 
-    config = Qwen3_5TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=6,
-        full_attention_interval=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=16,
-        linear_value_head_dim=24,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        max_position_embeddings=1024,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-        tie_word_embeddings=False,
-        eos_token_id=2,  # <|im_end|>
-        bos_token_id=0,
-        pad_token_id=0,
-    )
+    config = tiny_config(VOCAB, eos_token_id=2, bos_token_id=0)  # 2: <|im_end|>
     torch.manual_seed(seed)
     model = Qwen3_5ForCausalLM(config).eval()
     redraw(model, seed)
@@ -71,3 +51,30 @@ def redraw(model, seed: int) -> None:
                 p.copy_(r)
             else:  # projections: unit-variance outputs
                 p.copy_(r / p.shape[-1] ** 0.5)
+
+
+def tiny_config(vocab_size: int, **overrides):
+    """The tiny Qwen3.5 config both the model tests and the engine tests use: 6 layers, [linear,
+    linear, full] twice, GQA in both kinds, partial rotary; ``overrides`` (token ids) on top."""
+    from transformers import Qwen3_5TextConfig
+
+    fields = dict(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=6,
+        full_attention_interval=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=24,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        max_position_embeddings=1024,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+        tie_word_embeddings=False,
+        pad_token_id=0,
+    )
+    return Qwen3_5TextConfig(**{**fields, **overrides})
